@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# Idempotent development set-up of a Debian 12 machine (run as root):
+#   1. apt packages the build and the systemd tests need (skipped when all are present),
+#   2. a virtualenv with `pip install -e '<repo>[test]'` (skipped when nothing changed).
+# Progress goes to stderr; the LAST LINE OF STDOUT is the virtualenv path, e.g.
+#   VENV=$(bash packaging/dev/setup.sh | tail -n 1)
+# Venv location: $KANDEV_VENV if set, else <repo>/.venv, except for a checkout under /tmp:
+# /var/tmp/kandev-venv-<hash of repo path> (the sdbox test container hides the host's /tmp,
+# and the venv must be visible inside it).
+set -euo pipefail
+exec 3>&1 1>&2   # keep stdout for the venv path alone
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd -P)
+log() { printf 'setup: %s\n' "$*"; }
+die() { printf 'setup: ERROR: %s\n' "$*"; exit 1; }
+
+# ---- 1. system packages --------------------------------------------------------------------
+APT_PKGS=(python3 python3-venv python3-dev gcc pkg-config libsystemd-dev systemd-container
+          util-linux iproute2)
+missing=()
+if command -v dpkg-query >/dev/null 2>&1; then
+  for p in "${APT_PKGS[@]}"; do
+    dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null | grep -qx installed || missing+=("$p")
+  done
+else
+  log "no dpkg-query: not a Debian system, skipping apt (install the equivalent of: ${APT_PKGS[*]})"
+fi
+apt_retry() {   # apt may be locked briefly (unattended upgrades, another set-up): wait and retry
+  local i
+  for i in 1 2 3 4 5 6; do
+    DEBIAN_FRONTEND=noninteractive apt-get -q -o DPkg::Lock::Timeout=60 "$@" && return 0
+    log "apt-get $1 failed (attempt $i), retrying in 10 s"; sleep 10
+  done
+  return 1
+}
+if [ "${#missing[@]}" -gt 0 ]; then
+  [ "$(id -u)" = 0 ] || die "missing apt packages (${missing[*]}); run this script as root"
+  log "installing apt packages: ${missing[*]}"
+  apt_retry update
+  apt_retry install -y --no-install-recommends "${APT_PKGS[@]}"
+else
+  log "apt packages present"
+fi
+
+# ---- 2. python ---------------------------------------------------------------------------------
+PY=$(command -v python3) || die "no python3 on PATH"
+"$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+  || die "$PY is Python $("$PY" -c 'import platform; print(platform.python_version())'); kandev needs >= 3.11"
+
+if [ -n "${KANDEV_VENV:-}" ]; then
+  VENV=$KANDEV_VENV
+elif [[ "$REPO/" == /tmp/* ]]; then
+  VENV=/var/tmp/kandev-venv-$(printf '%s' "$REPO" | sha256sum | cut -c1-12)
+else
+  VENV=$REPO/.venv
+fi
+[[ "$VENV" == /* ]] || VENV=$PWD/$VENV
+[[ "$VENV/" == /tmp/* ]] && log "WARNING: $VENV is under /tmp, which the sdbox systemd tests cannot see"
+
+# one set-up per venv at a time (test.sh, bench.sh and demo.sh may be started side by side)
+LOCK=/var/tmp/kandev-setup-$(printf '%s' "$VENV" | sha256sum | cut -c1-12).lock
+exec 9>"$LOCK"
+flock -w 900 9 || die "another setup.sh has held $LOCK for 15 min"
+
+venv_ok() {
+  [ -x "$VENV/bin/python" ] &&
+    "$VENV/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 11) or sys.prefix == sys.base_prefix)' \
+      2>/dev/null
+}
+if ! venv_ok; then
+  if [ -e "$VENV" ] && [ ! -f "$VENV/pyvenv.cfg" ] && [ -n "$(ls -A "$VENV" 2>/dev/null)" ]; then
+    die "$VENV exists, is not empty and is not a virtualenv; remove it or set KANDEV_VENV"
+  fi
+  log "creating virtualenv $VENV with $PY"
+  "$PY" -m venv --clear "$VENV"
+fi
+
+# ---- 3. the project, editable -----------------------------------------------------------------
+# Re-install only when something the install depends on changed: pyproject.toml's [build-system],
+# [project] and [tool.setuptools] tables, the repo path, the interpreter, or which top-level
+# packages exist (the editable finder maps them at install time).
+stamp_input() {
+  printf 'repo=%s\n' "$REPO"
+  "$VENV/bin/python" -c 'import sys; print("python=" + sys.version)'
+  # only the tables that shape the install: editing the ruff or pytest config must not re-install
+  "$VENV/bin/python" - "$REPO/pyproject.toml" <<'PYEOF'
+import json, sys, tomllib
+with open(sys.argv[1], "rb") as f:
+    doc = tomllib.load(f)
+relevant = {k: doc.get(k) for k in ("build-system", "project")}
+relevant["setuptools"] = doc.get("tool", {}).get("setuptools")
+print(json.dumps(relevant, sort_keys=True))
+PYEOF
+  for pkg in daemon ipc; do [ -f "$REPO/$pkg/__init__.py" ] && echo "pkg=$pkg"; done
+  return 0
+}
+STAMP_FILE=$VENV/.kandev-setup-stamp
+STAMP=$(stamp_input | sha256sum | cut -d' ' -f1)
+# the installed packages must resolve to THIS checkout, from outside it (as a systemd unit sees them)
+installed_ok() {
+  (cd / && "$VENV/bin/python" - "$REPO" <<'EOF'
+import importlib.metadata, importlib.util, os, sys
+repo = sys.argv[1]
+importlib.metadata.distribution("kandev")
+for name in ("daemon", "ipc"):
+    if os.path.isfile(os.path.join(repo, name, "__init__.py")):
+        spec = importlib.util.find_spec(name)
+        if spec is None or not (spec.origin or "").startswith(repo + os.sep):
+            sys.exit(f"{name} resolves to {spec and spec.origin}, not {repo}")
+EOF
+  ) >/dev/null 2>&1
+}
+if [ "$(cat "$STAMP_FILE" 2>/dev/null)" = "$STAMP" ] && installed_ok; then
+  log "kandev already installed in $VENV"
+else
+  log "pip install -e '$REPO[test]' into $VENV"
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$REPO[test]"
+  installed_ok || die "kandev installed, but its packages do not resolve to $REPO from outside the checkout"
+  printf '%s\n' "$STAMP" > "$STAMP_FILE"
+fi
+
+echo "$VENV" >&3

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The whole test suite: set-up, lint, then pytest over tests/unit, tests/integration and
+# tests/systemd (the systemd tests boot throw-away systemd containers with tests/systemd/sdbox.sh).
+# usage: bash packaging/dev/test.sh [PYTEST ARGS...]     e.g.  -k ownership   or   -x
+# Exit 0 only if ruff is clean and pytest passed (or collected no tests at all, exit code 5).
+set -euo pipefail
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)
+REPO=$(cd "$HERE/../.." && pwd -P)
+VENV=$(bash "$HERE/setup.sh" | tail -n 1)
+[ -x "$VENV/bin/python" ] || { echo "test.sh: setup.sh did not report a usable venv ($VENV)" >&2; exit 1; }
+cd "$REPO"
+
+lint_dirs=()
+for d in daemon ipc tests; do [ -d "$d" ] && lint_dirs+=("$d"); done
+echo "== ruff check ${lint_dirs[*]}"
+if "$VENV/bin/ruff" check "${lint_dirs[@]}"; then ruff_rc=0; ruff_msg="ruff: clean"
+else ruff_rc=$?; ruff_msg="ruff: FAILED (exit $ruff_rc)"; fi
+
+echo "== pytest"
+log=$(mktemp /var/tmp/kandev-pytest.XXXXXX)
+trap 'rm -f "$log"' EXIT
+set +e
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider -ra "$@" 2>&1 | tee "$log"
+pytest_rc=${PIPESTATUS[0]}
+set -e
+# pytest's last line is its summary, e.g. "12 passed, 1 skipped in 3.21s"
+summary=$(grep -v '^[[:space:]]*$' "$log" | tail -n 1 | sed -E 's/^=+ //; s/ =+$//')
+case $pytest_rc in
+  0) pytest_msg="pytest: ${summary:-ok}" ;;
+  5) pytest_msg="pytest: no tests were collected (exit 5) - treated as success"; pytest_rc=0 ;;
+  *) pytest_msg="pytest: FAILED (exit $pytest_rc): ${summary:-see output above}" ;;
+esac
+
+echo "== summary: $ruff_msg; $pytest_msg"
+[ "$ruff_rc" = 0 ] && [ "$pytest_rc" = 0 ]
