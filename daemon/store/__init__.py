@@ -1,0 +1,1 @@
+"""The backend's database: models, migrations, the session-state transition, the board."""

@@ -1,0 +1,128 @@
+"""Opening the store: engine, SQLite settings, migrations at start, and sessions.
+
+``Store.open(url)`` creates the engine, runs the alembic migrations to head
+and returns a ``Store``. For SQLite every connection gets ``journal_mode=WAL``,
+``synchronous=FULL`` (the control-server record must be durable before a
+credential is confirmed, OWN-002.7), ``foreign_keys=ON`` and
+``busy_timeout=5000``, and a new database file is created 0600.
+
+With pysqlite's default transaction handling a transaction begins at the
+first write, so reads before it see the latest committed data. Guarded writes
+therefore use compare-and-set (see ``transitions``), never "read, then write".
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config as AlembicConfig
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.orm import Session, sessionmaker
+
+MIGRATIONS_DIR = Path(__file__).parent / "migrations"
+BUSY_TIMEOUT_MS = 5000
+
+
+def sqlite_url(path: Path | str) -> str:
+    """The SQLAlchemy URL of an SQLite file."""
+    return URL.create("sqlite", database=str(Path(path).absolute())).render_as_string()
+
+
+def _sqlite_file(url: URL) -> Path | None:
+    if url.get_backend_name() != "sqlite":
+        return None
+    db = url.database
+    if not db or db == ":memory:" or db.startswith("file:"):
+        return None
+    return Path(db)
+
+
+def _create_private_file(path: Path) -> None:
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+    except FileExistsError:
+        pass
+
+
+def _on_sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=FULL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+    finally:
+        cursor.close()
+
+
+def migrate(engine: Engine) -> None:
+    """Upgrade the database to the newest revision, in one transaction.
+
+    On SQLite foreign keys are off while migrating: a batch migration
+    recreates a table, and dropping the old one with foreign keys on would
+    cascade-delete its children. The keys are checked before committing.
+    """
+    cfg = AlembicConfig()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    sqlite = engine.dialect.name == "sqlite"
+    with engine.connect() as connection:
+        if sqlite:
+            connection.exec_driver_sql("PRAGMA foreign_keys=OFF")
+            connection.commit()
+        try:
+            with connection.begin():
+                if sqlite:  # pysqlite would run DDL outside any transaction
+                    connection.exec_driver_sql("BEGIN IMMEDIATE")
+                cfg.attributes["connection"] = connection
+                command.upgrade(cfg, "head")
+                if sqlite and connection.exec_driver_sql("PRAGMA foreign_key_check").first():
+                    raise RuntimeError("migration left rows violating foreign keys; rolled back")
+        finally:
+            if sqlite:
+                connection.exec_driver_sql("PRAGMA foreign_keys=ON")
+                connection.commit()
+
+
+class Store:
+    """The backend's database. ``session()`` is the unit of work."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._sessions = sessionmaker(engine, expire_on_commit=False)
+
+    @classmethod
+    def open(cls, url: str) -> Store:
+        """Connect, migrate to head, and return the store."""
+        parsed = make_url(url)
+        path = _sqlite_file(parsed)
+        if path is not None:
+            _create_private_file(path)
+        engine = create_engine(parsed)
+        if parsed.get_backend_name() == "sqlite":
+            event.listen(engine, "connect", _on_sqlite_connect)
+        try:
+            migrate(engine)
+        except BaseException:
+            engine.dispose()
+            raise
+        return cls(engine)
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        """A session that commits when the block succeeds and rolls back when it raises."""
+        with self._sessions() as db:
+            try:
+                yield db
+                db.commit()
+            except BaseException:
+                db.rollback()
+                raise
+
+    def close(self) -> None:
+        self.engine.dispose()

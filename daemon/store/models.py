@@ -1,0 +1,232 @@
+"""The backend's tables (design.md §7), as SQLAlchemy 2 ORM classes.
+
+The alembic migrations in ``migrations/versions`` are written by hand to match
+these classes; a unit test compares the migrated schema with this metadata.
+Change both together.
+
+Timestamps are timezone-aware UTC in Python and stored as naive UTC. JSON
+columns are not mutation-tracked: assign a new dict/list to change one.
+State strings are the constants below, enforced by CHECK constraints.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+TASK_STATES = ("backlog", "in_progress", "review", "done")
+EXECUTORS = ("local", "worktree")
+SESSION_STATES = ("CREATED", "STARTING", "RUNNING", "WAITING_FOR_INPUT", "COMPLETED", "FAILED", "CANCELLED")
+TURN_STATES = ("open", "finished", "abandoned")
+MESSAGE_ROLES = ("user", "agent", "system")
+INVENTORY_STATUSES = ("live", "stale")
+LAUNCH_MODES = ("unit", "detached", "child")
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def _one_of(column: str, values: tuple[str, ...]) -> str:
+    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Aware UTC datetimes in Python, naive UTC in the database."""
+
+    impl = DateTime
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime: pass an aware UTC datetime")
+        return value.astimezone(UTC).replace(tzinfo=None)
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        return None if value is None else value.replace(tzinfo=UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {datetime: UTCDateTime(), dict[str, Any]: JSON(), list[str]: JSON()}
+
+
+class Installation(Base):
+    """Spare key/value pairs about this installation."""
+
+    __tablename__ = "installation"
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(Text)
+
+
+class Task(Base):
+    __tablename__ = "tasks"
+    __table_args__ = (
+        CheckConstraint(_one_of("executor", EXECUTORS), name="executor"),
+        CheckConstraint(_one_of("state", TASK_STATES), name="state"),
+    )
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    title: Mapped[str] = mapped_column(Text)
+    workspace: Mapped[str | None] = mapped_column(Text)
+    executor: Mapped[str] = mapped_column(String(16), default="local")
+    state: Mapped[str] = mapped_column(String(16), default="backlog")
+    interrupted: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class TaskSession(Base):
+    __tablename__ = "task_sessions"
+    __table_args__ = (
+        CheckConstraint(_one_of("state", SESSION_STATES), name="state"),
+        Index(None, "task_id", "created_at"),
+    )
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    task_id: Mapped[str] = mapped_column(ForeignKey("tasks.id", ondelete="CASCADE"))
+    agent: Mapped[str] = mapped_column(String(64))
+    state: Mapped[str] = mapped_column(String(32), default="CREATED")
+    # acp.session_id, git_credential_snapshot, ...
+    metadata_json: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    passthrough: Mapped[bool] = mapped_column(Boolean, default=False)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class Turn(Base):
+    """A prompt turn; ``id`` is the control server's turn id."""
+
+    __tablename__ = "turns"
+    __table_args__ = (
+        CheckConstraint(_one_of("state", TURN_STATES), name="state"),
+        UniqueConstraint("session_id", "ordinal"),
+    )
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("task_sessions.id", ondelete="CASCADE"))
+    ordinal: Mapped[int] = mapped_column(Integer)
+    prompt: Mapped[str] = mapped_column(Text)
+    state: Mapped[str] = mapped_column(String(16), default="open")
+    stop_reason: Mapped[str | None] = mapped_column(String(64))
+    error: Mapped[str | None] = mapped_column(Text)
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    ended_at: Mapped[datetime | None] = mapped_column()
+
+
+class Message(Base):
+    """The transcript. (instance_id, event_seq) is unique so a replayed event is stored once."""
+
+    __tablename__ = "messages"
+    __table_args__ = (
+        CheckConstraint(_one_of("role", MESSAGE_ROLES), name="role"),
+        UniqueConstraint("instance_id", "event_seq"),
+    )
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("task_sessions.id", ondelete="CASCADE"), index=True)
+    turn_id: Mapped[str | None] = mapped_column(String(128))
+    role: Mapped[str] = mapped_column(String(16))
+    kind: Mapped[str] = mapped_column(String(64))
+    text: Mapped[str] = mapped_column(Text)
+    instance_id: Mapped[str | None] = mapped_column(String(128))
+    event_seq: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ExecutorRunning(Base):
+    """The recovery inventory: one row per session with a (possibly) running agent."""
+
+    __tablename__ = "executors_running"
+    __table_args__ = (CheckConstraint(_one_of("status", INVENTORY_STATUSES), name="status"),)
+    session_id: Mapped[str] = mapped_column(
+        ForeignKey("task_sessions.id", ondelete="CASCADE"), primary_key=True
+    )
+    task_id: Mapped[str] = mapped_column(ForeignKey("tasks.id", ondelete="CASCADE"))
+    instance_id: Mapped[str] = mapped_column(String(128))  # the agent execution id
+    endpoint: Mapped[str] = mapped_column(Text)  # control-server socket at creation
+    agent_pid: Mapped[int | None] = mapped_column(Integer)
+    agent_pid_start_time: Mapped[float | None] = mapped_column(Float)
+    resume_token: Mapped[str | None] = mapped_column(Text)
+    worktree_path: Mapped[str | None] = mapped_column(Text)
+    workspace_path: Mapped[str] = mapped_column(Text)
+    runtime: Mapped[str] = mapped_column(String(32), default="standalone")
+    agent_profile: Mapped[str] = mapped_column(String(128))
+    status: Mapped[str] = mapped_column(String(16), default="live")
+    last_event_seq: Mapped[int] = mapped_column(Integer, default=0)  # highest seq durably applied
+    created_by_boot: Mapped[str] = mapped_column(String(64))
+    metadata_json: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class ControlServerRecord(Base):
+    """The one control-server record (``id`` is always 1); ``credential_ref`` names a secret file."""
+
+    __tablename__ = "control_server_record"
+    __table_args__ = (
+        CheckConstraint("id = 1", name="single_row"),
+        CheckConstraint(_one_of("launch_mode", LAUNCH_MODES), name="launch_mode"),
+    )
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False, default=1)
+    endpoint: Mapped[str] = mapped_column(Text)
+    server_identity: Mapped[str] = mapped_column(String(128))
+    credential_ref: Mapped[str] = mapped_column(String(128))
+    capabilities: Mapped[list[str]] = mapped_column(default=list)
+    log_path: Mapped[str | None] = mapped_column(Text)
+    pid: Mapped[int | None] = mapped_column(Integer)
+    pid_start_time: Mapped[float | None] = mapped_column(Float)
+    launch_mode: Mapped[str] = mapped_column(String(16))
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class CredentialLease(Base):
+    """A git credential lease; only the token's hash is stored."""
+
+    __tablename__ = "credential_leases"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    session_id: Mapped[str] = mapped_column(ForeignKey("task_sessions.id", ondelete="CASCADE"), index=True)
+    token_hash: Mapped[str] = mapped_column(String(128), unique=True)
+    expires_at: Mapped[datetime] = mapped_column()
+    revoked: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+class RuntimeUpdateJob(Base):
+    __tablename__ = "runtime_update_jobs"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    agent: Mapped[str] = mapped_column(String(64))
+    state: Mapped[str] = mapped_column(String(32))
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    detail: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
