@@ -1,0 +1,1 @@
+"""Built-in ACP agents and their registry."""

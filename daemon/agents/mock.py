@@ -1,0 +1,304 @@
+"""The built-in scriptable mock ACP agent (design.md §9).
+
+Run as ``python -m daemon.agents.mock``: one ACP conversation over stdio
+(JSON-RPC, newline-delimited, protocol version ``acp.PROTOCOL_VERSION``).
+stdout is the protocol channel; one log line per request goes to stderr.
+
+Sessions are persisted by :mod:`daemon.agents.mock_store` (an atomically replaced
+state file plus an append-only history, one line per chunk), so ``session/load``
+in a new process replays the history and restores mode and config options.
+
+Prompt scripts (on the text of the prompt)::
+
+    plain text   one chunk "echo: <text>", stop reason end_turn
+    /slow N      chunk "i/N " for i = 1..N, one per second (N seconds)
+    /flood N     chunk "i/N " for i = 1..N, as fast as the pipe takes them
+    /permission  session/request_permission (allow | reject), then a chunk
+                 "permission: <option id | cancelled>"
+    /fail        the prompt is answered with a JSON-RPC error
+    /exit C      chunk "exiting C", then the process exits with code C
+    /other       treated as plain text (echo)
+
+``session/cancel`` stops /slow and /flood between chunks; the prompt then
+ends with stop reason ``cancelled``.
+
+Failure switches, read from ``<workspace>/.kandev-mock.toml`` at each request
+(workspace = the session's cwd; the process cwd for ``initialize``):
+``fail_initialize = true`` (exit 3 before answering), ``fail_load = true``,
+``reject_mode = "plan"``, ``reject_option = "effort=high"``.
+
+The legacy ``session/set_model`` is not offered: SDK 0.12.1 routes only the
+schema 1.19 methods (plus ``_``-prefixed extensions) and answers any other
+method with "Method not found"; the model is the ``model`` config option.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import sys
+import uuid
+from typing import Any
+
+import acp
+from acp import RequestError, update_agent_message_text, update_user_message_text
+from acp.core import DEFAULT_STDIO_BUFFER_LIMIT_BYTES
+from acp.interfaces import Client
+from acp.schema import (
+    AgentCapabilities,
+    ConfigOptionUpdate,
+    CurrentModeUpdate,
+    Implementation,
+    InitializeResponse,
+    LoadSessionResponse,
+    NewSessionResponse,
+    PermissionOption,
+    PromptResponse,
+    SessionConfigOptionSelect,
+    SessionConfigSelectOption,
+    SessionMode,
+    SessionModeState,
+    SetSessionConfigOptionResponse,
+    SetSessionModeResponse,
+    StopReason,
+    TextContentBlock,
+    ToolCallUpdate,
+)
+
+from daemon.agents.mock_store import (
+    CONFIG_VALUES,
+    MODES,
+    SessionRecord,
+    read_switches,
+    state_dir,
+)
+from daemon.agents.registry import get_agent
+
+log = logging.getLogger("kandev.mock")
+
+SLOW_INTERVAL = 1.0
+PERMISSION_OPTIONS = [
+    PermissionOption(option_id="allow", name="Allow", kind="allow_once"),
+    PermissionOption(option_id="reject", name="Reject", kind="reject_once"),
+]
+_CONFIG_LABELS = {"model": ("Model", "model"), "effort": ("Effort", "thought_level")}
+
+
+def _rejected(switch: Any, value: str) -> bool:
+    """Whether a ``reject_*`` switch (a string or a list of strings) names ``value``."""
+    return value == switch or (isinstance(switch, list) and value in switch)
+
+
+def _int_arg(args: list[str]) -> int | None:
+    if len(args) != 1:
+        return None
+    try:
+        return int(args[0])
+    except ValueError:
+        return None
+
+
+def _modes(rec: SessionRecord) -> SessionModeState:
+    return SessionModeState(
+        current_mode_id=rec.mode,
+        available_modes=[SessionMode(id=m, name=m.capitalize()) for m in MODES],
+    )
+
+
+def _config_options(rec: SessionRecord) -> list[SessionConfigOptionSelect]:
+    return [
+        SessionConfigOptionSelect(
+            id=config_id,
+            name=_CONFIG_LABELS[config_id][0],
+            category=_CONFIG_LABELS[config_id][1],
+            type="select",
+            current_value=rec.config[config_id],
+            options=[SessionConfigSelectOption(value=v, name=v) for v in values],
+        )
+        for config_id, values in CONFIG_VALUES.items()
+    ]
+
+
+class MockAgent:
+    """Implements the ``acp.Agent`` protocol (only the methods the mock supports)."""
+
+    def __init__(self) -> None:
+        self._client: Client | None = None
+        self._sessions: dict[str, SessionRecord] = {}
+        self._turns: dict[str, asyncio.Event] = {}  # session id -> cancel flag of its running turn
+
+    def on_connect(self, conn: Client) -> None:
+        self._client = conn
+
+    @property
+    def client(self) -> Client:
+        assert self._client is not None, "on_connect was not called"
+        return self._client
+
+    def _session(self, session_id: str) -> SessionRecord:
+        rec = self._sessions.get(session_id)
+        if rec is None:
+            raise RequestError.invalid_params({"sessionId": session_id, "details": "unknown session"})
+        return rec
+
+    async def _say(self, rec: SessionRecord, text: str) -> None:
+        """Send one agent message chunk, then record it (so a kill never records an unsent chunk)."""
+        await self.client.session_update(rec.session_id, update_agent_message_text(text))
+        rec.append("agent", text)
+
+    # -- lifecycle -----------------------------------------------------------
+
+    async def initialize(self, protocol_version: int, **kwargs: Any) -> InitializeResponse:
+        log.info("initialize protocol_version=%s", protocol_version)
+        if read_switches(os.getcwd()).get("fail_initialize"):
+            log.info("fail_initialize set: exiting 3")
+            os._exit(3)
+        agent = get_agent("mock")
+        return InitializeResponse(
+            protocol_version=acp.PROTOCOL_VERSION,
+            agent_capabilities=AgentCapabilities(load_session=True),
+            agent_info=Implementation(name="kandev-mock", version=agent.version),
+        )
+
+    async def new_session(self, cwd: str, **kwargs: Any) -> NewSessionResponse:
+        rec = SessionRecord(session_id=uuid.uuid4().hex, cwd=cwd)
+        rec.save()
+        self._sessions[rec.session_id] = rec
+        log.info("session/new cwd=%s -> %s (state %s)", cwd, rec.session_id, rec.path)
+        return NewSessionResponse(
+            session_id=rec.session_id, modes=_modes(rec), config_options=_config_options(rec)
+        )
+
+    async def load_session(self, cwd: str, session_id: str, **kwargs: Any) -> LoadSessionResponse:
+        log.info("session/load cwd=%s session=%s", cwd, session_id)
+        if read_switches(cwd).get("fail_load"):
+            raise RequestError.internal_error({"details": "fail_load is set in .kandev-mock.toml"})
+        rec = SessionRecord.load(session_id, cwd)
+        if rec is None:
+            raise RequestError.invalid_params(
+                {"sessionId": session_id, "details": f"no such session in {state_dir(cwd)}"}
+            )
+        for entry in rec.history:
+            update = update_user_message_text if entry.role == "user" else update_agent_message_text
+            await self.client.session_update(session_id, update(entry.text))
+        self._sessions[session_id] = rec
+        return LoadSessionResponse(modes=_modes(rec), config_options=_config_options(rec))
+
+    # -- runtime configuration -----------------------------------------------
+
+    async def set_session_mode(self, session_id: str, mode_id: str, **kwargs: Any) -> SetSessionModeResponse:
+        log.info("session/set_mode session=%s mode=%s", session_id, mode_id)
+        rec = self._session(session_id)
+        if mode_id not in MODES:
+            raise RequestError.invalid_params({"modeId": mode_id, "details": f"modes are {list(MODES)}"})
+        if _rejected(read_switches(rec.cwd).get("reject_mode"), mode_id):
+            raise RequestError.internal_error({"details": f"mode {mode_id!r} rejected by .kandev-mock.toml"})
+        if rec.mode != mode_id:
+            rec.mode = mode_id
+            rec.save()
+            update = CurrentModeUpdate(session_update="current_mode_update", current_mode_id=mode_id)
+            await self.client.session_update(session_id, update)
+        return SetSessionModeResponse()
+
+    async def set_config_option(
+        self, config_id: str, session_id: str, value: str | bool, **kwargs: Any
+    ) -> SetSessionConfigOptionResponse:
+        log.info("session/set_config_option session=%s %s=%s", session_id, config_id, value)
+        rec = self._session(session_id)
+        allowed = CONFIG_VALUES.get(config_id)
+        if allowed is None or not isinstance(value, str) or value not in allowed:
+            raise RequestError.invalid_params(
+                {"configId": config_id, "value": value, "details": f"options are {CONFIG_VALUES}"}
+            )
+        if _rejected(read_switches(rec.cwd).get("reject_option"), f"{config_id}={value}"):
+            raise RequestError.internal_error(
+                {"details": f"option {config_id}={value} rejected by .kandev-mock.toml"}
+            )
+        if rec.config[config_id] != value:
+            rec.config[config_id] = value
+            rec.save()
+            options = _config_options(rec)
+            update = ConfigOptionUpdate(session_update="config_option_update", config_options=options)
+            await self.client.session_update(session_id, update)
+        return SetSessionConfigOptionResponse(config_options=_config_options(rec))
+
+    # -- turns ---------------------------------------------------------------
+
+    async def prompt(self, session_id: str, prompt: list[Any], **kwargs: Any) -> PromptResponse:
+        text = "".join(block.text for block in prompt if isinstance(block, TextContentBlock))
+        log.info("session/prompt session=%s text=%r", session_id, text)
+        rec = self._session(session_id)
+        if session_id in self._turns:
+            raise RequestError.invalid_request({"details": "a prompt is already running in this session"})
+        cancel = self._turns[session_id] = asyncio.Event()
+        try:
+            rec.append("user", text)
+            return PromptResponse(stop_reason=await self._run_script(rec, text, cancel))
+        finally:
+            del self._turns[session_id]
+
+    async def cancel(self, session_id: str, **kwargs: Any) -> None:
+        log.info("session/cancel session=%s running=%s", session_id, session_id in self._turns)
+        if turn := self._turns.get(session_id):
+            turn.set()
+
+    async def _run_script(self, rec: SessionRecord, text: str, cancel: asyncio.Event) -> StopReason:
+        command, *args = text.split() or [""]
+        number = _int_arg(args)
+        if command in ("/slow", "/flood") and number is not None and number >= 0:
+            return await self._stream(rec, number, SLOW_INTERVAL if command == "/slow" else 0.0, cancel)
+        if command == "/permission" and not args:
+            return await self._ask_permission(rec, cancel)
+        if command == "/fail" and not args:
+            raise RequestError.internal_error({"details": "mock /fail"})
+        if command == "/exit" and number is not None and 0 <= number <= 255:
+            await self._say(rec, f"exiting {number}")  # written to the pipe once this returns
+            log.info("/exit: exiting %d", number)
+            os._exit(number)
+        await self._say(rec, f"echo: {text}")
+        return "end_turn"
+
+    async def _stream(self, rec: SessionRecord, n: int, interval: float, cancel: asyncio.Event) -> StopReason:
+        for i in range(1, n + 1):
+            if cancel.is_set():
+                return "cancelled"
+            await self._say(rec, f"{i}/{n} ")
+            if interval:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(cancel.wait(), interval)
+        return "cancelled" if cancel.is_set() else "end_turn"
+
+    async def _ask_permission(self, rec: SessionRecord, cancel: asyncio.Event) -> StopReason:
+        tool_call = ToolCallUpdate(
+            tool_call_id=f"mock-permission-{uuid.uuid4().hex[:8]}", title="mock permission", kind="other"
+        )
+        response = await self.client.request_permission(
+            session_id=rec.session_id, tool_call=tool_call, options=PERMISSION_OPTIONS
+        )
+        outcome = response.outcome
+        answer = outcome.option_id if outcome.outcome == "selected" else "cancelled"
+        await self._say(rec, f"permission: {answer}")
+        return "cancelled" if cancel.is_set() or answer == "cancelled" else "end_turn"
+
+
+async def _serve() -> None:
+    reader, writer = await acp.stdio_streams(limit=DEFAULT_STDIO_BUFFER_LIMIT_BYTES)
+    # Every send waits until its bytes are in the pipe: a slow reader blocks the
+    # agent (real backpressure), and /exit never loses its last chunk.
+    writer.transport.set_write_buffer_limits(high=0)
+    await acp.run_agent(MockAgent(), writer, reader)
+
+
+def main() -> None:
+    logging.basicConfig(
+        stream=sys.stderr, level=logging.INFO, format="%(asctime)s kandev-mock[%(process)d] %(message)s"
+    )
+    log.info("start cwd=%s switches=%s", os.getcwd(), read_switches(os.getcwd()))
+    asyncio.run(_serve())
+    log.info("stdin closed: exiting")
+
+
+if __name__ == "__main__":
+    main()
