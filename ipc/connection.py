@@ -1,0 +1,160 @@
+"""The server side of one accepted connection, as handlers see it.
+
+A ``ConnectionContext`` carries the peer's credentials, a per-connection
+scratch ``state`` dict (e.g. ``{"authenticated": True}``), a ``closed``
+event, and the write path. Frames are written whole (so they never
+interleave) and nobody writes while the transport is above its high-water
+mark: writers then queue on one lock, held only for write + drain, so a peer
+that does not read applies backpressure to whoever writes to it (a stream
+handler's ``send_event`` blocks) and server memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from .framing import ConnectionClosed, encode_frame
+from .peercred import PeerCredentials
+
+_NO_STREAM: Any = object()
+
+
+class ConnectionContext:
+    """Per-connection state handed to every handler and to ``authorize``."""
+
+    def __init__(self, peer: PeerCredentials, transport: asyncio.WriteTransport) -> None:
+        self.peer = peer
+        self.state: dict[str, Any] = {}
+        self.closed = asyncio.Event()
+        self._transport = transport
+        self._write_lock = asyncio.Lock()
+        self._write_paused = False
+        self._drain_waiters: list[asyncio.Future[None]] = []
+        self._closing = False
+        self._stream_id: Any = _NO_STREAM  # request id of this connection's stream op
+        self._stream_task: asyncio.Task[None] | None = None
+        self._streaming = False
+        self._background: set[asyncio.Task[None]] = set()
+
+    def __repr__(self) -> str:
+        p = self.peer
+        return f"<ConnectionContext pid={p.pid} uid={p.uid} gid={p.gid} closed={self.closed.is_set()}>"
+
+    @property
+    def streaming(self) -> bool:
+        """True once ``start_stream`` has sent the ok response."""
+        return self._streaming
+
+    # -- closing -----------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the connection from the server side (e.g. a credential was
+        rotated). Idempotent. Frames already written are flushed first;
+        ``closed`` is set at once."""
+        if self._closing:
+            return
+        self._closing = True
+        self.closed.set()
+        self._transport.close()
+        self._wake_writers("connection closed")
+
+    def abort(self) -> None:
+        """Drop the connection now, discarding unsent frames."""
+        self._closing = True
+        self.closed.set()
+        self._transport.abort()
+        self._wake_writers("connection aborted")
+
+    # -- stream ops --------------------------------------------------------
+
+    async def start_stream(self, result: Any) -> None:
+        """Send the ok response of this connection's stream request.
+
+        Only valid inside the handler of an ``Op`` with ``stream=True``;
+        afterwards the connection carries only event frames.
+        """
+        if self._stream_id is _NO_STREAM:
+            raise RuntimeError("start_stream() is only valid in the handler of a stream op")
+        if self._streaming:
+            raise RuntimeError("start_stream() called twice")
+        await self._send_frame(encode_frame({"id": self._stream_id, "ok": True, "result": result}))
+        self._streaming = True
+
+    async def send_event(self, seq: int, kind: str, data: Any) -> None:
+        """Send one ``{seq, kind, data}`` frame, waiting while the peer is slow.
+
+        Raises ``ConnectionClosed`` if the peer went away.
+        """
+        if not self._streaming:
+            raise RuntimeError("send_event() before start_stream()")
+        await self._send_frame(encode_frame({"seq": seq, "kind": kind, "data": data}))
+
+    # -- the write path ----------------------------------------------------
+
+    async def _send_frame(self, data: bytes) -> None:
+        """Write one encoded frame; return once the transport is below its high-water mark."""
+        if self._closing or self._transport.is_closing():
+            raise ConnectionClosed("connection closed")
+        if not self._write_paused and not self._write_lock.locked():
+            self._transport.write(data)  # fast path: nobody is waiting on the peer
+            if not self._write_paused:
+                return
+            async with self._write_lock:  # that write filled the pipe: later writers queue
+                await self._drain()
+            return
+        async with self._write_lock:
+            await self._drain()
+            self._transport.write(data)
+            await self._drain()
+
+    def _send_soon(self, data: bytes) -> None:
+        """``send_frame`` from synchronous code (protocol callbacks); errors are dropped."""
+        if self._closing:
+            return
+        if not self._write_paused and not self._write_lock.locked():
+            self._transport.write(data)
+            return
+        task = asyncio.get_running_loop().create_task(self._send_quietly(data))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _send_quietly(self, data: bytes) -> None:
+        try:
+            await self._send_frame(data)
+        except ConnectionClosed:
+            pass
+
+    async def _drain(self) -> None:
+        while self._write_paused:
+            if self._closing:
+                raise ConnectionClosed("connection closed")
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._drain_waiters.append(fut)
+            await fut
+        if self._closing:
+            raise ConnectionClosed("connection closed")
+
+    def _wake_writers(self, closed_reason: str | None) -> None:
+        """Wake writers waiting for drain: to go on, or (with a reason) to fail."""
+        waiters, self._drain_waiters = self._drain_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                if closed_reason is None:
+                    fut.set_result(None)
+                else:
+                    fut.set_exception(ConnectionClosed(closed_reason))
+
+    # -- called by the protocol ----------------------------------------------
+
+    def _pause_writing(self) -> None:
+        self._write_paused = True
+
+    def _resume_writing(self) -> None:
+        self._write_paused = False
+        self._wake_writers(None)
+
+    def _connection_lost(self) -> None:
+        self._closing = True
+        self.closed.set()
+        self._wake_writers("connection lost")

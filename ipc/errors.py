@@ -1,0 +1,64 @@
+"""Typed errors that cross the wire.
+
+Every refusal a kandev socket sends is an ``IpcError`` with a stable string
+``code`` (never renamed: backend N talks to control server N-1), a human
+message, and whether retrying the same request later may succeed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ErrorCode:
+    """Stable error codes. Add new ones; never rename or reuse one."""
+
+    INVALID_FRAME = "invalid_frame"  # not msgpack, not a map, bad envelope
+    FRAME_TOO_LARGE = "frame_too_large"  # length prefix above the limit
+    UNKNOWN_OP = "unknown_op"
+    INVALID_ARGUMENT = "invalid_argument"  # missing or mistyped field
+    INCOMPATIBLE_VERSION = "incompatible_version"  # protocol major differs
+    PERMISSION_DENIED = "permission_denied"  # peer uid/gid not admitted
+    UNAUTHENTICATED = "unauthenticated"  # op needs an authenticated connection
+    SUPERSEDED_CREDENTIAL = "superseded_credential"
+    NOT_FOUND = "not_found"
+    CONFLICT = "conflict"  # state changed underneath (compare-and-set lost)
+    SESSION_GUARDED = "session_guarded"  # recovery holds this session
+    SHUTTING_DOWN = "shutting_down"
+    UNAVAILABLE = "unavailable"  # peer unreachable / connection lost
+    TIMEOUT = "timeout"
+    AGENT_ERROR = "agent_error"  # the agent refused or failed the request
+    INTERNAL = "internal"
+
+
+_RETRYABLE_BY_DEFAULT = frozenset(
+    {ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.SESSION_GUARDED}
+)
+
+
+class IpcError(Exception):
+    """An error with a stable code, safe to send to a peer."""
+
+    def __init__(self, code: str, message: str, retryable: bool | None = None) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.retryable = code in _RETRYABLE_BY_DEFAULT if retryable is None else retryable
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Exception's default reduce replays self.args (the formatted text),
+        # which does not fit __init__: keep copy/pickle working.
+        return (type(self), (self.code, self.message, self.retryable))
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message, "retryable": self.retryable}
+
+    @classmethod
+    def from_wire(cls, error: Any) -> IpcError:
+        if not isinstance(error, dict):
+            return cls(ErrorCode.INVALID_FRAME, f"malformed error object: {error!r:.200}")
+        return cls(
+            str(error.get("code", ErrorCode.INTERNAL)),
+            str(error.get("message", "")),
+            bool(error.get("retryable", False)),
+        )

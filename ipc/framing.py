@@ -1,0 +1,276 @@
+"""Wire framing: a 4-byte big-endian length, then one msgpack map.
+
+This module turns dicts into frames and frames back into dicts, for asyncio
+streams and for blocking sockets, and nothing else. Decoding is defensive:
+the length prefix is checked against a limit before the body is read (so a
+hostile prefix never makes us allocate), bodies are decoded with
+``raw=False``, ``strict_map_key=True``, bounded lengths and no ext types, and
+anything that is not a map is refused with a typed error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+from typing import Any
+
+import msgpack
+
+from .errors import ErrorCode, IpcError
+
+MAX_FRAME = 8 * 1024 * 1024
+"""Largest frame body, in bytes, that either side sends or accepts."""
+
+HEADER = struct.Struct(">I")
+HEADER_SIZE = HEADER.size
+
+
+class FrameTooLarge(IpcError):
+    """A length prefix (or an encoded message) above the frame limit."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(ErrorCode.FRAME_TOO_LARGE, f"frame of {size} bytes exceeds the {limit} byte limit")
+        self.size = size
+        self.limit = limit
+
+
+class InvalidFrame(IpcError):
+    """A frame whose body is not one msgpack map without ext types."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ErrorCode.INVALID_FRAME, message)
+
+
+class ConnectionClosed(IpcError):
+    """The peer went away (possibly in the middle of a frame)."""
+
+    def __init__(self, message: str = "connection closed") -> None:
+        super().__init__(ErrorCode.UNAVAILABLE, message)
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise InvalidFrame(f"msgpack ext type {code} is not allowed")
+
+
+def encode_frame(obj: dict[str, Any]) -> bytes:
+    """Encode one map as a complete frame (length prefix included).
+
+    Raises ``FrameTooLarge`` when the body would exceed ``MAX_FRAME`` and
+    ``IpcError(invalid_argument)`` when ``obj`` is not a map or holds a value
+    msgpack cannot encode.
+    """
+    if not isinstance(obj, dict):
+        raise IpcError(ErrorCode.INVALID_ARGUMENT, f"a frame must be a map, not {type(obj).__name__}")
+    try:
+        body = msgpack.packb(obj, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise IpcError(ErrorCode.INVALID_ARGUMENT, f"value cannot be encoded: {exc}") from None
+    if len(body) > MAX_FRAME:
+        raise FrameTooLarge(len(body), MAX_FRAME)
+    return HEADER.pack(len(body)) + body
+
+
+def decode_body(body: bytes) -> dict[str, Any]:
+    """Decode a frame body (without its prefix) into a map, or raise ``InvalidFrame``."""
+    try:
+        obj = msgpack.unpackb(
+            body,
+            raw=False,
+            strict_map_key=True,
+            ext_hook=_refuse_ext,
+            max_ext_len=0,  # refuses the built-in timestamp ext too
+        )
+    except InvalidFrame:
+        raise
+    except Exception as exc:  # FormatError, StackError, ExtraData, ValueError, ...
+        raise InvalidFrame(f"frame body is not valid msgpack: {exc}") from None
+    if not isinstance(obj, dict):
+        raise InvalidFrame(f"frame body is a {type(obj).__name__}, not a map")
+    return obj
+
+
+def frame_length(header: bytes, max_size: int) -> int:
+    """Parse a length prefix and check it against ``max_size``."""
+    (size,) = HEADER.unpack(header)
+    if size > max_size:
+        raise FrameTooLarge(size, max_size)
+    return size
+
+
+class FrameBuffer:
+    """Incremental frame splitter over one reusable receive buffer (sans I/O).
+
+    Fill it with ``get_buffer()`` + ``recv_into`` + ``buffer_updated(n)``
+    (the shape of ``asyncio.BufferedProtocol``, and of a blocking
+    ``socket.recv_into`` loop), then take complete frames with
+    ``next_frame()``. The buffer only grows to hold a frame whose length
+    prefix has been checked against ``max_size``, and shrinks back once that
+    frame is consumed, so a hostile prefix never causes an allocation.
+    Partial frames survive across reads, so a read timeout never loses sync.
+    """
+
+    def __init__(self, max_size: int = MAX_FRAME, initial: int = 64 * 1024) -> None:
+        self.max_size = max_size
+        self._initial = initial
+        self._buf = bytearray(initial)
+        self._view = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
+
+    @property
+    def pending(self) -> int:
+        """Bytes received but not yet consumed as a frame (non-zero at EOF = truncated)."""
+        return self._end - self._start
+
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        """Free space to receive into (never empty)."""
+        if self._end == len(self._buf):
+            self._make_room()
+        return self._view[self._end :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        """Record that ``nbytes`` were written into the last ``get_buffer()``."""
+        self._end += nbytes
+
+    def _next_size(self) -> int | None:
+        """Body size of the next frame if its header is complete (checked against the limit)."""
+        if self._end - self._start < HEADER_SIZE:
+            return None
+        (size,) = HEADER.unpack_from(self._buf, self._start)
+        if size > self.max_size:
+            raise FrameTooLarge(size, self.max_size)
+        return size
+
+    def _make_room(self) -> None:
+        pending = self._end - self._start
+        need = self._initial
+        if pending >= HEADER_SIZE:
+            (size,) = HEADER.unpack_from(self._buf, self._start)
+            if size <= self.max_size:  # an oversized prefix is refused by next_frame
+                need = max(need, HEADER_SIZE + size)
+        if need <= pending:  # complete frames not consumed yet: make some space anyway
+            need = pending + self._initial
+        new = bytearray(max(need, self._initial))
+        new[:pending] = self._view[self._start : self._end]
+        self._buf, self._view = new, memoryview(new)
+        self._start, self._end = 0, pending
+
+    def _take(self, size: int) -> memoryview:
+        begin = self._start + HEADER_SIZE
+        self._start = begin + size
+        return self._view[begin : self._start]
+
+    def _consumed(self) -> None:
+        if self._start == self._end:
+            self._start = self._end = 0
+            if len(self._buf) > self._initial:  # drop a buffer grown for one big frame
+                self._buf = bytearray(self._initial)
+                self._view = memoryview(self._buf)
+
+    def next_frame(self) -> dict[str, Any] | None:
+        """The next complete frame, or None if more bytes are needed.
+
+        Raises ``FrameTooLarge`` (nothing consumed: the stream cannot be
+        resynchronised) or ``InvalidFrame`` (the frame was consumed: the
+        stream is still in sync).
+        """
+        size = self._next_size()
+        if size is None or self._end - self._start < HEADER_SIZE + size:
+            return None
+        body = self._take(size)
+        try:
+            return decode_body(body)
+        finally:
+            body.release()
+            self._consumed()
+
+    def skip_frame(self) -> bool:
+        """Consume the next complete frame without decoding it; False if incomplete."""
+        size = self._next_size()
+        if size is None or self._end - self._start < HEADER_SIZE + size:
+            return False
+        self._take(size).release()
+        self._consumed()
+        return True
+
+
+async def read_frame(reader: asyncio.StreamReader, max_size: int = MAX_FRAME) -> dict[str, Any] | None:
+    """Read one frame; ``None`` on a clean EOF at a frame boundary.
+
+    Raises ``FrameTooLarge`` (the body is not read: the stream cannot be
+    resynchronised), ``InvalidFrame`` (the body was consumed, the stream is
+    still in sync) or ``ConnectionClosed`` (EOF or reset mid-frame).
+    """
+    try:
+        header = await reader.readexactly(HEADER_SIZE)
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial:
+            return None
+        raise ConnectionClosed("connection closed in the middle of a frame header") from None
+    except ConnectionError as exc:
+        raise ConnectionClosed(f"connection lost: {exc}") from None
+    size = frame_length(header, max_size)
+    try:
+        body = await reader.readexactly(size)
+    except asyncio.IncompleteReadError as exc:
+        raise ConnectionClosed(
+            f"connection closed in the middle of a frame ({len(exc.partial)} of {size} bytes)"
+        ) from None
+    except ConnectionError as exc:
+        raise ConnectionClosed(f"connection lost: {exc}") from None
+    return decode_body(body)
+
+
+def _recv_exactly(sock: socket.socket, size: int, *, started: bool) -> bytes | None:
+    """Receive exactly ``size`` bytes; ``None`` on EOF before the first byte.
+
+    A timeout before any byte of the frame propagates as ``TimeoutError`` (the
+    stream is still in sync). A timeout after part of the frame was consumed
+    becomes ``ConnectionClosed`` chained from the ``TimeoutError``: the
+    stream is out of sync and the caller must drop the connection.
+    """
+    buf = bytearray(size)
+    view = memoryview(buf)
+    got = 0
+    while got < size:
+        try:
+            n = sock.recv_into(view[got:])
+        except TimeoutError as exc:
+            if got == 0 and not started:
+                raise
+            raise ConnectionClosed("timed out in the middle of a frame") from exc
+        except OSError as exc:
+            raise ConnectionClosed(f"connection lost: {exc}") from None
+        if n == 0:
+            if got == 0 and not started:
+                return None
+            raise ConnectionClosed(f"connection closed in the middle of a frame ({got} of {size} bytes)")
+        got += n
+    return bytes(buf)
+
+
+def read_frame_sync(sock: socket.socket, max_size: int = MAX_FRAME) -> dict[str, Any] | None:
+    """Blocking ``read_frame`` for a plain socket (honours the socket's timeout)."""
+    header = _recv_exactly(sock, HEADER_SIZE, started=False)
+    if header is None:
+        return None
+    size = frame_length(header, max_size)
+    body = _recv_exactly(sock, size, started=True)
+    assert body is not None
+    return decode_body(body)
+
+
+def write_frame_sync(sock: socket.socket, obj: dict[str, Any]) -> None:
+    """Encode ``obj`` and send the whole frame on a blocking socket.
+
+    A ``TimeoutError`` propagates; part of the frame may have been sent, so
+    the caller must drop the connection.
+    """
+    data = encode_frame(obj)
+    try:
+        sock.sendall(data)
+    except TimeoutError:
+        raise
+    except OSError as exc:
+        raise ConnectionClosed(f"connection lost: {exc}") from None

@@ -1,0 +1,35 @@
+"""The built-in ``hello`` op: its declaration and the client-side version check.
+
+Every kandev socket answers ``hello`` (no authentication) with its protocol
+name, ``[major, minor]`` version, capability set and op names. Both sides
+refuse a different major version with ``incompatible_version``: the server
+when it reads the request, the client again when it reads the answer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import ErrorCode, IpcError
+from .schema import Op
+
+HELLO = "hello"
+HELLO_OP = Op(HELLO, optional={"v": int, "client": str}, auth=False)
+
+
+def check_hello(result: Any, protocol_major: int, where: str) -> dict[str, Any]:
+    """Validate a hello result and refuse a server of another major version."""
+    version = result.get("version") if isinstance(result, dict) else None
+    if (
+        not isinstance(version, list)
+        or len(version) < 2
+        or not all(isinstance(x, int) and not isinstance(x, bool) for x in version[:2])
+    ):
+        raise IpcError(ErrorCode.INVALID_FRAME, f"malformed hello answer from {where}")
+    if version[0] != protocol_major:
+        raise IpcError(
+            ErrorCode.INCOMPATIBLE_VERSION,
+            f"{where} speaks {result.get('protocol')!s:.60} {version[0]}.{version[1]}; "
+            f"this client speaks major {protocol_major}",
+        )
+    return result

@@ -1,0 +1,314 @@
+"""An asyncio request/response server for one ``OpTable`` on a Unix socket.
+
+The server owns the protocol mechanics so that a daemon only writes
+handlers: peer admission by ``SO_PEERCRED`` before any frame is read, the
+request envelope ``{v, id, op, args}``, the built-in ``hello``, argument
+validation against the table, the ``authorize`` hook, concurrent dispatch
+(one task per request, bounded per connection) with
+out-of-order responses, typed error responses, and stream ops. A bad frame
+or a failing handler costs at most that request (or, when the stream cannot
+be resynchronised, that connection); never the server.
+
+Handlers are ``async def handler(ctx, args) -> result``. When the peer goes
+away, ordinary handlers still run to completion (their response is
+dropped), while a stream handler is cancelled. ``close()`` cancels all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Awaitable, Callable, Collection, Mapping
+from functools import partial
+from typing import Any
+
+from .connection import ConnectionContext
+from .errors import ErrorCode, IpcError
+from .framing import MAX_FRAME, ConnectionClosed, FrameTooLarge, encode_frame
+from .hello import HELLO, HELLO_OP
+from .listener import SocketIdentity, bind_listener, check_socket_path, unlink_if_ours
+from .peercred import peer_admitted, peer_credentials
+from .schema import Op, OpTable
+from .server_protocol import ServerProtocol, error_frame
+
+__all__ = ["HELLO", "Authorize", "ConnectionContext", "Handler", "IpcServer"]
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[ConnectionContext, dict[str, Any]], Awaitable[Any]]
+Authorize = Callable[[ConnectionContext, Op], None]
+
+_CLOSE_GRACE = 1.0  # seconds close() lets connections flush before aborting them
+
+
+def _valid_id(rid: Any) -> bool:
+    return (isinstance(rid, int) and not isinstance(rid, bool)) or (isinstance(rid, str) and len(rid) <= 256)
+
+
+class IpcServer:
+    """Serve ``table`` on the Unix socket ``path`` with ``handlers``.
+
+    ``allowed_uids`` defaults to our own uid and root; ``allowed_gids`` also
+    admits peers by primary or supplementary group. ``authorize(ctx, op)``
+    is called before every ``auth=True`` op and raises ``IpcError`` to
+    refuse it. A frame that has begun must be complete within
+    ``frame_timeout`` seconds (of time we spend reading), else the
+    connection gets ``invalid_frame`` and is closed.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        table: OpTable,
+        handlers: Mapping[str, Handler],
+        *,
+        authorize: Authorize | None = None,
+        allowed_uids: Collection[int] | None = None,
+        allowed_gids: Collection[int] = (),
+        socket_mode: int = 0o600,
+        max_frame: int = MAX_FRAME,
+        max_connections: int = 256,
+        max_inflight_per_connection: int = 64,
+        on_disconnect: Callable[[ConnectionContext], None] | None = None,
+        frame_timeout: float = 5.0,
+    ) -> None:
+        if HELLO in table or HELLO in handlers:
+            raise ValueError("'hello' is built into IpcServer; a table must not redefine it")
+        missing = [name for name in table.names if name not in handlers]
+        extra = sorted(name for name in handlers if name not in table)
+        if missing or extra:
+            raise ValueError(
+                f"handlers do not match table {table.protocol}: "
+                f"missing {missing or 'none'}, not in table {extra or 'none'}"
+            )
+        if not 0 < max_frame <= MAX_FRAME:
+            raise ValueError(f"max_frame must be in 1..{MAX_FRAME}")
+        if max_connections < 1 or max_inflight_per_connection < 1:
+            raise ValueError("max_connections and max_inflight_per_connection must be >= 1")
+        if frame_timeout <= 0:
+            raise ValueError("frame_timeout must be > 0")
+        self.path = check_socket_path(path)
+        self.table = table
+        self._handlers = dict(handlers)
+        self._authorize = authorize
+        self._allowed_uids = frozenset({os.getuid(), 0} if allowed_uids is None else allowed_uids)
+        self._allowed_gids = frozenset(allowed_gids)
+        self._socket_mode = socket_mode
+        self._max_frame = max_frame
+        self._max_connections = max_connections
+        self._max_inflight = max_inflight_per_connection
+        self._on_disconnect = on_disconnect
+        self._frame_timeout = frame_timeout
+        self._hello_result = {
+            "protocol": table.protocol,
+            "version": [table.version[0], table.version[1]],
+            "capabilities": list(table.capabilities),
+            "ops": table.names,
+        }
+        self._server: asyncio.AbstractServer | None = None
+        self._identity: SocketIdentity | None = None
+        self._connections: set[ConnectionContext] = set()
+        self._all_gone = asyncio.Event()
+        self._handler_tasks: set[asyncio.Task[None]] = set()
+        self._closing = False
+
+    # -- lifecycle ---------------------------------------------------------
+
+    @property
+    def connections(self) -> set[ConnectionContext]:
+        """The live connections (a copy)."""
+        return set(self._connections)
+
+    async def start(self) -> None:
+        """Bind the socket (see ``ipc.listener`` for the safety rules) and accept."""
+        if self._server is not None:
+            raise RuntimeError("server already started")
+        sock, self.path, self._identity = bind_listener(self.path, self._socket_mode)
+        loop = asyncio.get_running_loop()
+        factory = partial(ServerProtocol, self, self._max_frame, self._max_inflight, self._frame_timeout)
+        try:
+            self._server = await loop.create_unix_server(factory, sock=sock)
+        except BaseException:
+            sock.close()
+            unlink_if_ours(self.path, self._identity)
+            raise
+
+    async def close(self) -> None:
+        """Stop accepting, close every connection, cancel handlers, remove the socket."""
+        if self._closing:
+            return
+        self._closing = True
+        if self._server is not None:
+            self._server.close()
+        for ctx in list(self._connections):
+            ctx.close()
+        for task in list(self._handler_tasks):
+            task.cancel()
+        if self._handler_tasks:
+            await asyncio.wait(list(self._handler_tasks), timeout=_CLOSE_GRACE)
+        if self._connections:
+            try:
+                await asyncio.wait_for(self._all_gone.wait(), _CLOSE_GRACE)
+            except TimeoutError:  # peers that do not read: drop their unsent frames
+                for ctx in list(self._connections):
+                    ctx.abort()
+                try:
+                    await asyncio.wait_for(self._all_gone.wait(), _CLOSE_GRACE)
+                except TimeoutError:
+                    log.warning(
+                        "ipc server %s: %d connections did not close", self.path, len(self._connections)
+                    )
+        if self._server is not None:
+            await self._server.wait_closed()
+        unlink_if_ours(self.path, self._identity)
+
+    async def __aenter__(self) -> IpcServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # -- connections (called by ServerProtocol) ------------------------------
+
+    def admit(self, transport: asyncio.Transport) -> ConnectionContext | None:
+        """Check a new peer before reading anything; refuse it with one error frame."""
+        try:
+            creds = peer_credentials(transport.get_extra_info("socket"))
+        except OSError as exc:
+            log.warning("ipc server %s: cannot read peer credentials: %s", self.path, exc)
+            transport.abort()
+            return None
+        if not peer_admitted(creds, self._allowed_uids, self._allowed_gids):
+            log.warning(
+                "ipc server %s: refused peer pid=%d uid=%d gid=%d", self.path, creds.pid, creds.uid, creds.gid
+            )
+            error = IpcError(
+                ErrorCode.PERMISSION_DENIED,
+                f"uid {creds.uid} (gid {creds.gid}) is not admitted on this socket",
+            )
+        elif self._closing:
+            error = IpcError(ErrorCode.SHUTTING_DOWN, "server is shutting down")
+        elif len(self._connections) >= self._max_connections:
+            error = IpcError(
+                ErrorCode.UNAVAILABLE, f"too many connections (limit {self._max_connections})", retryable=True
+            )
+        else:
+            ctx = ConnectionContext(creds, transport)
+            self._connections.add(ctx)
+            self._all_gone.clear()
+            return ctx
+        transport.write(error_frame(None, error))
+        transport.close()
+        return None
+
+    def forget(self, ctx: ConnectionContext) -> None:
+        """The connection is gone (after ``ctx.closed`` was set)."""
+        self._connections.discard(ctx)
+        if ctx._stream_task is not None:  # cancelled, maybe before it ran its own cleanup
+            ctx._stream_task.add_done_callback(self._handler_tasks.discard)
+        if not self._connections:
+            self._all_gone.set()
+        if self._on_disconnect is not None:
+            try:
+                self._on_disconnect(ctx)
+            except Exception:
+                log.exception("ipc server %s: on_disconnect failed", self.path)
+
+    # -- requests ----------------------------------------------------------
+
+    def dispatch(self, conn: ServerProtocol, ctx: ConnectionContext, frame: dict[str, Any]) -> None:
+        """Answer a request inline when it can be refused (or is ``hello``), else start its handler."""
+        rid = frame.get("id")
+        try:
+            op, args = self._admit_request(ctx, frame, rid)
+        except IpcError as exc:
+            ctx._send_soon(error_frame(rid if _valid_id(rid) else None, exc))
+            return
+        if op is None:  # hello
+            ctx._send_soon(encode_frame({"id": rid, "ok": True, "result": args}))
+            return
+        conn.inflight += 1
+        task = asyncio.get_running_loop().create_task(self._run(conn, ctx, op, rid, args))
+        self._handler_tasks.add(task)
+        if op.stream:
+            ctx._stream_id = rid
+            ctx._stream_task = task
+
+    def _admit_request(
+        self, ctx: ConnectionContext, frame: dict[str, Any], rid: Any
+    ) -> tuple[Op | None, dict[str, Any]]:
+        """Check the envelope, the op, its args and authorization.
+
+        Returns ``(op, args)``, or ``(None, hello_result)`` for ``hello``.
+        """
+        if not _valid_id(rid):
+            raise IpcError(ErrorCode.INVALID_FRAME, "request 'id' missing or not an int or short str")
+        name = frame.get("op")
+        if not isinstance(name, str):
+            raise IpcError(ErrorCode.INVALID_FRAME, "request 'op' missing or not a str")
+        v = frame.get("v")
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise IpcError(ErrorCode.INVALID_FRAME, "request 'v' (protocol major version) missing")
+        if v != self.table.major:
+            raise self._incompatible(v)
+        if name == HELLO:
+            args = HELLO_OP.validate(frame.get("args"))
+            if "v" in args and args["v"] != self.table.major:
+                raise self._incompatible(args["v"])
+            return None, self._hello_result
+        op = self.table.get(name)
+        args = op.validate(frame.get("args"))
+        if op.auth and self._authorize is not None:
+            try:
+                self._authorize(ctx, op)
+            except IpcError:
+                raise
+            except Exception:
+                log.exception("ipc server %s: authorize failed for %s", self.path, name)
+                raise IpcError(ErrorCode.INTERNAL, "internal error") from None
+        return op, args
+
+    def _incompatible(self, v: Any) -> IpcError:
+        major, minor = self.table.version
+        return IpcError(
+            ErrorCode.INCOMPATIBLE_VERSION,
+            f"{self.table.protocol} speaks protocol {major}.{minor}; client asked for major {v}",
+        )
+
+    async def _run(
+        self, conn: ServerProtocol, ctx: ConnectionContext, op: Op, rid: Any, args: dict[str, Any]
+    ) -> None:
+        try:
+            try:
+                result = await self._handlers[op.name](ctx, args)
+            except IpcError as exc:
+                error: IpcError | None = exc
+            except Exception:
+                log.exception("ipc server %s: handler for %s failed", self.path, op.name)
+                error = IpcError(ErrorCode.INTERNAL, f"internal error in {op.name}")
+            else:
+                error = None
+            if op.stream and ctx._streaming:
+                if error is not None:  # the stream ends with the error, then closes
+                    await ctx._send_frame(error_frame(rid, error))
+                return
+            if error is None:
+                try:
+                    data = encode_frame({"id": rid, "ok": True, "result": result})
+                except IpcError as exc:
+                    log.error("ipc server %s: result of %s not sendable: %s", self.path, op.name, exc)
+                    code = exc.code if isinstance(exc, FrameTooLarge) else ErrorCode.INTERNAL
+                    data = error_frame(rid, IpcError(code, f"result of {op.name} not sendable"))
+            else:
+                data = error_frame(rid, error)
+            await ctx._send_frame(data)
+        except ConnectionClosed:
+            pass  # the peer left: nobody to answer
+        finally:
+            if op.stream:
+                ctx.close()
+            # Bookkeeping here rather than in a done-callback: one loop iteration less per request.
+            self._handler_tasks.discard(asyncio.current_task())  # type: ignore[arg-type]
+            conn.task_done()
