@@ -1,0 +1,302 @@
+"""The backend's client of ``kandev-agentctl``.
+
+``AgentctlClient.connect`` runs the ownership handshake of design.md §5 on a
+fresh connection, in this order, and sends nothing else before it succeeds:
+
+1. ``identify`` (unauthenticated). An error answer, no identity or no
+   capability set (unreadable), or an identity other than
+   ``expected_identity`` -> ``OwnershipRefused("identity_mismatch")``.
+2. ``prove`` with a fresh 32-byte challenge; the server's answer is checked in
+   constant time against ``auth.server_proof`` **before anything else is
+   sent**; no match -> ``OwnershipRefused("authentication_failure")``
+   (AC-EXECUTORS-CONTROL-OWNERSHIP-001.10).
+3. ``auth_begin`` / ``auth_finish``: the connection is authenticated with an
+   HMAC over the server's nonce; the credential itself never crosses the socket.
+
+Every ``attach`` opens a new connection, runs the same handshake on it and
+dedicates it to that instance's event stream.
+
+``identify(socket_path)`` is the standalone, unauthenticated probe: None when
+nothing answers (no socket, connection refused, timeout).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from daemon.agentctl import auth
+from daemon.agentctl.protocol import VERSION
+from ipc.client import AsyncClient, EventStream
+from ipc.errors import ErrorCode, IpcError
+
+__all__ = ["AgentctlClient", "OwnershipRefused", "identify"]
+
+IDENTITY_MISMATCH = "identity_mismatch"
+AUTHENTICATION_FAILURE = "authentication_failure"
+
+CREATE_TIMEOUT = 90.0
+"""Seconds ``create_instance`` may take (spawn + initialize + session/new|load, 30 s each at most)."""
+STOP_TIMEOUT = 30.0
+"""Seconds ``stop_instance`` may take (SIGTERM, 3 s grace, SIGKILL, reaping)."""
+SHUTDOWN_TIMEOUT = 60.0
+"""Seconds ``ownership_shutdown`` may take (every instance stopped in parallel)."""
+
+
+class OwnershipRefused(Exception):
+    """The server is not one this backend may drive. ``reason``: ``identity_mismatch`` or
+    ``authentication_failure`` (the refusal reasons of spec/ownership.md)."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+async def identify(socket_path: str | os.PathLike[str], timeout: float = 2.0) -> dict[str, Any] | None:
+    """The server's unauthenticated identity, or None if nothing answers.
+
+    Raises ``IpcError`` when something answers with an error (it is then not a
+    control server this backend can identify).
+    """
+    try:
+        conn = await AsyncClient.connect(socket_path, timeout=timeout, hello=False)
+    except IpcError as exc:
+        if exc.code in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT):
+            return None
+        raise
+    try:
+        result = await conn.call("identify", timeout=timeout)
+    except IpcError as exc:
+        if exc.code in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT):
+            return None
+        raise
+    finally:
+        await conn.close()
+    return result if isinstance(result, dict) else None
+
+
+async def _handshake(
+    conn: AsyncClient,
+    *,
+    credential: bytes,
+    installation_id: str,
+    expected_identity: str | None,
+    timeout: float,
+) -> dict[str, Any]:
+    """identify -> prove (verified) -> auth_begin/auth_finish on ``conn``; returns the identify result."""
+    try:
+        info = await conn.call("identify", timeout=timeout)
+    except IpcError as exc:
+        if exc.code in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.INCOMPATIBLE_VERSION):
+            raise
+        # Something answers, but not with an identity: unreadable counts as a mismatch.
+        raise OwnershipRefused(IDENTITY_MISMATCH, f"identify was refused: {exc.message}") from None
+    identity = info.get("server_identity") if isinstance(info, dict) else None
+    capabilities = info.get("capabilities") if isinstance(info, dict) else None
+    if not isinstance(identity, str) or not identity:
+        raise OwnershipRefused(IDENTITY_MISMATCH, "the server reported no identity")
+    if not isinstance(capabilities, list) or not all(isinstance(c, str) for c in capabilities):
+        raise OwnershipRefused(IDENTITY_MISMATCH, "the server reported no capability set")
+    if expected_identity is not None and identity != expected_identity:
+        raise OwnershipRefused(IDENTITY_MISMATCH, "the server's identity is not the recorded one")
+    version = info.get("protocol_version")
+    if not isinstance(version, list) or not version or version[0] != VERSION[0]:
+        raise IpcError(
+            ErrorCode.INCOMPATIBLE_VERSION,
+            f"the control server speaks protocol {version!r:.40}; this client speaks major {VERSION[0]}",
+        )
+
+    challenge = auth.new_challenge()
+    answer = await conn.call("prove", {"challenge": challenge}, timeout=timeout)
+    proofs = answer.get("proofs") if isinstance(answer, dict) else None
+    expected = auth.server_proof(credential, challenge, identity, installation_id)
+    proven = False
+    if isinstance(proofs, list):
+        for proof in proofs[:2]:  # at most two acceptable credentials
+            proven |= auth.verify(expected, proof)
+    if not proven:
+        raise OwnershipRefused(AUTHENTICATION_FAILURE, "the server did not prove it holds the credential")
+
+    begun = await conn.call("auth_begin", timeout=timeout)
+    nonce = begun.get("nonce") if isinstance(begun, dict) else None
+    if not isinstance(nonce, bytes) or len(nonce) != auth.CHALLENGE_BYTES:
+        raise OwnershipRefused(AUTHENTICATION_FAILURE, "the server sent a malformed nonce")
+    try:
+        await conn.call(
+            "auth_finish",
+            {"proof": auth.connection_proof(credential, nonce, identity)},
+            timeout=timeout,
+        )
+    except IpcError as exc:
+        if exc.code == ErrorCode.UNAUTHENTICATED:
+            raise OwnershipRefused(AUTHENTICATION_FAILURE, exc.message) from None
+        raise
+    return info
+
+
+class AgentctlClient:
+    """An authenticated connection to one control server. Build it with ``await connect(...)``."""
+
+    def __init__(
+        self,
+        socket_path: str,
+        conn: AsyncClient,
+        info: dict[str, Any],
+        *,
+        credential: bytes,
+        installation_id: str,
+        timeout: float,
+    ) -> None:
+        self.socket_path = socket_path
+        self.identity: str = info["server_identity"]
+        self.capabilities: frozenset[str] = frozenset(info["capabilities"])
+        self.protocol_version: tuple[int, ...] = tuple(info.get("protocol_version") or ())
+        self.unowned_period_s: float | None = info.get("unowned_period_s")
+        self.timeout = timeout
+        self._conn = conn
+        self._credential = credential
+        self._installation_id = installation_id
+
+    @classmethod
+    async def connect(
+        cls,
+        socket_path: str | os.PathLike[str],
+        *,
+        credential: bytes,
+        installation_id: str,
+        expected_identity: str | None = None,
+        timeout: float = 5.0,
+    ) -> AgentctlClient:
+        """Connect, check identity and the server's proof, authenticate (see the module doc).
+
+        Raises ``OwnershipRefused`` (``.reason``) or ``IpcError`` (e.g. ``unavailable``).
+        """
+        path = os.fspath(socket_path)
+        conn = await AsyncClient.connect(path, timeout=timeout, hello=False)
+        try:
+            info = await _handshake(
+                conn,
+                credential=credential,
+                installation_id=installation_id,
+                expected_identity=expected_identity,
+                timeout=timeout,
+            )
+        except BaseException:
+            await conn.close()
+            raise
+        return cls(path, conn, info, credential=credential, installation_id=installation_id, timeout=timeout)
+
+    async def close(self) -> None:
+        await self._conn.close()
+
+    async def __aenter__(self) -> AgentctlClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._conn.closed
+
+    async def call(self, op: str, args: dict[str, Any] | None = None, *, timeout: float | None = None) -> Any:
+        """Any op of ``protocol.TABLE`` on the authenticated connection."""
+        return await self._conn.call(op, args, timeout=self.timeout if timeout is None else timeout)
+
+    # -- ownership ----------------------------------------------------------
+
+    async def claim(self) -> dict[str, Any]:
+        """Renew ownership -> ``{unowned_period_s}``."""
+        return await self.call("claim")
+
+    async def ownership_shutdown(self, *, timeout: float = SHUTDOWN_TIMEOUT) -> dict[str, Any]:
+        """Stop every instance; the server then exits -> ``{stopped: [instance_id]}``."""
+        return await self.call("ownership_shutdown", timeout=timeout)
+
+    # -- instances ----------------------------------------------------------
+
+    async def create_instance(
+        self,
+        *,
+        session_id: str,
+        task_id: str,
+        command: list[str],
+        cwd: str,
+        env: dict[str, str] | None = None,
+        agent: str | None = None,
+        resume_session_id: str | None = None,
+        workspace_roots: list[str] | None = None,
+        timeout: float = CREATE_TIMEOUT,
+    ) -> dict[str, Any]:
+        """Spawn an agent -> ``{instance_id, pid, pid_start_time, acp_session_id}``."""
+        args: dict[str, Any] = {"session_id": session_id, "task_id": task_id, "command": command, "cwd": cwd}
+        if env is not None:
+            args["env"] = env
+        if agent is not None:
+            args["agent"] = agent
+        if resume_session_id is not None:
+            args["resume_session_id"] = resume_session_id
+        if workspace_roots is not None:
+            args["workspace_roots"] = workspace_roots
+        return await self.call("create_instance", args, timeout=timeout)
+
+    async def prompt(self, instance_id: str, text: str) -> str:
+        """Open a turn -> its server-assigned turn id."""
+        result = await self.call("prompt", {"instance_id": instance_id, "text": text})
+        return result["turn_id"]
+
+    async def cancel(self, instance_id: str) -> None:
+        await self.call("cancel", {"instance_id": instance_id})
+
+    async def respond_permission(self, instance_id: str, request_id: str, option_id: str | None) -> None:
+        """Answer a permission request; ``option_id`` None answers ``cancelled``."""
+        args: dict[str, Any] = {"instance_id": instance_id, "request_id": request_id}
+        if option_id is not None:
+            args["option_id"] = option_id
+        await self.call("respond_permission", args)
+
+    async def list_instances(self) -> list[dict[str, Any]]:
+        """Every instance with the session and task ids the server holds (SURVIVAL-002.1)."""
+        result = await self.call("list_instances")
+        return list(result["instances"])
+
+    async def stop_instance(self, instance_id: str, *, timeout: float = STOP_TIMEOUT) -> dict[str, Any]:
+        """Kill the instance's group -> ``{stopped, already_absent}`` (absent counts as success)."""
+        return await self.call("stop_instance", {"instance_id": instance_id}, timeout=timeout)
+
+    async def ack_events(self, instance_id: str, seq: int) -> dict[str, Any]:
+        """Every event <= ``seq`` is durably applied; the server may drop them -> ``{discarded}``."""
+        return await self.call("ack_events", {"instance_id": instance_id, "seq": seq})
+
+    async def turn_status(self, instance_id: str) -> dict[str, Any]:
+        """Pure read -> ``{current_turn_id, outcomes: [{turn_id, stop_reason, error}]}``."""
+        return await self.call("turn_status", {"instance_id": instance_id})
+
+    async def ack_turn(self, turn_id: str) -> dict[str, Any]:
+        """Drop a retained outcome; an unknown id is accepted and changes nothing -> ``{acked}``."""
+        return await self.call("ack_turn", {"turn_id": turn_id})
+
+    async def attach(self, instance_id: str, after_seq: int = 0) -> EventStream:
+        """Open the instance's event stream on a new authenticated connection.
+
+        Events <= ``after_seq`` are discarded by the server; the stream then
+        yields ``Event(seq, kind, data)`` in order, retained ones first. Its
+        ``result`` is ``{instance_id, next_seq, retained_events}``. A newer
+        ``attach`` of the same instance ends this one.
+        """
+        conn = await AsyncClient.connect(self.socket_path, timeout=self.timeout, hello=False)
+        try:
+            await _handshake(
+                conn,
+                credential=self._credential,
+                installation_id=self._installation_id,
+                expected_identity=self.identity,
+                timeout=self.timeout,
+            )
+            return await conn.stream(
+                "attach", {"instance_id": instance_id, "after_seq": after_seq}, timeout=self.timeout
+            )
+        except BaseException:
+            await conn.close()
+            raise

@@ -1,0 +1,782 @@
+"""One instance: an agent process group, its ACP connection and its event log.
+
+State machine (supervisord-style; every change goes through ``_set_state``)::
+
+    starting --(initialize + session/new|load answered)--> running
+    starting --(handshake failed: group killed)----------> stopping --> stopped
+    starting|running --(agent process exited)-----------> exited
+    starting|running|exited --(stop())-------------------> stopping --> stopped
+
+``exited`` instances stay listed (with their exit code, retained events and
+turn outcomes) until ``stop()``; ``stopped`` is final and the server forgets
+the instance.
+
+Process handling (design.md §1, §6): the agent is spawned here, never with the
+SDK's spawn helpers: its own session and process group
+(``start_new_session``), stderr to its own file under the agent log dir, a
+minimal environment (PATH, HOME, LANG, LC_ALL, TERM, USER, LOGNAME of the
+server plus the request's ``env``), and ``PR_SET_PDEATHSIG=SIGKILL`` so that
+an agent never outlives its control server. Its identity is (pid, process
+start time) from psutil; the group is signalled only while that identity
+still holds (see ``_signal_group``). ``stop()`` sends SIGTERM to the group,
+waits up to ``KILL_GRACE`` seconds, then SIGKILL; it never blocks for ever.
+
+ACP: the agent's pipes are wrapped in ``AgentPipeTransport`` (newline-
+delimited JSON, the SDK's framing) and handed to ``acp.connect_to_agent``.
+The SDK runs handlers as separate tasks, so events are numbered in a stream
+observer, which the SDK calls synchronously in arrival order (design.md §1):
+``session/update`` notifications and ``session/request_permission`` requests
+become events there, with ``data`` taken from the raw JSON-RPC message.
+
+Turns: ``prompt`` opens a turn with a server-wide unique id and appends
+``turn_started``; when the agent answers the prompt, ``turn_ended`` is
+appended (after every ``session_update`` the agent sent before its answer)
+and the outcome is retained until ``ack_turn`` names it
+(AC-EXECUTORS-SURVIVAL-004.1, 004.6).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import enum
+import json
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import acp
+import psutil
+from acp.connection import StreamDirection, StreamEvent
+from acp.core import DEFAULT_STDIO_BUFFER_LIMIT_BYTES
+from acp.exceptions import RequestError
+from acp.schema import (
+    AllowedOutcome,
+    ClientCapabilities,
+    DeniedOutcome,
+    Implementation,
+    RequestPermissionResponse,
+)
+
+from daemon.agentctl.events import EventLog, Subscription
+from daemon.agentctl.protocol import EventKind
+from daemon.journal import log_event
+from ipc.errors import ErrorCode, IpcError
+
+log = logging.getLogger("kandev.agentctl.instance")
+
+HANDSHAKE_TIMEOUT = 30.0
+"""Seconds each of ``initialize`` and ``session/new|load`` may take."""
+KILL_GRACE = 3.0
+"""Seconds between SIGTERM and SIGKILL of the group."""
+REAP_TIMEOUT = 5.0
+"""Seconds to wait for the kernel to report the leader's death after SIGKILL."""
+STDOUT_DRAIN_GRACE = 2.0
+"""After the agent exits, how long to wait for the rest of its stdout (a child may hold it open)."""
+STDERR_TAIL_BYTES = 4096
+INHERITED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TERM", "USER", "LOGNAME")
+CLIENT_NAME = "kandev-agentctl"
+CLIENT_VERSION = "0.1.0"
+
+_PR_SET_PDEATHSIG = 1
+
+
+class InstanceState(str, enum.Enum):
+    STARTING = "starting"
+    RUNNING = "running"
+    EXITED = "exited"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+_TRANSITIONS: dict[InstanceState, frozenset[InstanceState]] = {
+    InstanceState.STARTING: frozenset({InstanceState.RUNNING, InstanceState.EXITED, InstanceState.STOPPING}),
+    InstanceState.RUNNING: frozenset({InstanceState.EXITED, InstanceState.STOPPING}),
+    InstanceState.EXITED: frozenset({InstanceState.STOPPING}),
+    InstanceState.STOPPING: frozenset({InstanceState.STOPPED}),
+    InstanceState.STOPPED: frozenset(),
+}
+
+
+def can_transition(old: InstanceState, new: InstanceState) -> bool:
+    """Whether the state machine allows ``old -> new``."""
+    return new in _TRANSITIONS[old]
+
+
+class TurnIds:
+    """Server-wide turn ids ``<server_identity>:<n>``: never repeated in a lifetime, nor across
+    lifetimes, since the identity is random per launch (design.md §6)."""
+
+    def __init__(self, server_identity: str) -> None:
+        self._prefix = server_identity
+        self._counter = 0
+
+    def __call__(self) -> str:
+        self._counter += 1
+        return f"{self._prefix}:{self._counter}"
+
+
+# ---------------------------------------------------------------- spawning
+
+
+def _load_prctl() -> Any:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    return prctl
+
+
+_PRCTL = _load_prctl()  # resolved in the parent: the child only calls it
+
+
+def _child_setup(parent_pid: int) -> Callable[[], None]:
+    """``preexec_fn``: die with the control server (SIGKILL), even if it died before this ran."""
+
+    def setup() -> None:
+        if _PRCTL is not None:
+            _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:
+            os._exit(125)
+
+    return setup
+
+
+def agent_environment(extra: Mapping[str, str] | None, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The agent's environment: a few variables of the server, then the request's."""
+    source = os.environ if base is None else base
+    env = {k: source[k] for k in INHERITED_ENV if k in source}
+    env.update(extra or {})
+    return env
+
+
+class AgentPipeTransport:
+    """An ``acp`` message transport over the agent's stdin/stdout (newline-delimited JSON).
+
+    Same framing as the SDK's stdio transport; owning it gives the server
+    two things: ``eof`` (every line the agent wrote has been handed to the
+    connection) and the place where reading can later be paused for
+    backpressure (AC-EXECUTORS-SURVIVAL-001.6, design.md §1).
+    """
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        on_garbage: Callable[[str], None] | None = None,
+    ) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._on_garbage = on_garbage
+        self._send_lock = asyncio.Lock()
+        self.eof = asyncio.Event()
+
+    async def send(self, message: dict[str, Any]) -> None:
+        data = (json.dumps(message, separators=(",", ":")) + "\n").encode("utf-8")
+        async with self._send_lock:
+            if self._writer.is_closing():
+                raise ConnectionResetError("the agent's stdin is closed")
+            self._writer.write(data)
+            await self._writer.drain()
+
+    async def receive(self) -> dict[str, Any] | None:
+        try:
+            while True:
+                line = await self._read_line()
+                if not line:
+                    self.eof.set()
+                    return None
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    message = json.loads(line)
+                except ValueError:
+                    message = None
+                if isinstance(message, dict):
+                    return message
+                if self._on_garbage is not None:
+                    self._on_garbage(line[:200].decode("utf-8", errors="replace"))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a broken pipe is the end of the conversation
+            log.warning("reading the agent's stdout failed: %s", exc)
+            self.eof.set()
+            return None
+
+    async def _read_line(self) -> bytes:
+        chunks: list[bytes] = []
+        try:
+            while True:
+                try:
+                    chunks.append(await self._reader.readuntil(b"\n"))
+                    return b"".join(chunks)
+                except asyncio.LimitOverrunError as exc:
+                    chunks.append(await self._reader.readexactly(exc.consumed))
+        except asyncio.IncompleteReadError as exc:
+            chunks.append(exc.partial)
+            return b"".join(chunks)
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._writer.close()
+
+
+# ---------------------------------------------------------------- ACP client side
+
+
+@dataclass
+class _Permission:
+    request_id: str
+    option_ids: list[str]
+    future: asyncio.Future[str | None]
+    rpc_id: str
+
+
+class _AcpClient:
+    """What the agent may call on us: session updates (numbered by the observer) and permissions."""
+
+    def __init__(self, instance: Instance) -> None:
+        self._instance = instance
+
+    async def session_update(self, session_id: str, update: Any, **kwargs: Any) -> None:
+        return None  # already recorded, in arrival order, by Instance._observe
+
+    async def request_permission(
+        self, session_id: str, tool_call: Any, options: list[Any], **kwargs: Any
+    ) -> RequestPermissionResponse:
+        option_id = await self._instance._permission_answer(str(tool_call.tool_call_id))
+        if option_id is None:
+            return RequestPermissionResponse(outcome=DeniedOutcome(outcome="cancelled"))
+        return RequestPermissionResponse(outcome=AllowedOutcome(outcome="selected", option_id=option_id))
+
+
+# ---------------------------------------------------------------- the instance
+
+
+@dataclass
+class InstanceSpec:
+    """What ``create_instance`` asked for."""
+
+    instance_id: str
+    session_id: str
+    task_id: str
+    command: list[str]
+    cwd: str
+    env: dict[str, str] = field(default_factory=dict)
+    agent: str | None = None
+    resume_session_id: str | None = None
+    workspace_roots: list[str] = field(default_factory=list)
+
+
+class Instance:
+    """One supervised agent. Create, then ``await start()``; always end with ``await stop()``."""
+
+    def __init__(
+        self,
+        spec: InstanceSpec,
+        *,
+        agent_log_dir: str | os.PathLike[str],
+        turn_ids: Callable[[], str],
+        on_change: Callable[[Instance], None] | None = None,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+    ) -> None:
+        self.spec = spec
+        self.instance_id = spec.instance_id
+        self.workspace_roots = list(spec.workspace_roots) or [spec.cwd]
+        self.state = InstanceState.STARTING
+        self.pid: int | None = None
+        self.pid_start_time: float | None = None
+        self.acp_session_id: str | None = None
+        self.exit_code: int | None = None
+        self.current_turn_id: str | None = None
+        self.outcomes: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self.log = EventLog()
+        self.stderr_path = Path(agent_log_dir) / f"{spec.instance_id}.stderr.log"
+        self._agent_log_dir = Path(agent_log_dir)
+        self._turn_ids = turn_ids
+        self._on_change = on_change
+        self._handshake_timeout = handshake_timeout
+        self._proc: asyncio.subprocess.Process | None = None
+        self._psproc: psutil.Process | None = None
+        self._transport: AgentPipeTransport | None = None
+        self._conn: acp.ClientSideConnection | None = None
+        self._exit_task: asyncio.Task[None] | None = None
+        self._prompt_task: asyncio.Task[None] | None = None
+        self._stop_task: asyncio.Future[None] | None = None
+        self._exited = asyncio.Event()
+        self._permissions: dict[str, _Permission] = {}
+        self._permission_fifo: dict[str, deque[str]] = {}
+
+    # -- reporting -----------------------------------------------------------
+
+    def describe(self) -> dict[str, Any]:
+        """The enumeration entry (AC-EXECUTORS-SURVIVAL-002.1): never the environment."""
+        return {
+            "instance_id": self.instance_id,
+            "session_id": self.spec.session_id,
+            "task_id": self.spec.task_id,
+            "agent": self.spec.agent,
+            "pid": self.pid,
+            "pid_start_time": self.pid_start_time,
+            "acp_session_id": self.acp_session_id,
+            "state": self.state.value,
+            "exit_code": self.exit_code,
+            "cwd": self.spec.cwd,
+            "workspace_roots": list(self.workspace_roots),
+            "current_turn_id": self.current_turn_id,
+            "next_seq": self.log.next_seq,
+            "retained_events": self.log.retained_count,
+            "attached": self.log.attached,
+        }
+
+    @property
+    def attached(self) -> bool:
+        return self.log.attached
+
+    @property
+    def gone(self) -> bool:
+        """Stopping or stopped: no longer usable."""
+        return self.state in (InstanceState.STOPPING, InstanceState.STOPPED)
+
+    def _set_state(self, new: InstanceState) -> None:
+        if not can_transition(self.state, new):
+            raise RuntimeError(f"instance {self.instance_id}: illegal transition {self.state.value} -> {new.value}")
+        log.debug("instance %s: %s -> %s", self.instance_id, self.state.value, new.value)
+        self.state = new
+        if self._on_change is not None:
+            try:
+                self._on_change(self)
+            except Exception:
+                log.exception("instance %s: on_change failed", self.instance_id)
+
+    # -- start ---------------------------------------------------------------
+
+    async def _spawn(self) -> None:
+        spec = self.spec
+        self._agent_log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        stderr_fd = os.open(
+            self.stderr_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600
+        )
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                *spec.command,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=stderr_fd,
+                cwd=spec.cwd,
+                env=agent_environment(spec.env),
+                start_new_session=True,
+                preexec_fn=_child_setup(os.getpid()),
+                limit=DEFAULT_STDIO_BUFFER_LIMIT_BYTES,
+            )
+        except (OSError, ValueError, subprocess.SubprocessError) as exc:
+            raise IpcError(
+                ErrorCode.AGENT_ERROR, f"cannot start agent {spec.command[0]!r}: {exc}", retryable=False
+            ) from None
+        finally:
+            os.close(stderr_fd)
+        self.pid = self._proc.pid
+        try:
+            self._psproc = psutil.Process(self.pid)
+            self.pid_start_time = self._psproc.create_time()
+        except psutil.Error:
+            # Already dead and reaped: without an identity, the group is never signalled.
+            self._psproc = None
+
+    async def start(self) -> None:
+        """Spawn the agent and run the ACP handshake; on failure the group is killed and
+        ``IpcError(agent_error)`` says why (exit code and stderr tail when the agent died)."""
+        await self._spawn()
+        proc = self._proc
+        assert proc is not None and proc.stdin is not None and proc.stdout is not None
+        if self.gone:  # stopped while the process was being created
+            self._signal_group(signal.SIGKILL)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(proc.wait(), REAP_TIMEOUT)
+            raise IpcError(ErrorCode.SHUTTING_DOWN, f"instance {self.instance_id} was stopped while starting")
+        self._transport = AgentPipeTransport(proc.stdout, proc.stdin, self._on_garbage)
+        self._exit_task = asyncio.create_task(self._watch_exit(), name=f"agentctl.exit.{self.instance_id}")
+        self._conn = acp.connect_to_agent(_AcpClient(self), self._transport, observers=[self._observe])
+        step = "initialize"
+        try:
+            init = await asyncio.wait_for(
+                self._conn.initialize(
+                    protocol_version=acp.PROTOCOL_VERSION,
+                    client_capabilities=ClientCapabilities(),
+                    client_info=Implementation(name=CLIENT_NAME, version=CLIENT_VERSION),
+                ),
+                self._handshake_timeout,
+            )
+            if init.protocol_version != acp.PROTOCOL_VERSION:
+                raise _HandshakeRefused(
+                    f"the agent speaks ACP protocol version {init.protocol_version}, not {acp.PROTOCOL_VERSION}"
+                )
+            if self.spec.resume_session_id:
+                step = "session/load"
+                await asyncio.wait_for(
+                    self._conn.load_session(cwd=self.spec.cwd, session_id=self.spec.resume_session_id),
+                    self._handshake_timeout,
+                )
+                self.acp_session_id = self.spec.resume_session_id
+            else:
+                step = "session/new"
+                session = await asyncio.wait_for(
+                    self._conn.new_session(cwd=self.spec.cwd), self._handshake_timeout
+                )
+                self.acp_session_id = session.session_id
+        except asyncio.CancelledError:
+            await self.stop()
+            raise
+        except Exception as exc:
+            raise IpcError(ErrorCode.AGENT_ERROR, await self._handshake_failure(step, exc), retryable=False) from None
+        if self.state is not InstanceState.STARTING:  # exited or stopped meanwhile
+            raise IpcError(ErrorCode.AGENT_ERROR, await self._handshake_failure(step, None), retryable=False)
+        self._set_state(InstanceState.RUNNING)
+
+    async def _handshake_failure(self, step: str, exc: BaseException | None) -> str:
+        """Kill the group and describe why the handshake failed."""
+        if isinstance(exc, TimeoutError | asyncio.TimeoutError):
+            reason = f"no answer to {step} within {self._handshake_timeout:g} s"
+        elif isinstance(exc, RequestError):
+            reason = f"the agent refused {step}: {_rpc_error_text(exc)}"
+        elif exc is None or isinstance(exc, ConnectionError | OSError):
+            reason = f"the agent went away during {step}"
+        else:
+            reason = f"{step} failed: {exc}"
+        if not self.gone:
+            # Let an agent that is exiting by itself report its own exit code.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._exited.wait(), 0.5)
+        exited_by_itself = self._exited.is_set() and not self.gone
+        await self.stop()
+        parts = [f"agent {self.spec.agent or self.spec.command[0]!r}: {reason}"]
+        if exited_by_itself:
+            parts.append(f"exit code {self.exit_code}")
+        tail = self.stderr_tail(1024).strip()
+        if tail:
+            parts.append(f"stderr tail: {tail}")
+        return "; ".join(parts)
+
+    # -- events from the agent --------------------------------------------------
+
+    def _observe(self, event: StreamEvent) -> None:
+        """Stream observer: called synchronously, in arrival order, for every JSON-RPC message."""
+        message = event.message
+        if event.direction is StreamDirection.OUTGOING:
+            if "method" not in message and "id" in message:
+                self._permission_answered(message["id"])
+            return
+        method = message.get("method")
+        params = message.get("params")
+        if not isinstance(params, dict):
+            params = {}
+        if method == "session/update" and "id" not in message:
+            self.log.append(
+                EventKind.SESSION_UPDATE, {"turn_id": self.current_turn_id, "update": params.get("update")}
+            )
+        elif method == "session/request_permission" and "id" in message:
+            self._permission_requested(message["id"], params)
+
+    def _on_garbage(self, line: str) -> None:
+        self.log.append(EventKind.AGENT_ERROR, {"message": f"the agent wrote a line that is not JSON-RPC: {line}"})
+
+    def _permission_requested(self, rpc_id: Any, params: dict[str, Any]) -> None:
+        tool_call = params.get("toolCall") if isinstance(params.get("toolCall"), dict) else {}
+        options = params.get("options") if isinstance(params.get("options"), list) else []
+        option_ids = [str(o.get("optionId")) for o in options if isinstance(o, dict)]
+        request_id = os.urandom(16).hex()
+        future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        self._permissions[request_id] = _Permission(request_id, option_ids, future, _rpc_key(rpc_id))
+        self._permission_fifo.setdefault(str(tool_call.get("toolCallId")), deque()).append(request_id)
+        self.log.append(
+            EventKind.PERMISSION_REQUEST,
+            {"request_id": request_id, "turn_id": self.current_turn_id, "tool_call": tool_call, "options": options},
+        )
+
+    async def _permission_answer(self, tool_call_id: str) -> str | None:
+        """Called by the SDK's request handler: wait for ``respond_permission`` (or stop/cancel)."""
+        queue = self._permission_fifo.get(tool_call_id)
+        request_id = queue.popleft() if queue else None
+        if queue is not None and not queue:
+            del self._permission_fifo[tool_call_id]
+        pending = self._permissions.get(request_id) if request_id else None
+        if pending is None:
+            return None
+        return await pending.future
+
+    def _permission_answered(self, rpc_id: Any) -> None:
+        """Our JSON-RPC response went out: forget the request (also when the SDK refused it)."""
+        if not self._permissions:
+            return
+        key = _rpc_key(rpc_id)
+        for request_id, pending in list(self._permissions.items()):
+            if pending.rpc_id == key:
+                del self._permissions[request_id]
+                if not pending.future.done():
+                    pending.future.set_result(None)
+                for tool_call_id, queue in list(self._permission_fifo.items()):
+                    if request_id in queue:
+                        queue.remove(request_id)
+                        if not queue:
+                            del self._permission_fifo[tool_call_id]
+
+    def _cancel_permissions(self) -> None:
+        for pending in self._permissions.values():
+            if not pending.future.done():
+                pending.future.set_result(None)
+
+    def respond_permission(self, request_id: str, option_id: str | None) -> None:
+        pending = self._permissions.get(request_id)
+        if pending is None or pending.future.done():
+            raise IpcError(ErrorCode.NOT_FOUND, f"no open permission request {request_id!r} on this instance")
+        if option_id is not None and option_id not in pending.option_ids:
+            raise IpcError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"option {option_id!r} is not one of {pending.option_ids} offered by request {request_id}",
+            )
+        pending.future.set_result(option_id)
+
+    # -- turns ----------------------------------------------------------------
+
+    def _require_running(self, what: str) -> acp.ClientSideConnection:
+        if self.state is not InstanceState.RUNNING or self._conn is None:
+            raise IpcError(ErrorCode.CONFLICT, f"cannot {what}: instance {self.instance_id} is {self.state.value}")
+        return self._conn
+
+    def prompt(self, text: str) -> str:
+        """Open a turn and send the prompt; returns the turn id at once."""
+        self._require_running("prompt")
+        if self.current_turn_id is not None:
+            raise IpcError(ErrorCode.CONFLICT, f"turn {self.current_turn_id} is still open on this instance")
+        turn_id = self._turn_ids()
+        self.current_turn_id = turn_id
+        self.log.append(EventKind.TURN_STARTED, {"turn_id": turn_id, "text": text})
+        self._prompt_task = asyncio.create_task(self._run_turn(turn_id, text), name=f"agentctl.turn.{turn_id}")
+        return turn_id
+
+    async def _run_turn(self, turn_id: str, text: str) -> None:
+        conn = self._conn
+        assert conn is not None and self.acp_session_id is not None
+        try:
+            response = await conn.prompt(session_id=self.acp_session_id, prompt=[acp.text_block(text)])
+        except asyncio.CancelledError:
+            raise
+        except RequestError as exc:
+            self._end_turn(turn_id, "error", _rpc_error_text(exc))
+        except (ConnectionError, OSError) as exc:
+            # The agent went away: the exit watcher ends the turn with agent_exited.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._exited.wait(), STDOUT_DRAIN_GRACE + 1.0)
+            self._end_turn(turn_id, "error", f"lost the connection to the agent: {exc}")
+        except Exception as exc:
+            log.exception("instance %s: prompt failed", self.instance_id)
+            self._end_turn(turn_id, "error", f"prompt failed: {exc}")
+        else:
+            self._end_turn(turn_id, str(response.stop_reason), None)
+
+    def _end_turn(self, turn_id: str, stop_reason: str, error: str | None) -> None:
+        """Close the open turn (no-op if ``turn_id`` is not the open one) and retain its outcome."""
+        if self.current_turn_id != turn_id:
+            return
+        outcome = {"turn_id": turn_id, "stop_reason": stop_reason, "error": error}
+        self.current_turn_id = None
+        if self.gone:
+            return
+        self.outcomes[turn_id] = outcome
+        self.log.append(EventKind.TURN_ENDED, dict(outcome))
+
+    async def cancel(self) -> None:
+        """ACP ``session/cancel``; open permission requests are answered ``cancelled`` (ACP rule)."""
+        conn = self._require_running("cancel")
+        assert self.acp_session_id is not None
+        self._cancel_permissions()
+        try:
+            await conn.cancel(session_id=self.acp_session_id)
+        except (ConnectionError, OSError) as exc:
+            raise IpcError(ErrorCode.AGENT_ERROR, f"cannot reach the agent: {exc}") from None
+
+    def turn_status(self) -> dict[str, Any]:
+        """Pure read (AC-EXECUTORS-SURVIVAL-004.6): the open turn and every retained outcome."""
+        return {"current_turn_id": self.current_turn_id, "outcomes": [dict(o) for o in self.outcomes.values()]}
+
+    def ack_turn(self, turn_id: str) -> bool:
+        """Discard the retained outcome of ``turn_id``; False (and no change) if it is not held."""
+        return self.outcomes.pop(turn_id, None) is not None
+
+    # -- events to the backend -------------------------------------------------
+
+    def _check_seq(self, seq: int, what: str) -> None:
+        if seq < 0 or seq > self.log.last_seq:
+            raise IpcError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"{what} {seq} is outside 0..{self.log.last_seq} (the last seq of instance {self.instance_id})",
+            )
+
+    def attach(self, after_seq: int) -> Subscription:
+        """Become the instance's one stream: events <= ``after_seq`` are discarded; a previous
+        stream is closed."""
+        self._check_seq(after_seq, "after_seq")
+        return self.log.subscribe(after_seq)
+
+    def detach(self, sub: Subscription) -> None:
+        self.log.unsubscribe(sub)
+
+    def ack_events(self, seq: int) -> int:
+        self._check_seq(seq, "seq")
+        return self.log.discard_through(seq)
+
+    # -- exit and stop ---------------------------------------------------------
+
+    def stderr_tail(self, limit: int = STDERR_TAIL_BYTES) -> str:
+        try:
+            with open(self.stderr_path, "rb") as fh:
+                fh.seek(0, os.SEEK_END)
+                size = fh.tell()
+                fh.seek(max(0, size - limit))
+                return fh.read(limit).decode("utf-8", errors="replace")
+        except OSError:
+            return ""
+
+    async def _watch_exit(self) -> None:
+        proc = self._proc
+        transport = self._transport
+        assert proc is not None and transport is not None
+        code = await proc.wait()
+        # Everything the agent wrote before dying is numbered before agent_exited.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(transport.eof.wait(), STDOUT_DRAIN_GRACE)
+        self.exit_code = code
+        self._exited.set()
+        if self.state in (InstanceState.STARTING, InstanceState.RUNNING):
+            self.log.append(EventKind.AGENT_EXITED, {"exit_code": code, "stderr_tail": self.stderr_tail()})
+            if self.current_turn_id is not None:
+                self._end_turn(self.current_turn_id, "agent_exited", f"the agent exited with code {code}")
+            self._cancel_permissions()
+            self._set_state(InstanceState.EXITED)
+            log_event(
+                "agent_exited",
+                f"agent of instance {self.instance_id} exited with code {code}",
+                priority=5,
+                INSTANCE_ID=self.instance_id,
+                SESSION_ID=self.spec.session_id,
+                TASK_ID=self.spec.task_id,
+                PID=self.pid,
+                EXIT_CODE=code,
+            )
+
+    def _signal_group(self, sig: int) -> bool:
+        """Signal the agent's process group if it is still ours; True if a signal was sent.
+
+        The leader alive: signalled only if psutil's (pid, start time) identity
+        still matches. The leader gone: Linux never hands out a pid still in use
+        as a process-group id, so a group with that id is ours, unless another
+        process now owns the pid (then our group is empty and nothing is sent).
+        """
+        if self._psproc is None or self.pid is None:
+            return False
+        try:
+            if not self._psproc.is_running() and psutil.pid_exists(self.pid):
+                return False  # the pid was reused: our group is gone
+        except psutil.Error:
+            return False
+        try:
+            os.killpg(self.pid, sig)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+
+    def group_alive(self) -> bool:
+        """Whether any process of the agent's group remains."""
+        return self._signal_group(0)
+
+    async def stop(self) -> bool:
+        """Kill the group and forget everything; True if this call did it, False if it was
+        already stopping or stopped. Never blocks for ever (AC-EXECUTORS-SURVIVAL-001.10)."""
+        if self._stop_task is not None:
+            await asyncio.shield(self._stop_task)
+            return False
+        self._stop_task = asyncio.ensure_future(self._do_stop())
+        await asyncio.shield(self._stop_task)
+        return True
+
+    async def _do_stop(self) -> None:
+        previous = self.state
+        self._set_state(InstanceState.STOPPING)
+        self.log.close()  # ends the attached stream and drops undelivered events
+        self._cancel_permissions()
+        if self._prompt_task is not None and not self._prompt_task.done():
+            self._prompt_task.cancel()
+        await self._kill_group()
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._conn.close(), 2.0)
+        if self._exit_task is not None and not self._exit_task.done():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(self._exit_task), STDOUT_DRAIN_GRACE + 1.0)
+            self._exit_task.cancel()
+        if self._proc is not None and self._proc.returncode is not None:
+            self.exit_code = self._proc.returncode
+        self._set_state(InstanceState.STOPPED)
+        log_event(
+            "instance_stopped",
+            f"instance {self.instance_id} stopped (was {previous.value})",
+            INSTANCE_ID=self.instance_id,
+            SESSION_ID=self.spec.session_id,
+            TASK_ID=self.spec.task_id,
+            PID=self.pid,
+        )
+
+    async def _wait_group_gone(self, timeout: float) -> bool:
+        """Wait until the leader is reaped and no process of the group is left."""
+        proc = self._proc
+        assert proc is not None
+        deadline = time.monotonic() + timeout
+        try:
+            await asyncio.wait_for(proc.wait(), timeout)
+        except TimeoutError:
+            return False
+        while self.group_alive():
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    async def _kill_group(self) -> None:
+        """SIGTERM to the group, up to ``KILL_GRACE`` s, then SIGKILL to whatever is left."""
+        if self._proc is None:
+            return
+        if self._proc.returncode is None or self.group_alive():
+            self._signal_group(signal.SIGTERM)
+            if await self._wait_group_gone(KILL_GRACE):
+                return
+        if self._signal_group(signal.SIGKILL):
+            await self._wait_group_gone(REAP_TIMEOUT)
+
+
+class _HandshakeRefused(Exception):
+    """The agent answered the handshake with something we cannot use."""
+
+
+def _rpc_key(rpc_id: Any) -> str:
+    return json.dumps(rpc_id, sort_keys=True, default=str)
+
+
+def _rpc_error_text(exc: RequestError) -> str:
+    text = str(exc) or "error"
+    data = getattr(exc, "data", None)
+    if data:
+        with contextlib.suppress(TypeError, ValueError):
+            text = f"{text} ({json.dumps(data)[:500]})"
+    return text

@@ -1,0 +1,211 @@
+"""``kandev-agentctl``: the control server's entry point.
+
+Order: load the launch file (``--launch-file``, else ``<home>/agentctl/
+launch.json`` with the home from ``--home``, ``$KANDEV_HOME`` or
+``$STATE_DIRECTORY``) -> logging (journald when present, plus the server's
+own bounded file, AC-EXECUTORS-SURVIVAL-001.3) -> validate the settings
+(exit 2 with the reason, before anything is bound; AC-EXECUTORS-SURVIVAL-001.8)
+-> read the credential -> bind the socket -> ``READY=1``.
+
+SIGTERM/SIGINT stop every instance (their process groups are killed), close
+the socket and exit 0; so does ``ownership_shutdown``. SIGHUP is ignored: in
+detached mode the server has no terminal and must not die with one. stdin,
+stdout and stderr may be ``/dev/null`` or gone; a failed log write is never
+fatal.
+
+Exit codes: 0 clean stop, 1 could not serve (e.g. the socket is in use),
+2 refused to start (bad launch file, settings or credential).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from daemon.agentctl import launch
+from daemon.agentctl.launch import LaunchConfig, LaunchError
+from daemon.agentctl.server import AgentctlServer
+from daemon.config import ConfigError, ResolvedAgentctl
+from daemon.journal import log_event, setup_logging
+from daemon.paths import resolve_home
+
+log = logging.getLogger("kandev.agentctl")
+
+# SURVIVAL-001.3: fixed bounds of the server's own log file, never settings.
+LOG_FILE_MAX_BYTES = 10 * 1024 * 1024
+LOG_FILE_BACKUPS = 5
+LOG_FILE_MAX_AGE_DAYS = 14
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_REFUSED = 2
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="kandev-agentctl", description="Kandev control server: supervises ACP agent processes."
+    )
+    parser.add_argument("--home", help="Kandev home (default: $KANDEV_HOME, $STATE_DIRECTORY)")
+    parser.add_argument("--launch-file", help="launch file (default: <home>/agentctl/launch.json)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return parser.parse_args(argv)
+
+
+def _ensure_std_fds() -> None:
+    """Make sure fds 0-2 are open (on /dev/null if need be) so no file lands on them."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+
+
+def _say(message: str) -> None:
+    """One line on stderr; never raises (stderr may be closed or a dead pipe)."""
+    try:
+        print(f"kandev-agentctl: {message}", file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
+def _refuse(message: str, *, logged: bool = True) -> int:
+    """Say why the server will not start (stderr, and the log once it is set up); exit code 2."""
+    _say(message)
+    if logged:
+        try:
+            log_event("agentctl_refused", message, priority=3)
+        except Exception:
+            pass
+    return EXIT_REFUSED
+
+
+def _setup_logging(config: LaunchConfig, verbose: bool) -> None:
+    try:
+        setup_logging(
+            "agentctl",
+            verbose=verbose,
+            log_file=Path(config.log_path),
+            file_max_bytes=LOG_FILE_MAX_BYTES,
+            file_backups=LOG_FILE_BACKUPS,
+            file_max_age_days=LOG_FILE_MAX_AGE_DAYS,
+        )
+    except OSError as exc:
+        setup_logging("agentctl", verbose=verbose)
+        log.error("cannot open the log file %s: %s; logging to the journal/stderr only", config.log_path, exc)
+
+
+def _ensure_socket_dir(socket_path: str) -> None:
+    """Create the socket's directory 0700 if missing; an existing one is left as it is."""
+    os.makedirs(os.path.dirname(os.path.abspath(socket_path)), mode=0o700, exist_ok=True)
+
+
+class _Notifier:
+    """sd_notify: READY=1 and STATUS=; a no-op without $NOTIFY_SOCKET."""
+
+    def __init__(self) -> None:
+        self._notifier = None
+        if os.environ.get("NOTIFY_SOCKET"):
+            try:
+                import sdnotify
+
+                self._notifier = sdnotify.SystemdNotifier()
+            except Exception:
+                self._notifier = None
+        self._last_status: str | None = None
+
+    def notify(self, state: str) -> None:
+        if self._notifier is not None:
+            self._notifier.notify(state)
+
+    def status(self, count: int) -> None:
+        text = f"serving {count} instance{'' if count == 1 else 's'}"
+        if text != self._last_status:
+            self._last_status = text
+            self.notify(f"STATUS={text}")
+
+
+async def _serve(config: LaunchConfig, resolved: ResolvedAgentctl, credential: bytes) -> int:
+    notifier = _Notifier()
+    server = AgentctlServer(config, resolved, credential, on_instances_changed=notifier.status)
+    del credential
+    try:
+        _ensure_socket_dir(config.socket_path)
+        await server.start()
+    except (OSError, ValueError) as exc:
+        _say(f"cannot listen on {config.socket_path}: {exc}")
+        log_event("agentctl_failed", f"cannot listen on {config.socket_path}: {exc}", priority=3,
+                  SOCKET=config.socket_path)
+        return EXIT_FAILED
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    notifier.notify("READY=1\nSTATUS=serving 0 instances")
+    log_event(
+        "agentctl_started",
+        f"control server {server.server_identity} serving on {config.socket_path} (mode {config.mode},"
+        f" detached_event_limit {server.detached_event_limit}, unowned period {server.unowned_period_s:g} s)",
+        SOCKET=config.socket_path,
+        MODE=config.mode,
+        SERVER_IDENTITY=server.server_identity,
+        PID=os.getpid(),
+    )
+    waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(server.exit_requested.wait())]
+    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    for waiter in waiters:
+        waiter.cancel()
+    reason = "signal" if stop.is_set() else "ownership_shutdown"
+    notifier.notify("STOPPING=1")
+    stopped = await server.shutdown()
+    log_event(
+        "agentctl_stopped",
+        f"control server {server.server_identity} stopped ({reason}); stopped {len(stopped)} instance(s)",
+        REASON=reason,
+        SERVER_IDENTITY=server.server_identity,
+    )
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    _ensure_std_fds()
+    os.umask(0o077)
+    logging.raiseExceptions = False  # a log write must never kill the server (SURVIVAL-001.3)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+
+    if args.launch_file:
+        launch_path = Path(args.launch_file)
+    else:
+        launch_path = launch.default_launch_file(resolve_home(args.home))
+    try:
+        config = launch.load(launch_path)
+    except LaunchError as exc:
+        return _refuse(f"refusing to start: {exc}", logged=False)
+    _setup_logging(config, args.verbose)
+    try:
+        resolved = launch.validate(config)
+    except ConfigError as exc:
+        return _refuse(f"refusing to start: {exc}")
+    for note in resolved.notes:
+        log_event("agentctl_config_adjusted", note, priority=5)
+    try:
+        credential = launch.read_credential(config)
+    except LaunchError as exc:
+        return _refuse(f"refusing to start: {exc}")
+    try:
+        return asyncio.run(_serve(config, resolved, credential))
+    except KeyboardInterrupt:
+        return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

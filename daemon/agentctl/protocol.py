@@ -1,0 +1,103 @@
+"""The control-server protocol: one operation table shared by server and client.
+
+The backend (client) and ``kandev-agentctl`` (server) both import ``TABLE``;
+nothing else defines what a request looks like. Evolution rule: fields and
+ops are only ever added (backend N must talk to control server N-1).
+
+Authentication (design.md §5): ``identify``, ``prove``, ``auth_begin`` and
+``auth_finish`` work on an unauthenticated connection; everything else needs
+a connection that finished ``auth_finish``. The credential never crosses the
+socket: the server proves possession with an HMAC over the backend's fresh
+challenge, and the backend authenticates each connection with an HMAC over a
+server nonce (see ``daemon.agentctl.auth``).
+
+Streams: ``attach`` turns its connection into an event stream of
+``{seq, kind, data}`` frames for one instance, starting after ``after_seq``.
+"""
+
+from __future__ import annotations
+
+from ipc.schema import Op, OpTable
+
+PROTOCOL = "kandev-agentctl"
+VERSION = (1, 0)
+
+# Capability set advertised by identify/hello; adoption requires the backend's
+# required set to be a subset of it (set inclusion, never version ordering).
+CAPABILITIES = (
+    "instances.v1",  # create/list/stop instances with server-held session identity
+    "events.v1",  # attach stream with per-instance seq, after_seq replay, ack_events
+    "turns.v1",  # server-assigned turn ids, turn_status + ack_turn
+    "ownership.v1",  # prove/auth/claim/ownership_shutdown
+)
+
+
+class EventKind:
+    """Kinds of frames on an ``attach`` stream (``data`` shape in comments)."""
+
+    SESSION_UPDATE = "session_update"  # {turn_id, update: <ACP session update as JSON dict>}
+    TURN_STARTED = "turn_started"  # {turn_id, text}
+    TURN_ENDED = "turn_ended"  # {turn_id, stop_reason, error|None}
+    PERMISSION_REQUEST = "permission_request"  # {request_id, turn_id, tool_call, options}
+    AGENT_EXITED = "agent_exited"  # {exit_code, stderr_tail}
+    AGENT_ERROR = "agent_error"  # {message}
+
+
+OPS = [
+    # --- unauthenticated -------------------------------------------------
+    Op("identify", auth=False, doc="-> {server_identity, capabilities, protocol_version, unowned_period_s}"),
+    Op(
+        "prove",
+        required={"challenge": bytes},
+        auth=False,
+        doc="server proves it holds the credential: -> {proofs: [HMAC(cred, challenge||identity||installation)]}",
+    ),
+    Op("auth_begin", auth=False, doc="-> {nonce: bytes}"),
+    Op("auth_finish", required={"proof": bytes}, auth=False, doc="proof = HMAC(cred, 'auth'||nonce||identity)"),
+    # --- ownership ---------------------------------------------------------
+    Op("claim", doc="renew ownership; names no instance -> {unowned_period_s}"),
+    Op("ownership_shutdown", doc="stop every instance, then exit -> {stopped: [instance_id]}"),
+    # --- instances -----------------------------------------------------------
+    Op(
+        "create_instance",
+        required={"session_id": str, "task_id": str, "command": list, "cwd": str},
+        optional={
+            "env": dict,  # extra environment for the agent (never logged)
+            "agent": str,  # agent name, for diagnostics
+            "resume_session_id": str,  # ACP session/load instead of session/new
+            "workspace_roots": list,  # file-operation reach; defaults to [cwd]
+        },
+        doc="spawn the agent in its own process group, ACP initialize + session/new|load"
+        " -> {instance_id, pid, pid_start_time, acp_session_id}",
+    ),
+    Op("prompt", required={"instance_id": str, "text": str}, doc="start a turn -> {turn_id}"),
+    Op("cancel", required={"instance_id": str}, doc="ACP session/cancel for the current turn -> {}"),
+    Op(
+        "respond_permission",
+        required={"instance_id": str, "request_id": str},
+        optional={"option_id": str},
+        doc="answer an open permission request; no option_id = cancelled -> {}",
+    ),
+    Op("list_instances", doc="-> {instances: [{instance_id, session_id, task_id, pid, ...}]}"),
+    Op("stop_instance", required={"instance_id": str}, doc="kill the group -> {stopped, already_absent}"),
+    Op(
+        "attach",
+        required={"instance_id": str},
+        optional={"after_seq": int},
+        stream=True,
+        doc="event stream from after_seq (events <= after_seq are discarded) -> {instance_id, next_seq}",
+    ),
+    Op(
+        "ack_events",
+        required={"instance_id": str, "seq": int},
+        doc="the backend durably applied every event <= seq; the server may discard them -> {}",
+    ),
+    Op(
+        "turn_status",
+        required={"instance_id": str},
+        doc="pure read -> {current_turn_id|None, outcomes: [{turn_id, stop_reason, error}]}",
+    ),
+    Op("ack_turn", required={"turn_id": str}, doc="discard a retained outcome; unknown id is a no-op -> {}"),
+]
+
+TABLE = OpTable(PROTOCOL, VERSION, OPS, capabilities=CAPABILITIES)

@@ -1,0 +1,1035 @@
+"""``kandev-agentctl`` as a real process, driven through the real client over its real socket.
+
+Every test starts its own control server (``python -m daemon.agentctl.main
+--launch-file ...``, in its own session) on a private home, and drives the
+real mock agent (``python -m daemon.agents.mock``). Every wait is bounded; the
+teardown SIGTERMs, then SIGKILLs, the server and every agent process group a
+test saw. AC ids are cited where a test proves one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgpack
+import psutil
+import pytest
+
+from daemon.agentctl import auth, launch
+from daemon.agentctl.client import AgentctlClient, OwnershipRefused, identify
+from daemon.agentctl.protocol import CAPABILITIES, EventKind
+from ipc.client import AsyncClient, Event, EventStream
+from ipc.errors import ErrorCode, IpcError
+
+REPO = Path(__file__).resolve().parents[2]
+MOCK = [sys.executable, "-m", "daemon.agents.mock"]
+STEP = 20.0  # bound on one exchange or one wait, seconds
+T = TypeVar("T")
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def run(coro: Awaitable[T], timeout: float = 120.0) -> T:
+    """Run one test scenario on a fresh loop, bounded."""
+
+    async def bounded() -> T:
+        return await asyncio.wait_for(coro, timeout)
+
+    return asyncio.run(bounded())
+
+
+def group_exists(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = STEP, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{what}: still false after {timeout} s")
+        time.sleep(0.05)
+
+
+def kill_group(pgid: int) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        with contextlib.suppress(AssertionError):
+            wait_for(lambda: not group_exists(pgid), 5, "group gone")
+            return
+
+
+# ---------------------------------------------------------------- the server fixture
+
+
+@dataclass
+class Server:
+    """One running control server and what a test needs to talk to it."""
+
+    root: Path
+    home: Path
+    launch_file: Path
+    socket_path: str
+    log_path: Path
+    stderr_path: Path
+    credential: bytes
+    installation_id: str
+    workspace: Path
+    mock_state: Path
+    proc: subprocess.Popen[bytes] | None = None
+    agent_groups: set[int] = field(default_factory=set)
+
+    def connect(self, **kw: Any) -> Awaitable[AgentctlClient]:
+        kw.setdefault("credential", self.credential)
+        kw.setdefault("installation_id", self.installation_id)
+        return AgentctlClient.connect(self.socket_path, **kw)
+
+    async def create(self, client: AgentctlClient, **kw: Any) -> dict[str, Any]:
+        kw.setdefault("session_id", "sess-1")
+        kw.setdefault("task_id", "task-1")
+        kw.setdefault("command", MOCK)
+        kw.setdefault("cwd", str(self.workspace))
+        kw.setdefault("env", {"KANDEV_MOCK_STATE_DIR": str(self.mock_state), "PYTHONPATH": str(REPO)})
+        kw.setdefault("agent", "mock")
+        created = await client.create_instance(**kw)
+        self.agent_groups.add(created["pid"])
+        return created
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def ops_by_connection(self) -> dict[int, list[str]]:
+        """From the -v log: the ops each connection sent, in order (refused ones included)."""
+        ops: dict[int, list[str]] = {}
+        for m in re.finditer(r"conn (\d+) \(pid \d+\) op (\w+)", self.log_text()):
+            ops.setdefault(int(m.group(1)), []).append(m.group(2))
+        return ops
+
+
+def _write_launch(root: Path, **overrides: Any) -> Server:
+    home = root / "home"
+    home.mkdir(mode=0o700)
+    (home / "agentctl").mkdir(mode=0o700)
+    workspace = root / "ws"
+    workspace.mkdir()
+    credential = auth.new_credential()
+    cred_file = home / "agentctl" / "credential"
+    launch.write_credential(cred_file, credential)
+    installation_id = os.urandom(16).hex()
+    config = launch.LaunchConfig(
+        socket_path=str(home / "run" / "agentctl.sock"),
+        log_path=str(home / "logs" / "agentctl.log"),
+        agent_log_dir=str(home / "logs" / "agents"),
+        installation_id=installation_id,
+        credential_file=str(cred_file),
+        mode="detached",
+    )
+    config = launch.from_json({**config.to_json(), **overrides})
+    launch_file = home / "agentctl" / "launch.json"
+    launch.dump(config, launch_file)
+    return Server(
+        root=root,
+        home=home,
+        launch_file=launch_file,
+        socket_path=config.socket_path,
+        log_path=Path(config.log_path),
+        stderr_path=root / "server.stderr",
+        credential=credential,
+        installation_id=installation_id,
+        workspace=workspace,
+        mock_state=root / "mock-state",
+    )
+
+
+def _server_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KANDEV_", "NOTIFY_", "CREDENTIALS_"))}
+    env["PYTHONPATH"] = str(REPO)
+    return env
+
+
+def _start(server: Server, *, stderr: Any = None, env: dict[str, str] | None = None) -> None:
+    with open(server.stderr_path, "ab") as err:
+        server.proc = subprocess.Popen(
+            [sys.executable, "-m", "daemon.agentctl.main", "--launch-file", str(server.launch_file), "-v"],
+            cwd=REPO,
+            env={**_server_env(), **(env or {})},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=err if stderr is None else stderr,
+            start_new_session=True,
+        )
+
+    async def answered() -> bool:
+        return await identify(server.socket_path, timeout=1.0) is not None
+
+    deadline = time.monotonic() + STEP
+    while not run(answered(), 5):
+        if server.proc.poll() is not None:
+            raise AssertionError(f"agentctl exited {server.proc.returncode}: {server.stderr_path.read_text()}")
+        if time.monotonic() > deadline:
+            raise AssertionError("agentctl did not answer identify in time")
+        time.sleep(0.05)
+
+
+def _teardown(server: Server) -> None:
+    proc = server.proc
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    for pgid in server.agent_groups:
+        kill_group(pgid)
+
+
+@pytest.fixture
+def private_root() -> Iterator[Path]:
+    """A 0700 directory with a short path (socket paths are limited to 107 bytes)."""
+    root = Path(tempfile.mkdtemp(prefix="kd-actl-", dir="/var/tmp"))
+    os.chmod(root, 0o700)
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def server(private_root: Path) -> Iterator[Server]:
+    srv = _write_launch(private_root)
+    try:
+        _start(srv)
+        yield srv
+    finally:
+        _teardown(srv)
+
+
+# ---------------------------------------------------------------- helpers on streams
+
+
+async def collect_until(stream: EventStream, stop: Callable[[Event], bool], timeout: float = STEP) -> list[Event]:
+    """Read events until ``stop(event)`` is true (that event included)."""
+    events: list[Event] = []
+
+    async def read() -> None:
+        async for event in stream:
+            events.append(event)
+            if stop(event):
+                return
+        raise AssertionError(f"stream ended before the awaited event; got {events[-3:]}")
+
+    await asyncio.wait_for(read(), timeout)
+    return events
+
+
+def chunks(events: list[Event]) -> list[str]:
+    return [
+        e.data["update"]["content"]["text"]
+        for e in events
+        if e.kind == EventKind.SESSION_UPDATE and e.data["update"].get("sessionUpdate") == "agent_message_chunk"
+    ]
+
+
+def turn_ended(turn_id: str) -> Callable[[Event], bool]:
+    return lambda e: e.kind == EventKind.TURN_ENDED and e.data["turn_id"] == turn_id
+
+
+async def wait_outcome(client: AgentctlClient, instance_id: str, turn_id: str) -> dict[str, Any]:
+    deadline = time.monotonic() + STEP * 2
+    while True:
+        status = await client.turn_status(instance_id)
+        for outcome in status["outcomes"]:
+            if outcome["turn_id"] == turn_id:
+                return outcome
+        assert time.monotonic() < deadline, f"turn {turn_id} never ended: {status}"
+        await asyncio.sleep(0.05)
+
+
+# ---------------------------------------------------------------- ownership and authentication
+
+
+def test_identify_reports_identity_capabilities_period_and_no_path(server: Server):
+    """AC-EXECUTORS-CONTROL-OWNERSHIP-001.11: identify returns exactly three things, no path."""
+    info = run(identify(server.socket_path))
+    assert info is not None
+    assert set(info) == {"server_identity", "capabilities", "protocol_version", "unowned_period_s"}
+    assert re.fullmatch(r"[0-9a-f]{32}", info["server_identity"])
+    assert sorted(info["capabilities"]) == sorted(CAPABILITIES)
+    assert info["protocol_version"] == [1, 0]
+    assert info["unowned_period_s"] == 600.0
+    flat = json.dumps(info)
+    assert "/" not in flat and str(server.home) not in flat
+
+
+def test_identify_helper_returns_none_when_nothing_answers(private_root: Path):
+    assert run(identify(str(private_root / "nothing.sock"), timeout=1.0)) is None
+    stale = private_root / "stale.sock"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(stale))
+    s.close()  # a socket file nobody listens on: ECONNREFUSED
+    assert run(identify(str(stale), timeout=1.0)) is None
+
+
+def test_identity_is_per_launch(private_root: Path):
+    srv = _write_launch(private_root)
+    identities = []
+    try:
+        for _ in range(2):
+            _start(srv)
+            identities.append(run(identify(srv.socket_path))["server_identity"])
+            _teardown(srv)
+    finally:
+        _teardown(srv)
+    assert identities[0] != identities[1]
+
+
+def test_connect_proves_then_authenticates(server: Server):
+    async def scenario() -> None:
+        client = await server.connect()
+        try:
+            assert client.capabilities == frozenset(CAPABILITIES)
+            assert client.unowned_period_s == 600.0
+            assert await client.list_instances() == []
+            assert await client.claim() == {"unowned_period_s": 600.0}
+        finally:
+            await client.close()
+
+    run(scenario())
+    assert server.ops_by_connection()[max(server.ops_by_connection())] == [
+        "identify", "prove", "auth_begin", "auth_finish", "list_instances", "claim",
+    ]
+
+
+@pytest.mark.parametrize("wrong", ["credential", "installation_id"])
+def test_wrong_credential_is_refused_before_anything_else_is_sent(server: Server, wrong: str):
+    """AC-EXECUTORS-CONTROL-OWNERSHIP-001.10: the server's proof is checked before the backend sends
+    anything else; a mismatch is authentication_failure and only identify + prove were sent."""
+    kw: dict[str, Any] = {"credential": auth.new_credential()} if wrong == "credential" else {
+        "installation_id": os.urandom(16).hex()
+    }
+    with pytest.raises(OwnershipRefused) as info:
+        run(server.connect(**kw))
+    assert info.value.reason == "authentication_failure"
+    time.sleep(0.2)
+    ops = server.ops_by_connection()
+    refused = [o for o in ops.values() if "prove" in o]
+    assert refused == [["identify", "prove"]], ops
+    assert "agentctl_auth_failed" not in server.log_text()  # the client never even tried auth
+
+
+def test_identity_mismatch_sends_only_identify(server: Server):
+    with pytest.raises(OwnershipRefused) as info:
+        run(server.connect(expected_identity="0" * 32))
+    assert info.value.reason == "identity_mismatch"
+    time.sleep(0.2)
+    assert list(server.ops_by_connection().values())[-1] == ["identify"]
+
+
+def test_unauthenticated_connections_are_refused(server: Server):
+    """design.md §5: every op but identify/prove/auth_* needs an authenticated connection;
+    a failed auth_finish consumes its nonce."""
+
+    async def scenario() -> None:
+        conn = await AsyncClient.connect(server.socket_path, hello=False)
+        try:
+            for op, args in [
+                ("list_instances", {}),
+                ("claim", {}),
+                ("ownership_shutdown", {}),
+                ("ack_turn", {"turn_id": "x"}),
+            ]:
+                with pytest.raises(IpcError) as info:
+                    await conn.call(op, args, timeout=STEP)
+                assert info.value.code == ErrorCode.UNAUTHENTICATED, op
+            with pytest.raises(IpcError) as info:
+                await conn.call("auth_finish", {"proof": b"x" * 32}, timeout=STEP)
+            assert info.value.code == ErrorCode.UNAUTHENTICATED
+            with pytest.raises(IpcError) as info:
+                await conn.call("prove", {"challenge": b"short"}, timeout=STEP)
+            assert info.value.code == ErrorCode.INVALID_ARGUMENT
+            identity = (await conn.call("identify"))["server_identity"]
+            nonce = (await conn.call("auth_begin"))["nonce"]
+            with pytest.raises(IpcError) as info:
+                await conn.call("auth_finish", {"proof": auth.connection_proof(auth.new_credential(), nonce, identity)})
+            assert info.value.code == ErrorCode.UNAUTHENTICATED
+            # the right proof for the consumed nonce is refused too
+            with pytest.raises(IpcError) as info:
+                await conn.call("auth_finish", {"proof": auth.connection_proof(server.credential, nonce, identity)})
+            assert info.value.code == ErrorCode.UNAUTHENTICATED
+            with pytest.raises(IpcError) as info:
+                await conn.call("list_instances")
+            assert info.value.code == ErrorCode.UNAUTHENTICATED
+            # a fresh nonce with the right credential works
+            nonce = (await conn.call("auth_begin"))["nonce"]
+            await conn.call("auth_finish", {"proof": auth.connection_proof(server.credential, nonce, identity)})
+            assert (await conn.call("list_instances")) == {"instances": []}
+        finally:
+            await conn.close()
+
+    run(scenario())
+    assert "agentctl_auth_failed" in server.log_text()
+
+
+# ---------------------------------------------------------------- instances
+
+
+def test_instance_runs_in_its_own_process_group_and_is_enumerated(server: Server):
+    """AC-EXECUTORS-SURVIVAL-002.1: enumeration carries the session and task ids the server holds,
+    never the environment."""
+    secret = "do-not-leak-" + os.urandom(8).hex()
+
+    async def scenario() -> dict[str, Any]:
+        async with await server.connect() as client:
+            env = {"KANDEV_MOCK_STATE_DIR": str(server.mock_state), "PYTHONPATH": str(REPO), "TOKEN": secret}
+            created = await server.create(client, session_id="S-42", task_id="T-7", env=env,
+                                          workspace_roots=[str(server.workspace)])
+            listed = await client.list_instances()
+            return {"created": created, "listed": listed}
+
+    out = run(scenario())
+    created, listed = out["created"], out["listed"]
+    pid = created["pid"]
+    assert os.getpgid(pid) == pid != os.getpgid(server.proc.pid)
+    assert os.getsid(pid) == pid
+    assert created["pid_start_time"] == pytest.approx(psutil.Process(pid).create_time(), abs=0.05)
+    assert re.fullmatch(r"[0-9a-f]{32}", created["instance_id"])
+    assert created["acp_session_id"]
+    (entry,) = listed
+    assert entry["instance_id"] == created["instance_id"]
+    assert (entry["session_id"], entry["task_id"], entry["agent"]) == ("S-42", "T-7", "mock")
+    assert entry["state"] == "running" and entry["pid"] == pid and entry["exit_code"] is None
+    assert entry["acp_session_id"] == created["acp_session_id"]
+    assert entry["workspace_roots"] == [str(server.workspace)] and entry["cwd"] == str(server.workspace)
+    assert entry["attached"] is False and entry["current_turn_id"] is None
+    assert "env" not in entry and secret not in json.dumps(listed)
+    # the agent's environment is the minimal one plus the request's
+    agent_env = psutil.Process(pid).environ()
+    assert agent_env["TOKEN"] == secret
+    assert not any(k.startswith("KANDEV_") and k != "KANDEV_MOCK_STATE_DIR" for k in agent_env)
+    # and stderr goes to its own file under the agent log dir
+    assert (server.home / "logs" / "agents" / f"{created['instance_id']}.stderr.log").exists()
+
+
+def test_slow_prompt_streams_chunks_in_order_then_turn_ended(server: Server):
+    """design.md §1: seq follows arrival order; turn_ended comes after every update of its turn."""
+
+    async def scenario() -> list[Event]:
+        async with await server.connect() as client:
+            iid = (await server.create(client))["instance_id"]
+            stream = await client.attach(iid, 0)
+            try:
+                turn = await client.prompt(iid, "/slow 3")
+                return await collect_until(stream, turn_ended(turn))
+            finally:
+                await stream.close()
+
+    events = run(scenario())
+    seqs = [e.seq for e in events]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+    assert [e.kind for e in events] == ["turn_started"] + ["session_update"] * 3 + ["turn_ended"]
+    assert chunks(events) == ["1/3 ", "2/3 ", "3/3 "]
+    turn = events[0].data["turn_id"]
+    assert events[0].data["text"] == "/slow 3"
+    assert all(e.data["turn_id"] == turn for e in events)
+    assert events[-1].data == {"turn_id": turn, "stop_reason": "end_turn", "error": None}
+
+
+def test_flood_while_detached_is_retained_and_handed_over_in_order(server: Server):
+    """AC-EXECUTORS-SURVIVAL-001.5: events produced while no stream is attached are kept and handed
+    over, in production order, exactly once."""
+    n = 2000
+
+    async def scenario() -> tuple[list[Event], dict[str, Any]]:
+        async with await server.connect() as client:
+            iid = (await server.create(client))["instance_id"]
+            turn = await client.prompt(iid, f"/flood {n}")
+            await wait_outcome(client, iid, turn)
+            (entry,) = await client.list_instances()
+            stream = await client.attach(iid, 0)
+            try:
+                events = await collect_until(stream, turn_ended(turn))
+            finally:
+                await stream.close()
+            return events, entry
+
+    events, entry = run(scenario())
+    assert entry["attached"] is False and entry["retained_events"] == n + 2
+    assert chunks(events) == [f"{i}/{n} " for i in range(1, n + 1)]
+    assert [e.seq for e in events] == list(range(1, n + 3))
+    assert events[-1].data["stop_reason"] == "end_turn"
+
+
+def test_detach_mid_stream_and_reattach_after_last_processed(server: Server):
+    """AC-EXECUTORS-SURVIVAL-001.5: re-attaching with after_seq = last processed loses nothing and
+    repeats nothing; one stream per instance (a new attach ends the previous one)."""
+    n = 2000
+
+    async def scenario() -> tuple[list[Event], list[Event], list[bool]]:
+        async with await server.connect() as client:
+            iid = (await server.create(client))["instance_id"]
+            first = await client.attach(iid, 0)
+            turn = await client.prompt(iid, f"/flood {n}")
+            part1 = await collect_until(first, lambda e: e.kind == "session_update" and len(chunks([e])) == 1
+                                        and e.data["update"]["content"]["text"] == f"500/{n} ")
+            attached = [(await client.list_instances())[0]["attached"]]
+            # a second stream replaces the first one
+            second = await client.attach(iid, part1[-1].seq)
+            with pytest.raises((StopAsyncIteration, IpcError)):
+                for _ in range(n + 10):  # the old stream may still deliver what was in flight
+                    await asyncio.wait_for(first.__anext__(), STEP)
+            await first.close()
+            await second.close()
+            await asyncio.sleep(0.2)
+            attached.append((await client.list_instances())[0]["attached"])
+            third = await client.attach(iid, part1[-1].seq)
+            try:
+                part2 = await collect_until(third, turn_ended(turn))
+            finally:
+                await third.close()
+            return part1, part2, attached
+
+    part1, part2, attached = run(scenario())
+    assert attached == [True, False]
+    assert part2[0].seq == part1[-1].seq + 1
+    assert chunks(part1 + part2) == [f"{i}/{n} " for i in range(1, n + 1)]
+    seqs = [e.seq for e in part1 + part2]
+    assert seqs == sorted(set(seqs))
+
+
+def test_turn_outcome_is_retained_until_acked_by_its_id(server: Server):
+    """AC-EXECUTORS-SURVIVAL-004.1, 004.6: reading never discards; only an ack naming the turn id
+    does; acking an unknown id succeeds and changes nothing."""
+
+    async def scenario() -> None:
+        async with await server.connect() as client:
+            iid = (await server.create(client))["instance_id"]
+            turn = await client.prompt(iid, "hello")
+            outcome = await wait_outcome(client, iid, turn)
+            assert outcome == {"turn_id": turn, "stop_reason": "end_turn", "error": None}
+            first = await client.turn_status(iid)
+            assert first == {"current_turn_id": None, "outcomes": [outcome]}
+            assert await client.turn_status(iid) == first  # repeatable
+            assert (await client.ack_turn("unknown:1"))["acked"] is False
+            assert await client.turn_status(iid) == first
+            assert (await client.ack_turn(turn))["acked"] is True
+            assert await client.turn_status(iid) == {"current_turn_id": None, "outcomes": []}
+            assert (await client.ack_turn(turn))["acked"] is False  # a retried ack is harmless
+
+    run(scenario())
+
+
+def test_turn_ids_are_unique_and_prefixed_by_identity(server: Server):
+    """AC-EXECUTORS-SURVIVAL-004.1: one turn id names one turn across all instances."""
+
+    async def scenario() -> tuple[str, list[str]]:
+        async with await server.connect() as client:
+            a = (await server.create(client, session_id="a"))["instance_id"]
+            b = (await server.create(client, session_id="b"))["instance_id"]
+            turns = []
+            for i in range(3):
+                for iid in (a, b):
+                    turn = await client.prompt(iid, f"hi {i}")
+                    await wait_outcome(client, iid, turn)
+                    turns.append(turn)
+            return client.identity, turns
+
+    identity, turns = run(scenario())
+    assert len(set(turns)) == len(turns) == 6
+    assert all(t.startswith(identity + ":") for t in turns)
+
+
+def test_second_prompt_while_a_turn_is_open_is_a_conflict(server: Server):
+    async def scenario() -> None:
+        async with await server.connect() as client:
+            iid = (await server.create(client))["instance_id"]
+            turn = await client.prompt(iid, "/slow 2")
+            with pytest.raises(IpcError) as info:
+                await client.prompt(iid, "again")
+            assert info.value.code == ErrorCode.CONFLICT
+            assert (await client.turn_status(iid))["current_turn_id"] == turn
+            await wait_outcome(client, iid, turn)
+
+    run(scenario())
+
+
+def test_cancel_ends_the_turn(server: Server):
+    async def scenario() -> list[Event]:
+        async with await server.connect() as client:
+            iid = (await server.create(client))["instance_id"]
+            stream = await client.attach(iid, 0)
+            try:
+                turn = await client.prompt(iid, "/slow 30")
+                await collect_until(stream, lambda e: e.kind == "session_update")
+                await client.cancel(iid)
+                return await collect_until(stream, turn_ended(turn))
+            finally:
+                await stream.close()
+
+    events = run(scenario())
+    assert events[-1].data["stop_reason"] == "cancelled"
+
+
+def test_failed_prompt_ends_the_turn_with_error(server: Server):
+    async def scenario() -> dict[str, Any]:
+        async with await server.connect() as client:
+            iid = (await server.create(client))["instance_id"]
+            turn = await client.prompt(iid, "/fail")
+            return await wait_outcome(client, iid, turn)
+
+    outcome = run(scenario())
+    assert outcome["stop_reason"] == "error" and "mock /fail" in outcome["error"]
+
+
+def test_permission_request_waits_for_the_backend(server: Server):
+    """A permission request is an event and stays open until respond_permission (no auto-cancel)."""
+
+    async def scenario() -> list[Event]:
+        async with await server.connect() as client:
+            iid = (await server.create(client))["instance_id"]
+            turn = await client.prompt(iid, "/permission")
+            await asyncio.sleep(1.0)  # raised while detached: it must still be open afterwards
+            stream = await client.attach(iid, 0)
+            try:
+                events = await collect_until(stream, lambda e: e.kind == EventKind.PERMISSION_REQUEST)
+                request = events[-1].data
+                assert request["turn_id"] == turn
+                assert [o["optionId"] for o in request["options"]] == ["allow", "reject"]
+                assert request["tool_call"]["toolCallId"].startswith("mock-permission-")
+                with pytest.raises(IpcError) as info:
+                    await client.respond_permission(iid, request["request_id"], "maybe")
+                assert info.value.code == ErrorCode.INVALID_ARGUMENT
+                with pytest.raises(IpcError) as info:
+                    await client.respond_permission(iid, "no-such-request", "allow")
+                assert info.value.code == ErrorCode.NOT_FOUND
+                await client.respond_permission(iid, request["request_id"], "allow")
+                events += await collect_until(stream, turn_ended(turn))
+                with pytest.raises(IpcError) as info:  # answered: no longer open
+                    await client.respond_permission(iid, request["request_id"], "allow")
+                assert info.value.code == ErrorCode.NOT_FOUND
+                return events
+            finally:
+                await stream.close()
+
+    events = run(scenario())
+    assert chunks(events) == ["permission: allow"]
+    assert events[-1].data["stop_reason"] == "end_turn"
+
+
+def test_stop_instance_kills_the_whole_group_and_is_idempotent(server: Server):
+    """design.md §6: stop kills the agent's process group (children included); absent = success."""
+    spawner = (
+        "import os, subprocess, sys\n"
+        "subprocess.Popen(['sleep', '300'], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)\n"
+        "os.execv(sys.executable, [sys.executable, '-m', 'daemon.agents.mock'])\n"
+    )
+
+    async def scenario() -> tuple[int, list[int]]:
+        async with await server.connect() as client:
+            created = await server.create(client, command=[sys.executable, "-c", spawner])
+            iid, pid = created["instance_id"], created["pid"]
+            children = [p.pid for p in psutil.Process(pid).children()]
+            assert children and all(os.getpgid(c) == pid for c in children)
+            started = time.monotonic()
+            assert await client.stop_instance(iid) == {"stopped": True, "already_absent": False}
+            assert time.monotonic() - started < 10
+            assert await client.stop_instance(iid) == {"stopped": False, "already_absent": True}
+            assert await client.list_instances() == []
+            for op, args in [("prompt", {"text": "x"}), ("turn_status", {}), ("ack_events", {"seq": 0})]:
+                with pytest.raises(IpcError) as info:
+                    await client.call(op, {"instance_id": iid, **args})
+                assert info.value.code == ErrorCode.NOT_FOUND, op
+            with pytest.raises(IpcError) as info:
+                await client.attach(iid, 0)
+            assert info.value.code == ErrorCode.NOT_FOUND
+            return pid, children
+
+    pgid, children = run(scenario())
+    wait_for(lambda: not group_exists(pgid), 10, "agent group gone")
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pgid, 0)
+    assert not any(psutil.pid_exists(c) and psutil.Process(c).status() != psutil.STATUS_ZOMBIE for c in children)
+
+
+def test_agent_exit_mid_turn_is_reported(server: Server):
+    """The exit of an agent is an event (exit code, stderr tail) and ends its open turn with
+    agent_exited; the instance stays listed as exited until stopped."""
+
+    async def scenario() -> tuple[list[Event], dict[str, Any], dict[str, Any]]:
+        async with await server.connect() as client:
+            iid = (await server.create(client))["instance_id"]
+            turn = await client.prompt(iid, "/exit 5")
+            outcome = await wait_outcome(client, iid, turn)
+            stream = await client.attach(iid, 0)
+            try:
+                events = await collect_until(stream, turn_ended(turn))
+            finally:
+                await stream.close()
+            (entry,) = await client.list_instances()
+            with pytest.raises(IpcError) as info:
+                await client.prompt(iid, "again")
+            assert info.value.code == ErrorCode.CONFLICT
+            assert (await client.stop_instance(iid))["stopped"] is True
+            return events, outcome, entry
+
+    events, outcome, entry = run(scenario())
+    kinds = [e.kind for e in events]
+    assert kinds == ["turn_started", "session_update", "agent_exited", "turn_ended"]
+    assert chunks(events) == ["exiting 5"]
+    assert events[2].data["exit_code"] == 5
+    assert "/exit: exiting 5" in events[2].data["stderr_tail"]
+    assert outcome["stop_reason"] == "agent_exited"
+    assert entry["state"] == "exited" and entry["exit_code"] == 5 and entry["current_turn_id"] is None
+
+
+def test_ack_events_discards_and_checks_range(server: Server):
+    async def scenario() -> None:
+        async with await server.connect() as client:
+            iid = (await server.create(client))["instance_id"]
+            turn = await client.prompt(iid, "/flood 10")
+            await wait_outcome(client, iid, turn)
+            assert (await client.ack_events(iid, 5))["discarded"] == 5
+            assert (await client.ack_events(iid, 5))["discarded"] == 0
+            with pytest.raises(IpcError) as info:
+                await client.ack_events(iid, 1000)
+            assert info.value.code == ErrorCode.INVALID_ARGUMENT
+            with pytest.raises(IpcError) as info:
+                await client.attach(iid, 1000)
+            assert info.value.code == ErrorCode.INVALID_ARGUMENT
+            stream = await client.attach(iid, 0)
+            try:
+                events = await collect_until(stream, turn_ended(turn))
+            finally:
+                await stream.close()
+            assert events[0].seq == 6 and stream.result["instance_id"] == iid
+
+    run(scenario())
+
+
+def test_resume_loads_the_session_and_replays_history(server: Server):
+    """create_instance with resume_session_id uses session/load; replayed updates belong to no turn."""
+
+    async def scenario() -> tuple[str, str, list[Event]]:
+        async with await server.connect() as client:
+            first = await server.create(client)
+            turn = await client.prompt(first["instance_id"], "remember me")
+            await wait_outcome(client, first["instance_id"], turn)
+            await client.stop_instance(first["instance_id"])
+            second = await server.create(client, resume_session_id=first["acp_session_id"])
+            stream = await client.attach(second["instance_id"], 0)
+            try:
+                events = await collect_until(stream, lambda e: "echo: remember me" in chunks([e]))
+            finally:
+                await stream.close()
+            return first["acp_session_id"], second["acp_session_id"], events
+
+    first_sid, second_sid, events = run(scenario())
+    assert first_sid == second_sid
+    assert all(e.data["turn_id"] is None for e in events)
+
+
+def test_handshake_failures_are_agent_errors_and_leave_nothing(server: Server):
+    """A failed initialize or session/load is a typed agent_error with the exit code and stderr
+    tail; the group is killed and the instance is not listed."""
+
+    async def scenario() -> tuple[IpcError, IpcError, IpcError]:
+        async with await server.connect() as client:
+            (server.workspace / ".kandev-mock.toml").write_text("fail_initialize = true\n")
+            with pytest.raises(IpcError) as init:
+                await server.create(client)
+            (server.workspace / ".kandev-mock.toml").write_text("fail_load = true\n")
+            with pytest.raises(IpcError) as load:
+                await server.create(client, resume_session_id="0" * 32)
+            (server.workspace / ".kandev-mock.toml").unlink()
+            with pytest.raises(IpcError) as spawn:
+                await server.create(client, command=["/nonexistent/agent"])
+            assert await client.list_instances() == []
+            return init.value, load.value, spawn.value
+
+    init, load, spawn = run(scenario())
+    assert init.code == ErrorCode.AGENT_ERROR and "initialize" in init.message and "exit code 3" in init.message
+    assert "fail_initialize set" in init.message  # stderr tail
+    assert load.code == ErrorCode.AGENT_ERROR and "session/load" in load.message
+    assert spawn.code == ErrorCode.AGENT_ERROR and "/nonexistent/agent" in spawn.message
+    for pid in list(server.agent_groups):
+        wait_for(lambda pid=pid: not group_exists(pid), 10, "failed agent's group gone")
+
+
+# ---------------------------------------------------------------- robustness
+
+
+def _raw(path: str, data: bytes, *, read: bool = True) -> dict[str, Any] | None:
+    """Send raw bytes; return the first answer frame, or None if the server closed the connection."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(STEP)
+    try:
+        s.connect(path)
+        s.sendall(data)
+        if not read:
+            return None
+        header = s.recv(4)
+        if len(header) < 4:
+            return None
+        (size,) = struct.unpack(">I", header)
+        body = b""
+        while len(body) < size:
+            chunk = s.recv(size - len(body))
+            if not chunk:
+                return None
+            body += chunk
+        return msgpack.unpackb(body, raw=False)
+    except (ConnectionResetError, BrokenPipeError):
+        return None
+    finally:
+        s.close()
+
+
+def _frame(obj: dict[str, Any]) -> bytes:
+    body = msgpack.packb(obj, use_bin_type=True)
+    return struct.pack(">I", len(body)) + body
+
+
+def test_bad_input_is_refused_and_the_server_keeps_serving(server: Server):
+    """design.md §4: garbage, oversized frames, unknown ops and missing fields get a typed error
+    or a closed connection, never a crash or a stall."""
+    cases = {
+        "random bytes": (os.urandom(64), {ErrorCode.INVALID_FRAME, ErrorCode.FRAME_TOO_LARGE}),
+        "100 MiB length prefix": (struct.pack(">I", 100 * 1024 * 1024) + b"x" * 16, {ErrorCode.FRAME_TOO_LARGE}),
+        "not a map": (_frame_raw(msgpack.packb([1, 2, 3])), {ErrorCode.INVALID_FRAME}),
+        "unknown op": (_frame({"v": 1, "id": 1, "op": "rm_rf", "args": {}}), {ErrorCode.UNKNOWN_OP}),
+        "missing fields": (_frame({"v": 1, "id": 1, "op": "prove", "args": {}}), {ErrorCode.INVALID_ARGUMENT}),
+        "wrong type": (
+            _frame({"v": 1, "id": 1, "op": "prove", "args": {"challenge": "text"}}),
+            {ErrorCode.INVALID_ARGUMENT},
+        ),
+        "wrong major": (_frame({"v": 2, "id": 1, "op": "identify", "args": {}}), {ErrorCode.INCOMPATIBLE_VERSION}),
+    }
+    for name, (payload, codes) in cases.items():
+        reply = _raw(server.socket_path, payload)
+        if reply is not None:
+            assert reply["ok"] is False and reply["error"]["code"] in codes, (name, reply)
+        assert run(identify(server.socket_path)) is not None, name
+    # a peer that sends half a frame and hangs up
+    _raw(server.socket_path, struct.pack(">I", 1000) + b"abc", read=False)
+
+    async def authenticated_garbage() -> None:
+        async with await server.connect() as client:
+            with pytest.raises(IpcError) as info:
+                await client.call("create_instance", {"session_id": "s"})
+            assert info.value.code == ErrorCode.INVALID_ARGUMENT and "task_id" in info.value.message
+            for bad in (
+                {"command": []},
+                {"command": ["x\0y"]},
+                {"cwd": "relative/dir"},
+                {"cwd": str(server.root / "missing")},
+                {"env": {"A": 1}},
+                {"env": {"A=B": "x"}},
+            ):
+                args = {"session_id": "s", "task_id": "t", "command": MOCK, "cwd": str(server.workspace), **bad}
+                with pytest.raises(IpcError) as info:
+                    await client.call("create_instance", args)
+                assert info.value.code == ErrorCode.INVALID_ARGUMENT, bad
+            with pytest.raises(IpcError) as info:
+                await client.call("prompt", {"instance_id": "nope", "text": "x"})
+            assert info.value.code == ErrorCode.NOT_FOUND
+            assert await client.list_instances() == []
+
+    run(authenticated_garbage())
+    assert server.proc.poll() is None
+
+
+def _frame_raw(body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + body
+
+
+@pytest.mark.parametrize("limit", [0, 10001, 2.5])
+def test_out_of_range_retention_limit_refuses_to_start(private_root: Path, limit: Any):
+    """AC-EXECUTORS-SURVIVAL-001.8: validated when the control server starts; rejected, not clamped;
+    exit code 2, the message names key, value and range, and nothing is bound."""
+    srv = _write_launch(private_root, detached_event_limit=limit)
+    proc = subprocess.run(
+        [sys.executable, "-m", "daemon.agentctl.main", "--launch-file", str(srv.launch_file)],
+        cwd=REPO,
+        env=_server_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "agentctl.detached_event_limit" in proc.stderr and str(limit) in proc.stderr, proc.stderr
+    assert "1..10000" in proc.stderr
+    assert not os.path.exists(srv.socket_path)
+    assert "agentctl.detached_event_limit" in srv.log_path.read_text()  # logged, too
+
+
+def test_bad_launch_file_or_credential_refuses_to_start(private_root: Path):
+    srv = _write_launch(private_root)
+    os.chmod(srv.launch_file, 0o644)
+    cmd = [sys.executable, "-m", "daemon.agentctl.main", "--launch-file", str(srv.launch_file)]
+    proc = subprocess.run(cmd, cwd=REPO, env=_server_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "0600" in proc.stderr
+    os.chmod(srv.launch_file, 0o600)
+    os.chmod(srv.home / "agentctl" / "credential", 0o644)
+    proc = subprocess.run(cmd, cwd=REPO, env=_server_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "credential" in proc.stderr
+    assert not os.path.exists(srv.socket_path)
+    # --home finds <home>/agentctl/launch.json
+    os.chmod(srv.home / "agentctl" / "credential", 0o600)
+    srv.launch_file.rename(srv.home / "agentctl" / "other.json")
+    proc = subprocess.run(
+        [sys.executable, "-m", "daemon.agentctl.main", "--home", str(srv.home)],
+        cwd=REPO, env=_server_env(), capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2 and str(srv.home / "agentctl" / "launch.json") in proc.stderr
+
+
+def test_sigterm_stops_every_agent_group(server: Server):
+    """SIGTERM to the control server: every agent group is killed, the socket removed, exit 0."""
+
+    async def scenario() -> list[int]:
+        async with await server.connect() as client:
+            pids = [(await server.create(client, session_id=f"s{i}"))["pid"] for i in range(2)]
+            await client.prompt((await client.list_instances())[0]["instance_id"], "/slow 30")
+            return pids
+
+    pids = run(scenario())
+    assert all(group_exists(p) for p in pids)
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(20) == 0
+    for pid in pids:
+        wait_for(lambda pid=pid: not group_exists(pid), 10, f"group {pid} gone")
+    assert not os.path.exists(server.socket_path)
+    assert "agentctl_stopped" in server.log_text()
+
+
+def test_sigkill_of_the_server_takes_its_agents_along(server: Server):
+    """PR_SET_PDEATHSIG=SIGKILL: an agent never outlives its control server."""
+
+    async def scenario() -> int:
+        async with await server.connect() as client:
+            return (await server.create(client))["pid"]
+
+    pid = run(scenario())
+    server.proc.kill()
+    server.proc.wait(10)
+    wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
+             10, "agent died with its server")
+
+
+def test_ownership_shutdown_stops_everything_and_exits(server: Server):
+    """AC-EXECUTORS-CONTROL-OWNERSHIP-002.9: stop every instance, reply, then exit."""
+
+    async def scenario() -> tuple[dict[str, Any], list[str]]:
+        async with await server.connect() as client:
+            ids = [(await server.create(client, session_id=f"s{i}"))["instance_id"] for i in range(2)]
+            return await client.ownership_shutdown(), ids
+
+    reply, ids = run(scenario())
+    assert sorted(reply["stopped"]) == sorted(ids)
+    assert server.proc.wait(20) == 0
+    for pgid in server.agent_groups:
+        assert not group_exists(pgid)
+    assert run(identify(server.socket_path, timeout=1.0)) is None
+
+
+def test_survives_dead_stdio(private_root: Path):
+    """AC-EXECUTORS-SURVIVAL-001.3: with stderr a pipe nobody reads any more, log writes never kill
+    the server; its own file keeps the log."""
+    srv = _write_launch(private_root)
+    try:
+        _start(srv, stderr=subprocess.PIPE)
+        assert srv.proc is not None and srv.proc.stderr is not None
+        srv.proc.stderr.close()  # the reader is gone: every stderr write now fails with EPIPE
+
+        async def scenario() -> None:
+            async with await srv.connect() as client:
+                iid = (await srv.create(client))["instance_id"]
+                for _ in range(3):
+                    turn = await client.prompt(iid, "hello")
+                    await wait_outcome(client, iid, turn)
+                await client.stop_instance(iid)
+
+        run(scenario())
+        assert srv.proc.poll() is None
+        assert run(identify(srv.socket_path)) is not None
+        assert "instance_stopped" in srv.log_text()
+    finally:
+        _teardown(srv)
+
+
+def test_socket_directory_is_private(server: Server):
+    run_dir = Path(server.socket_path).parent
+    assert (run_dir.stat().st_mode & 0o777) == 0o700
+    assert (os.stat(server.socket_path).st_mode & 0o777) == 0o600
+
+
+def test_sighup_is_ignored(server: Server):
+    """A detached server has no terminal; a hangup must not end it."""
+    server.proc.send_signal(signal.SIGHUP)
+    time.sleep(0.5)
+    assert server.proc.poll() is None
+    assert run(identify(server.socket_path)) is not None
+
+
+def test_sd_notify_ready_and_status(private_root: Path):
+    """READY=1 once the socket is bound, STATUS= tracks the number of instances."""
+    notify_path = private_root / "notify.sock"
+    sink = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sink.bind(str(notify_path))
+    sink.settimeout(STEP)
+    srv = _write_launch(private_root)
+    messages: list[str] = []
+
+    def receive_until(message: str, start: int = 0) -> int:
+        """Read notifications until ``message`` arrives at index >= start; returns its index."""
+        while True:
+            for i in range(start, len(messages)):
+                if messages[i] == message:
+                    return i
+            messages.extend(m for m in sink.recv(4096).decode().split("\n"))
+
+    try:
+        _start(srv, env={"NOTIFY_SOCKET": str(notify_path)})
+        ready = receive_until("READY=1")
+        receive_until("STATUS=serving 0 instances", ready)
+
+        async def scenario() -> None:
+            async with await srv.connect() as client:
+                iid = (await srv.create(client))["instance_id"]
+                one = await asyncio.to_thread(receive_until, "STATUS=serving 1 instance")
+                await client.stop_instance(iid)
+                await asyncio.to_thread(receive_until, "STATUS=serving 0 instances", one)
+
+        run(scenario())
+    except TimeoutError as exc:
+        raise AssertionError(f"missing notification; got {messages}") from exc
+    finally:
+        _teardown(srv)
+        sink.close()
