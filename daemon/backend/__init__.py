@@ -1,0 +1,1 @@
+"""The backend: store, CLI socket, control-server lifetime and startup recovery."""

@@ -1,0 +1,45 @@
+"""The backend's CLI protocol: one operation table for ``kandev`` and the backend.
+
+The CLI (``daemon.cli``) and the backend's socket server both import
+``TABLE``. Peers are admitted by ``SO_PEERCRED`` only (same uid, root or the
+service group); there is no further authentication on this socket.
+"""
+
+from __future__ import annotations
+
+from ipc.schema import Op, OpTable
+
+PROTOCOL = "kandev-backend"
+VERSION = (1, 0)
+
+OPS = [
+    Op("status", auth=False, doc="backend, capability, control_server, recovery, adoption"),
+    Op("shutdown", auth=False, doc="graceful stop (kandev down); with survival on, agents keep running"),
+    Op(
+        "task_create",
+        required={"title": str},
+        optional={"workspace": str, "executor": str},
+        auth=False,
+        doc="-> {task_id}",
+    ),
+    Op(
+        "session_start",
+        required={"task_id": str},
+        optional={"agent": str, "prompt": str, "passthrough": bool},
+        auth=False,
+        doc="-> {session_id, turn_id|None}",
+    ),
+    Op(
+        "prompt",
+        required={"session_id": str, "text": str},
+        optional={"wait": bool},
+        auth=False,
+        doc="-> {turn_id, stop_reason (with wait)}",
+    ),
+    Op("cancel", required={"session_id": str}, auth=False, doc="-> {ok}"),
+    Op("session_show", required={"session_id": str}, auth=False, doc="see design.md §8"),
+    Op("session_list", auth=False, doc="-> {sessions: [...]}"),
+    Op("board", auth=False, doc="-> {backlog, running, turn_finished, needs_attention, done}"),
+]
+
+TABLE = OpTable(PROTOCOL, VERSION, OPS)

@@ -1,0 +1,549 @@
+"""The backend's request handlers and runtime state (one object, one event loop).
+
+``Backend`` owns the store handle, the execution store, the client of the
+control server it uses and the recovery report; ``daemon.backend.main``
+builds it in the startup order and serves ``api.TABLE`` with ``handlers()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import subprocess
+import uuid
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+
+from daemon.agentctl.client import AgentctlClient, identify
+from daemon.agents.registry import get_agent
+from daemon.backend.events import _ensure_turn
+from daemon.backend.executions import EventConsumer, Execution, ExecutionStore
+from daemon.backend.launcher import ControlServerHandle, Launcher
+from daemon.backend.recovery import Recovery, RecoveryReport
+from daemon.config import Config
+from daemon.journal import log_event
+from daemon.paths import Paths
+from daemon.platform import CapabilityStatus
+from daemon.store import transitions
+from daemon.store.board import board
+from daemon.store.db import Store
+from daemon.store.models import ControlServerRecord, ExecutorRunning, Message, Task, TaskSession, Turn
+from ipc.errors import ErrorCode, IpcError
+from ipc.server import ConnectionContext
+
+log = logging.getLogger(__name__)
+
+VERSION = "0.1.0"
+EXECUTORS = ("local", "worktree")
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _not_found(what: str, ident: str) -> IpcError:
+    return IpcError(ErrorCode.NOT_FOUND, f"no {what} with id {ident!r}")
+
+
+class Backend:
+    """Runtime state of one backend process lifetime."""
+
+    def __init__(
+        self,
+        paths: Paths,
+        config: Config,
+        capability: CapabilityStatus,
+        store: Store,
+        installation_id: str,
+    ) -> None:
+        self.paths = paths
+        self.config = config
+        self.capability = capability
+        self.store = store
+        self.installation_id = installation_id
+        self.boot_id = uuid.uuid4().hex
+        self.state = "starting"
+        self.enabled = capability.state == "enabled"
+        if self.enabled:
+            mode = "unit" if capability.supervisor == "systemd" else "detached"
+        else:
+            mode = "child"
+        self.launcher = Launcher(paths, config, installation_id, mode)
+        self.executions = ExecutionStore()
+        self.client: AgentctlClient | None = None
+        self.handle: ControlServerHandle | None = None
+        self.server_identity: str | None = None
+        # Passthrough sessions run on a control server that is always our child
+        # (AC-EXECUTORS-SURVIVAL-005.3): it dies with the backend whatever the switch says.
+        self.passthrough_launcher = Launcher(paths, config, installation_id, "child")
+        self.passthrough_client: AgentctlClient | None = None
+        self.passthrough_handle: ControlServerHandle | None = None
+        self.consumer = EventConsumer(store, self._client_for, self._on_gone)
+        self.report = RecoveryReport()
+        self.shutdown_requested = asyncio.Event()
+        self.socket_path = str(paths.backend_socket)
+
+    # ------------------------------------------------------------ lifecycle
+    def _client_for(self, ex: Execution) -> AgentctlClient | None:
+        return self.passthrough_client if ex.passthrough else self.client
+
+    def _on_gone(self, ex: Execution) -> None:
+        self.executions.executions.pop(ex.session_id, None)
+
+    async def _connect(self, handle: ControlServerHandle, credential: bytes) -> tuple[AgentctlClient, dict[str, Any]]:
+        info = await identify(handle.endpoint, timeout=5.0)
+        if info is None:
+            raise IpcError(ErrorCode.UNAVAILABLE, f"control server at {handle.endpoint} does not answer")
+        client = await AgentctlClient.connect(
+            handle.endpoint,
+            credential=credential,
+            installation_id=self.installation_id,
+            expected_identity=info["server_identity"],
+        )
+        await client.claim()
+        return client, info
+
+    async def start_own_server(self) -> AgentctlClient:
+        """Start a fresh control server and record it as the one this installation uses."""
+        handle, credential = await self.launcher.start()
+        client, info = await self._connect(handle, credential)
+        self.handle = handle
+        self.server_identity = info["server_identity"]
+        with self.store.session() as db:
+            rec = db.get(ControlServerRecord, 1) or ControlServerRecord(id=1)
+            rec.endpoint = handle.endpoint
+            rec.server_identity = info["server_identity"]
+            rec.credential_ref = handle.credential_ref
+            rec.capabilities = list(info.get("capabilities") or [])
+            rec.log_path = handle.log_path
+            rec.pid = handle.pid
+            rec.launch_mode = handle.mode
+            rec.updated_at = _now()
+            db.merge(rec)
+        log_event(
+            "control_server_started",
+            f"started control server ({handle.mode}) pid {handle.pid} at {handle.endpoint}",
+            MODE=handle.mode,
+            SERVER_PID=handle.pid,
+            SERVER_IDENTITY=info["server_identity"],
+        )
+        return client
+
+    async def recover(self) -> None:
+        self.state = "recovering"
+        agentctl = self.config.agentctl
+        recovery = Recovery(
+            self.store,
+            self.executions,
+            deadline_s=agentctl.recovery_deadline,
+            read_timeout_s=agentctl.recovery_read_timeout,
+            read_retries=agentctl.recovery_read_retries,
+            read_credential=self.launcher.read_credential,
+            installation_id=self.installation_id,
+        )
+        report, client = await recovery.recover(
+            enabled=self.enabled, start_own_server=self.start_own_server, publish=self._publish
+        )
+        self.client = client
+        self.report = report
+        if report.adoption.outcome == "adopted" and report.adoption.record is not None:
+            rec = report.adoption.record
+            self.server_identity = rec.server_identity
+            self.handle = ControlServerHandle(
+                endpoint=rec.endpoint,
+                mode=rec.launch_mode,
+                credential_ref=rec.credential_ref,
+                log_path=rec.log_path,
+                pid=rec.pid,
+            )
+            with self.store.session() as db:
+                stored = db.get(ControlServerRecord, 1)
+                if stored is not None:
+                    stored.capabilities = list(client.capabilities)
+                    stored.updated_at = _now()
+        for ex in list(self.executions.executions.values()):
+            if ex.consumer is None:
+                self.consumer.start(ex)
+        self.state = "ready"
+
+    def _publish(self, ex: Execution) -> None:
+        self.executions.executions[ex.session_id] = ex
+
+    async def shutdown(self) -> None:
+        """Graceful stop. Enabled: detach, send no stop (AC-EXECUTORS-SURVIVAL-001.1). Disabled: stop it all."""
+        self.state = "stopping"
+        await self.consumer.stop(list(self.executions.executions.values()))
+        for client in (self.client, self.passthrough_client):
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    await client.close()
+        if self.handle is not None and self.handle.mode == "child":
+            await Launcher.terminate(self.handle)
+        if self.passthrough_handle is not None:
+            await Launcher.terminate(self.passthrough_handle)
+        log_event(
+            "backend_stopped",
+            "backend stopped; " + ("agents left running (survival enabled)" if self.enabled else "agents stopped"),
+            DETACHED=int(self.enabled),
+        )
+
+    # ------------------------------------------------------------- helpers
+    def _task(self, db: Any, task_id: str) -> Task:
+        task = db.get(Task, task_id)
+        if task is None:
+            raise _not_found("task", task_id)
+        return task
+
+    def _session(self, db: Any, session_id: str) -> TaskSession:
+        session = db.get(TaskSession, session_id)
+        if session is None:
+            raise _not_found("session", session_id)
+        return session
+
+    def _workspace_for(self, task_id: str, workspace: str | None, executor: str) -> str:
+        if executor == "worktree":
+            if not workspace:
+                raise IpcError(ErrorCode.INVALID_ARGUMENT, "executor 'worktree' needs --workspace (a git repository)")
+            target = self.paths.worktrees_dir / task_id
+            proc = subprocess.run(
+                ["git", "-C", workspace, "worktree", "add", "-b", f"kandev/{task_id}", str(target)],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            if proc.returncode != 0:
+                raise IpcError(ErrorCode.INVALID_ARGUMENT, f"git worktree add failed: {proc.stderr.strip()}")
+            return str(target)
+        if workspace:
+            path = Path(workspace)
+            if not path.is_absolute() or not path.is_dir():
+                raise IpcError(ErrorCode.INVALID_ARGUMENT, f"workspace {workspace!r} is not an existing absolute directory")
+            return str(path)
+        target = self.paths.worktrees_dir / task_id
+        target.mkdir(parents=True, exist_ok=True)
+        return str(target)
+
+    # ------------------------------------------------------------ handlers
+    def handlers(self) -> dict[str, Callable[[ConnectionContext, dict[str, Any]], Awaitable[Any]]]:
+        return {
+            "status": self.op_status,
+            "shutdown": self.op_shutdown,
+            "task_create": self.op_task_create,
+            "session_start": self.op_session_start,
+            "prompt": self.op_prompt,
+            "cancel": self.op_cancel,
+            "session_show": self.op_session_show,
+            "session_list": self.op_session_list,
+            "board": self.op_board,
+        }
+
+    async def op_status(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        handle = self.handle
+        reachable = False
+        if handle is not None:
+            reachable = await identify(handle.endpoint, timeout=1.0) is not None
+        report = self.report
+        return {
+            "backend": {
+                "pid": os.getpid(),
+                "version": VERSION,
+                "socket": self.socket_path,
+                "home": str(self.paths.home),
+                "state": self.state,
+            },
+            "capability": {
+                "state": self.capability.state,
+                "reason": self.capability.reason,
+                "detail": self.capability.detail,
+                "supervisor": self.capability.supervisor,
+            },
+            "control_server": {
+                "state": ("running" if reachable else "unreachable") if handle is not None else "none",
+                "pid": handle.pid if handle else None,
+                "server_identity": self.server_identity,
+                "endpoint": handle.endpoint if handle else None,
+                "mode": handle.mode if handle else None,
+                "log_path": handle.log_path if handle else None,
+            },
+            "recovery": {
+                "retracked": len(report.retracked),
+                "not_retracked": len(report.not_retracked),
+                "reasons": dict(report.not_retracked),
+                "stopped_orphans": len(report.stopped_orphans),
+                "duration_ms": round(report.duration_ms, 1),
+            },
+            "adoption": {"outcome": report.adoption.outcome, "reason": report.adoption.reason},
+        }
+
+    async def op_shutdown(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        self.shutdown_requested.set()
+        return {"ok": True, "detach": self.enabled}
+
+    async def op_task_create(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        title = args["title"].strip()
+        if not title:
+            raise IpcError(ErrorCode.INVALID_ARGUMENT, "title must not be empty")
+        executor = args.get("executor", "local")
+        if executor not in EXECUTORS:
+            raise IpcError(ErrorCode.INVALID_ARGUMENT, f"executor must be one of {', '.join(EXECUTORS)}")
+        task_id = uuid.uuid4().hex
+        workspace = self._workspace_for(task_id, args.get("workspace"), executor)
+        with self.store.session() as db:
+            db.add(
+                Task(
+                    id=task_id,
+                    title=title,
+                    workspace=workspace,
+                    executor=executor,
+                    state="backlog",
+                    interrupted=False,
+                    created_at=_now(),
+                    updated_at=_now(),
+                )
+            )
+        log_event("task_created", f"task {task_id} created", TASK_ID=task_id)
+        return {"task_id": task_id, "workspace": workspace}
+
+    async def _server_for(self, passthrough: bool) -> AgentctlClient:
+        if passthrough:
+            if self.passthrough_client is None:
+                handle, credential = await self.passthrough_launcher.start()
+                self.passthrough_client, _ = await self._connect(handle, credential)
+                self.passthrough_handle = handle
+            return self.passthrough_client
+        if self.client is None:
+            raise IpcError(ErrorCode.UNAVAILABLE, "the backend has no control server yet; retry shortly", True)
+        return self.client
+
+    async def op_session_start(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        if self.state != "ready":
+            raise IpcError(ErrorCode.UNAVAILABLE, f"backend is {self.state}; retry shortly", True)
+        agent_name = args.get("agent", "mock")
+        try:
+            agent = get_agent(agent_name)
+        except KeyError as exc:
+            raise IpcError(ErrorCode.INVALID_ARGUMENT, str(exc.args[0] if exc.args else exc)) from None
+        passthrough = bool(args.get("passthrough", False))
+        session_id = uuid.uuid4().hex
+        with self.store.session() as db:
+            task = self._task(db, args["task_id"])
+            task_id, workspace = task.id, task.workspace
+            db.add(
+                TaskSession(
+                    id=session_id,
+                    task_id=task_id,
+                    agent=agent_name,
+                    state="CREATED",
+                    metadata_json={"runtime_config": {"model": None, "mode": None, "options": {}}},
+                    passthrough=passthrough,
+                    created_at=_now(),
+                    updated_at=_now(),
+                )
+            )
+            db.flush()
+            transitions.transition_session(db, session_id, "STARTING", expected_from={"CREATED"}, reason="start")
+        client = await self._server_for(passthrough)
+        handle = self.passthrough_handle if passthrough else self.handle
+        assert handle is not None
+        mock_state = self.paths.home / "agents" / "mock-state"
+        mock_state.mkdir(parents=True, exist_ok=True)
+        try:
+            info = await client.create_instance(
+                session_id=session_id,
+                task_id=task_id,
+                command=list(agent.argv()),
+                cwd=workspace,
+                env={"KANDEV_MOCK_STATE_DIR": str(mock_state)},
+                agent=agent_name,
+            )
+        except IpcError as exc:
+            with self.store.session() as db:
+                transitions.transition_session(
+                    db, session_id, "FAILED", expected_from={"STARTING"}, reason="launch failed", last_error=exc.message
+                )
+            raise IpcError(ErrorCode.AGENT_ERROR, f"agent failed to start: {exc.message}") from None
+        with self.store.session() as db:
+            session = self._session(db, session_id)
+            meta = dict(session.metadata_json or {})
+            meta["acp"] = {"session_id": info.get("acp_session_id")}
+            session.metadata_json = meta
+            db.merge(
+                ExecutorRunning(
+                    session_id=session_id,
+                    task_id=task_id,
+                    instance_id=info["instance_id"],
+                    endpoint=handle.endpoint,
+                    agent_pid=info.get("pid"),
+                    agent_pid_start_time=info.get("pid_start_time"),
+                    resume_token=info.get("acp_session_id"),
+                    worktree_path=workspace if task.executor == "worktree" else None,
+                    workspace_path=workspace,
+                    runtime="standalone",
+                    agent_profile=agent_name,
+                    status="live",
+                    last_event_seq=0,
+                    created_by_boot=self.boot_id,
+                    metadata_json={},
+                    created_at=_now(),
+                    updated_at=_now(),
+                )
+            )
+            transitions.transition_session(
+                db, session_id, "WAITING_FOR_INPUT", expected_from={"STARTING"}, reason="agent ready"
+            )
+            transitions.set_task_state(db, task_id, "review")
+        ex = Execution(
+            session_id=session_id,
+            task_id=task_id,
+            instance_id=info["instance_id"],
+            agent_pid=info.get("pid"),
+            agent_pid_start_time=info.get("pid_start_time"),
+            acp_session_id=info.get("acp_session_id"),
+            passthrough=passthrough,
+        )
+        self.executions.executions[session_id] = ex
+        self.consumer.start(ex)
+        log_event(
+            "session_started",
+            f"session {session_id} started: agent {agent_name} pid {ex.agent_pid}",
+            SESSION_ID=session_id,
+            TASK_ID=task_id,
+            INSTANCE_ID=ex.instance_id,
+            AGENT_PID=ex.agent_pid,
+        )
+        result: dict[str, Any] = {"session_id": session_id, "turn_id": None}
+        if args.get("prompt"):
+            started = await self._prompt(session_id, args["prompt"], wait=False)
+            result["turn_id"] = started["turn_id"]
+        return result
+
+    async def _prompt(self, session_id: str, text: str, *, wait: bool) -> dict[str, Any]:
+        self.executions.check_launch(session_id)
+        ex = self.executions.executions.get(session_id)
+        with self.store.session() as db:
+            session = self._session(db, session_id)
+            if ex is None:
+                raise IpcError(
+                    ErrorCode.CONFLICT, f"session {session_id} has no running agent (state {session.state})"
+                )
+            if session.state != "WAITING_FOR_INPUT":
+                raise IpcError(ErrorCode.CONFLICT, f"session {session_id} is {session.state}; a turn is in progress")
+            transitions.transition_session(
+                db, session_id, "RUNNING", expected_from={"WAITING_FOR_INPUT"}, reason="prompt"
+            )
+            transitions.set_task_state(db, session.task_id, "in_progress")
+        client = self._client_for(ex)
+        try:
+            if client is None:
+                raise IpcError(ErrorCode.UNAVAILABLE, "no control server", True)
+            turn_id = str(await client.prompt(ex.instance_id, text))
+        except IpcError as exc:
+            with self.store.session() as db:
+                with contextlib.suppress(transitions.TransitionConflict):
+                    transitions.transition_session(
+                        db, session_id, "WAITING_FOR_INPUT", expected_from={"RUNNING"}, reason="prompt refused",
+                        last_error=exc.message,
+                    )
+                    transitions.set_task_state(db, ex.task_id, "review")
+            raise
+        waiter = ex.wait_turn(turn_id) if wait else None
+        with self.store.session() as db:
+            turn = _ensure_turn(db, session_id, turn_id, text)
+            finished = turn.state != "open"
+            stop_reason = turn.stop_reason
+        result: dict[str, Any] = {"turn_id": turn_id}
+        if waiter is not None:
+            if finished:
+                ex.resolve_turn(turn_id, stop_reason)
+            result["stop_reason"] = await waiter
+        return result
+
+    async def op_prompt(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        return await self._prompt(args["session_id"], args["text"], wait=bool(args.get("wait", False)))
+
+    async def op_cancel(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        session_id = args["session_id"]
+        with self.store.session() as db:
+            self._session(db, session_id)
+        ex = self.executions.executions.get(session_id)
+        if ex is None:
+            raise IpcError(ErrorCode.CONFLICT, f"session {session_id} has no running agent")
+        client = self._client_for(ex)
+        if client is None:
+            raise IpcError(ErrorCode.UNAVAILABLE, "no control server", True)
+        await client.cancel(ex.instance_id)
+        return {"ok": True}
+
+    async def op_session_show(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        session_id = args["session_id"]
+        ex = self.executions.executions.get(session_id)
+        with self.store.session() as db:
+            session = self._session(db, session_id)
+            row = db.get(ExecutorRunning, session_id)
+            turns = db.scalars(select(Turn).where(Turn.session_id == session_id).order_by(Turn.ordinal)).all()
+            messages = db.scalars(select(Message).where(Message.session_id == session_id).order_by(Message.id)).all()
+            meta = dict(session.metadata_json or {})
+            runtime = meta.get("runtime_config") or {"model": None, "mode": None, "options": {}}
+            return {
+                "session_id": session.id,
+                "task_id": session.task_id,
+                "state": session.state,
+                "agent": session.agent,
+                "passthrough": bool(session.passthrough),
+                "agent_pid": ex.agent_pid if ex else (row.agent_pid if row else None),
+                "agent_pid_start_time": ex.agent_pid_start_time if ex else (row.agent_pid_start_time if row else None),
+                "instance_id": ex.instance_id if ex else (row.instance_id if row else None),
+                "resume_token": row.resume_token if row else (meta.get("acp") or {}).get("session_id"),
+                "retracked": bool(ex.retracked) if ex else False,
+                "live": ex is not None,
+                "recoverable": ex is None and session.state not in ("COMPLETED",) and row is not None,
+                "not_retracked_reason": self.report.not_retracked.get(session_id),
+                "guard": self.executions.guards.get(session_id),
+                "last_error": session.last_error,
+                "runtime_config": runtime,
+                "turns": [
+                    {"turn_id": t.id, "state": t.state, "stop_reason": t.stop_reason, "prompt": t.prompt}
+                    for t in turns
+                ],
+                "transcript": [
+                    {"role": m.role, "kind": m.kind, "text": m.text, "turn_id": m.turn_id, "seq": m.event_seq}
+                    for m in messages
+                ],
+            }
+
+    async def op_session_list(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        with self.store.session() as db:
+            sessions = db.scalars(select(TaskSession).order_by(TaskSession.created_at)).all()
+            return {
+                "sessions": [
+                    {
+                        "session_id": s.id,
+                        "task_id": s.task_id,
+                        "state": s.state,
+                        "retracked": bool(
+                            (ex := self.executions.executions.get(s.id)) is not None and ex.retracked
+                        ),
+                    }
+                    for s in sessions
+                ]
+            }
+
+    async def op_board(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        with self.store.session() as db:
+            return board(db)
+
+
+async def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while loop.time() < end:
+        if predicate():
+            return True
+        await asyncio.sleep(interval)
+    return predicate()

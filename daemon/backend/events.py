@@ -1,0 +1,237 @@
+"""Applying control-server events and turn outcomes to the store.
+
+Every event carries a per-instance ``seq``. A batch of events is applied in one
+transaction together with the inventory row's ``last_event_seq``, so after any
+crash the backend re-attaches with ``after_seq = last_event_seq`` and neither
+loses nor duplicates a transcript entry (AC-EXECUTORS-SURVIVAL-001.5).
+
+A turn's terminal outcome can arrive twice: as a retained outcome read with
+``turn_status`` and as a ``turn_ended`` event. ``apply_turn_outcome`` is
+idempotent against durable state (a finished turn stays as it is), and the
+caller also remembers applied turn ids for this process lifetime
+(AC-EXECUTORS-SURVIVAL-004.4, 004.6).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session as DbSession
+
+from daemon.agentctl.protocol import EventKind
+from daemon.store import transitions
+from daemon.store.models import ExecutorRunning, Message, TaskSession, Turn
+
+# ACP session updates that carry text for the transcript, and the role they get.
+_TEXT_UPDATES = {
+    "agent_message_chunk": "agent",
+    "agent_thought_chunk": "agent",
+    "user_message_chunk": "user",
+}
+# Stop reasons after which the session waits for the next prompt.
+_AGENT_DIED = "agent_exited"
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass
+class ApplyResult:
+    """What a batch did that needs action after its commit."""
+
+    ended_turns: list[tuple[str, str | None]] = field(default_factory=list)  # (turn_id, stop_reason)
+    agent_exited: bool = False
+
+
+def _ensure_turn(db: DbSession, session_id: str, turn_id: str, prompt: str | None) -> Turn:
+    turn = db.get(Turn, turn_id)
+    if turn is None:
+        ordinal = db.scalar(select(func.count()).select_from(Turn).where(Turn.session_id == session_id)) or 0
+        turn = Turn(
+            id=turn_id,
+            session_id=session_id,
+            ordinal=ordinal + 1,
+            prompt=prompt or "",
+            state="open",
+            started_at=_now(),
+        )
+        db.add(turn)
+        db.flush()
+    elif prompt and not turn.prompt:
+        turn.prompt = prompt
+    return turn
+
+
+def apply_turn_outcome(
+    db: DbSession, session_id: str, turn_id: str, stop_reason: str | None, error: str | None
+) -> bool:
+    """Apply one terminal turn outcome; returns False if durable state already shows it."""
+    turn = _ensure_turn(db, session_id, turn_id, None)
+    if turn.state in ("finished", "abandoned"):
+        return False
+    turn.state = "finished"
+    turn.stop_reason = stop_reason
+    turn.error = error
+    turn.ended_at = _now()
+    session = db.get(TaskSession, session_id)
+    if session is None:
+        return True
+    if stop_reason == _AGENT_DIED:
+        # The agent_exited event moves the session to FAILED; nothing to wait for.
+        return True
+    open_turns = db.scalar(
+        select(func.count()).select_from(Turn).where(Turn.session_id == session_id, Turn.state == "open")
+    )
+    if session.state == "RUNNING" and not open_turns:
+        transitions.transition_session(
+            db,
+            session_id,
+            "WAITING_FOR_INPUT",
+            expected_from={"RUNNING"},
+            reason=f"turn {turn_id} ended: {stop_reason}",
+            last_error=error,
+        )
+        transitions.set_task_state(db, session.task_id, "review")
+    return True
+
+
+def _set_runtime_config(session: TaskSession, key: str, value: Any) -> None:
+    meta = dict(session.metadata_json or {})
+    runtime = dict(meta.get("runtime_config") or {"model": None, "mode": None, "options": {}})
+    if key == "options":
+        runtime["options"] = value
+        model = value.pop("model", None) if isinstance(value, dict) else None
+        if model is not None:
+            runtime["model"] = model
+    else:
+        runtime[key] = value
+    meta["runtime_config"] = runtime
+    session.metadata_json = meta
+
+
+def _config_options(update: dict[str, Any]) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for opt in update.get("configOptions") or []:
+        if isinstance(opt, dict) and "id" in opt:
+            options[str(opt["id"])] = opt.get("currentValue")
+    return options
+
+
+def apply_events(db: DbSession, session_id: str, instance_id: str, events: list[Any]) -> ApplyResult:
+    """Apply a batch of stream events (each with .seq, .kind, .data) in the caller's transaction."""
+    result = ApplyResult()
+    session = db.get(TaskSession, session_id)
+    if session is None:
+        return result
+    for ev in events:
+        data = ev.data if isinstance(ev.data, dict) else {}
+        turn_id = data.get("turn_id")
+        if ev.kind == EventKind.TURN_STARTED:
+            _ensure_turn(db, session_id, str(turn_id), str(data.get("text") or ""))
+            db.add(
+                Message(
+                    session_id=session_id,
+                    turn_id=turn_id,
+                    role="user",
+                    kind="prompt",
+                    text=str(data.get("text") or ""),
+                    instance_id=instance_id,
+                    event_seq=ev.seq,
+                    created_at=_now(),
+                )
+            )
+        elif ev.kind == EventKind.SESSION_UPDATE:
+            update = data.get("update") if isinstance(data.get("update"), dict) else {}
+            kind = str(update.get("sessionUpdate") or "unknown")
+            if kind in _TEXT_UPDATES:
+                content = update.get("content") if isinstance(update.get("content"), dict) else {}
+                text = str(content.get("text") or "")
+                role = _TEXT_UPDATES[kind]
+            else:
+                text = json.dumps(update, sort_keys=True, default=str)
+                role = "agent"
+                if kind == "current_mode_update":
+                    _set_runtime_config(session, "mode", update.get("currentModeId"))
+                elif kind == "config_option_update":
+                    _set_runtime_config(session, "options", _config_options(update))
+            db.add(
+                Message(
+                    session_id=session_id,
+                    turn_id=turn_id,
+                    role=role,
+                    kind=kind,
+                    text=text,
+                    instance_id=instance_id,
+                    event_seq=ev.seq,
+                    created_at=_now(),
+                )
+            )
+        elif ev.kind == EventKind.TURN_ENDED:
+            tid = str(turn_id)
+            # Applied or already applied: either way it is acked and its waiters woken.
+            apply_turn_outcome(db, session_id, tid, data.get("stop_reason"), data.get("error"))
+            result.ended_turns.append((tid, data.get("stop_reason")))
+        elif ev.kind == EventKind.AGENT_EXITED:
+            result.agent_exited = True
+            code = data.get("exit_code")
+            db.add(
+                Message(
+                    session_id=session_id,
+                    turn_id=None,
+                    role="system",
+                    kind="agent_exited",
+                    text=f"agent exited with code {code}",
+                    instance_id=instance_id,
+                    event_seq=ev.seq,
+                    created_at=_now(),
+                )
+            )
+            mark_agent_gone(db, session_id, f"agent exited with code {code}")
+        else:  # permission_request, agent_error and kinds added later: kept verbatim
+            db.add(
+                Message(
+                    session_id=session_id,
+                    turn_id=turn_id,
+                    role="system",
+                    kind=str(ev.kind),
+                    text=json.dumps(data, sort_keys=True, default=str),
+                    instance_id=instance_id,
+                    event_seq=ev.seq,
+                    created_at=_now(),
+                )
+            )
+    if events:
+        row = db.get(ExecutorRunning, session_id)
+        if row is not None and row.instance_id == instance_id:
+            row.last_event_seq = max(row.last_event_seq or 0, max(ev.seq for ev in events))
+            row.updated_at = _now()
+    return result
+
+
+def mark_agent_gone(db: DbSession, session_id: str, reason: str) -> None:
+    """The session's agent is dead: FAILED, open turns abandoned, inventory row stale (tokens kept)."""
+    session = db.get(TaskSession, session_id)
+    if session is None:
+        return
+    for turn in db.scalars(select(Turn).where(Turn.session_id == session_id, Turn.state == "open")):
+        turn.state = "abandoned"
+        turn.stop_reason = _AGENT_DIED
+        turn.ended_at = _now()
+    if session.state in ("STARTING", "RUNNING", "WAITING_FOR_INPUT"):
+        transitions.transition_session(
+            db,
+            session_id,
+            "FAILED",
+            expected_from={session.state},
+            reason=reason,
+            last_error=reason,
+        )
+    row = db.get(ExecutorRunning, session_id)
+    if row is not None:
+        row.status = "stale"  # resume token and worktree identity are kept
+        row.updated_at = _now()

@@ -1,0 +1,224 @@
+"""The backend's in-memory execution store: tracked sessions, guards, event consumers.
+
+An *execution* is this backend's handle on one agent instance in the control
+server: which session it serves, the instance id, the agent's (pid, start
+time), and the task that consumes its event stream. The backend never holds a
+pipe or signals an agent itself; it only talks to the control server.
+
+Guards (AC-EXECUTORS-SURVIVAL-002.8): while startup recovery decides a
+session, a launch for it is refused at once with a retryable
+``session_guarded`` error. Taking a guard is one atomic acquire-or-observe
+against the same map the launch path checks (single-threaded asyncio makes a
+plain check-and-set atomic as long as no ``await`` sits between them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from daemon.agentctl.client import AgentctlClient
+from daemon.backend.events import apply_events, mark_agent_gone
+from daemon.journal import log_event
+from daemon.store.db import Store
+from ipc.errors import IpcError
+
+log = logging.getLogger(__name__)
+
+BATCH_MAX = 2000
+ACK_EVERY = 500  # events between ack_events calls while streaming
+REATTACH_DELAY_S = 0.5
+
+
+@dataclass
+class Execution:
+    session_id: str
+    task_id: str
+    instance_id: str
+    agent_pid: int | None
+    agent_pid_start_time: float | None
+    acp_session_id: str | None
+    retracked: bool = False
+    passthrough: bool = False  # runs on the backend's own child server; never survives
+    last_seq: int = 0
+    applied_turns: set[str] = field(default_factory=set)
+    turn_waiters: dict[str, list[asyncio.Future[str | None]]] = field(default_factory=dict)
+    consumer: asyncio.Task[None] | None = None
+    gone: bool = False
+
+    def wait_turn(self, turn_id: str) -> asyncio.Future[str | None]:
+        fut: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        self.turn_waiters.setdefault(turn_id, []).append(fut)
+        return fut
+
+    def resolve_turn(self, turn_id: str, stop_reason: str | None) -> None:
+        for fut in self.turn_waiters.pop(turn_id, []):
+            if not fut.done():
+                fut.set_result(stop_reason)
+
+    def fail_waiters(self, reason: str) -> None:
+        for turn_id in list(self.turn_waiters):
+            self.resolve_turn(turn_id, reason)
+
+
+class Guarded(IpcError):
+    pass
+
+
+class ExecutionStore:
+    """Tracked executions and recovery guards, keyed by session id."""
+
+    def __init__(self) -> None:
+        self.executions: dict[str, Execution] = {}
+        self.guards: dict[str, str] = {}  # session_id -> "recovering" | "unstopped_agent"
+
+    def acquire_guard(self, session_id: str) -> bool:
+        """Guard a session unless it is already guarded or tracked (then only observe)."""
+        if session_id in self.guards or session_id in self.executions:
+            return False
+        self.guards[session_id] = "recovering"
+        return True
+
+    def release_guard(self, session_id: str) -> None:
+        if self.guards.get(session_id) == "recovering":
+            del self.guards[session_id]
+
+    def check_launch(self, session_id: str) -> None:
+        """Refuse a launch for a guarded session (retryable while recovering)."""
+        reason = self.guards.get(session_id)
+        if reason == "recovering":
+            raise IpcError("session_guarded", f"session {session_id} is being recovered; retry shortly", True)
+        if reason == "unstopped_agent":
+            raise IpcError(
+                "session_guarded",
+                f"session {session_id} has an agent that could not be stopped; restart the backend",
+                False,
+            )
+
+
+class EventConsumer:
+    """Consumes one execution's event stream into the store, in seq order, in batches."""
+
+    def __init__(
+        self,
+        store: Store,
+        client_factory: Callable[[Execution], AgentctlClient | None],
+        on_gone: Callable[[Execution], None],
+    ) -> None:
+        self.store = store
+        self.client_factory = client_factory
+        self.on_gone = on_gone
+        self.stopping = False
+
+    def start(self, ex: Execution) -> None:
+        ex.consumer = asyncio.get_running_loop().create_task(self._run(ex), name=f"events-{ex.session_id}")
+
+    async def _run(self, ex: Execution) -> None:
+        while not self.stopping and not ex.gone:
+            client = self.client_factory(ex)
+            if client is None:
+                return
+            try:
+                await self._consume_once(client, ex)
+            except asyncio.CancelledError:
+                raise
+            except IpcError as exc:
+                if exc.code == "not_found":
+                    log.warning("instance %s of session %s is gone", ex.instance_id, ex.session_id)
+                    self._agent_gone(ex, "agent instance is gone from the control server")
+                    return
+                log.warning("event stream for session %s lost: %s", ex.session_id, exc)
+            except Exception:
+                log.exception("event consumer for session %s failed", ex.session_id)
+            if self.stopping or ex.gone:
+                return
+            await asyncio.sleep(REATTACH_DELAY_S)
+
+    async def _consume_once(self, client: AgentctlClient, ex: Execution) -> None:
+        stream = await client.attach(ex.instance_id, after_seq=ex.last_seq)
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        done = object()
+
+        async def reader() -> None:
+            try:
+                async for ev in stream:
+                    queue.put_nowait(ev)
+            finally:
+                queue.put_nowait(done)
+
+        reader_task = asyncio.get_running_loop().create_task(reader())
+        unacked = 0
+        try:
+            finished = False
+            while not finished:
+                first = await queue.get()
+                if first is done:
+                    break
+                batch = [first]
+                while len(batch) < BATCH_MAX and not queue.empty():
+                    item = queue.get_nowait()
+                    if item is done:
+                        finished = True
+                        break
+                    batch.append(item)
+                batch = [ev for ev in batch if ev.seq > ex.last_seq]
+                if not batch:
+                    continue
+                with self.store.session() as db:
+                    result = apply_events(db, ex.session_id, ex.instance_id, batch)
+                ex.last_seq = batch[-1].seq
+                unacked += len(batch)
+                for turn_id, stop_reason in result.ended_turns:
+                    ex.applied_turns.add(turn_id)
+                    # Acked only now, after the outcome is durable, and never in the
+                    # exchange that delivered it (AC-EXECUTORS-SURVIVAL-004.6).
+                    with contextlib.suppress(IpcError):
+                        await client.ack_turn(turn_id)
+                    ex.resolve_turn(turn_id, stop_reason)
+                if unacked >= ACK_EVERY or queue.empty():
+                    with contextlib.suppress(IpcError):
+                        await client.ack_events(ex.instance_id, ex.last_seq)
+                    unacked = 0
+                if result.agent_exited:
+                    self._agent_gone(ex, None)
+                    with contextlib.suppress(IpcError):
+                        await client.stop_instance(ex.instance_id)
+                    return
+            if reader_task.done() and reader_task.exception() is not None:
+                raise reader_task.exception()  # type: ignore[misc]
+        finally:
+            reader_task.cancel()
+            with contextlib.suppress(BaseException):
+                await reader_task
+            with contextlib.suppress(Exception):
+                await stream.close()
+
+    def _agent_gone(self, ex: Execution, reason: str | None) -> None:
+        if reason is not None:
+            with self.store.session() as db:
+                mark_agent_gone(db, ex.session_id, reason)
+        ex.gone = True
+        ex.fail_waiters("agent_exited")
+        log_event(
+            "agent_gone",
+            f"agent of session {ex.session_id} is gone",
+            SESSION_ID=ex.session_id,
+            TASK_ID=ex.task_id,
+            INSTANCE_ID=ex.instance_id,
+            REASON=reason or "agent_exited",
+        )
+        self.on_gone(ex)
+
+    async def stop(self, executions: list[Execution]) -> None:
+        """Stop consuming (backend shutdown); the instances keep running."""
+        self.stopping = True
+        tasks = [ex.consumer for ex in executions if ex.consumer is not None]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(BaseException):
+                await t

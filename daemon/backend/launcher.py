@@ -1,0 +1,201 @@
+"""Starting a control server in the lifetime the capability asks for (design.md §2).
+
+Three lifetimes:
+
+- ``unit``: capability enabled under systemd. The server is its own unit,
+  ``kandev-agentctl.service``, started through ``systemctl``; it is not
+  ``PartOf``/``BindsTo`` the backend, so a backend stop, restart or SIGKILL
+  leaves it and its agents running.
+- ``detached``: capability enabled with no service manager. A new session,
+  no parent-death signal, no liveness pipe, stdio not inherited.
+- ``child``: capability disabled (the default) or unavailable. A child of the
+  backend in the backend's own cgroup with ``PR_SET_PDEATHSIG``: it dies with
+  the backend, as kandev always did (AC-EXECUTORS-SURVIVAL-005.1).
+
+Whoever starts a server writes its launch file (socket path, log path,
+installation id, the control server's config keys) and a fresh 32-byte
+credential (0600) beforehand; the credential never appears in argv or the
+environment. Every launch gets a new socket path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import secrets
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from daemon.agentctl import launch as launch_file
+from daemon.agentctl.client import identify
+from daemon.config import Config
+from daemon.paths import Paths
+
+AGENTCTL_UNIT = "kandev-agentctl.service"
+BOOTSTRAP_CREDENTIAL = "agentctl-bootstrap"  # LoadCredential= source in the unit
+READY_TIMEOUT_S = 30.0
+_PR_SET_PDEATHSIG = 1
+
+
+class LaunchError(RuntimeError):
+    """The control server could not be started; the message says why."""
+
+
+@dataclass
+class ControlServerHandle:
+    """A control server this backend is using (started or adopted)."""
+
+    endpoint: str
+    mode: str  # "unit" | "detached" | "child"
+    credential_ref: str
+    log_path: str
+    pid: int | None = None
+    process: subprocess.Popen[bytes] | None = None  # only while it is our child
+
+
+def _set_parent_death_signal() -> None:  # runs in the child between fork and exec
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def agentctl_argv(launch_path: str) -> list[str]:
+    return [sys.executable, "-m", "daemon.agentctl.main", "--launch-file", launch_path]
+
+
+class Launcher:
+    """Starts control servers; knows nothing about sessions or recovery."""
+
+    def __init__(self, paths: Paths, config: Config, installation_id: str, mode: str) -> None:
+        if mode not in ("unit", "detached", "child"):
+            raise ValueError(f"unknown launch mode {mode}")
+        self.paths = paths
+        self.config = config
+        self.installation_id = installation_id
+        self.mode = mode
+
+    def read_credential(self, credential_ref: str) -> bytes:
+        """Read a stored credential by reference (raises OSError/ValueError if unreadable)."""
+        if not credential_ref or "/" in credential_ref or credential_ref.startswith("."):
+            raise ValueError(f"invalid credential reference {credential_ref!r}")
+        try:
+            return launch_file.read_credential_file(self.paths.secrets_dir / credential_ref)
+        except launch_file.LaunchError as exc:
+            raise ValueError(str(exc)) from None
+
+    async def start(self) -> tuple[ControlServerHandle, bytes]:
+        """Start a fresh control server and wait until it answers ``identify``."""
+        credential = secrets.token_bytes(32)
+        credential_ref = f"agentctl-cred-{secrets.token_hex(6)}"
+        launch_file.write_credential(self.paths.secrets_dir / credential_ref, credential)
+        socket_path = str(self.paths.new_agentctl_socket_path())
+        agentctl = self.config.agentctl
+        cfg = launch_file.LaunchConfig(
+            socket_path=socket_path,
+            log_path=str(self.paths.agentctl_log),
+            agent_log_dir=str(self.paths.logs_dir / "agents"),
+            installation_id=self.installation_id,
+            credential_file=str(self.paths.secrets_dir / credential_ref),
+            detached_event_limit=agentctl.detached_event_limit,
+            unowned_period_s=agentctl.unowned_period,
+            idle_timeout_s=agentctl.idle_timeout,
+            mode=self.mode,
+        )
+        handle = ControlServerHandle(
+            endpoint=socket_path,
+            mode=self.mode,
+            credential_ref=credential_ref,
+            log_path=str(self.paths.agentctl_log),
+        )
+        if self.mode == "unit":
+            launch_file.write_credential(self.paths.secrets_dir / BOOTSTRAP_CREDENTIAL, credential)
+            launch_path = self.paths.agentctl_dir / "launch.json"
+            launch_file.dump(cfg, launch_path)
+            await self._systemctl("start", AGENTCTL_UNIT)
+            handle.pid = await self._unit_main_pid()
+        else:
+            launch_path = self.paths.agentctl_dir / f"launch-{secrets.token_hex(6)}.json"
+            launch_file.dump(cfg, launch_path)
+            handle.process = self._spawn(str(launch_path))
+            handle.pid = handle.process.pid
+        await self._wait_ready(handle)
+        return handle, credential
+
+    def _spawn(self, launch_path: str) -> subprocess.Popen[bytes]:
+        argv = agentctl_argv(launch_path)
+        env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "LISTEN_FDS", "LISTEN_PID")}
+        if self.mode == "child":
+            # Dies with the backend, SIGKILL included; its stderr joins ours.
+            return subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                env=env,
+                preexec_fn=_set_parent_death_signal,
+                close_fds=True,
+            )
+        # Detached: own session, no parent-death signal, no inherited stdio, so no
+        # SIGPIPE when we are gone; it logs to its own bounded file.
+        return subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+            close_fds=True,
+        )
+
+    async def _wait_ready(self, handle: ControlServerHandle) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + READY_TIMEOUT_S
+        while loop.time() < deadline:
+            if handle.process is not None and handle.process.poll() is not None:
+                raise LaunchError(
+                    f"control server exited with code {handle.process.returncode} before it was ready"
+                    f" (see {handle.log_path} or the journal)"
+                )
+            if await identify(handle.endpoint, timeout=1.0) is not None:
+                return
+            await asyncio.sleep(0.05)
+        raise LaunchError(f"control server did not answer on {handle.endpoint} within {READY_TIMEOUT_S:.0f}s")
+
+    async def _systemctl(self, *args: str) -> str:
+        proc = await asyncio.create_subprocess_exec(
+            "systemctl",
+            *args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), timeout=90)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise LaunchError(f"systemctl {' '.join(args)} timed out") from None
+        if proc.returncode != 0:
+            raise LaunchError(f"systemctl {' '.join(args)} failed: {err.decode(errors='replace').strip()}")
+        return out.decode()
+
+    async def _unit_main_pid(self) -> int | None:
+        out = await self._systemctl("show", "-p", "MainPID", "--value", AGENTCTL_UNIT)
+        pid = int(out.strip() or 0)
+        return pid or None
+
+    @staticmethod
+    async def terminate(handle: ControlServerHandle, timeout: float = 10.0) -> None:
+        """Stop a child control server we own (disabled mode shutdown)."""
+        proc = handle.process
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while proc.poll() is None and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=5)

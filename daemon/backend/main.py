@@ -1,0 +1,152 @@
+"""``kandev-backend``: the startup order of design.md §7, then serve until told to stop.
+
+lock → config validation → logging → platform check → store (migrations) →
+CLI socket (guards make early requests safe) → recovery and reconciliation →
+READY=1. Shutdown detaches from the control server when survival is enabled
+(its agents keep running) and stops it when it is our child.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import grp
+import logging
+import os
+import signal
+import sys
+
+import sdnotify
+
+from daemon.backend import api
+from daemon.backend.app import Backend
+from daemon.backend.lock import HomeLock, LockHeld
+from daemon.config import ConfigError, load_config, validate_agentctl, validate_backend
+from daemon.journal import log_event, setup_logging
+from daemon.paths import Paths, installation_id, resolve_home
+from daemon.platform import check_capability
+from daemon.store.db import Store, sqlite_url
+from ipc.server import IpcServer
+
+log = logging.getLogger("kandev.backend")
+SERVICE_GROUP = "kandev"
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kandev-backend", description="kandev backend daemon")
+    p.add_argument("--home", help="Kandev home (default: $KANDEV_HOME, $STATE_DIRECTORY, ~/.local/share/kandev)")
+    p.add_argument("--config", help="config file (default: $KANDEV_CONFIG, /etc/kandev/kandev.toml)")
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p.parse_args(argv)
+
+
+def _service_gids() -> list[int]:
+    try:
+        return [grp.getgrnam(SERVICE_GROUP).gr_gid]
+    except KeyError:
+        return []
+
+
+def _status_line(backend: Backend) -> str:
+    r = backend.report
+    return (
+        f"capability={backend.capability.state}"
+        + (f"({backend.capability.reason})" if backend.capability.reason else "")
+        + f" adoption={r.adoption.outcome}"
+        + (f"({r.adoption.reason})" if r.adoption.reason else "")
+        + f" retracked={len(r.retracked)} not_retracked={len(r.not_retracked)}"
+    )
+
+
+async def _run(paths: Paths, backend: Backend, notifier: sdnotify.SystemdNotifier) -> int:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, backend.shutdown_requested.set)
+    loop.add_signal_handler(signal.SIGHUP, lambda: None)
+
+    server = IpcServer(
+        paths.backend_socket,
+        api.TABLE,
+        backend.handlers(),
+        allowed_gids=_service_gids(),
+        socket_mode=0o660,
+    )
+    await server.start()
+    notifier.notify("STATUS=recovering")
+    # Recovery may take up to the deadline (max 5 min): keep systemd's start timeout ahead of it.
+    extend_us = int((backend.config.agentctl.recovery_deadline + 60) * 1_000_000)
+    notifier.notify(f"EXTEND_TIMEOUT_USEC={extend_us}")
+    try:
+        await backend.recover()
+    except Exception as exc:
+        log.exception("startup recovery failed")
+        log_event("backend_start_failed", f"startup failed: {exc}", priority=3, REASON=type(exc).__name__)
+        await server.close()
+        await backend.shutdown()
+        return 1
+    status = _status_line(backend)
+    notifier.notify("READY=1")
+    notifier.notify(f"STATUS={status}")
+    log_event(
+        "backend_ready",
+        f"backend ready: {status}",
+        CAPABILITY=backend.capability.state,
+        ADOPTION=backend.report.adoption.outcome,
+        RETRACKED=len(backend.report.retracked),
+        RECOVERY_MS=round(backend.report.duration_ms),
+    )
+    await backend.shutdown_requested.wait()
+    notifier.notify("STOPPING=1")
+    await server.close()
+    await backend.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    paths = Paths.for_home(resolve_home(args.home))
+    paths.ensure()
+    lock = HomeLock(paths.lock_path)
+    try:
+        lock.acquire()  # before anything else: a second backend stops here
+    except LockHeld as exc:
+        print(f"kandev-backend: {exc}", file=sys.stderr)
+        return 1
+    try:
+        try:
+            config = load_config(args.config, os.environ)
+            validate_backend(config)
+            # The control server validates its own keys again at its start; checking them
+            # here too means a bad value stops the backend before it launches anything.
+            agentctl = config.agentctl
+            validate_agentctl(
+                agentctl.detached_event_limit, agentctl.unowned_period, agentctl.idle_timeout,
+                origins=config.origins,
+            )
+        except ConfigError as exc:
+            print(f"kandev-backend: invalid configuration: {exc}", file=sys.stderr)
+            return 2
+        setup_logging("backend", verbose=args.verbose)
+        capability = check_capability(config)
+        log_event(
+            "capability",
+            f"agent survival capability: {capability.state}"
+            + (f" ({capability.reason}: {capability.detail})" if capability.reason else ""),
+            STATE=capability.state,
+            REASON=capability.reason,
+            SUPERVISOR=capability.supervisor,
+        )
+        url = config.database.url or sqlite_url(paths.db_path)
+        store = Store.open(url)
+        backend = Backend(paths, config, capability, store, installation_id(paths))
+        notifier = sdnotify.SystemdNotifier()
+        try:
+            return asyncio.run(_run(paths, backend, notifier))
+        finally:
+            store.close()
+    finally:
+        lock.release()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Benchmark: events per second from ``/flood N`` through the control server into the store.
+
+Run: ``python tests/bench/bench_flood.py [N]`` (or ``bash packaging/dev/bench.sh``).
+
+Baseline, measured in the same run: the mock agent driven directly by an ACP
+client over its stdio pipes (no control server, no backend, no store). Then
+the whole path: agent → control server → attached backend → SQLite, timed
+from the prompt to the turn's end with every chunk durably stored. Prints
+both rates, their ratio, and checks nothing was lost (target >= 10,000
+events/s end to end).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import acp
+
+REPO = Path(__file__).resolve().parents[2]
+TARGET = 10_000
+
+
+class _Collector:
+    def __init__(self) -> None:
+        self.count = 0
+
+    async def session_update(self, session_id: str, update: Any, **kwargs: Any) -> None:
+        self.count += 1
+
+    async def request_permission(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+
+async def direct_rate(n: int, workdir: Path) -> float:
+    env = dict(os.environ, PYTHONPATH=str(REPO), KANDEV_MOCK_STATE_DIR=str(workdir / "direct-state"))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "daemon.agents.mock",
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        cwd=workdir, env=env, limit=50 * 1024 * 1024, start_new_session=True,
+    )
+    try:
+        collector = _Collector()
+        conn = acp.connect_to_agent(collector, proc.stdin, proc.stdout)
+        await conn.initialize(protocol_version=acp.PROTOCOL_VERSION)
+        session = await conn.new_session(cwd=str(workdir))
+        t0 = time.perf_counter()
+        await conn.prompt(session_id=session.session_id, prompt=[acp.text_block(f"/flood {n}")])
+        elapsed = time.perf_counter() - t0
+        assert collector.count >= n, f"direct client saw {collector.count} of {n}"
+        return n / elapsed
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        await proc.wait()
+
+
+def kandev(home: Path, env: dict[str, str], *args: str) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, "-m", "daemon.cli", "--home", str(home), "--json", *args],
+        capture_output=True, text=True, env=env, timeout=600, check=True,
+    )
+    return json.loads(out.stdout)
+
+
+def end_to_end_rate(n: int, workdir: Path) -> tuple[float, int]:
+    home = workdir / "home"
+    config = workdir / "kandev.toml"
+    config.write_text("")
+    env = dict(os.environ, PYTHONPATH=str(REPO), KANDEV_CONFIG=str(config), KANDEV_FEATURES_AGENT_SURVIVAL="true")
+    st = kandev(home, env, "up")["status"]
+    try:
+        task = kandev(home, env, "task", "create", "--title", "flood")["task_id"]
+        sid = kandev(home, env, "session", "start", task)["session_id"]
+        t0 = time.perf_counter()
+        kandev(home, env, "prompt", sid, f"/flood {n}", "--wait")
+        elapsed = time.perf_counter() - t0
+        con = sqlite3.connect(f"file:{home / 'kandev.db'}?mode=ro", uri=True)
+        texts = [r[0] for r in con.execute(
+            "SELECT text FROM messages WHERE session_id=? AND kind='agent_message_chunk' ORDER BY id", (sid,))]
+        con.close()
+        expected = [f"{i}/{n} " for i in range(1, n + 1)]
+        stored = len(texts)
+        assert texts == expected, f"lost, duplicated or reordered: {stored} of {n} stored"
+        return n / elapsed, stored
+    finally:
+        subprocess.run([sys.executable, "-m", "daemon.cli", "--home", str(home), "down"], env=env,
+                       capture_output=True, timeout=60)
+        ctl = st["control_server"]["pid"]
+        if ctl:
+            try:
+                os.kill(ctl, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+
+def main() -> int:
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 20_000
+    with tempfile.TemporaryDirectory(prefix="kd-bench-", dir="/var/tmp") as d:
+        workdir = Path(d)
+        os.chmod(workdir, 0o700)
+        direct = asyncio.run(direct_rate(n, workdir))
+        e2e, stored = end_to_end_rate(n, workdir)
+    print(f"flood N={n}")
+    print(f"  baseline, ACP client reading the agent directly: {direct:10.0f} events/s")
+    print(f"  agent -> control server -> backend -> SQLite:    {e2e:10.0f} events/s  ({stored} stored, none lost)")
+    print(f"  ratio end-to-end / baseline: {e2e / direct:.2f}")
+    print(f"  target >= {TARGET} events/s end to end: {'PASS' if e2e >= TARGET else 'FAIL'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Fixtures that run the real daemons as processes against a private Kandev home.
+
+``kandev_home`` gives a ``Kandev`` driver: it runs the real ``kandev`` CLI
+(``python -m daemon.cli``) with a chosen environment, remembers every backend,
+control server and agent pid it saw, and on teardown stops what it started:
+``kandev down``, then SIGTERM/SIGKILL of exactly those pids and process groups.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.helpers import wait_until
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class CliError(RuntimeError):
+    def __init__(self, code: int, stdout: str, stderr: str) -> None:
+        super().__init__(f"kandev exited {code}: {stderr.strip()} {stdout.strip()}")
+        self.code = code
+        self.stdout = stdout
+        self.stderr = stderr
+
+
+class Kandev:
+    """Drives one Kandev home through the real CLI."""
+
+    def __init__(self, home: Path, env: dict[str, str]) -> None:
+        self.home = home
+        self.env = env
+        self.backend_pids: set[int] = set()
+        self.server_pids: set[int] = set()
+        self.agent_pids: set[int] = set()
+
+    def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "daemon.cli", "--home", str(self.home), "--json", *args],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=timeout,
+            cwd=REPO,
+        )
+
+    def cli(self, *args: str, timeout: float = 120) -> dict[str, Any]:
+        proc = self.run(*args, timeout=timeout)
+        if proc.returncode != 0:
+            raise CliError(proc.returncode, proc.stdout, proc.stderr)
+        return json.loads(proc.stdout)
+
+    def up(self) -> dict[str, Any]:
+        out = self.cli("up", timeout=450)
+        st = out["status"]
+        self.backend_pids.add(int(st["backend"]["pid"]))
+        if st["control_server"]["pid"]:
+            self.server_pids.add(int(st["control_server"]["pid"]))
+        return st
+
+    def status(self) -> dict[str, Any]:
+        return self.cli("status")
+
+    def show(self, session_id: str) -> dict[str, Any]:
+        show = self.cli("session", "show", session_id)
+        if show.get("agent_pid"):
+            self.agent_pids.add(int(show["agent_pid"]))
+        return show
+
+    def start_session(self, title: str = "t", *extra: str) -> tuple[str, str]:
+        task = self.cli("task", "create", "--title", title)["task_id"]
+        sid = self.cli("session", "start", task, *extra)["session_id"]
+        self.show(sid)
+        return task, sid
+
+    @property
+    def backend_pid(self) -> int:
+        return int(self.status()["backend"]["pid"])
+
+    def cleanup(self) -> None:
+        with contextlib.suppress(Exception):
+            self.run("down", timeout=60)
+        for pid in sorted(self.backend_pids | self.server_pids):
+            _terminate(pid)
+        for pid in sorted(self.agent_pids):
+            _terminate(pid, group=True)
+
+
+def _terminate(pid: int, group: bool = False) -> None:
+    """SIGTERM then SIGKILL a pid (or the group it leads) that this test run started."""
+    kill = os.killpg if group else os.kill
+    try:
+        kill(pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return
+    try:
+        wait_until(lambda: not alive(pid), timeout=10)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            kill(pid, signal.SIGKILL)
+
+
+def alive(pid: int) -> bool:
+    try:
+        proc = psutil.Process(pid)
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def group_alive(pgid: int) -> bool:
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                return True
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            continue
+    return False
+
+
+def agent_chunks(show: dict[str, Any]) -> list[str]:
+    return [m["text"] for m in show["transcript"] if m["kind"] == "agent_message_chunk"]
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A private directory with a short path (Unix socket paths are limited to 107 bytes)."""
+    with tempfile.TemporaryDirectory(prefix="kd-", dir="/var/tmp") as d:
+        os.chmod(d, 0o700)
+        yield Path(d)
+
+
+def make_env(config: Path, **overrides: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KANDEV_")}
+    env.pop("NOTIFY_SOCKET", None)
+    env.pop("INVOCATION_ID", None)
+    env["PYTHONPATH"] = str(REPO)
+    env["KANDEV_CONFIG"] = str(config)  # never read the host's /etc/kandev
+    env.update(overrides)
+    return env
+
+
+@pytest.fixture
+def kandev_factory(short_tmp: Path) -> Iterator[Any]:
+    made: list[Kandev] = []
+
+    def make(name: str = "home", config_text: str = "", **env: str) -> Kandev:
+        config = short_tmp / f"{name}.toml"
+        config.write_text(config_text)
+        k = Kandev(short_tmp / name, make_env(config, **env))
+        made.append(k)
+        return k
+
+    yield make
+    for k in made:
+        k.cleanup()
