@@ -1,0 +1,106 @@
+"""The ``kandev`` CLI contract (design.md §8) against a real backend: results, exit codes, --json."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import wait_until
+from tests.integration.conftest import REPO, agent_chunks
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_commands_and_json_results(kandev_factory):
+    k = kandev_factory()
+    st = k.up()
+    assert set(st) >= {"backend", "capability", "control_server", "recovery", "adoption"}
+    assert st["backend"]["state"] == "ready" and st["backend"]["version"]
+    assert (st["capability"]["state"], st["capability"]["reason"]) == ("disabled", "operator_disabled")
+    again = k.cli("up")
+    assert again["started"] is False and again["pid"] == st["backend"]["pid"]
+
+    task = k.cli("task", "create", "--title", "cli")["task_id"]
+    assert task in k.cli("board")["backlog"]
+    started = k.cli("session", "start", task, "--prompt", "hello there")
+    sid = started["session_id"]
+    assert started["turn_id"]
+    done = wait_until(lambda: s if (s := k.show(sid))["state"] == "WAITING_FOR_INPUT" else None, timeout=30)
+    assert agent_chunks(done) == ["echo: hello there"]
+
+    waited = k.cli("prompt", sid, "second", "--wait")
+    assert waited["stop_reason"] == "end_turn" and waited["turn_id"].endswith(":2")
+    show = k.show(sid)
+    assert set(show) >= {
+        "state", "task_id", "agent_pid", "instance_id", "resume_token", "retracked", "runtime_config",
+        "turns", "transcript",
+    }
+    assert [t["stop_reason"] for t in show["turns"]] == ["end_turn", "end_turn"]
+    assert show["runtime_config"].keys() >= {"model", "mode", "options"}
+    listed = k.cli("session", "list")["sessions"]
+    assert [(s["session_id"], s["task_id"], s["state"], s["retracked"]) for s in listed] == [
+        (sid, task, "WAITING_FOR_INPUT", False)
+    ]
+    assert task in k.cli("board")["turn_finished"]
+
+
+def test_cancel_ends_the_turn_cancelled(kandev_factory):
+    k = kandev_factory()
+    k.up()
+    task, sid = k.start_session("cancel")
+    k.cli("prompt", sid, "/slow 60")
+    wait_until(lambda: len(agent_chunks(k.show(sid))) >= 1, timeout=30)
+    assert task in k.cli("board")["running"]
+    assert k.cli("cancel", sid) == {"ok": True}
+    done = wait_until(lambda: s if (s := k.show(sid))["state"] == "WAITING_FOR_INPUT" else None, timeout=30)
+    assert done["turns"][-1]["stop_reason"] == "cancelled"
+    assert len(agent_chunks(done)) < 60
+
+
+def test_exit_codes_and_typed_errors(kandev_factory):
+    k = kandev_factory()
+    unreachable = k.run("status")
+    assert unreachable.returncode == 3
+    assert json.loads(unreachable.stdout)["error"]["code"] == "unavailable"
+    usage = k.run("session", "frobnicate")
+    assert usage.returncode == 2
+    k.up()
+    missing = k.run("session", "show", "no-such-session")
+    assert missing.returncode == 1
+    assert json.loads(missing.stdout)["error"]["code"] == "not_found"
+    assert "not_found" in missing.stderr
+    task = k.cli("task", "create", "--title", "x")["task_id"]
+    bad_agent = k.run("session", "start", task, "--agent", "nope")
+    assert bad_agent.returncode == 1
+    assert json.loads(bad_agent.stdout)["error"]["code"] == "invalid_argument"
+    _, sid = k.start_session("busy")
+    k.cli("prompt", sid, "/slow 30")
+    busy = k.run("prompt", sid, "again")
+    assert busy.returncode == 1 and json.loads(busy.stdout)["error"]["code"] == "conflict"
+
+
+def test_agent_exit_fails_the_session(kandev_factory):
+    k = kandev_factory()
+    k.up()
+    task, sid = k.start_session("exit")
+    k.cli("prompt", sid, "/exit 7")
+    done = wait_until(lambda: s if (s := k.show(sid))["state"] == "FAILED" else None, timeout=30)
+    assert "code 7" in (done["last_error"] or "")
+    assert done["recoverable"] and done["resume_token"]
+    assert task in k.cli("board")["needs_attention"]
+
+
+def test_second_backend_on_the_same_home_is_refused(kandev_factory):
+    """design.md §5 single driver: a second backend exits with a message naming the holder."""
+    k = kandev_factory()
+    st = k.up()
+    proc = subprocess.run(
+        [sys.executable, "-m", "daemon.backend.main", "--home", str(k.home)],
+        capture_output=True, text=True, env=k.env, timeout=60, cwd=REPO,
+    )
+    assert proc.returncode == 1
+    assert f"pid {st['backend']['pid']}" in proc.stderr
+    assert k.status()["backend"]["pid"] == st["backend"]["pid"]
