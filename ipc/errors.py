@@ -21,6 +21,7 @@ class ErrorCode:
     PERMISSION_DENIED = "permission_denied"  # peer uid/gid not admitted
     UNAUTHENTICATED = "unauthenticated"  # op needs an authenticated connection
     SUPERSEDED_CREDENTIAL = "superseded_credential"
+    UNKNOWN_ROTATION = "unknown_rotation"  # confirm_rotation of an id the server never issued
     NOT_FOUND = "not_found"
     CONFLICT = "conflict"  # state changed underneath (compare-and-set lost)
     SESSION_GUARDED = "session_guarded"  # recovery holds this session
