@@ -16,6 +16,28 @@ fresh connection, in this order, and sends nothing else before it succeeds:
 Every ``attach`` opens a new connection, runs the same handshake on it and
 dedicates it to that instance's event stream.
 
+Rotation (spec/ownership.md REQ-002; the server side is
+``daemon.agentctl.ownership``). The server accepts at most two credentials:
+the current one (everything) and, while the highest rotation is unconfirmed,
+the one it superseded (only ``rotate`` and ``ownership_shutdown``). So an
+adopting backend, whose stored credential may be either, connects with
+``purpose="adopt"``; ``purpose="drive"`` (the default) refuses a connection
+that authenticated only with a superseded credential. Adoption::
+
+    client = await AgentctlClient.connect(path, credential=stored, installation_id=...,
+                                          expected_identity=recorded, purpose="adopt")
+    # capabilities: compare client.capabilities with the required set locally
+    rotation_id, new_credential = await client.rotate()      # renews; start the claim loop now
+    # persist new_credential (secret file) and the record's reference, both durably
+    await client.reauthenticate(new_credential)              # or a fresh connect() with it
+    await client.confirm_rotation(rotation_id)               # the old credential is now refused
+    # claim every period/4 (strictly less than period/3) with the new credential
+
+A rotate retried with the same stored credential while unconfirmed returns
+the same pair (AC-EXECUTORS-CONTROL-OWNERSHIP-002.10). After the confirmation
+every connection and stream authenticated under the old credential is closed
+by the server.
+
 ``identify(socket_path)`` is the standalone, unauthenticated probe: None when
 nothing answers (no socket, connection refused, timeout).
 """
@@ -30,10 +52,15 @@ from daemon.agentctl.protocol import VERSION
 from ipc.client import AsyncClient, EventStream
 from ipc.errors import ErrorCode, IpcError
 
-__all__ = ["AgentctlClient", "OwnershipRefused", "identify"]
+__all__ = ["ADOPT", "DRIVE", "AgentctlClient", "OwnershipRefused", "identify"]
 
 IDENTITY_MISMATCH = "identity_mismatch"
 AUTHENTICATION_FAILURE = "authentication_failure"
+
+DRIVE = "drive"
+"""Connect purpose: the credential must be the current one (instance operations, streams, claim)."""
+ADOPT = "adopt"
+"""Connect purpose: the credential may be the superseded one (only rotate and ownership_shutdown work then)."""
 
 CREATE_TIMEOUT = 90.0
 """Seconds ``create_instance`` may take (spawn + initialize + session/new|load, 30 s each at most)."""
@@ -118,12 +145,20 @@ async def _handshake(
     if not proven:
         raise OwnershipRefused(AUTHENTICATION_FAILURE, "the server did not prove it holds the credential")
 
+    info = dict(info)
+    info["credential_role"] = await _authenticate(conn, credential=credential, identity=identity, timeout=timeout)
+    return info
+
+
+async def _authenticate(conn: AsyncClient, *, credential: bytes, identity: str, timeout: float) -> str | None:
+    """auth_begin/auth_finish with ``credential``; returns the slot the server says it filled
+    (``current`` / ``superseded``; None from a server that does not say)."""
     begun = await conn.call("auth_begin", timeout=timeout)
     nonce = begun.get("nonce") if isinstance(begun, dict) else None
     if not isinstance(nonce, bytes) or len(nonce) != auth.CHALLENGE_BYTES:
         raise OwnershipRefused(AUTHENTICATION_FAILURE, "the server sent a malformed nonce")
     try:
-        await conn.call(
+        finished = await conn.call(
             "auth_finish",
             {"proof": auth.connection_proof(credential, nonce, identity)},
             timeout=timeout,
@@ -132,7 +167,8 @@ async def _handshake(
         if exc.code == ErrorCode.UNAUTHENTICATED:
             raise OwnershipRefused(AUTHENTICATION_FAILURE, exc.message) from None
         raise
-    return info
+    role = finished.get("credential") if isinstance(finished, dict) else None
+    return role if isinstance(role, str) else None
 
 
 class AgentctlClient:
@@ -153,6 +189,8 @@ class AgentctlClient:
         self.capabilities: frozenset[str] = frozenset(info["capabilities"])
         self.protocol_version: tuple[int, ...] = tuple(info.get("protocol_version") or ())
         self.unowned_period_s: float | None = info.get("unowned_period_s")
+        self.credential_role: str | None = info.get("credential_role")
+        """``current`` or ``superseded``: which accepted credential authenticated this connection."""
         self.timeout = timeout
         self._conn = conn
         self._credential = credential
@@ -167,11 +205,18 @@ class AgentctlClient:
         installation_id: str,
         expected_identity: str | None = None,
         timeout: float = 5.0,
+        purpose: str = DRIVE,
     ) -> AgentctlClient:
         """Connect, check identity and the server's proof, authenticate (see the module doc).
 
+        ``purpose="drive"``: a credential the server accepts only as superseded is refused here
+        with ``IpcError(superseded_credential)``. ``purpose="adopt"``: it is accepted, and the
+        connection can then only ``rotate`` and ``ownership_shutdown``.
+
         Raises ``OwnershipRefused`` (``.reason``) or ``IpcError`` (e.g. ``unavailable``).
         """
+        if purpose not in (DRIVE, ADOPT):
+            raise ValueError(f"purpose must be {DRIVE!r} or {ADOPT!r}, not {purpose!r}")
         path = os.fspath(socket_path)
         conn = await AsyncClient.connect(path, timeout=timeout, hello=False)
         try:
@@ -182,6 +227,12 @@ class AgentctlClient:
                 expected_identity=expected_identity,
                 timeout=timeout,
             )
+            if purpose == DRIVE and info.get("credential_role") == "superseded":
+                raise IpcError(
+                    ErrorCode.SUPERSEDED_CREDENTIAL,
+                    "the credential was superseded by a rotation: it may only rotate (adopt) or shut the"
+                    " server down",
+                )
         except BaseException:
             await conn.close()
             raise
@@ -207,11 +258,51 @@ class AgentctlClient:
     # -- ownership ----------------------------------------------------------
 
     async def claim(self) -> dict[str, Any]:
-        """Renew ownership -> ``{unowned_period_s}``."""
+        """Renew ownership (current credential) -> ``{unowned_period_s}``."""
         return await self.call("claim")
 
+    async def rotate(self) -> tuple[int, bytes]:
+        """Replace the credential, presenting this connection's -> ``(rotation_id, new_credential)``.
+
+        Renews ownership. Retried with the same (superseded) credential before the confirmation,
+        it returns the same pair. Refused with ``shutting_down`` once the server decided to exit.
+        The connection itself stays authenticated under the old credential: ``reauthenticate``
+        (or connect again) with the new one, after storing it durably, to confirm and go on.
+        """
+        result = await self.call("rotate")
+        rotation_id = result.get("rotation_id") if isinstance(result, dict) else None
+        credential = result.get("credential") if isinstance(result, dict) else None
+        if (
+            not isinstance(rotation_id, int)
+            or isinstance(rotation_id, bool)
+            or not isinstance(credential, bytes)
+            or len(credential) != auth.CREDENTIAL_BYTES
+        ):
+            raise IpcError(ErrorCode.INVALID_FRAME, "rotate: malformed answer from the control server")
+        return rotation_id, credential
+
+    async def reauthenticate(self, credential: bytes) -> str | None:
+        """Authenticate this connection again, with ``credential`` (e.g. the one ``rotate`` returned).
+
+        On success later ``attach`` connections use it too; returns the slot it filled. A refusal
+        raises ``OwnershipRefused(authentication_failure)`` and leaves the connection unauthenticated.
+        """
+        role = await _authenticate(self._conn, credential=credential, identity=self.identity, timeout=self.timeout)
+        self._credential = credential
+        self.credential_role = role
+        return role
+
+    async def confirm_rotation(self, rotation_id: int) -> dict[str, Any]:
+        """The replacement of ``rotation_id`` is durably stored (connection authenticated with it)
+        -> ``{rotation_id, changed}``. Earlier or repeated ids are accepted no-ops; an id never
+        issued is refused with ``unknown_rotation``."""
+        return await self.call("confirm_rotation", {"rotation_id": rotation_id})
+
     async def ownership_shutdown(self, *, timeout: float = SHUTDOWN_TIMEOUT) -> dict[str, Any]:
-        """Stop every instance; the server then exits -> ``{stopped: [instance_id]}``."""
+        """Stop every instance; the server then exits -> ``{stopped: [instance_id]}``.
+
+        Works with the superseded credential too (``purpose="adopt"``) and succeeds again while the
+        server is already stopping."""
         return await self.call("ownership_shutdown", timeout=timeout)
 
     # -- instances ----------------------------------------------------------

@@ -8,7 +8,10 @@ own bounded file, AC-EXECUTORS-SURVIVAL-001.3) -> validate the settings
 -> read the credential -> bind the socket -> ``READY=1``.
 
 SIGTERM/SIGINT stop every instance (their process groups are killed), close
-the socket and exit 0; so does ``ownership_shutdown``. SIGHUP is ignored: in
+the socket and exit 0; so do ``ownership_shutdown`` and the unowned shutdown
+(no claim, rotation or bootstrap for the resolved unowned period: the server's
+own timer latches, stops every instance and exits 0;
+AC-EXECUTORS-CONTROL-OWNERSHIP-003.1). SIGHUP is ignored: in
 detached mode the server has no terminal and must not die with one. stdin,
 stdout and stderr may be ``/dev/null`` or gone; a failed log write is never
 fatal.
@@ -162,7 +165,7 @@ async def _serve(config: LaunchConfig, resolved: ResolvedAgentctl, credential: b
     await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
     for waiter in waiters:
         waiter.cancel()
-    reason = "signal" if stop.is_set() else "ownership_shutdown"
+    reason = "signal" if stop.is_set() else (server.exit_reason or "ownership_shutdown")
     notifier.notify("STOPPING=1")
     stopped = await server.shutdown()
     log_event(
@@ -195,8 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         resolved = launch.validate(config)
     except ConfigError as exc:
         return _refuse(f"refusing to start: {exc}")
-    for note in resolved.notes:
-        log_event("agentctl_config_adjusted", note, priority=5)
+    for note in resolved.notes:  # every note is an unowned-period adjustment (OWN-003.4, 003.6, 003.7)
+        log_event("unowned_period_adjusted", note, priority=5, UNOWNED_PERIOD_S=f"{resolved.unowned_period:g}")
     try:
         credential = launch.read_credential(config)
     except LaunchError as exc:

@@ -29,6 +29,7 @@ CAPABILITIES = (
     "events.v1",  # attach stream with per-instance seq, after_seq replay, ack_events
     "turns.v1",  # server-assigned turn ids, turn_status + ack_turn
     "ownership.v1",  # prove/auth/claim/ownership_shutdown
+    "rotation.v1",  # rotate/confirm_rotation, at most two acceptable credentials, superseded_credential
 )
 
 
@@ -55,8 +56,31 @@ OPS = [
     Op("auth_begin", auth=False, doc="-> {nonce: bytes}"),
     Op("auth_finish", required={"proof": bytes}, auth=False, doc="proof = HMAC(cred, 'auth'||nonce||identity)"),
     # --- ownership ---------------------------------------------------------
-    Op("claim", doc="renew ownership; names no instance -> {unowned_period_s}"),
-    Op("ownership_shutdown", doc="stop every instance, then exit -> {stopped: [instance_id]}"),
+    # Which credential authenticated the connection matters (daemon.agentctl.ownership): the current
+    # one may do everything; the one a still-unconfirmed rotation superseded may only ``rotate`` and
+    # ``ownership_shutdown`` (anything else: ``superseded_credential``); any older one, nothing.
+    Op("claim", doc="renew ownership (current credential); names no instance -> {unowned_period_s}"),
+    Op(
+        "ownership_shutdown",
+        doc="stop every instance, then exit; current or superseded credential; while already stopping"
+        " it succeeds again -> {stopped: [instance_id]}",
+    ),
+    Op(
+        "rotate",
+        optional={"proof": bytes},
+        auth=False,  # authenticated in the handler: the superseded credential may rotate too
+        doc="replace the credential (renews). On a connection authenticated by auth_finish, or with"
+        " proof = connection_proof(cred, nonce of this connection's pending auth_begin, identity)."
+        " Presented with the highest rotation's credential: a new rotation; with the one it superseded"
+        " (unconfirmed): the same pair again -> {rotation_id, credential: bytes, replay}",
+    ),
+    Op(
+        "confirm_rotation",
+        required={"rotation_id": int},
+        doc="the replacement of rotation_id is durably stored (connection authenticated with it); the"
+        " superseded credential then authenticates nothing and its connections and streams are closed."
+        " Earlier or repeated id: no-op; never issued: unknown_rotation -> {rotation_id, changed}",
+    ),
     # --- instances -----------------------------------------------------------
     Op(
         "create_instance",

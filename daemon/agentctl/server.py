@@ -1,6 +1,6 @@
 """The control server's operations over ``ipc.server.IpcServer`` with ``protocol.TABLE``.
 
-Ownership (design.md §5; rotation and the unowned timer are a later issue):
+Ownership (design.md §5; the state machine is ``daemon.agentctl.ownership``):
 
 - ``identify`` (unauthenticated) returns the per-launch ``server_identity``,
   the capability set, the protocol version and the unowned period, and no
@@ -8,10 +8,22 @@ Ownership (design.md §5; rotation and the unowned timer are a later issue):
 - ``prove`` answers the backend's fresh 32-byte challenge with
   ``auth.server_proof`` for each acceptable credential (001.10).
 - ``auth_begin`` / ``auth_finish`` authenticate one connection with an HMAC
-  over a fresh server nonce; a failed ``auth_finish`` consumes the nonce. Every
-  op declared ``auth=True`` is refused with ``unauthenticated`` on a
-  connection that has not finished this.
-- ``claim`` records the renewal on the server's monotonic clock.
+  over a fresh server nonce; a failed ``auth_finish`` consumes the nonce and
+  leaves the connection unauthenticated. The connection remembers WHICH
+  credential authenticated it; its power is judged at each request: the
+  current credential may do everything, the superseded one (a rotation not yet
+  confirmed) only ``rotate`` and ``ownership_shutdown``, anything else gets
+  ``superseded_credential`` (AC-EXECUTORS-CONTROL-OWNERSHIP-002.6, 002.7).
+  Every op declared ``auth=True`` is refused with ``unauthenticated`` on a
+  connection that has not authenticated.
+- ``rotate`` / ``confirm_rotation``: the two-phase switch. When a credential
+  stops authenticating anything (a confirmation, or a rotation past an
+  unconfirmed one) every connection and stream authenticated under it is
+  aborted at once (002.2).
+- ``claim``, a rotation (replay included) and the bootstrap (the first
+  authentication with the launch credential) renew ownership; nothing else
+  does (003.8). ``run_unowned_timer`` takes the unowned-shutdown decision once
+  ``now - last_renewal >= period`` and asks the process to exit (003.1).
 
 Instances (design.md §6): see ``daemon.agentctl.instance``. Unknown instance
 ids are ``not_found``, except for ``stop_instance``, where an absent instance
@@ -34,6 +46,7 @@ from typing import Any
 from daemon.agentctl import auth
 from daemon.agentctl.instance import Instance, InstanceSpec, TurnIds
 from daemon.agentctl.launch import LaunchConfig
+from daemon.agentctl.ownership import Ownership
 from daemon.agentctl.protocol import TABLE
 from daemon.config import ResolvedAgentctl
 from daemon.journal import log_event
@@ -95,12 +108,12 @@ class AgentctlServer:
         self.installation_id = config.installation_id
         self.unowned_period_s = float(resolved.unowned_period)
         self.detached_event_limit = int(resolved.detached_event_limit)
-        # Acceptable credentials, newest first (at most two once rotation exists).
-        self._credentials: list[bytes] = [credential]
-        # A spawn without a handshake counts from process start (OWN-003.8).
-        self.last_renewal = time.monotonic()
-        self.shutting_down = False
+        # Credentials, rotation and the unowned timer; a spawn without a handshake counts from
+        # process start (OWN-003.8).
+        self.ownership = Ownership(credential, self.unowned_period_s, clock=time.monotonic)
         self.exit_requested = asyncio.Event()
+        self.exit_reason: str | None = None
+        self._shutdown_calls = 0  # ownership_shutdown handlers still to answer
         self.instances: dict[str, Instance] = {}
         self.turn_ids = TurnIds(self.server_identity)
         self._on_instances_changed = on_instances_changed
@@ -112,8 +125,44 @@ class AgentctlServer:
 
     # -- lifecycle -----------------------------------------------------------
 
+    @property
+    def shutting_down(self) -> bool:
+        """The one-way latch (OWN-003.9): set by the unowned decision, ownership_shutdown or a signal."""
+        return self.ownership.shutting_down
+
+    @property
+    def last_renewal(self) -> float:
+        return self.ownership.last_renewal
+
     async def start(self) -> None:
         await self.ipc.start()
+        self._spawn_background(self.run_unowned_timer())
+
+    async def run_unowned_timer(self, interval: float = 1.0) -> None:
+        """Check the unowned period about every ``interval`` s; on expiry latch and request the exit."""
+        while True:
+            if self.ownership.decide_unowned_shutdown():
+                idle = time.monotonic() - self.ownership.last_renewal
+                log_event(
+                    "unowned_shutdown",
+                    f"control server {self.server_identity}: no ownership renewal for {idle:.1f} s"
+                    f" (unowned period {self.unowned_period_s:g} s): stopping {len(self.instances)}"
+                    " instance(s) and exiting",
+                    priority=4,
+                    SERVER_IDENTITY=self.server_identity,
+                    UNOWNED_PERIOD_S=f"{self.unowned_period_s:g}",
+                    INSTANCES=len(self.instances),
+                )
+                self._request_exit("unowned_shutdown")
+                return
+            if self.shutting_down:
+                return
+            await asyncio.sleep(min(interval, max(self.ownership.remaining(), 0.01)))
+
+    def _request_exit(self, reason: str) -> None:
+        if self.exit_reason is None:
+            self.exit_reason = reason
+        self.exit_requested.set()
 
     async def stop_all(self) -> list[str]:
         """Stop every instance (in parallel; each stop is bounded); returns their ids."""
@@ -127,9 +176,14 @@ class AgentctlServer:
         return [inst.instance_id for inst in instances]
 
     async def shutdown(self) -> list[str]:
-        """Stop everything and close the socket (SIGTERM/SIGINT and after ownership_shutdown)."""
-        self.shutting_down = True
+        """Stop everything and close the socket (SIGTERM/SIGINT, ownership_shutdown, unowned shutdown)."""
+        self.ownership.begin_shutdown(self.exit_reason or "signal")
         stopped = await self.stop_all()
+        # An ownership_shutdown that arrived while stopping ("already stopping" counts as success)
+        # gets to send its reply before the socket closes.
+        deadline = time.monotonic() + _SHUTDOWN_REPLY_GRACE
+        while self._shutdown_calls and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         await self.ipc.close()
         for task in list(self._background):
             task.cancel()
@@ -159,13 +213,32 @@ class AgentctlServer:
         return run
 
     def _authorize(self, ctx: ConnectionContext, op: Op) -> None:
-        if ctx.state.get("authenticated") is True:
-            return
-        log.debug("conn %d (pid %d) op %s refused: unauthenticated", self._conn_id(ctx), ctx.peer.pid, op.name)
-        raise IpcError(
-            ErrorCode.UNAUTHENTICATED,
-            f"{op.name} needs an authenticated connection (prove, then auth_begin and auth_finish)",
-        )
+        if ctx.state.get("authenticated") is not True:
+            log.debug("conn %d (pid %d) op %s refused: unauthenticated", self._conn_id(ctx), ctx.peer.pid, op.name)
+            raise IpcError(
+                ErrorCode.UNAUTHENTICATED,
+                f"{op.name} needs an authenticated connection (prove, then auth_begin and auth_finish)",
+            )
+        try:
+            # The op name is the purpose: only rotate and ownership_shutdown accept the superseded one.
+            self.ownership.check(ctx.state.get("cred_id"), op.name)
+        except IpcError:
+            log.debug("conn %d (pid %d) op %s refused: superseded credential", self._conn_id(ctx), ctx.peer.pid,
+                      op.name)
+            raise
+
+    def _cut(self, cred_ids: frozenset[int], why: str) -> int:
+        """Abort every connection and stream authenticated under one of ``cred_ids`` (OWN-002.2)."""
+        if not cred_ids:
+            return 0
+        cut = 0
+        for conn in self.ipc.connections:
+            if conn.state.get("authenticated") is True and conn.state.get("cred_id") in cred_ids:
+                conn.state["authenticated"] = False
+                log.debug("conn %d: closed (%s)", self._conn_id(conn), why)
+                conn.abort()  # not close(): nothing still queued for the old holder is delivered
+                cut += 1
+        return cut
 
     def _get(self, instance_id: str) -> Instance:
         inst = self.instances.get(instance_id)
@@ -196,11 +269,7 @@ class AgentctlServer:
         challenge = args["challenge"]
         if len(challenge) != auth.CHALLENGE_BYTES:
             raise _bad(f"prove: the challenge must be {auth.CHALLENGE_BYTES} bytes, not {len(challenge)}")
-        proofs = [
-            auth.server_proof(cred, challenge, self.server_identity, self.installation_id)
-            for cred in self._credentials
-        ]
-        return {"proofs": proofs}
+        return {"proofs": self.ownership.prove(challenge, self.server_identity, self.installation_id)}
 
     async def op_auth_begin(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         nonce = auth.new_challenge()
@@ -208,44 +277,96 @@ class AgentctlServer:
         return {"nonce": nonce}
 
     async def op_auth_finish(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
-        nonce = ctx.state.pop("nonce", None)  # one attempt per nonce
+        cred_id = self._authenticate(ctx, args["proof"], "auth_finish")
+        role = self.ownership.role(cred_id)
+        if self.ownership.bootstrap(cred_id):
+            log.info("conn %d: bootstrap handshake with the launch credential (ownership renewed)",
+                     self._conn_id(ctx))
+        log.debug("conn %d: authenticated (%s credential)", self._conn_id(ctx), role)
+        return {"credential": role}
+
+    def _authenticate(self, ctx: ConnectionContext, proof: Any, op: str) -> int:
+        """Check ``proof`` against this connection's pending nonce (consumed: one attempt per nonce).
+
+        Success: the connection is authenticated under the matching credential (its id is kept).
+        Failure: the connection is left unauthenticated, whatever it was before.
+        """
+        nonce = ctx.state.pop("nonce", None)
+        ctx.state["authenticated"] = False
+        ctx.state.pop("cred_id", None)
         if nonce is None:
-            raise IpcError(ErrorCode.UNAUTHENTICATED, "auth_finish without a pending auth_begin nonce")
-        matched = False
-        for cred in self._credentials:
-            matched |= auth.verify(auth.connection_proof(cred, nonce, self.server_identity), args["proof"])
-        if not matched:
+            raise IpcError(ErrorCode.UNAUTHENTICATED, f"{op} without a pending auth_begin nonce")
+        cred_id = self.ownership.match_connection_proof(nonce, self.server_identity, proof)
+        if cred_id is None:
             log_event(
                 "agentctl_auth_failed",
-                f"a connection from pid {ctx.peer.pid} failed authentication",
+                f"a connection from pid {ctx.peer.pid} failed authentication ({op})",
                 priority=4,
                 PEER_PID=ctx.peer.pid,
                 PEER_UID=ctx.peer.uid,
             )
             raise IpcError(ErrorCode.UNAUTHENTICATED, "authentication failed")
         ctx.state["authenticated"] = True
-        return {}
+        ctx.state["cred_id"] = cred_id
+        return cred_id
+
+    async def op_rotate(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        if "proof" in args:
+            self._authenticate(ctx, args["proof"], "rotate")
+        elif ctx.state.get("authenticated") is not True:
+            raise IpcError(ErrorCode.UNAUTHENTICATED, "rotate needs an authenticated connection or a proof")
+        rotation = self.ownership.rotate_as(ctx.state.get("cred_id"))
+        cut = self._cut(rotation.cut, f"rotation {rotation.rotation_id} left its credential no power")
+        log_event(
+            "ownership_rotated",
+            f"credential rotation {rotation.rotation_id}"
+            f" {'replayed (same rotation, nothing changed)' if rotation.replay else 'issued, awaiting confirmation'}"
+            f" for pid {ctx.peer.pid}{f'; closed {cut} connection(s)' if cut else ''}",
+            ROTATION_ID=rotation.rotation_id,
+            REPLAY=int(rotation.replay),
+            PEER_PID=ctx.peer.pid,
+        )
+        # The only time a credential crosses the socket (design.md §5).
+        return {"rotation_id": rotation.rotation_id, "credential": rotation.credential, "replay": rotation.replay}
+
+    async def op_confirm_rotation(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        confirmation = self.ownership.confirm(args["rotation_id"])
+        if confirmation.changed:
+            cut = self._cut(confirmation.cut, f"rotation {confirmation.rotation_id} confirmed")
+            log_event(
+                "ownership_confirmed",
+                f"credential rotation {confirmation.rotation_id} confirmed; the superseded credential is"
+                f" refused from now on; closed {cut} connection(s) authenticated under it",
+                ROTATION_ID=confirmation.rotation_id,
+                CLOSED_CONNECTIONS=cut,
+                PEER_PID=ctx.peer.pid,
+            )
+        return {"rotation_id": confirmation.rotation_id, "changed": confirmation.changed}
 
     async def op_claim(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
-        self._refuse_if_shutting_down("claim")
-        self.last_renewal = time.monotonic()
+        self.ownership.claim(ctx.state.get("cred_id"))
         return {"unowned_period_s": self.unowned_period_s}
 
     async def op_ownership_shutdown(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
-        already = self.shutting_down
-        self.shutting_down = True
-        if not already:
+        # Already stopping (an unowned shutdown, an earlier call, a signal) counts as success (OWN-004.7):
+        # the reply still comes only once every instance is stopped.
+        if self.ownership.begin_shutdown("ownership_shutdown"):
+            self.exit_reason = self.exit_reason or "ownership_shutdown"
             log_event("agentctl_ownership_shutdown", "ownership_shutdown: stopping every instance, then exiting",
                       priority=5, PEER_PID=ctx.peer.pid)
-        stopped = await self.stop_all()
-        self._spawn_background(self._exit_after_reply(ctx))
+        self._shutdown_calls += 1
+        try:
+            stopped = await self.stop_all()
+        finally:
+            self._shutdown_calls -= 1
+        self._spawn_background(self._exit_after_reply(ctx, "ownership_shutdown"))
         return {"stopped": stopped}
 
-    async def _exit_after_reply(self, ctx: ConnectionContext) -> None:
+    async def _exit_after_reply(self, ctx: ConnectionContext, reason: str) -> None:
         # Give the reply time to be written (or the client time to hang up) before closing.
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(ctx.closed.wait(), _SHUTDOWN_REPLY_GRACE)
-        self.exit_requested.set()
+        self._request_exit(reason)
 
     # -- instances -----------------------------------------------------------
 
