@@ -22,9 +22,10 @@ from sqlalchemy import select
 
 from daemon.agentctl.client import AgentctlClient, identify
 from daemon.agents.registry import get_agent
+from daemon.backend.adoption import Adopter
 from daemon.backend.events import _ensure_turn
 from daemon.backend.executions import EventConsumer, Execution, ExecutionStore
-from daemon.backend.launcher import ControlServerHandle, Launcher
+from daemon.backend.launcher import ControlServerHandle, Launcher, UnitBusy
 from daemon.backend.recovery import Recovery, RecoveryReport
 from daemon.config import Config
 from daemon.journal import log_event
@@ -86,6 +87,9 @@ class Backend:
         self.passthrough_handle: ControlServerHandle | None = None
         self.consumer = EventConsumer(store, self._client_for, self._on_gone)
         self.report = RecoveryReport()
+        self.credential: bytes | None = None  # current ownership credential (memory + 0600 file only)
+        self.claim_task: asyncio.Task[None] | None = None
+        self.fallback_reason: str | None = None
         self.shutdown_requested = asyncio.Event()
         self.socket_path = str(paths.backend_socket)
 
@@ -110,9 +114,22 @@ class Backend:
         return client, info
 
     async def start_own_server(self) -> AgentctlClient:
-        """Start a fresh control server and record it as the one this installation uses."""
-        handle, credential = await self.launcher.start()
+        """Start a fresh control server and record it as the one this installation uses.
+
+        Under systemd the unit can hold only one server: if it runs one this backend
+        could not adopt, that server is never stopped (AC-EXECUTORS-CONTROL-OWNERSHIP-001.4)
+        and this backend uses a child server until the survivor's unowned shutdown.
+        """
+        try:
+            handle, credential = await self.launcher.start()
+        except UnitBusy as exc:
+            self.fallback_reason = str(exc)
+            log_event("control_server_fallback", f"{exc}; using a control server bound to this backend",
+                      priority=4, REASON="unit_busy")
+            handle, credential = await self.passthrough_launcher.start()
         client, info = await self._connect(handle, credential)
+        self.credential = credential
+        self._start_claims(client, handle.endpoint, info["server_identity"], credential)
         self.handle = handle
         self.server_identity = info["server_identity"]
         with self.store.session() as db:
@@ -135,17 +152,62 @@ class Backend:
         )
         return client
 
+    def _start_claims(self, client: AgentctlClient, endpoint: str, identity: str, credential: bytes) -> None:
+        """Renew ownership every unowned period / 4 (AC-EXECUTORS-CONTROL-OWNERSHIP-003.2)."""
+        if self.claim_task is not None:
+            self.claim_task.cancel()
+        period = float(client.unowned_period_s or 600.0)
+        self.claim_task = asyncio.get_running_loop().create_task(
+            self._claim_loop(endpoint, identity, credential, period / 4), name="claims"
+        )
+
+    async def _claim_loop(self, endpoint: str, identity: str, credential: bytes, interval: float) -> None:
+        conn: AgentctlClient | None = None
+        try:
+            while True:
+                try:
+                    if conn is None or conn.closed:
+                        conn = await AgentctlClient.connect(
+                            endpoint, credential=credential, installation_id=self.installation_id,
+                            expected_identity=identity,
+                        )
+                    await conn.claim()
+                except (IpcError, OSError, Exception) as exc:  # a failed renewal never shortens the period
+                    log.warning("ownership claim failed: %s", exc)
+                    if conn is not None:
+                        with contextlib.suppress(Exception):
+                            await conn.close()
+                    conn = None
+                await asyncio.sleep(interval)
+        finally:
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    await conn.close()
+
+    def _on_adopted(self, client: AgentctlClient, credential: bytes) -> None:
+        # The claim loop starts as soon as the rotation is confirmed, not after re-tracking (003.8).
+        self.credential = credential
+        self._start_claims(client, client.socket_path, client.identity, credential)
+
     async def recover(self) -> None:
         self.state = "recovering"
         agentctl = self.config.agentctl
+        adopter = Adopter(
+            self.store,
+            self.paths,
+            self.installation_id,
+            read_timeout_s=agentctl.recovery_read_timeout,
+            read_retries=agentctl.recovery_read_retries,
+            on_claim_ready=self._on_adopted,
+        )
         recovery = Recovery(
             self.store,
             self.executions,
+            adopter,
             deadline_s=agentctl.recovery_deadline,
             read_timeout_s=agentctl.recovery_read_timeout,
             read_retries=agentctl.recovery_read_retries,
-            read_credential=self.launcher.read_credential,
-            installation_id=self.installation_id,
+            boot_id=self.boot_id,
         )
         report, client = await recovery.recover(
             enabled=self.enabled, start_own_server=self.start_own_server, publish=self._publish
@@ -178,6 +240,10 @@ class Backend:
     async def shutdown(self) -> None:
         """Graceful stop. Enabled: detach, send no stop (AC-EXECUTORS-SURVIVAL-001.1). Disabled: stop it all."""
         self.state = "stopping"
+        if self.claim_task is not None:
+            self.claim_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self.claim_task
         await self.consumer.stop(list(self.executions.executions.values()))
         for client in (self.client, self.passthrough_client):
             if client is not None:

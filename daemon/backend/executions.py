@@ -75,6 +75,7 @@ class ExecutionStore:
     def __init__(self) -> None:
         self.executions: dict[str, Execution] = {}
         self.guards: dict[str, str] = {}  # session_id -> "recovering" | "unstopped_agent"
+        self.holds: dict[str, int] = {}  # session_id -> stops in flight that keep its guard (003.7)
 
     def acquire_guard(self, session_id: str) -> bool:
         """Guard a session unless it is already guarded or tracked (then only observe)."""
@@ -84,8 +85,30 @@ class ExecutionStore:
         return True
 
     def release_guard(self, session_id: str) -> None:
-        if self.guards.get(session_id) == "recovering":
+        """Release a recovery guard, unless a stop for this session is still in flight."""
+        if self.guards.get(session_id) == "recovering" and not self.holds.get(session_id):
             del self.guards[session_id]
+
+    def hold_guard(self, session_id: str) -> None:
+        """A stop for this session is in flight: its guard outlives the deadline until the stop resolves."""
+        self.guards.setdefault(session_id, "recovering")
+        self.holds[session_id] = self.holds.get(session_id, 0) + 1
+
+    def _unhold(self, session_id: str) -> None:
+        left = self.holds.get(session_id, 0) - 1
+        if left > 0:
+            self.holds[session_id] = left
+        else:
+            self.holds.pop(session_id, None)
+
+    def release_held_guard(self, session_id: str) -> None:
+        self._unhold(session_id)
+        self.release_guard(session_id)
+
+    def mark_unstopped(self, session_id: str) -> None:
+        """An agent of this session could not be stopped: guarded for the rest of this lifetime (002.16)."""
+        self._unhold(session_id)
+        self.guards[session_id] = "unstopped_agent"
 
     def check_launch(self, session_id: str) -> None:
         """Refuse a launch for a guarded session (retryable while recovering)."""

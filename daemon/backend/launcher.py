@@ -44,6 +44,10 @@ class LaunchError(RuntimeError):
     """The control server could not be started; the message says why."""
 
 
+class UnitBusy(LaunchError):
+    """kandev-agentctl.service is already running a server this backend did not adopt."""
+
+
 @dataclass
 class ControlServerHandle:
     """A control server this backend is using (started or adopted)."""
@@ -76,15 +80,6 @@ class Launcher:
         self.installation_id = installation_id
         self.mode = mode
 
-    def read_credential(self, credential_ref: str) -> bytes:
-        """Read a stored credential by reference (raises OSError/ValueError if unreadable)."""
-        if not credential_ref or "/" in credential_ref or credential_ref.startswith("."):
-            raise ValueError(f"invalid credential reference {credential_ref!r}")
-        try:
-            return launch_file.read_credential_file(self.paths.secrets_dir / credential_ref)
-        except launch_file.LaunchError as exc:
-            raise ValueError(str(exc)) from None
-
     async def start(self) -> tuple[ControlServerHandle, bytes]:
         """Start a fresh control server and wait until it answers ``identify``."""
         credential = secrets.token_bytes(32)
@@ -110,6 +105,9 @@ class Launcher:
             log_path=str(self.paths.agentctl_log),
         )
         if self.mode == "unit":
+            state = (await self._systemctl_state("is-active", AGENTCTL_UNIT)).strip()
+            if state in ("active", "activating", "reloading", "deactivating"):
+                raise UnitBusy(f"{AGENTCTL_UNIT} is {state} with a server this backend did not adopt")
             launch_file.write_credential(self.paths.secrets_dir / BOOTSTRAP_CREDENTIAL, credential)
             launch_path = self.paths.agentctl_dir / "launch.json"
             launch_file.dump(cfg, launch_path)
@@ -178,6 +176,14 @@ class Launcher:
             raise LaunchError(f"systemctl {' '.join(args)} timed out") from None
         if proc.returncode != 0:
             raise LaunchError(f"systemctl {' '.join(args)} failed: {err.decode(errors='replace').strip()}")
+        return out.decode()
+
+    async def _systemctl_state(self, *args: str) -> str:
+        """Like _systemctl, but a non-zero exit (e.g. is-active of an inactive unit) is an answer."""
+        proc = await asyncio.create_subprocess_exec(
+            "systemctl", *args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+        )
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout=90)
         return out.decode()
 
     async def _unit_main_pid(self) -> int | None:

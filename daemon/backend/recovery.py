@@ -1,24 +1,25 @@
 """Startup recovery: adopt a surviving control server and re-track its agents.
 
-Read ``recover`` top to bottom: it is the ordered list of design.md §7 and
-design-notes §7.1, one step per block.
+Read ``Recovery.recover`` top to bottom: it is the ordered list of design.md §7
+and design-notes §7.1, one numbered block per step.
 
-1. guards from the inventory, passthrough excluded (before any contact)
-2. read the control-server record; the first contact starts the deadline
-3. identify → credential → proof → authentication → capabilities
-4. enumerate → correlate → reconstruct → read turn outcome → apply → publish
-5. at the deadline, every record without an outcome is not re-tracked
-6. release guards, then reconciliation reads the re-tracked set
+1. guards from the inventory, passthrough excluded, before any contact
+2. read the control-server record; the first contact starts the deadline D
+3. adoption gate: identify → credential → proof → authentication → capabilities → rotate/persist/confirm
+4. enumerate → correlate by the server-held session id → per record: stop
+   duplicates, check inputs, read turn outcome, apply, publish
+5. at D every record without an outcome is not re-tracked and its instance stopped;
+   work in flight (an adoption, a stop) finishes, is recorded, re-tracks nothing
+6. one enumeration taken after every outcome; reconciliation classifies and repairs
 
-With the capability disabled or unavailable there is no adoption and nothing
-is reported recovered (AC-EXECUTORS-SURVIVAL-005.1); the backend starts its
-own child control server and reconciliation repairs every live row.
+With the capability disabled or unavailable there is no adoption and nothing is
+reported recovered (AC-EXECUTORS-SURVIVAL-005.1); a provably-own survivor from an
+earlier launch is stopped first (005.5).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -28,15 +29,16 @@ from typing import Any
 
 from sqlalchemy import select
 
-from daemon.agentctl.client import AgentctlClient, OwnershipRefused, identify
-from daemon.agentctl.protocol import CAPABILITIES as REQUIRED_CAPABILITIES
+from daemon.agentctl.client import AgentctlClient
+from daemon.backend.adoption import Adopter, Adoption
 from daemon.backend.events import apply_turn_outcome
 from daemon.backend.executions import Execution, ExecutionStore
+from daemon.backend.liveness import DEAD, Scope, classify
 from daemon.journal import log_event
 from daemon.store import transitions
 from daemon.store.db import Store
 from daemon.store.models import ControlServerRecord, ExecutorRunning, TaskSession, Turn
-from ipc.errors import IpcError
+from ipc.errors import ErrorCode, IpcError
 
 log = logging.getLogger(__name__)
 
@@ -52,15 +54,8 @@ class Record:
     instance_id: str
     last_event_seq: int
     passthrough: bool
-
-
-@dataclass
-class Adoption:
-    outcome: str  # "adopted" | "no_server" | "refused" | "disabled"
-    reason: str | None = None
-    client: AgentctlClient | None = None
-    record: ControlServerRecord | None = None
-    answered: bool = False  # a server answered at the recorded endpoint
+    agent_profile: str | None
+    workspace_path: str | None
 
 
 @dataclass
@@ -68,35 +63,298 @@ class RecoveryReport:
     retracked: list[str] = field(default_factory=list)
     not_retracked: dict[str, str] = field(default_factory=dict)  # session_id -> reason
     stopped_orphans: list[str] = field(default_factory=list)
+    failed_stops: dict[str, str] = field(default_factory=dict)  # instance_id -> reason
+    unknown: list[str] = field(default_factory=list)  # rows left untouched (liveness unknown)
     duration_ms: float = 0.0
     adoption: Adoption = field(default_factory=lambda: Adoption("disabled"))
 
 
+class MissingInput(Exception):
+    """A required reconstruction value is authoritatively absent (AC-EXECUTORS-SURVIVAL-002.4)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+# Declared source of every value a re-tracked execution gets back (AC-EXECUTORS-SURVIVAL-002.14):
+#   (a) the recovery-inventory row   (b) another durable record of ours
+#   (c) the adopted instance          (d) re-derived from (a)-(c), never read from the instance
+RECONSTRUCTION_SOURCES: dict[str, str] = {
+    "session_id": "a",  # row.session_id (also the correlation key the server reports, 002.1)
+    "task_id": "a",
+    "workspace_path": "a",
+    "instance_id": "a",  # row.instance_id, the agent execution id (duplicate tie-break, 002.10)
+    "agent_profile": "a",  # row.agent_profile
+    "last_event_seq": "a",
+    "passthrough": "b",  # task_sessions.passthrough, the durable mode (005.3)
+    "acp_session_id": "c",  # the provider session id the instance holds
+    "workspace_roots": "c",  # read back from the instance, never pushed to it (002.5)
+    "agent_pid": "c",
+    "agent_pid_start_time": "c",
+    "agent_command": "d",  # re-derived from agent_profile and the built-in registry as it is now (002.3)
+}
+
+
+def _reconstruct(rec: Record, instance: dict[str, Any]) -> dict[str, Any]:
+    """Collect every value from its one declared source; a required one missing → MissingInput."""
+    from daemon.agents.registry import get_agent
+
+    values: dict[str, Any] = {
+        "session_id": rec.session_id,
+        "task_id": rec.task_id,
+        "workspace_path": rec.workspace_path,
+        "instance_id": instance.get("instance_id"),
+        "agent_profile": rec.agent_profile,
+        "last_event_seq": rec.last_event_seq,
+        "passthrough": rec.passthrough,
+        "acp_session_id": instance.get("acp_session_id"),
+        "workspace_roots": instance.get("workspace_roots"),
+        "agent_pid": instance.get("pid"),
+        "agent_pid_start_time": instance.get("pid_start_time"),
+    }
+    for name in ("workspace_path", "agent_profile", "acp_session_id", "workspace_roots", "agent_pid"):
+        if not values[name]:
+            raise MissingInput(name)
+    try:
+        values["agent_command"] = list(get_agent(str(rec.agent_profile)).argv())
+    except KeyError:
+        raise MissingInput("agent_command") from None
+    return values
+
+
 class Recovery:
-    """One startup recovery run. Knows the store, the execution store and how to reach servers."""
+    """One startup recovery run."""
 
     def __init__(
         self,
         store: Store,
         executions: ExecutionStore,
+        adopter: Adopter,
         *,
         deadline_s: float,
         read_timeout_s: float,
         read_retries: int,
-        read_credential: Callable[[str], bytes],
-        installation_id: str,
+        boot_id: str,
     ) -> None:
         self.store = store
         self.executions = executions
+        self.adopter = adopter
         self.deadline_s = deadline_s
         self.read_timeout_s = read_timeout_s
         self.read_retries = read_retries
-        self.read_credential = read_credential
-        self.installation_id = installation_id
+        self.boot_id = boot_id
+        self.past_deadline = False
+        self.stops: dict[str, asyncio.Task[bool]] = {}  # instance_id -> stop in flight or done
+        self.stop_sessions: dict[str, str] = {}  # instance_id -> session whose guard waits on it
+
+    # ------------------------------------------------------------------- the run
+    async def recover(
+        self,
+        *,
+        enabled: bool,
+        start_own_server: Callable[[], Awaitable[AgentctlClient]],
+        publish: Callable[[Execution], None],
+    ) -> tuple[RecoveryReport, AgentctlClient]:
+        report = RecoveryReport()
+        record = self.read_server_record()
+        if not enabled:
+            # No adoption, nothing recovered; an own survivor is stopped, not adopted (005.1, 005.5).
+            adoption = await self.adopter.shutdown_own(record)
+            report.adoption = adoption
+            self._log_adoption(adoption, record)
+            client = await start_own_server()
+            # 004.7: a survivor we could not stop keeps its rows untouched until a later start.
+            scope = Scope(disabled=not adoption.stop_failed, adopted=False, answered=adoption.stop_failed)
+            self.reconcile(set(), report, scope)
+            return report, client
+
+        # 1. guards, before any contact (AC-EXECUTORS-SURVIVAL-002.8, 005.3)
+        records = self.take_guards()
+        standalone = [r for r in records if not r.passthrough]
+        for rec in records:
+            if rec.passthrough:
+                report.not_retracked[rec.session_id] = "passthrough"
+
+        # 2. the recorded server; D starts at first contact (AC-EXECUTORS-SURVIVAL-003.7)
+        started = time.monotonic()
+        deadline = started + self.deadline_s
+
+        # 3. adoption gate (never cancelled; a late adoption re-tracks nothing)
+        adoption = await self.adopter.adopt(record)
+        report.adoption = adoption
+        self._log_adoption(adoption, record)
+        if adoption.client is None:
+            for rec in standalone:
+                report.not_retracked[rec.session_id] = adoption.reason or "no_server"
+            client = await start_own_server()
+            self._release_guards(standalone)
+            report.duration_ms = (time.monotonic() - started) * 1000
+            # Rows of a reachable server we did not adopt are unknown; a stopped one's are repaired (004.3).
+            scope = Scope(disabled=False, adopted=False, answered=adoption.answered and not adoption.stopped,
+                          created_by_us=self.boot_id)
+            self.reconcile(set(), report, scope)
+            return report, client
+        client = adoption.client
+        if time.monotonic() >= deadline:
+            self.past_deadline = True
+
+        # 4. enumerate; correlate by the session identity the server holds (002.1)
+        try:
+            listing = await self._budget(client.list_instances)
+        except IpcError as exc:
+            # Cannot enumerate: recover nothing, stop nothing, no second server (002.12).
+            log.warning("enumeration failed: %s", exc)
+            for rec in standalone:
+                report.not_retracked[rec.session_id] = "enumeration_failed"
+            self._release_guards(standalone)
+            report.duration_ms = (time.monotonic() - started) * 1000
+            self.reconcile(set(), report, Scope(disabled=False, adopted=True, answered=True, enumeration=None))
+            return report, client
+        live = [i for i in listing if i.get("state") not in ("exited", "stopping", "stopped")]
+        by_session: dict[str, list[dict[str, Any]]] = {}
+        for inst in live:
+            by_session.setdefault(str(inst.get("session_id")), []).append(inst)
+        recorded = {r.session_id for r in records}
+        for session_id, insts in by_session.items():
+            if session_id not in recorded:  # no inventory record → stopped (002.6)
+                for inst in insts:
+                    report.stopped_orphans.append(inst["instance_id"])
+                    self._stop(client, inst["instance_id"], None)
+        jobs: dict[asyncio.Task[Execution | None], Record] = {}
+        for rec in standalone:
+            if rec.session_id in self.executions.executions:
+                continue  # already tracked: idempotent (002.9)
+            candidates = by_session.get(rec.session_id, [])
+            if not candidates:
+                report.not_retracked[rec.session_id] = "no_instance"  # repair path (002.7)
+                continue
+            task = asyncio.get_running_loop().create_task(
+                self._retrack_record(client, rec, candidates, report, publish)
+            )
+            jobs[task] = rec
+        if self.past_deadline:
+            pending = set(jobs)
+        elif jobs:
+            _, pending = await asyncio.wait(jobs, timeout=max(0.0, deadline - time.monotonic()))
+        else:
+            pending = set()
+
+        # 5. the deadline: whatever has no outcome is not re-tracked and its instance stopped
+        self.past_deadline = True
+        for task in pending:
+            rec = jobs[task]
+            report.not_retracked[rec.session_id] = "deadline"
+            for inst in by_session.get(rec.session_id, []):
+                self._stop(client, inst["instance_id"], rec.session_id)
+        if self.stops:
+            await asyncio.wait(self.stops.values(), timeout=max(0.0, deadline - time.monotonic()))
+        in_flight = {iid for iid, t in self.stops.items() if not t.done()}
+        for iid, task in self.stops.items():
+            if task.done() and not task.result():
+                report.failed_stops[iid] = "stop failed after retries"
+        for session_id, reason in report.not_retracked.items():
+            log_event("session_not_retracked", f"session {session_id} not re-tracked: {reason}",
+                      SESSION_ID=session_id, REASON=reason)
+        report.duration_ms = (time.monotonic() - started) * 1000
+        self._release_guards(standalone)
+
+        # 6. one enumeration after every outcome, then reconciliation (003.1, 003.6)
+        try:
+            after = await self._budget(client.list_instances)
+            present = {i["instance_id"] for i in after if i.get("state") not in ("exited", "stopped")}
+        except IpcError:
+            present = None
+        scope = Scope(disabled=False, adopted=True, answered=True, enumeration=present,
+                      stops_in_flight=in_flight, created_by_us=self.boot_id)
+        self.reconcile(set(report.retracked), report, scope)
+        return report, client
+
+    # ------------------------------------------------------------- per record
+    async def _retrack_record(
+        self,
+        client: AgentctlClient,
+        rec: Record,
+        candidates: list[dict[str, Any]],
+        report: RecoveryReport,
+        publish: Callable[[Execution], None],
+    ) -> Execution | None:
+        if len(candidates) > 1:
+            # Duplicates: only the instance whose id is the record's agent execution id (002.10).
+            winners = [i for i in candidates if i["instance_id"] == rec.instance_id]
+            losers = [i for i in candidates if i["instance_id"] != rec.instance_id]
+            if len(winners) != 1:
+                report.not_retracked[rec.session_id] = "duplicate_ambiguous"
+                for inst in candidates:
+                    self._stop(client, inst["instance_id"], rec.session_id)
+                return None
+            stopped = await asyncio.gather(*(self._stop(client, i["instance_id"], rec.session_id) for i in losers))
+            if not all(stopped):  # a loser still runs: the winner is not re-tracked either (002.15)
+                report.not_retracked[rec.session_id] = "duplicate_stop_failed"
+                await self._stop(client, winners[0]["instance_id"], rec.session_id)
+                return None
+            candidates = winners
+        instance = candidates[0]
+        try:
+            values = _reconstruct(rec, instance)
+        except MissingInput as exc:
+            report.not_retracked[rec.session_id] = f"missing_input={exc.name}"
+            log_event("retrack_missing_input", f"session {rec.session_id}: required value {exc.name} missing",
+                      SESSION_ID=rec.session_id, INSTANCE_ID=instance.get("instance_id"), REASON=exc.name)
+            await self._stop(client, instance["instance_id"], rec.session_id)
+            return None
+        try:
+            status = await self._budget(lambda: client.turn_status(instance["instance_id"]))
+        except IpcError:
+            # Never publish as running what we could not read (004.5): stop it instead.
+            report.not_retracked[rec.session_id] = "turn_status_failed"
+            await self._stop(client, instance["instance_id"], rec.session_id)
+            return None
+        if self.past_deadline:  # completed after D: publishes nothing, changes no state (003.7)
+            return None
+        outcomes = list(status.get("outcomes") or [])
+        with self.store.session() as db:  # apply what ended while unattached, before publishing (004.2)
+            for out in outcomes:
+                apply_turn_outcome(db, rec.session_id, str(out["turn_id"]), out.get("stop_reason"), out.get("error"))
+            row = db.get(ExecutorRunning, rec.session_id)
+            if row is not None:
+                row.instance_id = values["instance_id"]
+                row.agent_pid = values["agent_pid"]
+                row.agent_pid_start_time = values["agent_pid_start_time"]
+                row.updated_at = datetime.now(UTC)
+        ex = Execution(
+            session_id=rec.session_id,
+            task_id=rec.task_id,
+            instance_id=values["instance_id"],
+            agent_pid=values["agent_pid"],
+            agent_pid_start_time=values["agent_pid_start_time"],
+            acp_session_id=values["acp_session_id"],
+            retracked=True,
+            last_seq=rec.last_event_seq,
+            applied_turns={str(o["turn_id"]) for o in outcomes},
+        )
+        publish(ex)
+        self.executions.release_guard(rec.session_id)
+        report.retracked.append(rec.session_id)
+        log_event(
+            "session_retracked",
+            f"session {rec.session_id} re-tracked: agent pid {ex.agent_pid} kept running",
+            SESSION_ID=rec.session_id,
+            TASK_ID=rec.task_id,
+            INSTANCE_ID=ex.instance_id,
+            AGENT_PID=ex.agent_pid,
+        )
+        # Acked only now that the outcomes are durable, each in its own exchange (004.6).
+        for out in outcomes:
+            try:
+                await client.ack_turn(str(out["turn_id"]))
+            except IpcError as exc:
+                log.warning("ack_turn %s failed (a later backend re-applies it harmlessly): %s", out["turn_id"], exc)
+        return ex
 
     # ------------------------------------------------------------------ steps
     def take_guards(self) -> list[Record]:
-        """Step 1: guard every session named by a live standalone row (AC-EXECUTORS-SURVIVAL-002.8)."""
+        """Guard every session named by a live standalone row (AC-EXECUTORS-SURVIVAL-002.8)."""
         records: list[Record] = []
         with self.store.session() as db:
             rows = db.execute(
@@ -111,8 +369,10 @@ class Recovery:
                         task_id=row.task_id,
                         instance_id=row.instance_id,
                         last_event_seq=row.last_event_seq or 0,
-                        # Unreadable mode → guarded, not excluded (AC-EXECUTORS-SURVIVAL-005.3).
+                        # Mode unreadable → guarded, not excluded (AC-EXECUTORS-SURVIVAL-005.3).
                         passthrough=bool(passthrough) if passthrough is not None else False,
+                        agent_profile=row.agent_profile,
+                        workspace_path=row.workspace_path,
                     )
                 )
         for rec in records:
@@ -127,242 +387,91 @@ class Recovery:
                 db.expunge(rec)
             return rec
 
-    async def adopt(self, record: ControlServerRecord | None) -> Adoption:
-        """Step 3: prove the recorded server is ours before sending it anything that matters."""
-        if record is None or not record.endpoint:
-            return Adoption("no_server", None)
-        info = await identify(record.endpoint, timeout=self.read_timeout_s)
-        if info is None:
-            return Adoption("no_server", "no_answer", record=record)
-        if not info.get("server_identity") or not info.get("capabilities"):
-            return Adoption("refused", "identity_mismatch", record=record, answered=True)
-        if info["server_identity"] != record.server_identity:
-            return Adoption("refused", "identity_mismatch", record=record, answered=True)
-        try:
-            credential = self.read_credential(record.credential_ref)
-        except (OSError, ValueError) as exc:
-            log.warning("stored control-server credential unreadable: %s", exc)
-            return Adoption("refused", "credential_unavailable", record=record, answered=True)
-        try:
-            client = await AgentctlClient.connect(
-                record.endpoint,
-                credential=credential,
-                installation_id=self.installation_id,
-                expected_identity=record.server_identity,
-                timeout=self.read_timeout_s,
-            )
-        except OwnershipRefused as exc:
-            return Adoption("refused", exc.reason, record=record, answered=True)
-        except IpcError as exc:
-            return Adoption("refused", "authentication_failure" if exc.code == "unauthenticated" else "no_answer",
-                            record=record, answered=True)
-        missing = set(REQUIRED_CAPABILITIES) - set(client.capabilities)
-        if missing:
-            await client.close()
-            return Adoption("refused", "capability_incompatibility", record=record, answered=True)
-        try:
-            await client.claim()  # a successful adoption counts as a renewal
-        except IpcError as exc:
-            await client.close()
-            reason = "shutting_down" if exc.code == "shutting_down" else "credential_rotation_failure"
-            return Adoption("no_server" if reason == "shutting_down" else "refused", reason, record=record,
-                            answered=True)
-        return Adoption("adopted", None, client=client, record=record, answered=True)
+    async def _budget(self, fn: Callable[[], Awaitable[Any]]) -> Any:
+        return await self.adopter._budget(fn)
 
-    async def _read(self, fn: Callable[[], Awaitable[Any]]) -> Any:
-        """One bounded read on the read budget: timeout T, R retries, no pause (AC-EXECUTORS-SURVIVAL-002.13)."""
-        last: Exception | None = None
-        for _ in range(self.read_retries + 1):
+    def _stop(self, client: AgentctlClient, instance_id: str, session_id: str | None) -> asyncio.Task[bool]:
+        """Stop an instance on the read budget, once; the task is never cancelled (003.7)."""
+        task = self.stops.get(instance_id)
+        if task is not None:
+            return task
+
+        async def run() -> bool:
             try:
-                return await asyncio.wait_for(fn(), timeout=self.read_timeout_s)
-            except (TimeoutError, IpcError) as exc:
-                if isinstance(exc, IpcError) and exc.code not in ("timeout", "unavailable"):
-                    raise
-                last = exc
-        raise IpcError("timeout", f"read failed after {self.read_retries + 1} attempts: {last}")
+                await self._budget(lambda: client.stop_instance(instance_id))
+                return True
+            except IpcError as exc:
+                if exc.code == ErrorCode.NOT_FOUND:
+                    return True  # already absent counts as success
+                log_event("stop_failed", f"could not stop instance {instance_id}: {exc}", priority=3,
+                          INSTANCE_ID=instance_id, SESSION_ID=session_id, REASON=exc.code)
+                return False
 
-    async def retrack_one(self, client: AgentctlClient, rec: Record, instance: dict[str, Any]) -> Execution:
-        """Step 4 for one session: rebuild the execution, apply a retained outcome, publish."""
-        status = await self._read(lambda: client.turn_status(instance["instance_id"]))
-        outcomes = list(status.get("outcomes") or [])
-        with self.store.session() as db:
-            for out in outcomes:
-                apply_turn_outcome(db, rec.session_id, str(out["turn_id"]), out.get("stop_reason"),
-                                   out.get("error"))
-            row = db.get(ExecutorRunning, rec.session_id)
-            if row is not None:
-                row.instance_id = instance["instance_id"]
-                row.agent_pid = instance.get("pid")
-                row.agent_pid_start_time = instance.get("pid_start_time")
-                row.updated_at = datetime.now(UTC)
-        # Acked only after the outcomes are durable, in exchanges of their own.
-        for out in outcomes:
-            with contextlib.suppress(IpcError):
-                await client.ack_turn(str(out["turn_id"]))
-        ex = Execution(
-            session_id=rec.session_id,
-            task_id=rec.task_id,
-            instance_id=instance["instance_id"],
-            agent_pid=instance.get("pid"),
-            agent_pid_start_time=instance.get("pid_start_time"),
-            acp_session_id=instance.get("acp_session_id"),
-            retracked=True,
-            last_seq=rec.last_event_seq,
-            applied_turns={str(o["turn_id"]) for o in outcomes},
-        )
-        return ex
+        task = asyncio.get_running_loop().create_task(run())
+        self.stops[instance_id] = task
+        if session_id is not None:
+            self.stop_sessions[instance_id] = session_id
+            self.executions.hold_guard(session_id)
+            task.add_done_callback(lambda t, s=session_id: self._stop_resolved(s, t))
+        return task
 
-    # ---------------------------------------------------------------- the run
-    async def recover(
-        self,
-        *,
-        enabled: bool,
-        start_own_server: Callable[[], Awaitable[AgentctlClient]],
-        publish: Callable[[Execution], None],
-    ) -> tuple[RecoveryReport, AgentctlClient]:
-        report = RecoveryReport()
-        if not enabled:
-            # Disabled or unavailable: no adoption, nothing recovered (AC-EXECUTORS-SURVIVAL-005.1).
-            client = await start_own_server()
-            self.reconcile(set(), report)
-            return report, client
+    def _stop_resolved(self, session_id: str, task: asyncio.Task[bool]) -> None:
+        ok = not task.cancelled() and task.exception() is None and task.result()
+        if ok:
+            self.executions.release_held_guard(session_id)
+        else:  # an agent that could not be stopped keeps its session guarded (002.16)
+            self.executions.mark_unstopped(session_id)
 
-        # 1. guards, before any contact
-        records = self.take_guards()
-        standalone = [r for r in records if not r.passthrough]
+    def _release_guards(self, records: list[Record]) -> None:
+        for rec in records:
+            self.executions.release_guard(rec.session_id)
 
-        # 2. the recorded server; the deadline starts at first contact (AC-EXECUTORS-SURVIVAL-003.7)
-        record = self.read_server_record()
-        started = time.monotonic()
-        deadline = started + self.deadline_s
-
-        # 3. adoption gate
-        adoption = await self.adopt(record)
-        report.adoption = adoption
+    def _log_adoption(self, adoption: Adoption, record: ControlServerRecord | None) -> None:
         log_event(
             "adoption",
             f"control server adoption: {adoption.outcome}" + (f" ({adoption.reason})" if adoption.reason else ""),
             OUTCOME=adoption.outcome,
             REASON=adoption.reason,
             SERVER_IDENTITY=record.server_identity if record else None,
+            STOPPED=int(adoption.stopped),
         )
-        if adoption.client is None:
-            for rec in standalone:
-                report.not_retracked[rec.session_id] = adoption.reason or "no_server"
-            client = await start_own_server()
-            self._release_guards(standalone)
-            report.duration_ms = (time.monotonic() - started) * 1000
-            self.reconcile(set(), report)
-            return report, client
-        client = adoption.client
 
-        # 4. enumerate and correlate by the session identity the server holds (AC-EXECUTORS-SURVIVAL-002.1)
-        try:
-            listing = await self._read(client.list_instances)
-        except IpcError as exc:
-            # Cannot enumerate: recover nothing, stop nothing (AC-EXECUTORS-SURVIVAL-002.12).
-            for rec in standalone:
-                report.not_retracked[rec.session_id] = "enumeration_failed"
-            self._release_guards(standalone)
-            report.duration_ms = (time.monotonic() - started) * 1000
-            log.warning("enumeration failed: %s", exc)
-            self.reconcile(set(), report)
-            return report, client
-        instances = [i for i in listing if i.get("state") != "exited"]
-        by_session: dict[str, list[dict[str, Any]]] = {}
-        for inst in instances:
-            by_session.setdefault(str(inst.get("session_id")), []).append(inst)
-        to_stop: list[str] = []
-        recorded = {r.session_id for r in records}
-        for session_id, insts in by_session.items():
-            if session_id not in recorded:  # no inventory record: stop it (AC-EXECUTORS-SURVIVAL-002.6)
-                to_stop += [i["instance_id"] for i in insts]
-                report.stopped_orphans += [i["instance_id"] for i in insts]
-        jobs: dict[asyncio.Task[Execution], Record] = {}
-        for rec in standalone:
-            if rec.session_id in self.executions.executions:
-                continue  # already tracked: idempotent (AC-EXECUTORS-SURVIVAL-002.9)
-            candidates = by_session.get(rec.session_id, [])
-            if not candidates:
-                report.not_retracked[rec.session_id] = "no_instance"  # repair path (002.7)
-                continue
-            if len(candidates) > 1:  # duplicate tie-break on the agent execution id (002.10)
-                winners = [i for i in candidates if i["instance_id"] == rec.instance_id]
-                losers = [i["instance_id"] for i in candidates if i not in winners]
-                to_stop += losers
-                if len(winners) != 1:
-                    report.not_retracked[rec.session_id] = "duplicate_ambiguous"
-                    to_stop += [i["instance_id"] for i in winners]
-                    continue
-                candidates = winners
-            jobs[asyncio.get_running_loop().create_task(self.retrack_one(client, rec, candidates[0]))] = rec
+    # ---------------------------------------------------------- reconciliation
+    def reconcile(self, retracked: set[str], report: RecoveryReport, scope: Scope) -> None:
+        """Startup state reconciliation: repair what the restart interrupted, and only that.
 
-        # 5. one deadline for all of it; work in flight is not cancelled, only ignored
-        if jobs:
-            done, pending = await asyncio.wait(jobs, timeout=max(0.0, deadline - time.monotonic()))
-        else:
-            done, pending = set(), set()
-        for task in done:
-            rec = jobs[task]
-            exc = task.exception()
-            if exc is not None:
-                report.not_retracked[rec.session_id] = "failed_read"
-                to_stop.append(by_session[rec.session_id][0]["instance_id"])
-                continue
-            ex = task.result()
-            publish(ex)
-            self.executions.release_guard(rec.session_id)
-            report.retracked.append(rec.session_id)
-            log_event(
-                "session_retracked",
-                f"session {rec.session_id} re-tracked: agent pid {ex.agent_pid} kept running",
-                SESSION_ID=rec.session_id,
-                TASK_ID=rec.task_id,
-                INSTANCE_ID=ex.instance_id,
-                AGENT_PID=ex.agent_pid,
-            )
-        for task in pending:
-            rec = jobs[task]
-            report.not_retracked[rec.session_id] = "deadline"
-            to_stop.append(by_session[rec.session_id][0]["instance_id"])
-        for instance_id in to_stop:
-            with contextlib.suppress(IpcError):
-                await self._read(lambda iid=instance_id: client.stop_instance(iid))
-        for session_id, reason in report.not_retracked.items():
-            log_event("session_not_retracked", f"session {session_id} not re-tracked: {reason}",
-                      SESSION_ID=session_id, REASON=reason)
-
-        # 6. guards released, then reconciliation reads the re-tracked set (AC-EXECUTORS-SURVIVAL-003.1)
-        self._release_guards(standalone)
-        report.duration_ms = (time.monotonic() - started) * 1000
-        self.reconcile(set(report.retracked), report)
-        return report, client
-
-    def _release_guards(self, records: list[Record]) -> None:
-        for rec in records:
-            self.executions.release_guard(rec.session_id)
-
-    def reconcile(self, retracked: set[str], report: RecoveryReport) -> None:
-        """Startup state reconciliation: what the restart interrupted, and only that.
-
-        Re-tracked sessions are skipped entirely: their task is not marked
-        interrupted, a running session stays running and its open turns stay
-        open (AC-EXECUTORS-SURVIVAL-003.2..003.5). Every other live row goes to
-        the repair path (resume token and worktree kept), its open turns are
-        abandoned, an active session waits for input and its task goes to review
-        marked interrupted — the behaviour kandev always had.
+        Re-tracked sessions are skipped entirely: the task is not marked
+        interrupted, a running session stays running, open turns stay open, a
+        task in progress stays in progress (AC-EXECUTORS-SURVIVAL-003.2..003.5).
+        Every other live row is classified (003.6): dead rows go to the repair
+        path (resume token and worktree kept; open turns abandoned; an active
+        session waits for input and its task goes to review, marked
+        interrupted — what kandev always did); unknown rows are left untouched.
         """
         now = datetime.now(UTC)
         with self.store.session() as db:
             rows = db.scalars(select(ExecutorRunning).where(ExecutorRunning.status == "live")).all()
+            untouched: set[str] = set(retracked)
             for row in rows:
                 if row.session_id in retracked:
                     continue
-                row.status = "stale"
+                verdict = classify(
+                    instance_id=row.instance_id,
+                    agent_pid=row.agent_pid,
+                    agent_pid_start_time=row.agent_pid_start_time,
+                    created_by_boot=row.created_by_boot,
+                    scope=scope,
+                )
+                if verdict != DEAD:
+                    untouched.add(row.session_id)
+                    report.unknown.append(row.session_id)
+                    report.not_retracked.setdefault(row.session_id, f"liveness_{verdict}")
+                    continue
+                row.status = "stale"  # resume token and worktree identity are kept
                 row.updated_at = now
             sessions = db.scalars(select(TaskSession).where(TaskSession.state.in_(ACTIVE_STATES))).all()
             for session in sessions:
-                if session.id in retracked:
+                if session.id in untouched:
                     continue
                 for turn in db.scalars(select(Turn).where(Turn.session_id == session.id, Turn.state == "open")):
                     turn.state = "abandoned"

@@ -1,0 +1,274 @@
+"""Adoption: take over a surviving control server only when it is provably ours.
+
+``Adopter.adopt(record)`` runs the gate of spec/ownership.md in its order, the
+first failure deciding the one refusal reason (AC-EXECUTORS-CONTROL-OWNERSHIP-001.6):
+
+1. no answer at the recorded endpoint (or none recorded) → start fresh
+2. identity mismatch (or none advertised) → refuse, send nothing else
+3. credential unavailable (stored secret unreadable) → refuse, keep the secret
+4. authentication failure (the server cannot prove it holds our credential) → refuse
+5. capability incompatibility → stop it with ownership_shutdown, then start fresh
+6. credential rotation failure → adoption incomplete, nothing recovered
+
+then rotates the credential: ``rotate`` → the new secret and the record's
+credential reference written durably → ``confirm_rotation`` with the new
+credential (AC-EXECUTORS-CONTROL-OWNERSHIP-002.7; confirming early is the one
+forbidden order). Fault points sit between those steps so tests can kill the
+backend at each one.
+
+A server that cannot be proven ours is never stopped and never sent a
+credential (001.4, 001.10). ``shutdown_own`` is the destroy-only path used when
+the capability is off but a provable server from an earlier launch still runs
+(AC-EXECUTORS-SURVIVAL-005.5): it accepts the superseded credential and needs
+no adoption (002.9).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from daemon.agentctl import launch as launch_file
+from daemon.agentctl.client import AgentctlClient, OwnershipRefused, identify
+from daemon.agentctl.protocol import CAPABILITIES as REQUIRED_CAPABILITIES
+from daemon.faults import fault_point
+from daemon.paths import Paths
+from daemon.store.db import Store
+from daemon.store.models import ControlServerRecord
+from ipc.errors import ErrorCode, IpcError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Adoption:
+    """The outcome of one adoption attempt.
+
+    ``outcome``: ``adopted``; ``no_server`` (nothing recorded, nothing answered,
+    or the server is shutting down — none of these is a refusal); ``refused``
+    (with one ``reason``); ``disabled`` (no attempt: capability off).
+    ``answered``: a server answered at the recorded endpoint (SURVIVAL-003.6 rule 7).
+    ``stopped``: this backend stopped that server (incompatible, or disabled cleanup).
+    """
+
+    outcome: str
+    reason: str | None = None
+    client: AgentctlClient | None = None
+    record: ControlServerRecord | None = None
+    answered: bool = False
+    stopped: bool = False
+    stop_failed: bool = False
+
+
+class Adopter:
+    def __init__(
+        self,
+        store: Store,
+        paths: Paths,
+        installation_id: str,
+        *,
+        read_timeout_s: float,
+        read_retries: int,
+        on_claim_ready: Callable[[AgentctlClient, bytes], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.paths = paths
+        self.installation_id = installation_id
+        self.read_timeout_s = read_timeout_s
+        self.read_retries = read_retries
+        self.on_claim_ready = on_claim_ready
+
+    # ------------------------------------------------------------ helpers
+    def read_credential(self, ref: str | None) -> bytes:
+        if not ref or "/" in ref or ref.startswith("."):
+            raise ValueError(f"invalid credential reference {ref!r}")
+        try:
+            return launch_file.read_credential_file(self.paths.secrets_dir / ref)
+        except launch_file.LaunchError as exc:
+            raise ValueError(str(exc)) from None
+
+    async def _budget(self, fn: Callable[[], Awaitable[Any]]) -> Any:
+        """Timeout T, R retries, no pause between attempts (AC-EXECUTORS-SURVIVAL-002.13)."""
+        last: Exception | None = None
+        for _ in range(self.read_retries + 1):
+            try:
+                return await asyncio.wait_for(fn(), timeout=self.read_timeout_s)
+            except TimeoutError as exc:
+                last = exc
+            except IpcError as exc:
+                if exc.code not in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT):
+                    raise
+                last = exc
+        raise IpcError(ErrorCode.TIMEOUT, f"no answer after {self.read_retries + 1} attempts: {last}")
+
+    async def _identify(self, endpoint: str) -> tuple[bool, dict[str, Any] | None]:
+        """(answered, identity). A listener that answers with an error has answered."""
+        try:
+            info = await self._budget(lambda: _identify_or_raise(endpoint, self.read_timeout_s))
+        except IpcError as exc:
+            if exc.code == ErrorCode.TIMEOUT:
+                return False, None
+            return True, None
+        return True, info
+
+    # -------------------------------------------------------------- adopt
+    async def adopt(self, record: ControlServerRecord | None) -> Adoption:
+        # 1. no answer
+        if record is None or not record.endpoint:
+            return Adoption("no_server", None)
+        answered, info = await self._identify(record.endpoint)
+        if not answered:
+            return Adoption("no_server", "no_answer", record=record)
+        # 2. identity (a server advertising no identity or capabilities is unprovable, 001.5)
+        if not info or not info.get("server_identity") or not info.get("capabilities"):
+            return Adoption("refused", "identity_mismatch", record=record, answered=True)
+        if info["server_identity"] != record.server_identity:
+            return Adoption("refused", "identity_mismatch", record=record, answered=True)
+        # 3. credential unavailable: nothing is sent, the secret is kept (001.9)
+        try:
+            credential = self.read_credential(record.credential_ref)
+        except (OSError, ValueError) as exc:
+            log.warning("stored control-server credential unreadable: %s", exc)
+            return Adoption("refused", "credential_unavailable", record=record, answered=True)
+        # 4. authentication: the server proves possession first (001.10)
+        try:
+            client = await AgentctlClient.connect(
+                record.endpoint,
+                credential=credential,
+                installation_id=self.installation_id,
+                expected_identity=record.server_identity,
+                timeout=self.read_timeout_s,
+                purpose="adopt",
+            )
+        except OwnershipRefused as exc:
+            return Adoption("refused", exc.reason, record=record, answered=True)
+        except IpcError as exc:
+            if exc.code == ErrorCode.SHUTTING_DOWN:
+                return Adoption("no_server", None, record=record, answered=True)
+            return Adoption("refused", "authentication_failure", record=record, answered=True)
+        # 5. capabilities: set inclusion, never version ordering (004.2)
+        missing = set(REQUIRED_CAPABILITIES) - set(client.capabilities)
+        if missing:
+            log.warning("control server lacks capabilities %s", sorted(missing))
+            stopped = await self._shutdown(client)
+            return Adoption(
+                "refused",
+                "capability_incompatibility",
+                record=record,
+                answered=True,
+                stopped=stopped,
+                stop_failed=not stopped,
+            )
+        # 6. rotation
+        return await self._rotate(client, record)
+
+    async def _rotate(self, client: AgentctlClient, record: ControlServerRecord) -> Adoption:
+        try:
+            rotation_id, new_credential = await client.rotate()
+        except IpcError as exc:
+            await client.close()
+            if exc.code == ErrorCode.SHUTTING_DOWN:  # the one-way door: treat as no server (003.9)
+                return Adoption("no_server", None, record=record, answered=True)
+            return Adoption("refused", "credential_rotation_failure", record=record, answered=True)
+        fault_point("adopt_after_rotate")
+        old_ref = record.credential_ref
+        new_ref = f"agentctl-cred-{secrets.token_hex(6)}"
+        try:
+            # Both writes durable before confirm; either order recovers (002.7).
+            launch_file.write_credential(self.paths.secrets_dir / new_ref, new_credential)
+            fault_point("adopt_after_secret")
+            with self.store.session() as db:
+                stored = db.get(ControlServerRecord, 1)
+                if stored is None:
+                    raise RuntimeError("control-server record vanished during adoption")
+                stored.credential_ref = new_ref
+                stored.updated_at = datetime.now(UTC)
+            fault_point("adopt_after_record")
+        except Exception as exc:
+            log.error("could not persist the rotated credential: %s", exc)
+            await client.close()
+            return Adoption("refused", "credential_rotation_failure", record=record, answered=True)
+        await client.close()
+        try:
+            current = await AgentctlClient.connect(
+                record.endpoint,
+                credential=new_credential,
+                installation_id=self.installation_id,
+                expected_identity=record.server_identity,
+                timeout=self.read_timeout_s,
+            )
+            await current.confirm_rotation(rotation_id)
+        except (IpcError, OwnershipRefused) as exc:
+            log.error("confirming rotation %s failed: %s", rotation_id, exc)
+            return Adoption("refused", "credential_rotation_failure", record=record, answered=True)
+        fault_point("adopt_after_confirm")
+        if self.on_claim_ready is not None:  # the claim loop starts now, not after re-tracking (003.8)
+            self.on_claim_ready(current, new_credential)
+        if old_ref and old_ref != new_ref:
+            with contextlib.suppress(OSError):
+                (self.paths.secrets_dir / old_ref).unlink()
+        record.credential_ref = new_ref
+        return Adoption("adopted", None, client=current, record=record, answered=True)
+
+    async def _shutdown(self, client: AgentctlClient) -> bool:
+        """ownership_shutdown on the read budget; already stopping/absent counts as success (004.7)."""
+        try:
+            await self._budget(client.ownership_shutdown)
+            return True
+        except IpcError as exc:
+            if exc.code in (ErrorCode.SHUTTING_DOWN, ErrorCode.UNAVAILABLE):
+                return True
+            log.error("ownership_shutdown failed: %s", exc)
+            return False
+        finally:
+            with contextlib.suppress(Exception):
+                await client.close()
+
+    async def shutdown_own(self, record: ControlServerRecord | None) -> Adoption:
+        """Capability off: stop a provably-own survivor from an earlier launch (SURVIVAL-005.5)."""
+        if record is None or not record.endpoint:
+            return Adoption("disabled", None)
+        answered, info = await self._identify(record.endpoint)
+        if not answered:
+            return Adoption("disabled", None, record=record)
+        if not info or info.get("server_identity") != record.server_identity:
+            return Adoption("disabled", "identity_mismatch", record=record, answered=True)
+        try:
+            credential = self.read_credential(record.credential_ref)
+        except (OSError, ValueError):
+            return Adoption("disabled", "credential_unavailable", record=record, answered=True)
+        try:
+            client = await AgentctlClient.connect(
+                record.endpoint,
+                credential=credential,
+                installation_id=self.installation_id,
+                expected_identity=record.server_identity,
+                timeout=self.read_timeout_s,
+                purpose="adopt",
+            )
+        except OwnershipRefused as exc:
+            return Adoption("disabled", exc.reason, record=record, answered=True)
+        except IpcError:
+            return Adoption("disabled", "authentication_failure", record=record, answered=True)
+        stopped = await self._shutdown(client)
+        return Adoption(
+            "disabled",
+            None if stopped else "stop_failed",
+            record=record,
+            answered=True,
+            stopped=stopped,
+            stop_failed=not stopped,
+        )
+
+
+async def _identify_or_raise(endpoint: str, timeout: float) -> dict[str, Any]:
+    info = await identify(endpoint, timeout=timeout)
+    if info is None:
+        raise IpcError(ErrorCode.UNAVAILABLE, "no answer")
+    return info

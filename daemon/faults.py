@@ -1,0 +1,34 @@
+"""Fault injection points that exist in the product, off by default.
+
+``fault_point(name)`` does nothing unless ``$KANDEV_FAULT`` names that point,
+in which case the process SIGKILLs itself there. Tests use it to stop a
+backend at an exact step of adoption (e.g. after ``rotate`` was accepted and
+before ``confirm``) and check that every crash point leaves a credential held
+by both sides (spec/ownership.md, cross-cutting invariants). Nothing else
+reads this variable; operators never need it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from daemon.journal import log_event
+
+ENV = "KANDEV_FAULT"
+POINTS = frozenset(
+    {
+        "adopt_after_rotate",  # rotate accepted, nothing persisted yet
+        "adopt_after_secret",  # new secret written, record not yet updated
+        "adopt_after_record",  # secret and record durable, confirm not sent
+        "adopt_after_confirm",  # confirmed, before re-tracking
+    }
+)
+
+
+def fault_point(name: str) -> None:
+    if name not in POINTS:
+        raise ValueError(f"unknown fault point {name}")
+    if os.environ.get(ENV) == name:
+        log_event("fault_injected", f"fault point {name}: killing this process", priority=4, FAULT=name)
+        os.kill(os.getpid(), signal.SIGKILL)
