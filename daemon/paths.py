@@ -19,6 +19,7 @@ us and exactly 0600.
 from __future__ import annotations
 
 import errno
+import grp
 import os
 import re
 import secrets
@@ -29,6 +30,7 @@ from pathlib import Path
 
 # sockaddr_un.sun_path is 108 bytes on Linux, including the terminating NUL.
 MAX_SOCKET_PATH_BYTES = 107
+SERVICE_GROUP = "kandev"  # the system units' group (packaging/sysusers.d/kandev.conf)
 _INSTALLATION_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
@@ -100,13 +102,15 @@ class Paths:
 
         The private ones (run, secrets, agentctl) must be real directories
         owned by us; they are refused if they are symlinks and their mode is
-        tightened to 0700 if it is wider. The others are created 0700 but an
+        set to 0700 if it differs, except the run directory of the system
+        service (see ``run_dir_mode``). The others are created 0700 but an
         existing directory is left as the operator made it.
         """
         _make_dir(self.home, 0o700)
         for d in (self.logs_dir, self.worktrees_dir):
             _make_dir(d, 0o700)
-        for d in (self.run_dir, self.secrets_dir, self.agentctl_dir):
+        _ensure_private_dir(self.run_dir, run_dir_mode())
+        for d in (self.secrets_dir, self.agentctl_dir):
             _ensure_private_dir(d)
 
     def new_agentctl_socket_path(self) -> Path:
@@ -114,6 +118,16 @@ class Paths:
         path = self.run_dir / f"agentctl-{secrets.token_hex(4)}.sock"
         check_socket_path(path)
         return path
+
+
+def run_dir_mode() -> int:
+    """0750 when we run as the ``kandev`` service group (the system units: members of that group
+    reach the 0660 CLI socket through it; the control-server sockets in it stay 0600), else 0700."""
+    try:
+        service_gid = grp.getgrnam(SERVICE_GROUP).gr_gid
+    except KeyError:
+        return 0o700
+    return 0o750 if os.getegid() == service_gid else 0o700
 
 
 def check_socket_path(path: Path) -> None:
@@ -132,9 +146,9 @@ def _make_dir(path: Path, mode: int) -> None:
         raise PathsError(f"{path} exists and is not a directory") from None
 
 
-def _ensure_private_dir(path: Path) -> None:
+def _ensure_private_dir(path: Path, mode: int = 0o700) -> None:
     try:
-        os.mkdir(path, 0o700)
+        os.mkdir(path, mode)
     except FileExistsError:
         pass
     st = os.lstat(path)
@@ -144,8 +158,8 @@ def _ensure_private_dir(path: Path) -> None:
         raise PathsError(f"{path} exists and is not a directory")
     if st.st_uid != os.geteuid():
         raise PathsError(f"{path} is owned by uid {st.st_uid}, not by us ({os.geteuid()})")
-    if stat.S_IMODE(st.st_mode) != 0o700:
-        os.chmod(path, 0o700, follow_symlinks=False)
+    if stat.S_IMODE(st.st_mode) != mode:
+        os.chmod(path, mode, follow_symlinks=False)
 
 
 def _fsync_dir(path: Path) -> None:

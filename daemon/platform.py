@@ -14,7 +14,8 @@ an operator can tell "unsupported here" from "switched off"
   packaged rule (``*kandev*.rules`` in ``/usr/share/polkit-1/rules.d`` or
   ``/etc/polkit-1/rules.d``) is what lets the service user start and stop the
   unit; its presence is checked, not its content, and nothing is started to
-  find out. A user manager (``user@UID.service``) controls its own units.
+  find out. Where those directories cannot be listed (Debian: 0700 polkitd),
+  polkit is asked (``pkcheck``) about the inert action the rule also grants. A user manager (``user@UID.service``) controls its own units.
 - ``cgroup_kills_detached``: no service manager launches us, but our cgroup is
   a systemd ``.service`` (not a scope), whose remaining processes are killed
   with it, and the agentctl unit is not available to escape it.
@@ -38,6 +39,7 @@ from daemon.config import Config
 
 AGENTCTL_UNIT = "kandev-agentctl.service"
 POLKIT_RULE_GLOBS = ("/usr/share/polkit-1/rules.d/*kandev*.rules", "/etc/polkit-1/rules.d/*kandev*.rules")
+POLKIT_PROBE_ACTION = "org.kandev.agentctl-control-probe"
 SYSTEMCTL_TIMEOUT = 5.0
 
 State = Literal["enabled", "disabled", "unavailable"]
@@ -90,7 +92,20 @@ def _read_cgroup() -> str | None:
 
 
 def _polkit_rules() -> list[str]:
-    return sorted(p for pattern in POLKIT_RULE_GLOBS for p in glob.glob(pattern))
+    found = sorted(p for pattern in POLKIT_RULE_GLOBS for p in glob.glob(pattern))
+    if found:
+        return found
+    # Debian's polkitd keeps both rules directories 0700 polkitd, so the service user cannot list
+    # them. The packaged rule also grants it an inert probe action (org.kandev.policy): asking
+    # polkit about that action tells whether the rule is loaded, without starting anything.
+    try:
+        done = subprocess.run(
+            ["pkcheck", "--action-id", POLKIT_PROBE_ACTION, "--process", str(os.getpid())],
+            stdin=subprocess.DEVNULL, capture_output=True, timeout=SYSTEMCTL_TIMEOUT, check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [f"polkit grants {POLKIT_PROBE_ACTION} (the kandev rule is loaded)"] if done.returncode == 0 else []
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,11 @@ die() { printf 'setup: ERROR: %s\n' "$*"; exit 1; }
 # ---- 1. system packages --------------------------------------------------------------------
 APT_PKGS=(python3 python3-venv python3-dev gcc pkg-config libsystemd-dev systemd-container
           util-linux iproute2)
+# tests/systemd/test_package*.py build the .deb (dpkg-buildpackage, lintian) and install it inside a
+# sdbox, which has no network: apt there resolves the package's Depends from what is installed here.
+APT_PKGS+=(build-essential dpkg-dev debhelper dh-python lintian python3-pip
+           python3-msgpack python3-psutil python3-systemd python3-sdnotify python3-mako
+           python3-markupsafe polkitd dbus)
 missing=()
 if command -v dpkg-query >/dev/null 2>&1; then
   for p in "${APT_PKGS[@]}"; do
@@ -43,9 +48,16 @@ else
 fi
 
 # ---- 2. python ---------------------------------------------------------------------------------
-PY=$(command -v python3) || die "no python3 on PATH"
-"$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
-  || die "$PY is Python $("$PY" -c 'import platform; print(platform.python_version())'); kandev needs >= 3.11"
+# Prefer the distribution's /usr/bin/python3: the systemd tests run the venv's console scripts as the
+# unprivileged `kandev` user, which cannot reach an interpreter under /root (e.g. pyenv's).
+PY=
+for cand in /usr/bin/python3 "$(command -v python3 || true)"; do
+  if [ -n "$cand" ] && [ -x "$cand" ] &&
+     "$cand" -c 'import sys, ensurepip, venv; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    PY=$cand; break
+  fi
+done
+[ -n "$PY" ] || die "no Python >= 3.11 with the venv module (apt-get install python3-venv); kandev needs >= 3.11"
 
 if [ -n "${KANDEV_VENV:-}" ]; then
   VENV=$KANDEV_VENV
@@ -63,6 +75,8 @@ exec 9>"$LOCK"
 flock -w 900 9 || die "another setup.sh has held $LOCK for 15 min"
 
 venv_ok() {
+  # made from $PY (a venv of another interpreter, e.g. one under /root, is made again)
+  grep -qxF "home = $(dirname "$PY")" "$VENV/pyvenv.cfg" 2>/dev/null &&
   [ -x "$VENV/bin/python" ] &&
     "$VENV/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 11) or sys.prefix == sys.base_prefix)' \
       2>/dev/null

@@ -322,12 +322,34 @@ class SdBox:
         console scripts), then `systemctl daemon-reload`. Returns the unit names."""
         units = Path(units_dir) if units_dir is not None else self.repo_root / "units"
         vbin = Path(venv_bin) if venv_bin is not None else self.venv_bin
+        self.install_system_files()
+        # PrivateTmp= gives each unit its own /tmp and /var/tmp: a checkout or venv there (CI may clone
+        # under /tmp; setup.sh then puts the venv in /var/tmp) is bound read-only into the unit.
+        binds = sorted({str(p) for p in (self.repo_root, vbin.parent)
+                        if str(p).startswith(("/tmp/", "/var/tmp/"))})
         names = []
         for f in sorted(units.glob("*.service")):
             text = f.read_text().replace("/usr/bin/kandev", f"{vbin}/kandev")
             self.write_file(f"/etc/systemd/system/{f.name}", text, 0o644)
+            if binds:
+                self.write_file(f"/etc/systemd/system/{f.name}.d/dev-paths.conf",
+                                "[Service]\nBindReadOnlyPaths=" + " ".join(binds) + "\n", 0o644)
             names.append(f.name)
         if not names:
             raise SdBoxError(f"no *.service files in {units}")
         self.systemctl("daemon-reload")
         return names
+
+    def install_system_files(self) -> None:
+        """What the package installs besides the units (packaging/): the `kandev` system user and
+        group (sysusers.d, home /var/lib/kandev), tmpfiles.d, the polkit rule (plus its probe
+        action) that lets that user start kandev-agentctl.service, and the man pages. Idempotent."""
+        pkg = self.repo_root / "packaging"
+        self.write_file("/etc/sysusers.d/kandev.conf", (pkg / "sysusers.d/kandev.conf").read_text())
+        self.write_file("/etc/tmpfiles.d/kandev.conf", (pkg / "tmpfiles.d/kandev.conf").read_text())
+        self.write_file("/etc/polkit-1/rules.d/50-kandev.rules", (pkg / "polkit/50-kandev.rules").read_text())
+        self.write_file("/usr/share/polkit-1/actions/org.kandev.policy", (pkg / "polkit/org.kandev.policy").read_text())
+        for page in sorted((pkg / "man").glob("*.[18]")):  # the units' Documentation= (verify runs man)
+            self.write_file(f"/usr/share/man/man{page.suffix[1:]}/{page.name}", page.read_text())
+        self.run("systemd-sysusers", "/etc/sysusers.d/kandev.conf")
+        self.run("systemd-tmpfiles", "--create", "/etc/tmpfiles.d/kandev.conf")

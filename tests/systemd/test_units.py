@@ -130,10 +130,12 @@ def test_home_environment_and_credential(sdbox: SdBox, units: list[str]) -> None
 
 def test_sockets_not_in_a_directory_systemd_removes(sdbox: SdBox, units: list[str]) -> None:
     """design-notes §3: the control socket must not live in the backend's RuntimeDirectory= (deleted
-    when the backend stops) nor under PrivateTmp= (private per unit)."""
+    when the backend stops) nor in /tmp or /var/tmp, which PrivateTmp= makes private per unit: the
+    sockets live in <home>/run, and the home is the StateDirectory, outside both."""
     for unit in (BACKEND, AGENTCTL):
         assert sdbox.prop(unit, "RuntimeDirectory") == ""
-        assert sdbox.prop(unit, "PrivateTmp") == "no"
+        home = [e.split("=", 1)[1] for e in sdbox.prop(unit, "Environment").split() if e.startswith("KANDEV_HOME=")]
+        assert home == ["/var/lib/kandev"] and not home[0].startswith(("/tmp", "/var/tmp"))
 
 
 def test_install_sections(sdbox: SdBox, units: list[str]) -> None:
