@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Awaitable, Mapping
 
 import sdnotify
 
@@ -56,6 +57,38 @@ def _status_line(backend: Backend) -> str:
         + (f"({r.adoption.reason})" if r.adoption.reason else "")
         + f" retracked={len(r.retracked)} not_retracked={len(r.not_retracked)}"
     )
+
+
+def watchdog_interval(env: Mapping[str, str] | None = None) -> float | None:
+    """Seconds between WATCHDOG=1 pings: half of $WATCHDOG_USEC (WatchdogSec= of the unit), or None
+    when systemd expects none (unset, unparsable, or $WATCHDOG_PID naming another process)."""
+    environ = os.environ if env is None else env
+    pid = environ.get("WATCHDOG_PID")
+    if pid and pid != str(os.getpid()):
+        return None
+    try:
+        usec = int(environ.get("WATCHDOG_USEC", ""))
+    except ValueError:
+        return None
+    return usec / 2 / 1_000_000 if usec > 0 else None
+
+
+async def _watchdog(notifier: sdnotify.SystemdNotifier, interval: float) -> None:
+    """Ping from the event loop itself: a wedged loop stops the pings and systemd restarts us."""
+    while True:
+        notifier.notify("WATCHDOG=1")
+        await asyncio.sleep(interval)
+
+
+async def _watched(run: Awaitable[int], notifier: sdnotify.SystemdNotifier) -> int:
+    """``run`` with the watchdog pinging beside it (recovery included) when the unit asks for it."""
+    interval = watchdog_interval()
+    watchdog = asyncio.create_task(_watchdog(notifier, interval)) if interval else None
+    try:
+        return await run
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
 
 
 async def _run(paths: Paths, backend: Backend, notifier: sdnotify.SystemdNotifier) -> int:
@@ -141,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         backend = Backend(paths, config, capability, store, installation_id(paths))
         notifier = sdnotify.SystemdNotifier()
         try:
-            return asyncio.run(_run(paths, backend, notifier))
+            return asyncio.run(_watched(_run(paths, backend, notifier), notifier))
         finally:
             store.close()
     finally:
