@@ -18,8 +18,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from daemon import doctor
+from daemon.agents.registry import BUILTIN_AGENTS
 from daemon.backend import api
 from daemon.paths import Paths, resolve_home
+from daemon.platform import Check
 from ipc.client import SyncClient
 from ipc.errors import ErrorCode, IpcError
 
@@ -75,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     ca = sub.add_parser("cancel", help="cancel the current turn")
     ca.add_argument("session_id")
     sub.add_parser("board", help="tasks by bucket")
+    doc = sub.add_parser("doctor", help="check this installation (no backend needed); exit 1 if a check fails")
+    doc.add_argument("--config", help="config file to check (default: $KANDEV_CONFIG, /etc/kandev/kandev.toml)")
+    sub.add_parser("agents", help="the built-in agents with package and pinned version")
     return p
 
 
@@ -191,6 +197,11 @@ def run(args: argparse.Namespace) -> Any:
         return _call(sock, "cancel", {"session_id": args.session_id})
     if cmd == "board":
         return _call(sock, "board")
+    if cmd == "doctor":
+        return doctor.as_json(doctor.run_doctor(paths, config_path=args.config))
+    if cmd == "agents":
+        return {"agents": [{"name": a.name, "package": a.package, "version": a.version}
+                           for a in sorted(BUILTIN_AGENTS.values(), key=lambda a: a.name)]}
     raise Usage(f"unknown command {cmd}")
 
 
@@ -208,6 +219,14 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"error": exc.to_wire()}, sort_keys=True))
         print(f"kandev: {exc.code}: {exc.message}", file=sys.stderr)
         return code
+    if args.command == "doctor":  # exit 1 when a check fails; text: one line per check
+        checks = [Check(c["name"], c["ok"], c["detail"], c["hint"]) for c in result["checks"]]
+        print(json.dumps(result, sort_keys=True) if args.json else doctor.as_text(checks))
+        return EXIT_OK if result["ok"] else EXIT_REFUSED
+    if args.command == "agents" and not args.json:
+        for a in result["agents"]:
+            print(f"{a['name']}\t{a['package']}\t{a['version']}")
+        return EXIT_OK
     _print(result, args.json)
     return EXIT_OK
 
