@@ -16,6 +16,13 @@ import signal
 from daemon.journal import log_event
 
 ENV = "KANDEV_FAULT"
+# Delays, set as ``KANDEV_FAULT=<name>:<seconds>``; read by the control server.
+DELAYS = frozenset(
+    {
+        "agentctl_slow_rotate",  # rotate answers late: an adoption still in flight at the deadline
+        "agentctl_slow_enumeration",  # list_instances answers late: enumeration not complete at the deadline
+    }
+)
 POINTS = frozenset(
     {
         "adopt_after_rotate",  # rotate accepted, nothing persisted yet
@@ -32,3 +39,16 @@ def fault_point(name: str) -> None:
     if os.environ.get(ENV) == name:
         log_event("fault_injected", f"fault point {name}: killing this process", priority=4, FAULT=name)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fault_delay(name: str) -> float:
+    """Seconds the named step should be delayed: 0 unless ``$KANDEV_FAULT`` is ``name:seconds``."""
+    if name not in DELAYS:
+        raise ValueError(f"unknown fault delay {name}")
+    point, _, seconds = os.environ.get(ENV, "").partition(":")
+    if point != name:
+        return 0.0
+    try:
+        return max(0.0, float(seconds))
+    except ValueError:
+        return 0.0

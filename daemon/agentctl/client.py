@@ -261,7 +261,7 @@ class AgentctlClient:
         """Renew ownership (current credential) -> ``{unowned_period_s}``."""
         return await self.call("claim")
 
-    async def rotate(self) -> tuple[int, bytes]:
+    async def rotate(self, *, timeout: float | None = None) -> tuple[int, bytes]:
         """Replace the credential, presenting this connection's -> ``(rotation_id, new_credential)``.
 
         Renews ownership. Retried with the same (superseded) credential before the confirmation,
@@ -269,7 +269,7 @@ class AgentctlClient:
         The connection itself stays authenticated under the old credential: ``reauthenticate``
         (or connect again) with the new one, after storing it durably, to confirm and go on.
         """
-        result = await self.call("rotate")
+        result = await self.call("rotate", timeout=timeout)
         rotation_id = result.get("rotation_id") if isinstance(result, dict) else None
         credential = result.get("credential") if isinstance(result, dict) else None
         if (
@@ -292,11 +292,11 @@ class AgentctlClient:
         self.credential_role = role
         return role
 
-    async def confirm_rotation(self, rotation_id: int) -> dict[str, Any]:
+    async def confirm_rotation(self, rotation_id: int, *, timeout: float | None = None) -> dict[str, Any]:
         """The replacement of ``rotation_id`` is durably stored (connection authenticated with it)
         -> ``{rotation_id, changed}``. Earlier or repeated ids are accepted no-ops; an id never
         issued is refused with ``unknown_rotation``."""
-        return await self.call("confirm_rotation", {"rotation_id": rotation_id})
+        return await self.call("confirm_rotation", {"rotation_id": rotation_id}, timeout=timeout)
 
     async def ownership_shutdown(self, *, timeout: float = SHUTDOWN_TIMEOUT) -> dict[str, Any]:
         """Stop every instance; the server then exits -> ``{stopped: [instance_id]}``.

@@ -49,6 +49,7 @@ from daemon.agentctl.launch import LaunchConfig
 from daemon.agentctl.ownership import Ownership
 from daemon.agentctl.protocol import TABLE
 from daemon.config import ResolvedAgentctl
+from daemon.faults import fault_delay
 from daemon.journal import log_event
 from ipc.connection import ConnectionContext
 from ipc.errors import ErrorCode, IpcError
@@ -311,6 +312,8 @@ class AgentctlServer:
         return cred_id
 
     async def op_rotate(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        if delay := fault_delay("agentctl_slow_rotate"):  # test fault, off unless $KANDEV_FAULT says so
+            await asyncio.sleep(delay)
         if "proof" in args:
             self._authenticate(ctx, args["proof"], "rotate")
         elif ctx.state.get("authenticated") is not True:
@@ -442,6 +445,8 @@ class AgentctlServer:
         return {}
 
     async def op_list_instances(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        if delay := fault_delay("agentctl_slow_enumeration"):  # test fault, off unless $KANDEV_FAULT says so
+            await asyncio.sleep(delay)
         return {"instances": [inst.describe() for inst in self.instances.values()]}
 
     async def op_stop_instance(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:

@@ -45,6 +45,10 @@ from ipc.errors import ErrorCode, IpcError
 
 log = logging.getLogger(__name__)
 
+# An adoption step in flight when the recovery deadline elapses is allowed to finish, never
+# cancelled (AC-EXECUTORS-SURVIVAL-003.7); this only bounds a server that never answers at all.
+ADOPTION_STEP_TIMEOUT_S = 360.0
+
 
 @dataclass
 class Adoption:
@@ -170,7 +174,7 @@ class Adopter:
 
     async def _rotate(self, client: AgentctlClient, record: ControlServerRecord) -> Adoption:
         try:
-            rotation_id, new_credential = await client.rotate()
+            rotation_id, new_credential = await client.rotate(timeout=ADOPTION_STEP_TIMEOUT_S)
         except IpcError as exc:
             await client.close()
             if exc.code == ErrorCode.SHUTTING_DOWN:  # the one-way door: treat as no server (003.9)
@@ -203,7 +207,7 @@ class Adopter:
                 expected_identity=record.server_identity,
                 timeout=self.read_timeout_s,
             )
-            await current.confirm_rotation(rotation_id)
+            await current.confirm_rotation(rotation_id, timeout=ADOPTION_STEP_TIMEOUT_S)
         except (IpcError, OwnershipRefused) as exc:
             log.error("confirming rotation %s failed: %s", rotation_id, exc)
             return Adoption("refused", "credential_rotation_failure", record=record, answered=True)

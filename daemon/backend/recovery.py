@@ -145,6 +145,7 @@ class Recovery:
         self.read_retries = read_retries
         self.boot_id = boot_id
         self.past_deadline = False
+        self.reconciled = False
         self.stops: dict[str, asyncio.Task[bool]] = {}  # instance_id -> stop in flight or done
         self.stop_sessions: dict[str, str] = {}  # instance_id -> session whose guard waits on it
 
@@ -199,10 +200,15 @@ class Recovery:
         if time.monotonic() >= deadline:
             self.past_deadline = True
 
-        # 4. enumerate; correlate by the session identity the server holds (002.1)
+        # 4. enumerate; correlate by the session identity the server holds (002.1). Enumeration is
+        #    bounded by what is left of D; after a late adoption only by the read budget, so that the
+        #    instances of records without an outcome can still be found and stopped (003.7).
         try:
-            listing = await self._budget(client.list_instances)
-        except IpcError as exc:
+            if self.past_deadline:
+                listing = await self._budget(client.list_instances)
+            else:
+                listing = await asyncio.wait_for(client.list_instances(), timeout=max(0.0, deadline - time.monotonic()))
+        except (IpcError, TimeoutError) as exc:
             # Cannot enumerate: recover nothing, stop nothing, no second server (002.12).
             log.warning("enumeration failed: %s", exc)
             for rec in standalone:
@@ -419,6 +425,9 @@ class Recovery:
         ok = not task.cancelled() and task.exception() is None and task.result()
         if ok:
             self.executions.release_held_guard(session_id)
+            if self.reconciled:  # it was unknown while in flight; now it is known dead (003.6 rule 5)
+                with self.store.session() as db:
+                    self._repair(db, session_id, datetime.now(UTC))
         else:  # an agent that could not be stopped keeps its session guarded (002.16)
             self.executions.mark_unstopped(session_id)
 
@@ -466,23 +475,30 @@ class Recovery:
                     untouched.add(row.session_id)
                     report.unknown.append(row.session_id)
                     report.not_retracked.setdefault(row.session_id, f"liveness_{verdict}")
-                    continue
-                row.status = "stale"  # resume token and worktree identity are kept
-                row.updated_at = now
             sessions = db.scalars(select(TaskSession).where(TaskSession.state.in_(ACTIVE_STATES))).all()
-            for session in sessions:
-                if session.id in untouched:
-                    continue
-                for turn in db.scalars(select(Turn).where(Turn.session_id == session.id, Turn.state == "open")):
-                    turn.state = "abandoned"
-                    turn.stop_reason = "interrupted"
-                    turn.ended_at = now
-                transitions.transition_session(
-                    db,
-                    session.id,
-                    "WAITING_FOR_INPUT",
-                    expected_from={session.state},
-                    reason="interrupted by backend restart",
-                )
-                transitions.set_task_state(db, session.task_id, "review", interrupted=True)
-                report.not_retracked.setdefault(session.id, "interrupted")
+            to_repair = {row.session_id for row in rows} | {s.id for s in sessions}
+            for session_id in sorted(to_repair - untouched):
+                self._repair(db, session_id, now)
+                report.not_retracked.setdefault(session_id, "interrupted")
+        self.reconciled = True
+
+    def _repair(self, db: Any, session_id: str, now: datetime) -> None:
+        """The stale-execution repair path: the row no longer claims a live process (resume token
+        and worktree kept), open turns are abandoned, an active session waits for input and its
+        task goes to review marked interrupted."""
+        row = db.get(ExecutorRunning, session_id)
+        if row is not None and row.status == "live":
+            row.status = "stale"
+            row.updated_at = now
+        session = db.get(TaskSession, session_id)
+        if session is None or session.state not in ACTIVE_STATES:
+            return
+        for turn in db.scalars(select(Turn).where(Turn.session_id == session_id, Turn.state == "open")):
+            turn.state = "abandoned"
+            turn.stop_reason = "interrupted"
+            turn.ended_at = now
+        transitions.transition_session(
+            db, session_id, "WAITING_FOR_INPUT", expected_from={session.state},
+            reason="interrupted by backend restart",
+        )
+        transitions.set_task_state(db, session.task_id, "review", interrupted=True)

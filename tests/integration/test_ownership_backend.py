@@ -1,0 +1,224 @@
+"""Issue 3 scenarios driven through real backends: adoption gates, rotation, crash points, cleanup.
+
+A: two installations never adopt or stop each other's control server.
+B: every adoption rotates the credential; the previous one is refused once confirmed.
+C: a backend killed between rotate and confirm (and at the other crash points) leaves a
+   credential held by both sides: the next backend adopts and re-tracks; nothing is stopped.
+D: a backend that renews keeps its server alive past the unowned period; without one the
+   server stops every agent and exits.
+F: capability switched off: a provable survivor is stopped through ownership_shutdown and its
+   rows repaired (resume token and worktree kept); an unprovable one is left running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from daemon.agentctl import launch as launch_file
+from daemon.agentctl.client import AgentctlClient, OwnershipRefused
+from ipc.errors import IpcError
+from tests.helpers import wait_until
+from tests.integration.conftest import REPO, Kandev, agent_chunks, alive
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _record(k: Kandev) -> dict[str, Any]:
+    con = sqlite3.connect(f"file:{k.home / 'kandev.db'}?mode=ro", uri=True)
+    con.row_factory = sqlite3.Row
+    try:
+        return dict(con.execute("SELECT * FROM control_server_record WHERE id = 1").fetchone())
+    finally:
+        con.close()
+
+
+def _inventory(k: Kandev, sid: str) -> dict[str, Any]:
+    con = sqlite3.connect(f"file:{k.home / 'kandev.db'}?mode=ro", uri=True)
+    con.row_factory = sqlite3.Row
+    try:
+        return dict(con.execute("SELECT * FROM executors_running WHERE session_id = ?", (sid,)).fetchone())
+    finally:
+        con.close()
+
+
+def _credential(k: Kandev, ref: str) -> bytes:
+    return launch_file.read_credential_file(k.home / "secrets" / ref)
+
+
+def _installation(k: Kandev) -> str:
+    return (k.home / "installation-id").read_text().strip()
+
+
+def _running_turn(k: Kandev, n: int = 60) -> tuple[str, str, int, float]:
+    task, sid = k.start_session("own")
+    k.cli("prompt", sid, f"/slow {n}")
+    show = wait_until(lambda: s if agent_chunks(s := k.show(sid)) else None, timeout=30)
+    return task, sid, show["agent_pid"], show["agent_pid_start_time"]
+
+
+def _kill_backend(k: Kandev) -> None:
+    pid = k.backend_pid
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not alive(pid), timeout=10)
+
+
+async def _try_drive(socket_path: str, credential: bytes, installation_id: str) -> str:
+    """What a peer holding ``credential`` gets when it tries to drive the server."""
+    try:
+        client = await AgentctlClient.connect(socket_path, credential=credential, installation_id=installation_id)
+    except OwnershipRefused as exc:
+        return exc.reason
+    except IpcError as exc:
+        return exc.code
+    try:
+        await client.list_instances()
+        return "accepted"
+    except IpcError as exc:
+        return exc.code
+    finally:
+        await client.close()
+
+
+def test_scenario_a_two_installations_never_adopt_each_other(kandev_factory):
+    """AC-EXECUTORS-CONTROL-OWNERSHIP-001.2, 001.4, 001.6: identity mismatch → refuse, touch nothing, start own."""
+    one = kandev_factory("one", KANDEV_FEATURES_AGENT_SURVIVAL="true")
+    two = kandev_factory("two", KANDEV_FEATURES_AGENT_SURVIVAL="true")
+    st1 = one.up()
+    _, sid1, pid1, start1 = _running_turn(one)
+    st2 = two.up()
+    two.cli("down")
+    os.kill(st2["control_server"]["pid"], signal.SIGTERM)
+    wait_until(lambda: not alive(st2["control_server"]["pid"]), timeout=15)
+    # Point installation two at installation one's socket.
+    con = sqlite3.connect(two.home / "kandev.db")
+    con.execute("UPDATE control_server_record SET endpoint = ?", (st1["control_server"]["endpoint"],))
+    con.commit()
+    con.close()
+    st2b = two.up()
+    assert st2b["adoption"] == {"outcome": "refused", "reason": "identity_mismatch"}
+    assert st2b["control_server"]["endpoint"] != st1["control_server"]["endpoint"]
+    assert _record(two)["endpoint"] == st2b["control_server"]["endpoint"]  # the record names the server in use
+    # Even with the identity copied, two cannot prove it holds one's credential.
+    two.cli("down")
+    os.kill(st2b["control_server"]["pid"], signal.SIGTERM)
+    wait_until(lambda: not alive(st2b["control_server"]["pid"]), timeout=15)
+    con = sqlite3.connect(two.home / "kandev.db")
+    con.execute(
+        "UPDATE control_server_record SET endpoint = ?, server_identity = ?",
+        (st1["control_server"]["endpoint"], st1["control_server"]["server_identity"]),
+    )
+    con.commit()
+    con.close()
+    st2c = two.up()
+    assert st2c["adoption"] == {"outcome": "refused", "reason": "authentication_failure"}
+    # Installation one's server and agent were never stopped.
+    assert alive(st1["control_server"]["pid"]) and alive(pid1)
+    show = one.show(sid1)
+    assert show["state"] == "RUNNING" and show["agent_pid"] == pid1 and show["agent_pid_start_time"] == start1
+    assert one.status()["control_server"]["state"] == "running"
+
+
+def test_scenario_b_each_adoption_rotates_and_old_credential_is_refused(kandev_factory):
+    """AC-EXECUTORS-CONTROL-OWNERSHIP-002.1, 002.7: after confirm the superseded credential drives nothing."""
+    k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="true")
+    st = k.up()
+    _, sid, pid, start = _running_turn(k)
+    endpoint, installation = st["control_server"]["endpoint"], _installation(k)
+    old_ref = _record(k)["credential_ref"]
+    old = _credential(k, old_ref)
+    assert asyncio.run(_try_drive(endpoint, old, installation)) == "accepted"
+    _kill_backend(k)
+    st2 = k.up()
+    assert st2["adoption"]["outcome"] == "adopted"
+    new_ref = _record(k)["credential_ref"]
+    assert new_ref != old_ref
+    assert not (k.home / "secrets" / old_ref).exists()
+    new = _credential(k, new_ref)
+    assert new != old
+    assert asyncio.run(_try_drive(endpoint, old, installation)) in ("authentication_failure", "unauthenticated",
+                                                                     "superseded_credential")
+    assert asyncio.run(_try_drive(endpoint, new, installation)) == "accepted"
+    show = k.show(sid)
+    assert show["retracked"] and show["agent_pid"] == pid and show["agent_pid_start_time"] == start
+
+
+@pytest.mark.parametrize("fault", ["adopt_after_rotate", "adopt_after_secret", "adopt_after_record"])
+def test_scenario_c_killed_between_rotate_and_confirm(kandev_factory, fault):
+    """AC-EXECUTORS-CONTROL-OWNERSHIP-002.7, 002.10: at every crash point a credential is held by both sides."""
+    k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="true")
+    st = k.up()
+    _, sid, pid, start = _running_turn(k)
+    _kill_backend(k)
+    faulty = dict(k.env, KANDEV_FAULT=fault)
+    proc = subprocess.run(
+        [sys.executable, "-m", "daemon.backend.main", "--home", str(k.home)],
+        capture_output=True, text=True, env=faulty, timeout=120, cwd=REPO,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr  # it died at the fault point
+    assert alive(st["control_server"]["pid"]) and alive(pid)  # nothing was stopped
+    st3 = k.up()
+    assert st3["adoption"]["outcome"] == "adopted"
+    assert st3["control_server"]["pid"] == st["control_server"]["pid"]
+    show = wait_until(lambda: s if (s := k.show(sid))["retracked"] else None, timeout=10)
+    assert show["agent_pid"] == pid and show["agent_pid_start_time"] == start
+
+
+def test_scenario_d_backend_renews_then_unowned_shutdown(kandev_factory):
+    """AC-EXECUTORS-CONTROL-OWNERSHIP-003.1, 003.2: renewed while owned; stops every agent once unowned."""
+    k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="true", KANDEV_AGENTCTL_UNOWNED_PERIOD="1min")
+    st = k.up()
+    server = st["control_server"]["pid"]
+    _, sid, pid, _ = _running_turn(k, n=600)
+    # Owned for longer than one period: the backend's claims (every period/4) keep it alive.
+    with pytest.raises(TimeoutError):
+        wait_until(lambda: not alive(server), timeout=80)
+    assert alive(pid)
+    k.cli("down")  # detaches: nobody renews any more
+    wait_until(lambda: not alive(server), timeout=90)
+    wait_until(lambda: not alive(pid), timeout=10)
+
+
+def test_scenario_f_disabled_stops_provable_survivor_and_repairs(kandev_factory):
+    """AC-EXECUTORS-SURVIVAL-005.5, AC-EXECUTORS-CONTROL-OWNERSHIP-002.9: ownership_shutdown, then repair."""
+    k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="true")
+    st = k.up()
+    task, sid, pid, _ = _running_turn(k)
+    token = k.show(sid)["resume_token"]
+    workspace = _inventory(k, sid)["workspace_path"]
+    k.cli("down")
+    assert alive(pid)
+    k.env["KANDEV_FEATURES_AGENT_SURVIVAL"] = "false"
+    st2 = k.up()
+    assert st2["capability"]["state"] == "disabled"
+    wait_until(lambda: not alive(st["control_server"]["pid"]), timeout=30)
+    wait_until(lambda: not alive(pid), timeout=10)
+    row = _inventory(k, sid)
+    assert row["status"] == "stale" and row["resume_token"] == token and row["workspace_path"] == workspace
+    assert Path(workspace).is_dir()  # AC-EXECUTORS-SURVIVAL-001.7: the workspace is untouched
+    show = k.show(sid)
+    assert show["state"] != "RUNNING" and show["resume_token"] == token
+    assert task not in k.cli("board")["running"]
+
+
+def test_scenario_f_disabled_leaves_unprovable_server_running(kandev_factory):
+    """AC-EXECUTORS-SURVIVAL-005.5: a server the backend cannot prove is its own is left untouched."""
+    k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="true")
+    st = k.up()
+    _, sid, pid, _ = _running_turn(k)
+    k.cli("down")
+    # Replace the stored credential: the survivor can no longer prove it holds ours.
+    launch_file.write_credential(k.home / "secrets" / _record(k)["credential_ref"], os.urandom(32))
+    k.env["KANDEV_FEATURES_AGENT_SURVIVAL"] = "false"
+    k.up()
+    assert alive(st["control_server"]["pid"]) and alive(pid)
+    row = _inventory(k, sid)
+    assert row["status"] == "live"  # liveness unknown: left untouched (AC-EXECUTORS-SURVIVAL-003.6)
