@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("session_id")
     pr.add_argument("text")
     pr.add_argument("--wait", action="store_true", help="wait for the turn to end")
+    pe = sub.add_parser("permission", help="answer an agent's open permission request")
+    pe.add_argument("session_id")
+    pe.add_argument("request_id")
+    choice = pe.add_mutually_exclusive_group(required=True)
+    choice.add_argument("--option", help="the option id to choose (see session show: permissions)")
+    choice.add_argument("--cancel", action="store_true", help="answer the request as cancelled")
     ca = sub.add_parser("cancel", help="cancel the current turn")
     ca.add_argument("session_id")
     sub.add_parser("board", help="tasks by bucket")
@@ -195,6 +201,11 @@ def run(args: argparse.Namespace) -> Any:
         )
     if cmd == "cancel":
         return _call(sock, "cancel", {"session_id": args.session_id})
+    if cmd == "permission":
+        call_args = {"session_id": args.session_id, "request_id": args.request_id}
+        if args.option:
+            call_args["option_id"] = args.option
+        return _call(sock, "permission_respond", call_args)
     if cmd == "board":
         return _call(sock, "board")
     if cmd == "doctor":

@@ -37,6 +37,13 @@ OPS = [
         doc="-> {turn_id, stop_reason (with wait)}",
     ),
     Op("cancel", required={"session_id": str}, auth=False, doc="-> {ok}"),
+    Op(
+        "permission_respond",
+        required={"session_id": str, "request_id": str},
+        optional={"option_id": str},
+        auth=False,
+        doc="answer an open permission request of the session's agent; no option_id = cancelled -> {ok}",
+    ),
     Op("session_show", required={"session_id": str}, auth=False, doc="see design.md §8"),
     Op("session_list", auth=False, doc="-> {sessions: [...]}"),
     Op("board", auth=False, doc="-> {backlog, running, turn_finished, needs_attention, done}"),

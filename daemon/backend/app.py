@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import subprocess
@@ -304,6 +305,7 @@ class Backend:
             "session_start": self.op_session_start,
             "prompt": self.op_prompt,
             "cancel": self.op_cancel,
+            "permission_respond": self.op_permission_respond,
             "session_show": self.op_session_show,
             "session_list": self.op_session_list,
             "board": self.op_board,
@@ -546,6 +548,53 @@ class Backend:
         await client.cancel(ex.instance_id)
         return {"ok": True}
 
+    async def op_permission_respond(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        session_id, request_id = args["session_id"], args["request_id"]
+        option_id = args.get("option_id")
+        with self.store.session() as db:
+            self._session(db, session_id)
+        ex = self.executions.executions.get(session_id)
+        client = self._client_for(ex) if ex is not None else None
+        if ex is None or client is None:
+            raise IpcError(ErrorCode.CONFLICT, f"session {session_id} has no running agent")
+        await client.respond_permission(ex.instance_id, request_id, option_id)
+        with self.store.session() as db:
+            db.add(
+                Message(
+                    session_id=session_id,
+                    turn_id=None,
+                    role="user",
+                    kind="permission_response",
+                    text=json.dumps({"request_id": request_id, "option_id": option_id}, sort_keys=True),
+                    created_at=_now(),
+                )
+            )
+        return {"ok": True}
+
+    @staticmethod
+    def _permissions(messages: list[Message]) -> list[dict[str, Any]]:
+        """Permission requests of the transcript, each open until answered."""
+        requests: dict[str, dict[str, Any]] = {}
+        for m in messages:
+            if m.kind not in ("permission_request", "permission_response", "permission_cancelled"):
+                continue
+            try:
+                data = json.loads(m.text)
+            except ValueError:
+                continue
+            rid = str(data.get("request_id"))
+            if m.kind == "permission_request":
+                options = [o.get("optionId") or o.get("option_id") for o in data.get("options") or []
+                           if isinstance(o, dict)]
+                requests[rid] = {"request_id": rid, "turn_id": data.get("turn_id"), "options": options,
+                                 "state": "open", "answer": None}
+            elif rid in requests and m.kind == "permission_cancelled":
+                requests[rid]["state"] = "cancelled"
+            elif rid in requests:
+                requests[rid]["state"] = "answered"
+                requests[rid]["answer"] = data.get("option_id")
+        return list(requests.values())
+
     async def op_session_show(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         session_id = args["session_id"]
         ex = self.executions.executions.get(session_id)
@@ -573,6 +622,7 @@ class Backend:
                 "guard": self.executions.guards.get(session_id),
                 "last_error": session.last_error,
                 "runtime_config": runtime,
+                "permissions": self._permissions(list(messages)),
                 "turns": [
                     {"turn_id": t.id, "state": t.state, "stop_reason": t.stop_reason, "prompt": t.prompt}
                     for t in turns

@@ -132,7 +132,9 @@ def apply_events(db: DbSession, session_id: str, instance_id: str, events: list[
         data = ev.data if isinstance(ev.data, dict) else {}
         turn_id = data.get("turn_id")
         if ev.kind == EventKind.TURN_STARTED:
-            _ensure_turn(db, session_id, str(turn_id), str(data.get("text") or ""))
+            turn = _ensure_turn(db, session_id, str(turn_id), str(data.get("text") or ""))
+            if turn.state == "open":
+                mark_running(db, session, f"turn {turn_id} started")
             db.add(
                 Message(
                     session_id=session_id,
@@ -211,6 +213,14 @@ def apply_events(db: DbSession, session_id: str, instance_id: str, events: list[
             row.last_event_seq = max(row.last_event_seq or 0, max(ev.seq for ev in events))
             row.updated_at = _now()
     return result
+
+
+def mark_running(db: DbSession, session: TaskSession, reason: str) -> None:
+    """A turn is open: the session runs and its task is in progress (a turn a previous backend
+    started just before it died reaches us only through its events)."""
+    if session.state == "WAITING_FOR_INPUT":
+        transitions.transition_session(db, session.id, "RUNNING", expected_from={"WAITING_FOR_INPUT"}, reason=reason)
+        transitions.set_task_state(db, session.task_id, "in_progress")
 
 
 def mark_agent_gone(db: DbSession, session_id: str, reason: str) -> None:

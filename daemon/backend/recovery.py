@@ -31,7 +31,7 @@ from sqlalchemy import select
 
 from daemon.agentctl.client import AgentctlClient
 from daemon.backend.adoption import Adopter, Adoption
-from daemon.backend.events import apply_turn_outcome
+from daemon.backend.events import _ensure_turn, apply_turn_outcome, mark_running
 from daemon.backend.executions import Execution, ExecutionStore
 from daemon.backend.liveness import DEAD, Scope, classify
 from daemon.journal import log_event
@@ -322,6 +322,11 @@ class Recovery:
         with self.store.session() as db:  # apply what ended while unattached, before publishing (004.2)
             for out in outcomes:
                 apply_turn_outcome(db, rec.session_id, str(out["turn_id"]), out.get("stop_reason"), out.get("error"))
+            session = db.get(TaskSession, rec.session_id)
+            current = status.get("current_turn_id")
+            if current and session is not None:  # a turn still running is published as running (003.3)
+                _ensure_turn(db, rec.session_id, str(current), None)
+                mark_running(db, session, f"turn {current} still running at re-tracking")
             row = db.get(ExecutorRunning, rec.session_id)
             if row is not None:
                 row.instance_id = values["instance_id"]

@@ -1,0 +1,226 @@
+"""Issue 4 scenarios through real daemons: outcomes while away, permissions, correlation, passthrough, scale.
+
+A: a turn that finishes while no backend runs is applied once, acked, and a second restart
+   applies nothing new.
+B: ``/flood 5000`` while no backend runs (limit 100): the agent is paused, nothing is dropped,
+   and after the restart all 5000 chunks arrive once, in order.
+C: a permission request raised while detached is still open after a restart and can be answered.
+D: an instance with no inventory record is stopped; duplicates follow the tie-break; a record
+   without an instance keeps its resume token and worktree.
+F: a passthrough session's agent dies with the backend even when survival is on, and is never
+   reported re-tracked.
+G: 100 sessions with running agents survive a backend SIGKILL and are all re-tracked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sqlite3
+import sys
+from typing import Any
+
+import pytest
+
+from daemon.agentctl import launch as launch_file
+from daemon.agentctl.client import AgentctlClient
+from ipc.client import SyncClient
+from tests.helpers import wait_until
+from tests.integration.conftest import Kandev, agent_chunks, alive, group_alive
+
+pytestmark = pytest.mark.timeout(300)
+MOCK = [sys.executable, "-m", "daemon.agents.mock"]
+
+
+def _db_row(k: Kandev, sql: str, *params: Any) -> dict[str, Any] | None:
+    con = sqlite3.connect(f"file:{k.home / 'kandev.db'}?mode=ro", uri=True)
+    con.row_factory = sqlite3.Row
+    try:
+        row = con.execute(sql, params).fetchone()
+        return dict(row) if row else None
+    finally:
+        con.close()
+
+
+def _ctl(k: Kandev):
+    """Run ``fn(client)`` against the control server with this home's current credential."""
+    rec = _db_row(k, "SELECT * FROM control_server_record WHERE id = 1")
+    assert rec is not None
+    credential = launch_file.read_credential_file(k.home / "secrets" / rec["credential_ref"])
+    installation = (k.home / "installation-id").read_text().strip()
+
+    def run(fn):
+        async def go():
+            client = await AgentctlClient.connect(rec["endpoint"], credential=credential,
+                                                  installation_id=installation)
+            try:
+                return await fn(client)
+            finally:
+                await client.close()
+
+        return asyncio.run(go())
+
+    return run
+
+
+def _kill_backend(k: Kandev) -> None:
+    pid = k.backend_pid
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not alive(pid), timeout=10)
+
+
+def _enabled(kandev_factory, **env: str) -> Kandev:
+    return kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="true", **env)
+
+
+def test_scenario_a_turn_finished_while_away_applied_once(kandev_factory):
+    """AC-EXECUTORS-SURVIVAL-004.1, 004.2, 004.4, 004.6: retained, applied before publishing, acked once."""
+    k = _enabled(kandev_factory)
+    k.up()
+    task, sid = k.start_session("away")
+    k.cli("prompt", sid, "/slow 4")
+    wait_until(lambda: agent_chunks(k.show(sid)), timeout=30)
+    instance = k.show(sid)["instance_id"]
+    _kill_backend(k)
+    ctl = _ctl(k)
+    status = wait_until(lambda: s if (s := ctl(lambda c: c.turn_status(instance)))["outcomes"] else None,
+                        timeout=30)
+    assert ctl(lambda c: c.turn_status(instance)) == status  # reading never discards (004.6)
+    turn_id = status["outcomes"][0]["turn_id"]
+    k.up()
+    show = k.show(sid)
+    assert show["retracked"] and show["state"] == "WAITING_FOR_INPUT"  # published as the outcome left it
+    assert task in k.cli("board")["turn_finished"]
+    done = wait_until(lambda: s if len(agent_chunks(s := k.show(sid))) == 4 else None, timeout=30)
+    assert agent_chunks(done) == ["1/4 ", "2/4 ", "3/4 ", "4/4 "]
+    assert [(t["turn_id"], t["state"], t["stop_reason"]) for t in done["turns"]] == [(turn_id, "finished", "end_turn")]
+    ctl = _ctl(k)  # the credential rotated on adoption
+    wait_until(lambda: not ctl(lambda c: c.turn_status(instance))["outcomes"], timeout=10)  # acked
+    # A second restart applies nothing new.
+    _kill_backend(k)
+    k.up()
+    again = k.show(sid)
+    assert again["state"] == "WAITING_FOR_INPUT" and again["turns"] == done["turns"]
+    assert again["transcript"] == done["transcript"]
+
+
+def test_scenario_b_flood_while_away_pauses_and_loses_nothing(kandev_factory):
+    """AC-EXECUTORS-SURVIVAL-001.5, 001.6: at the limit the producer pauses; nothing is dropped."""
+    k = _enabled(kandev_factory, KANDEV_AGENTCTL_DETACHED_EVENT_LIMIT="100")
+    k.up()
+    _, sid = k.start_session("flood")
+    instance = k.show(sid)["instance_id"]
+    pid = k.show(sid)["agent_pid"]
+    _kill_backend(k)
+    ctl = _ctl(k)
+    ctl(lambda c: c.prompt(instance, "/flood 5000"))
+    paused = wait_until(
+        lambda: i if (i := ctl(lambda c: c.list_instances())[0]).get("paused") else None, timeout=30
+    )
+    assert paused["retained_events"] <= 110 and alive(pid)
+    with pytest.raises(TimeoutError):  # it stays paused: the turn cannot finish while nobody attaches
+        wait_until(lambda: ctl(lambda c: c.turn_status(instance))["outcomes"], timeout=2)
+    k.up()
+    expected = [f"{i}/5000 " for i in range(1, 5001)]
+    done = wait_until(lambda: s if (s := k.show(sid))["state"] == "WAITING_FOR_INPUT" else None, timeout=60)
+    assert agent_chunks(done) == expected
+
+
+def test_scenario_c_permission_raised_while_detached_stays_open(kandev_factory):
+    """AC-EXECUTORS-SURVIVAL-001.9: no auto-cancel while detached; answered after the restart."""
+    k = _enabled(kandev_factory)
+    k.up()
+    _, sid = k.start_session("permission")
+    instance = k.show(sid)["instance_id"]
+    _kill_backend(k)
+    ctl = _ctl(k)
+    ctl(lambda c: c.prompt(instance, "/permission"))  # raised while no backend is attached
+    with pytest.raises(TimeoutError):  # still open several seconds later
+        wait_until(lambda: ctl(lambda c: c.turn_status(instance))["outcomes"], timeout=4)
+    k.up()
+    show = wait_until(lambda: s if (s := k.show(sid))["permissions"] else None, timeout=30)
+    request = show["permissions"][0]
+    assert request["state"] == "open" and "allow" in request["options"]
+    assert show["state"] == "RUNNING"
+    k.cli("permission", sid, request["request_id"], "--option", "allow")
+    done = wait_until(lambda: s if (s := k.show(sid))["state"] == "WAITING_FOR_INPUT" else None, timeout=30)
+    assert "permission: allow" in agent_chunks(done)
+    assert done["permissions"][0]["state"] == "answered"
+
+
+def test_scenario_d_orphans_duplicates_and_missing_instances(kandev_factory, short_tmp):
+    """AC-EXECUTORS-SURVIVAL-002.6, 002.7, 002.10."""
+    k = _enabled(kandev_factory)
+    k.up()
+    _, dup_sid = k.start_session("duplicate")
+    _, gone_sid = k.start_session("gone")
+    dup = k.show(dup_sid)
+    gone = k.show(gone_sid)
+    gone_row = _db_row(k, "SELECT * FROM executors_running WHERE session_id = ?", gone_sid)
+    workspace = short_tmp / "ws"
+    workspace.mkdir()
+    _kill_backend(k)
+    ctl = _ctl(k)
+    orphan = ctl(lambda c: c.create_instance(session_id="no-such-session", task_id="t", command=MOCK,
+                                             cwd=str(workspace)))
+    extra = ctl(lambda c: c.create_instance(session_id=dup_sid, task_id=dup["task_id"], command=MOCK,
+                                            cwd=str(workspace)))
+    k.agent_pids.update({orphan["pid"], extra["pid"]})
+    ctl(lambda c: c.stop_instance(gone["instance_id"]))
+    st = k.up()
+    # 002.6: the instance with no inventory record is stopped.
+    assert st["recovery"]["stopped_orphans"] == 1
+    wait_until(lambda: not group_alive(orphan["pid"]), timeout=15)
+    # 002.10: the record's own instance wins; the other is stopped.
+    kept = k.show(dup_sid)
+    assert kept["retracked"] and kept["instance_id"] == dup["instance_id"] and kept["agent_pid"] == dup["agent_pid"]
+    wait_until(lambda: not group_alive(extra["pid"]), timeout=15)
+    # 002.7: no instance → repair path, resume token and worktree kept.
+    assert st["recovery"]["reasons"][gone_sid] == "no_instance"
+    row = _db_row(k, "SELECT * FROM executors_running WHERE session_id = ?", gone_sid)
+    assert row["status"] == "stale"
+    assert row["resume_token"] == gone_row["resume_token"] and row["workspace_path"] == gone_row["workspace_path"]
+    assert k.show(gone_sid)["resume_token"] == gone["resume_token"]
+
+
+def test_scenario_f_passthrough_never_survives(kandev_factory):
+    """AC-EXECUTORS-SURVIVAL-005.3: passthrough dies with the backend and is never re-tracked."""
+    k = _enabled(kandev_factory)
+    k.up()
+    task, sid = k.cli("task", "create", "--title", "pt")["task_id"], None
+    sid = k.cli("session", "start", task, "--passthrough")["session_id"]
+    k.cli("prompt", sid, "/slow 60")
+    show = wait_until(lambda: s if agent_chunks(s := k.show(sid)) else None, timeout=30)
+    pid = show["agent_pid"]
+    k.agent_pids.add(pid)
+    _kill_backend(k)
+    wait_until(lambda: not group_alive(pid), timeout=10)
+    st = k.up()
+    assert st["recovery"]["retracked"] == 0
+    assert st["recovery"]["reasons"][sid] == "passthrough"
+    after = k.show(sid)
+    assert not after["retracked"] and after["state"] != "RUNNING" and after["guard"] is None
+    assert task not in k.cli("board")["running"]
+
+
+def test_scenario_g_hundred_sessions_survive(kandev_factory):
+    """AC-EXECUTORS-SURVIVAL-002.11, 003.7: every session re-tracked within one bound; duration reported."""
+    k = _enabled(kandev_factory)
+    st = k.up()
+    sessions: list[str] = []
+    with SyncClient(st["backend"]["socket"], timeout=10) as backend:
+        for i in range(100):
+            task = backend.call("task_create", {"title": f"g{i}"})["task_id"]
+            sid = backend.call("session_start", {"task_id": task}, timeout=120)["session_id"]
+            backend.call("prompt", {"session_id": sid, "text": "/slow 300"})
+            sessions.append(sid)
+        pids = {sid: backend.call("session_show", {"session_id": sid})["agent_pid"] for sid in sessions}
+    k.agent_pids.update(pids.values())
+    _kill_backend(k)
+    st2 = k.up()
+    print(f"\n100 sessions re-tracked in {st2['recovery']['duration_ms']:.0f} ms from first contact")
+    assert st2["recovery"]["retracked"] == 100 and st2["recovery"]["not_retracked"] == 0
+    listed = k.cli("session", "list")["sessions"]
+    assert all(s["retracked"] and s["state"] == "RUNNING" for s in listed)
+    assert all(alive(pid) for pid in pids.values())
