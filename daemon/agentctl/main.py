@@ -35,6 +35,7 @@ from daemon.agentctl.launch import LaunchConfig, LaunchError
 from daemon.agentctl.server import AgentctlServer
 from daemon.config import ConfigError, ResolvedAgentctl
 from daemon.journal import log_event, setup_logging
+from daemon.limits import raise_open_file_limit
 from daemon.paths import resolve_home
 
 log = logging.getLogger("kandev.agentctl")
@@ -181,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     _ensure_std_fds()
     os.umask(0o077)
+    raise_open_file_limit()  # three pipes per agent, one stream per instance
     logging.raiseExceptions = False  # a log write must never kill the server (SURVIVAL-001.3)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)

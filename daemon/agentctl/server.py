@@ -51,6 +51,7 @@ from daemon.agentctl.protocol import TABLE
 from daemon.config import ResolvedAgentctl
 from daemon.faults import fault_delay
 from daemon.journal import log_event
+from daemon.limits import MAX_CONNECTIONS
 from ipc.connection import ConnectionContext
 from ipc.errors import ErrorCode, IpcError
 from ipc.framing import ConnectionClosed
@@ -122,7 +123,9 @@ class AgentctlServer:
         self._conn_counter = 0
         self._background: set[asyncio.Task[Any]] = set()
         handlers = {name: self._logged(name, getattr(self, f"op_{name}")) for name in TABLE.names}
-        self.ipc = IpcServer(config.socket_path, TABLE, handlers, authorize=self._authorize)
+        self.ipc = IpcServer(
+            config.socket_path, TABLE, handlers, authorize=self._authorize, max_connections=MAX_CONNECTIONS
+        )
 
     # -- lifecycle -----------------------------------------------------------
 

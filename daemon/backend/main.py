@@ -24,6 +24,7 @@ from daemon.backend.app import Backend
 from daemon.backend.lock import HomeLock, LockHeld
 from daemon.config import ConfigError, load_config, validate_agentctl, validate_backend
 from daemon.journal import log_event, setup_logging
+from daemon.limits import raise_open_file_limit
 from daemon.paths import Paths, installation_id, resolve_home
 from daemon.platform import check_capability
 from daemon.store.db import Store, sqlite_url
@@ -137,6 +138,7 @@ async def _run(paths: Paths, backend: Backend, notifier: sdnotify.SystemdNotifie
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    raise_open_file_limit()  # one event stream per tracked session
     paths = Paths.for_home(resolve_home(args.home))
     paths.ensure()
     lock = HomeLock(paths.lock_path)
