@@ -138,9 +138,10 @@ def term_ignoring_agent() -> list[str]:
 
 
 def test_rotation_ids_increase_replay_returns_the_same_pair_and_a_third_credential_is_dead(server: Server):
-    """AC-EXECUTORS-CONTROL-OWNERSHIP-002.6 (ids strictly increase), 002.10 (a retry with the superseded
-    credential returns the same id and credential), 002.8 (at most two credentials; every other one
-    authenticates nothing; connections under it are closed)."""
+    """Rotation ids strictly increase (AC-EXECUTORS-CONTROL-OWNERSHIP-002.6); a retry with the superseded
+    credential returns the same id and credential (AC-EXECUTORS-CONTROL-OWNERSHIP-002.10); at most two credentials are
+    acceptable, every other one authenticates nothing and its connections are closed
+    (AC-EXECUTORS-CONTROL-OWNERSHIP-002.8)."""
 
     async def scenario() -> None:
         first = await server.connect(purpose="adopt")  # the launch credential C0, confirmed(0)
@@ -209,9 +210,10 @@ def test_rotate_with_its_own_proof_and_refusals(server: Server):
 
 
 def test_scenario_b_after_confirm_the_old_credential_is_refused_and_its_stream_closed(server: Server):
-    """AC-EXECUTORS-CONTROL-OWNERSHIP-002.1 (after the confirmation every operation with the superseded
-    credential is refused), 002.2 (its open event stream is terminated), 002.7 (phase 1: it already
-    drives nothing and opens no stream, while the new owner is served)."""
+    """Scenario B. After the confirmation every operation with the superseded credential is
+    refused (AC-EXECUTORS-CONTROL-OWNERSHIP-002.1) and its open event stream is terminated
+    (AC-EXECUTORS-CONTROL-OWNERSHIP-002.2); in phase 1 it already drives nothing and opens no stream, while
+    the new owner is served (AC-EXECUTORS-CONTROL-OWNERSHIP-002.7)."""
 
     async def scenario() -> None:
         old = await server.connect()  # backend A, holding C0
@@ -313,9 +315,10 @@ def test_confirmations_earlier_repeated_and_unknown(server: Server):
 
 
 def test_superseded_credential_shuts_down_but_never_drives(server: Server):
-    """AC-EXECUTORS-CONTROL-OWNERSHIP-002.7 (the superseded credential authenticates only another
-    adoption or the ownership shutdown), 002.9 (ownership_shutdown with the superseded credential,
-    no adoption: stops every instance and exits; a second call while stopping succeeds too)."""
+    """The superseded credential authenticates only another adoption or the ownership
+    shutdown (AC-EXECUTORS-CONTROL-OWNERSHIP-002.7); ownership_shutdown with it, and no adoption, stops every
+    instance and exits, and a second call while stopping succeeds too
+    (AC-EXECUTORS-CONTROL-OWNERSHIP-002.9)."""
 
     async def scenario() -> tuple[list[Any], list[str]]:
         owner = await server.connect()
@@ -371,9 +374,10 @@ def _other_uid_probe(path: str) -> str:
 
 
 def test_scenario_g_intruders_get_typed_refusals_while_the_owner_is_served(server: Server):
-    """AC-EXECUTORS-CONTROL-OWNERSHIP-001.2, 001.10: a peer with a wrong credential, a proof replayed
-    from another connection's nonce, or another uid gets a typed refusal for every authenticated
-    operation (rotate and ownership_shutdown included), and the owner keeps being served."""
+    """Scenario G (AC-EXECUTORS-CONTROL-OWNERSHIP-001.2, AC-EXECUTORS-CONTROL-OWNERSHIP-001.10). A peer
+    with a wrong credential, a proof replayed from another connection's nonce, or another uid
+    gets a typed refusal for every authenticated operation (rotate and ownership_shutdown
+    included), and the owner keeps being served."""
 
     async def scenario() -> None:
         owner = await server.connect()
@@ -460,17 +464,22 @@ def test_resolved_period_is_reported_and_adjustments_are_logged(private_root: Pa
 
 
 def test_scenario_d_unowned_shutdown_and_renewal(private_root: Path):
-    """Four servers, unowned period 60 s (the floor), idle reaping off, run side by side:
+    """Scenario D. Four servers, unowned period 60 s (the floor), idle reaping off, side by side:
 
     - A: bootstrapped, then rotated and confirmed at +20 s; afterwards only instance operations,
-      enumeration and an open event stream (mid-turn). AC-EXECUTORS-CONTROL-OWNERSHIP-003.1: one
-      period after the rotation it stops every agent group and exits 0. 003.8: the rotation renewed,
-      the operations and the stream did not. 003.9: once decided, claim, rotate and confirm are
-      refused with shutting_down, and ownership_shutdown still succeeds ("already stopping").
-    - B: claims every 15 s (period/4) with an instance running. 003.2: still owned and serving past
-      1.5 periods (several periods, with lost renewals, are proven on a fake clock in the unit tests).
-    - C: spawned, never handshaken. 003.8: expires one period after process start.
-    - E: its first (bootstrap) handshake at +20 s and nothing else. 003.8: the bootstrap renewed.
+      enumeration and an open event stream (mid-turn).
+      AC-EXECUTORS-CONTROL-OWNERSHIP-003.1: one period after the rotation it stops every agent
+      group and exits 0. AC-EXECUTORS-CONTROL-OWNERSHIP-003.8: the rotation renewed, the
+      operations and the stream did not. AC-EXECUTORS-CONTROL-OWNERSHIP-003.9: once decided,
+      claim, rotate and confirm are refused with shutting_down, and ownership_shutdown still
+      succeeds ("already stopping").
+    - B: claims every 15 s (period/4) with an instance running.
+      AC-EXECUTORS-CONTROL-OWNERSHIP-003.2: still owned and serving past 1.5 periods (several
+      periods, with lost renewals, are proven on a fake clock in the unit tests).
+    - C: spawned, never handshaken. AC-EXECUTORS-CONTROL-OWNERSHIP-003.8: expires one period
+      after process start.
+    - E: its first (bootstrap) handshake at +20 s and nothing else.
+      AC-EXECUTORS-CONTROL-OWNERSHIP-003.8: the bootstrap renewed.
     """
     names = ("c", "e", "a", "b")
     servers: dict[str, Server] = {}

@@ -125,8 +125,9 @@ def test_at_most_two_credentials_and_a_third_never_authenticates():
 
 
 def test_superseded_credential_only_rotates_and_shuts_down():
-    """AC-EXECUTORS-CONTROL-OWNERSHIP-002.7, 002.9: during the window the superseded credential
-    authenticates only another adoption attempt (rotate) or the ownership shutdown."""
+    """AC-EXECUTORS-CONTROL-OWNERSHIP-002.7, AC-EXECUTORS-CONTROL-OWNERSHIP-002.9: during the
+    window the superseded credential authenticates only another adoption attempt (rotate) or
+    the ownership shutdown."""
     own, _ = make()
     own.rotate(C0)
     assert own.check(0, "rotate") == SUPERSEDED
@@ -139,8 +140,9 @@ def test_superseded_credential_only_rotates_and_shuts_down():
 
 
 def test_confirm_makes_the_superseded_credential_authenticate_nothing():
-    """AC-EXECUTORS-CONTROL-OWNERSHIP-002.1, 002.7 (phase 2), 002.2: after the confirmation every use of
-    the superseded credential is refused, and its connections are named for closing."""
+    """AC-EXECUTORS-CONTROL-OWNERSHIP-002.1, AC-EXECUTORS-CONTROL-OWNERSHIP-002.7 (phase 2),
+    AC-EXECUTORS-CONTROL-OWNERSHIP-002.2: after the confirmation every use of the superseded credential
+    is refused, and its connections are named for closing."""
     own, _ = make()
     r1 = own.rotate(C0)
     confirmation = own.confirm(r1.rotation_id)
@@ -181,7 +183,7 @@ def test_earlier_repeated_and_unknown_confirmations():
     renewed = own.last_renewal
     clock.advance(5)
     own.confirm(2)
-    assert own.last_renewal == renewed  # a confirmation does not renew (003.8)
+    assert own.last_renewal == renewed  # a confirmation does not renew (AC-EXECUTORS-CONTROL-OWNERSHIP-003.8)
 
 
 def test_rotation_from_confirmed_needs_the_current_credential():
@@ -380,7 +382,8 @@ def test_other_shutdowns_latch_too():
         (600.0, 0.0, 600.0, False),  # AC-EXECUTORS-CONTROL-OWNERSHIP-003.6: reaping off, unchanged
         (600.0, 300.0, 150.0, True),  # AC-EXECUTORS-CONTROL-OWNERSHIP-003.4: half the idle timeout
         (30.0, 0.0, 60.0, True),  # AC-EXECUTORS-CONTROL-OWNERSHIP-003.7: floor
-        (600.0, 60.0, 60.0, True),  # 003.7: the floor wins over the ordering, which cannot be met
+        # AC-EXECUTORS-CONTROL-OWNERSHIP-003.7: the floor wins over the ordering, which cannot be met
+        (600.0, 60.0, 60.0, True),
     ],
 )
 def test_the_resolved_period_feeds_the_timer(period, idle, expected, adjusted):
