@@ -49,4 +49,16 @@ OPS = [
     Op("board", auth=False, doc="-> {backlog, running, turn_finished, needs_attention, done}"),
 ]
 
+# Managed npm runtimes (seed 000; daemon/backend/runtimes_api.py).
+RUNTIME_OPS: list[Op] = []
+
+# Git credential leases (seed 000; daemon/backend/credentials_api.py).
+CREDENTIAL_OPS: list[Op] = []
+
+# Resume, runtime configuration, context reset and workflow steps (seeds 000/004;
+# daemon/backend/resume_api.py).
+RESUME_OPS: list[Op] = []
+
+OPS = OPS + RUNTIME_OPS + CREDENTIAL_OPS + RESUME_OPS
+
 TABLE = OpTable(PROTOCOL, VERSION, OPS)

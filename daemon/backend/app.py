@@ -309,6 +309,7 @@ class Backend:
             "session_show": self.op_session_show,
             "session_list": self.op_session_list,
             "board": self.op_board,
+            # Handler tables of later features register here, one line each.
         }
 
     async def op_status(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
