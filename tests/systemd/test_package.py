@@ -1,0 +1,439 @@
+"""The Debian package end to end (issue 6, scenarios A-E), inside a sdbox.
+
+The .deb is built once per content of what goes into it (daemon/, ipc/, debian/, packaging/,
+units/, README.md, pyproject.toml), by ``dpkg-buildpackage -us -uc -b`` in a copy of the checkout
+under /var/tmp, together with a rebuild whose debian/changelog carries a higher version (the
+upgrade) and the lintian report; the three are cached in /var/tmp/kandev-deb-cache/<hash>/.
+
+Inside the box (no network: apt resolves the Depends from what set-up installed on the host) the
+tests run in file order on one box, each step starting from the state the previous one left:
+install -> survival on -> the demo flow as root and as a kandev group member, SIGKILL ->
+restart -> upgrade -> journal -> exposure score -> remove -> reinstall -> purge.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from email.utils import formatdate
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.systemd.harness import SdBox
+
+REPO = Path(__file__).resolve().parents[2]
+CACHE = Path("/var/tmp/kandev-deb-cache")
+SOURCES = ("daemon", "ipc", "debian", "packaging", "units", "README.md", "pyproject.toml")
+BUILD_TIMEOUT = 600
+BACKEND, AGENTCTL = "kandev-backend.service", "kandev-agentctl.service"
+HOME = "/var/lib/kandev"
+EXPOSURE_LIMIT = 2.5
+METRICS = Path("/var/tmp/kandev-package-metrics.json")  # figures for humans (build time, scores)
+pytestmark = pytest.mark.timeout(300)
+
+# ---------------------------------------------------------------- building (host side)
+
+
+def _skip(name: str) -> bool:
+    return name in ("__pycache__", ".ruff_cache") or name.endswith((".pyc", ".egg-info"))
+
+
+def source_hash() -> str:
+    """sha256 over path, mode and content of every file the package is built from."""
+    h = hashlib.sha256()
+    for top in SOURCES:
+        root = REPO / top
+        files = [root] if root.is_file() else sorted(
+            p for p in root.rglob("*") if (p.is_file() or p.is_symlink()) and not any(_skip(x) for x in p.parts)
+        )
+        for f in files:
+            rel = f.relative_to(REPO).as_posix()
+            data = os.readlink(f).encode() if f.is_symlink() else f.read_bytes()
+            h.update(f"{rel}\0{f.lstat().st_mode:o}\0{len(data)}\0".encode() + data)
+    return h.hexdigest()[:16]
+
+
+def _version() -> str:
+    first = (REPO / "debian/changelog").read_text().splitlines()[0]
+    m = re.match(r"^kandev \(([^)]+)\)", first)
+    assert m, first
+    return m.group(1)
+
+
+def _arch() -> str:
+    return subprocess.run(["dpkg", "--print-architecture"], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def _dpkg_buildpackage(tree: Path, log: Path) -> float:
+    t0 = time.monotonic()
+    with open(log, "ab") as out:
+        p = subprocess.run(["dpkg-buildpackage", "-us", "-uc", "-b"], cwd=tree, stdout=out, stderr=subprocess.STDOUT,
+                           stdin=subprocess.DEVNULL, timeout=BUILD_TIMEOUT, check=False)
+    if p.returncode:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+        pytest.fail(f"dpkg-buildpackage failed ({p.returncode}) in {tree}:\n{tail}", pytrace=False)
+    return time.monotonic() - t0
+
+
+def build_packages() -> dict[str, Any]:
+    """The cached build for the current sources: {deb, upgrade_deb, version, upgrade_version, lintian, ...}."""
+    for tool in ("dpkg-buildpackage", "dh", "lintian"):
+        if shutil.which(tool) is None:
+            pytest.fail(f"{tool} not found: run `bash packaging/dev/setup.sh` (it installs the build tools)",
+                        pytrace=False)
+    digest, version = source_hash(), _version()
+    upgrade = f"{version}+test1"
+    arch = _arch()
+    CACHE.mkdir(parents=True, exist_ok=True)
+    entry = CACHE / digest
+    with open(CACHE / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one build at a time; a waiting run then finds the cache
+        if not (entry / "meta.json").exists():
+            work = Path(tempfile.mkdtemp(prefix=f"kandev-deb-{digest}-", dir="/var/tmp"))
+            try:
+                tree = work / f"kandev-{version}"
+                tree.mkdir()
+                for top in SOURCES:
+                    src = REPO / top
+                    if src.is_dir():
+                        shutil.copytree(src, tree / top, symlinks=True,
+                                        ignore=lambda d, names: [n for n in names if _skip(n)])
+                    else:
+                        shutil.copy2(src, tree / top)
+                log = work / "build.log"
+                seconds = _dpkg_buildpackage(tree, log)
+                lint = subprocess.run(["lintian", "--pedantic", f"kandev_{version}_{arch}.deb"], cwd=work,
+                                      capture_output=True, text=True, timeout=300, check=False)
+                changelog = tree / "debian/changelog"
+                changelog.write_text(
+                    f"kandev ({upgrade}) bookworm; urgency=medium\n\n"
+                    "  * Rebuild with a higher version (tests/systemd/test_package.py upgrade test).\n\n"
+                    f" -- Kandev maintainers <maintainers@kandev.example>  {formatdate()}\n\n"
+                    + changelog.read_text()
+                )
+                seconds_upgrade = _dpkg_buildpackage(tree, log)
+                staging = Path(tempfile.mkdtemp(prefix=f".{digest}-", dir=CACHE))
+                for v in (version, upgrade):
+                    shutil.copy2(work / f"kandev_{v}_{arch}.deb", staging)
+                (staging / "lintian.txt").write_text(lint.stdout + lint.stderr)
+                (staging / "meta.json").write_text(json.dumps({
+                    "hash": digest, "version": version, "upgrade_version": upgrade, "arch": arch,
+                    "build_seconds": round(seconds, 1), "rebuild_seconds": round(seconds_upgrade, 1),
+                    "lintian_rc": lint.returncode,
+                }))
+                shutil.rmtree(entry, ignore_errors=True)
+                staging.rename(entry)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+            # keep the three newest builds
+            old = sorted((d for d in CACHE.iterdir() if d.is_dir() and not d.name.startswith(".")),
+                         key=lambda d: d.stat().st_mtime, reverse=True)[3:]
+            for d in old:
+                shutil.rmtree(d, ignore_errors=True)
+    meta = json.loads((entry / "meta.json").read_text())
+    meta["deb"] = entry / f"kandev_{version}_{arch}.deb"
+    meta["upgrade_deb"] = entry / f"kandev_{upgrade}_{arch}.deb"
+    meta["lintian"] = (entry / "lintian.txt").read_text()
+    return meta
+
+
+def _record(**figures: Any) -> None:
+    try:
+        data = json.loads(METRICS.read_text())
+    except (OSError, ValueError):
+        data = {}
+    data.update(figures)
+    METRICS.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
+@pytest.fixture(scope="module")
+def debs() -> dict[str, Any]:
+    meta = build_packages()
+    _record(build_seconds=meta["build_seconds"], rebuild_seconds=meta["rebuild_seconds"],
+            deb_bytes=meta["deb"].stat().st_size)
+    return meta
+
+
+# ---------------------------------------------------------------- inside the box
+
+S: dict[str, Any] = {}  # state handed from one step to the next
+
+
+class Box:
+    def __init__(self, box: SdBox, debs: dict[str, Any]) -> None:
+        self.box, self.debs = box, debs
+
+    def apt(self, *args: str, timeout: float = 240) -> str:
+        p = self.box.run("env", "DEBIAN_FRONTEND=noninteractive", "apt-get", "-y", "-q", "--no-install-recommends",
+                         "-o", "Dpkg::Options::=--force-confold", *args, check=False, timeout=timeout)
+        assert p.returncode == 0, f"apt-get {args}: rc={p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+        return p.stdout
+
+    def install(self, deb: Path) -> float:
+        shutil.copy2(deb, self.box.share / deb.name)
+        t0 = time.monotonic()
+        self.apt("install", f"/sdbox/{deb.name}")
+        return time.monotonic() - t0
+
+    def kandev(self, *args: str, user: str | None = None, check: bool = True) -> dict[str, Any]:
+        argv = ["kandev", "--json", *args]
+        if user:
+            argv = ["runuser", "-u", user, "--", *argv]
+        p = self.box.run(*argv, check=False, timeout=120)
+        if check:
+            assert p.returncode == 0, f"{argv}: rc={p.returncode} {p.stderr} {p.stdout}"
+        out = json.loads(p.stdout) if p.stdout.strip().startswith("{") else {}
+        out["_rc"], out["_stderr"] = p.returncode, p.stderr
+        return out
+
+    def prop(self, unit: str, name: str) -> str:
+        return self.box.prop(unit, name)
+
+    def systemctl_as_kandev(self, *args: str) -> Any:
+        return self.box.run("setpriv", "--reuid=kandev", "--regid=kandev", "--init-groups",
+                            "systemctl", "--no-ask-password", *args, check=False)
+
+    def show(self, sid: str, user: str | None = None) -> dict[str, Any]:
+        return self.kandev("session", "show", sid, user=user)
+
+
+@pytest.fixture(scope="module")
+def pkg(sdbox: SdBox, debs: dict[str, Any]) -> Box:
+    # A container image's /usr/sbin/policy-rc.d (exit 101) forbids maintainer scripts to start,
+    # restart or stop services; the box stands for a real machine, which has none (the box's writes,
+    # this removal included, vanish with it).
+    sdbox.run("rm", "-f", "/usr/sbin/policy-rc.d")
+    return Box(sdbox, debs)
+
+
+def chunks(show: dict[str, Any]) -> list[str]:
+    return [m["text"] for m in show["transcript"] if m["kind"] == "agent_message_chunk"]
+
+
+def in_order(texts: list[str], n: int) -> bool:
+    return texts == [f"{i}/{n} " for i in range(1, len(texts) + 1)]
+
+
+def retracked_same_agent(b: Box, sid: str, user: str | None = None, timeout: float = 60) -> dict[str, Any]:
+    show = b.box.wait_for(lambda: s if (s := b.show(sid, user))["retracked"] else None, timeout=timeout)
+    assert show, f"session {sid} was not re-tracked"
+    assert show["state"] == "RUNNING"
+    assert (show["agent_pid"], show["agent_pid_start_time"]) == (S["agent_pid"], S["agent_start"])
+    assert b.box.alive(S["agent_pid"])
+    return show
+
+
+# ---------------------------------------------------------------- the steps, in order
+
+
+def test_lintian_clean(debs: dict[str, Any]) -> None:
+    """0 errors, 0 warnings (info and pedantic tags are either overridden with a reason in
+    debian/kandev.lintian-overrides or printed here for a human)."""
+    report = debs["lintian"]
+    bad = [line for line in report.splitlines() if line.startswith(("E:", "W:"))]
+    assert not bad and debs["lintian_rc"] == 0, report
+
+
+def test_a_install(pkg: Box) -> None:
+    """apt-get install ./kandev_*.deb: user, home, files in their places, the backend enabled and
+    started, the control server installed but neither enabled nor started."""
+    b = pkg
+    seconds = b.install(b.debs["deb"])
+    _record(install_seconds=round(seconds, 1))
+    assert b.box.run("dpkg-query", "-W", "-f", "${Status} ${Version}", "kandev").stdout == (
+        f"install ok installed {b.debs['version']}")
+    passwd = b.box.run("getent", "passwd", "kandev").stdout.strip().split(":")
+    assert passwd[5] == HOME and passwd[6] in ("/usr/sbin/nologin", "/sbin/nologin")
+    assert b.box.run("stat", "-c", "%U:%G %a", HOME).stdout.strip() == "kandev:kandev 750"
+    for path in ("/usr/lib/systemd/system/kandev-backend.service", "/usr/lib/systemd/system/kandev-agentctl.service",
+                 "/usr/lib/sysusers.d/kandev.conf", "/usr/lib/tmpfiles.d/kandev.conf",
+                 "/usr/share/polkit-1/rules.d/50-kandev.rules", "/usr/share/bash-completion/completions/kandev",
+                 "/usr/lib/kandev/daemon/cli.py", "/usr/lib/kandev/vendor/sqlalchemy/__init__.py",
+                 "/usr/share/doc/kandev/vendored.txt"):
+        b.box.run("test", "-e", path)
+    # private modules: nothing in dist-packages, and Debian's python3 alone does not see them
+    b.box.run("test", "!", "-e", "/usr/lib/python3/dist-packages/daemon")
+    assert b.box.run("python3", "-c", "import daemon", check=False).returncode != 0
+    assert "/etc/kandev/kandev.toml" in b.box.run("cat", "/var/lib/dpkg/info/kandev.conffiles").stdout
+    # merged /usr: systemd 252 finds it through /lib/systemd/system, the same directory
+    assert b.prop(BACKEND, "FragmentPath") in (f"/usr/lib/systemd/system/{BACKEND}", f"/lib/systemd/system/{BACKEND}")
+    assert b.prop(BACKEND, "UnitFileState") == "enabled" and b.prop(BACKEND, "ActiveState") == "active"
+    assert b.prop(AGENTCTL, "UnitFileState") == "static" and b.prop(AGENTCTL, "ActiveState") == "inactive"
+    b.box.systemctl("start", BACKEND)  # what an operator types: already running, a no-op
+    st = b.kandev("status")
+    assert st["capability"]["state"] == "disabled" and st["backend"]["state"] == "ready"  # survival off by default
+    agents = b.kandev("agents")["agents"]
+    assert any(a["name"] == "mock" for a in agents)
+
+
+def test_a_doctor_on_the_installed_package(pkg: Box) -> None:
+    d = pkg.kandev("doctor", check=False)
+    checks = {c["name"]: c for c in d["checks"]}
+    must = ["config", "unit.kandev-backend.service", "unit.kandev-agentctl.service", "platform.agentctl_unit",
+            "platform.unit_control", "platform.capability", "home", "run_dir", "secrets_dir", "backend_socket",
+            "store"]
+    failing = {n: checks[n] for n in must if not checks[n]["ok"]}
+    assert not failing, failing
+    assert "kandev-backend.service" in checks["platform.service_manager"]["detail"]
+    assert d["_rc"] == (0 if d["ok"] else 1)
+
+
+def test_a_polkit_lets_kandev_control_only_the_control_server(pkg: Box) -> None:
+    """The packaged rule, as the real polkitd evaluates it: the kandev user may start/stop/restart
+    kandev-agentctl.service, and nothing else (another unit, another verb)."""
+    b = pkg
+    b.box.write_file("/etc/systemd/system/kandev-dummy.service",
+                     "[Service]\nType=oneshot\nRemainAfterExit=yes\nExecStart=/bin/true\n")
+    b.box.systemctl("daemon-reload")
+
+    as_kandev = b.systemctl_as_kandev
+    assert as_kandev("stop", AGENTCTL).returncode == 0  # allowed (and a no-op: it is not running)
+    assert as_kandev("restart", AGENTCTL).returncode != 0  # allowed, but no bootstrap credential: 243
+    assert b.prop(AGENTCTL, "Result") == "exit-code" or "credential" in b.prop(AGENTCTL, "StatusText").lower() or \
+        b.prop(AGENTCTL, "ExecMainStatus") == "243"
+    b.box.systemctl("reset-failed", AGENTCTL)
+    for args in (("start", "kandev-dummy.service"), ("stop", BACKEND), ("restart", BACKEND),
+                 ("reload", AGENTCTL), ("disable", BACKEND)):
+        p = as_kandev(*args)
+        assert p.returncode != 0 and ("Access denied" in p.stderr or "authentication" in p.stderr.lower()), (args, p)
+    assert b.prop("kandev-dummy.service", "ActiveState") == "inactive"
+    assert b.prop(BACKEND, "ActiveState") == "active"
+
+
+def test_b_survival_on_demo_flow_as_root_and_group_member(pkg: Box) -> None:
+    """Survival switched on in /etc/kandev/kandev.toml; the CLI as a member of the kandev group
+    runs the demo (task, session, /slow turn); root SIGKILLs the backend; the same agent is
+    re-tracked. A user outside the group is refused."""
+    b = pkg
+    conf = b.box.read_file("/etc/kandev/kandev.toml")
+    assert "#agent_survival = false" in conf
+    b.box.write_file("/etc/kandev/kandev.toml", conf.replace("#agent_survival = false", "agent_survival = true"))
+    b.box.systemctl("restart", BACKEND)
+    st = b.kandev("status")
+    assert st["capability"]["state"] == "enabled", st["capability"]
+    assert st["control_server"]["mode"] == "unit"
+    assert b.prop(AGENTCTL, "ActiveState") == "active"  # started by the backend, as kandev, through polkit
+    assert b.prop(AGENTCTL, "User") == "kandev"
+    S["ctl_pid"] = b.prop(AGENTCTL, "MainPID")
+    p = b.systemctl_as_kandev("kill", AGENTCTL)  # a verb the polkit rule does not grant
+    assert p.returncode != 0 and ("Access denied" in p.stderr or "authentication required" in p.stderr), p
+    assert b.box.run("stat", "-c", "%a %G", f"{HOME}/run").stdout.strip() == "750 kandev"
+    assert b.box.run("stat", "-c", "%a %G", f"{HOME}/run/backend.sock").stdout.strip() == "660 kandev"
+    ctl_socks = b.box.run("sh", "-c", f"stat -c %a {HOME}/run/agentctl-*.sock").stdout.split()
+    assert ctl_socks and set(ctl_socks) == {"600"}
+
+    b.box.run("useradd", "--create-home", "--groups", "kandev", "alice")
+    b.box.run("useradd", "--create-home", "bob")
+    refused = b.kandev("status", user="bob", check=False)
+    assert refused["_rc"] == 3 and "Permission denied" in refused["_stderr"], refused
+
+    task = b.kandev("task", "create", "--title", "packaged survival", user="alice")["task_id"]
+    sid = b.kandev("session", "start", task, user="alice")["session_id"]
+    b.kandev("prompt", sid, "/slow 300", user="alice")
+    show = b.box.wait_for(lambda: s if len(chunks(s := b.show(sid, "alice"))) >= 2 else None, timeout=30)
+    assert show and show["state"] == "RUNNING"
+    S.update(task=task, sid=sid, agent_pid=show["agent_pid"], agent_start=show["agent_pid_start_time"],
+             instance=show["instance_id"])
+
+    old = b.prop(BACKEND, "MainPID")
+    b.box.systemctl("kill", "-s", "KILL", BACKEND)  # as root
+    assert b.box.wait_for(lambda: b.prop(BACKEND, "MainPID") not in ("0", old)
+                          and b.prop(BACKEND, "ActiveState") == "active", timeout=60), "backend not restarted"
+    show = retracked_same_agent(b, sid, "alice")
+    assert b.prop(AGENTCTL, "MainPID") == S["ctl_pid"]
+    assert in_order(chunks(show), 300)
+
+
+def test_b_restart_keeps_the_agent(pkg: Box) -> None:
+    b = pkg
+    b.box.systemctl("restart", BACKEND)
+    show = retracked_same_agent(b, S["sid"])
+    assert b.prop(AGENTCTL, "MainPID") == S["ctl_pid"]
+    assert b.kandev("status")["adoption"]["outcome"] == "adopted"
+    assert in_order(chunks(show), 300)
+
+
+def test_b_upgrade_restarts_the_backend_never_the_control_server(pkg: Box) -> None:
+    """apt-get install of the rebuilt package with a higher version: the backend is restarted by
+    the maintainer scripts, the control server and its agent keep running and are re-tracked, and
+    the transcript goes on without loss, duplicate or reordering."""
+    b = pkg
+    backend_pid = b.prop(BACKEND, "MainPID")
+    ctl_started = b.prop(AGENTCTL, "ExecMainStartTimestampMonotonic")
+    before = len(chunks(b.show(S["sid"])))
+    seconds = b.install(b.debs["upgrade_deb"])
+    _record(upgrade_seconds=round(seconds, 1))
+    assert b.box.run("dpkg-query", "-W", "-f", "${Version}", "kandev").stdout == b.debs["upgrade_version"]
+    assert b.prop(BACKEND, "MainPID") not in ("0", backend_pid)
+    assert b.prop(AGENTCTL, "MainPID") == S["ctl_pid"]
+    assert b.prop(AGENTCTL, "ExecMainStartTimestampMonotonic") == ctl_started
+    show = retracked_same_agent(b, S["sid"])
+    show = b.box.wait_for(lambda: s if len(chunks(s := b.show(S["sid"]))) > before + 1 else None, timeout=30)
+    assert show and in_order(chunks(show), 300)
+    # the config the operator edited is kept over the upgrade
+    assert "\nagent_survival = true" in b.box.read_file("/etc/kandev/kandev.toml")
+
+
+def test_c_journal_finds_adoptions_and_retracked_sessions(pkg: Box) -> None:
+    b = pkg
+    adoptions = b.box.journal_json("-u", BACKEND, "KANDEV_EVENT=adoption")
+    adopted = [a for a in adoptions if a.get("OUTCOME") == "adopted"]
+    assert len(adopted) >= 3, adoptions  # SIGKILL, restart, upgrade
+    retracked = b.box.journal_json("-u", BACKEND, "KANDEV_EVENT=session_retracked", f"SESSION_ID={S['sid']}")
+    assert len(retracked) >= 3
+    assert {r["AGENT_PID"] for r in retracked} == {str(S["agent_pid"])}
+    assert {r["INSTANCE_ID"] for r in retracked} == {S["instance"]}
+
+
+def test_d_exposure(pkg: Box) -> None:
+    scores = {}
+    for unit in (BACKEND, AGENTCTL):
+        out = pkg.box.run("systemd-analyze", "security", "--no-pager", unit).stdout
+        m = re.search(rf"Overall exposure level for {re.escape(unit)}: ([0-9.]+)", out)
+        assert m, out
+        scores[unit] = float(m.group(1))
+    _record(exposure=scores)
+    assert scores[BACKEND] <= EXPOSURE_LIMIT, scores
+
+
+def test_e_remove_stops_both_and_keeps_state(pkg: Box) -> None:
+    b = pkg
+    b.apt("remove", "kandev")
+    assert b.prop(BACKEND, "ActiveState") in ("inactive", "failed") or b.prop(BACKEND, "LoadState") == "not-found"
+    assert b.box.wait_for(lambda: not b.box.alive(S["agent_pid"]), timeout=20), "agent outlived the removal"
+    assert b.prop(AGENTCTL, "ActiveState") != "active"
+    assert b.box.run("dpkg-query", "-W", "-f", "${Status}", "kandev").stdout == "deinstall ok config-files"
+    b.box.run("test", "-f", f"{HOME}/kandev.db")
+    b.box.run("getent", "passwd", "kandev")
+    b.box.run("test", "-f", "/etc/kandev/kandev.toml")
+
+
+def test_e_reinstall_keeps_state(pkg: Box) -> None:
+    b = pkg
+    b.install(b.debs["upgrade_deb"])
+    assert b.prop(BACKEND, "ActiveState") == "active"
+    show = b.show(S["sid"])
+    assert show["task_id"] == S["task"]
+    board = b.kandev("board")
+    assert any(S["task"] in ids for ids in board.values() if isinstance(ids, list))
+
+
+def test_e_purge_removes_everything(pkg: Box) -> None:
+    b = pkg
+    b.apt("purge", "kandev")
+    assert b.box.run("dpkg-query", "-W", "kandev", check=False).returncode != 0 or \
+        b.box.run("dpkg-query", "-W", "-f", "${Status}", "kandev").stdout.startswith("unknown")
+    for path in (HOME, "/etc/kandev", "/usr/lib/kandev", "/usr/lib/systemd/system/kandev-backend.service"):
+        assert b.box.run("test", "-e", path, check=False).returncode != 0, path
+    assert b.box.run("getent", "passwd", "kandev", check=False).returncode != 0
+    assert b.box.run("getent", "group", "kandev", check=False).returncode != 0
+    assert b.prop(BACKEND, "LoadState") == "not-found"
