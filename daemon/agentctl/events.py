@@ -15,9 +15,42 @@ msgpack cannot encode are made plain, and an event whose encoding would not
 fit a frame is replaced by a marker saying so, so that one oversized agent
 message can never wedge a stream.
 
-The retention bound with producer pause (AC-EXECUTORS-SURVIVAL-001.6) is a
-later issue; it will compare ``retained_count`` with the limit and pause the
-agent's transport, not this log.
+Detached retention bound (AC-EXECUTORS-SURVIVAL-001.5, 001.6, 001.9, 001.10;
+design-notes §6.6, §9). ``EventLog(limit=N)`` (``detached_event_limit``) never
+refuses or drops an event: ``append`` always retains. The bound is enforced
+where the agent's output enters the server: before the instance's transport
+hands the agent's next message over (to become an event) it awaits
+``wait_for_room()``, which parks while the log is *full*::
+
+    full = not closed and limit is armed and not attached and retained_count >= limit
+
+- ``retained_count`` counts every event not yet discarded (acked). An event a
+  dropped stream had sent but nobody acked is counted too: the server cannot
+  know it was applied, so it is still owed to the next backend.
+- ``attached`` is this log's own stream (001.9), never server ownership.
+  While attached nothing parks: the backend acks as it applies, so retention
+  stays today's "until acked".
+- Parked, the transport does not read, the agent's stdout pipe fills and the
+  agent blocks in its own write: that is the pause. ``paused`` reports a
+  parked producer (a message held back); a full log whose agent is silent is
+  not paused, and its next message will be held back. Nothing is dropped, for
+  every kind in ``RETAINED_KINDS`` (below, the closed list of design-notes §9).
+- What releases a parked producer: a stream attaching, ``discard_through``
+  (ack / attach ``after_seq``) making room, and ``close()`` (the instance
+  stops: every parked producer is released at once and retained events are
+  thrown away, 001.10). ``close`` is the stop signal of the wait, and no
+  lock is held while waiting, so stop can never deadlock on a parked producer.
+  An event of the agent is handed over only while ``retained_count < limit``,
+  so the agent alone never takes the log past the limit.
+- Events the server itself appends (``turn_started``, ``turn_ended``,
+  ``agent_exited``, ``permission_cancelled``) never wait: they are appended
+  even when the log is full. They cannot make it grow without bound: a turn
+  ends only when the agent's answer was read through the gate (or the agent
+  died, or a backend request failed), one turn is open at a time, a turn
+  starts only on a backend ``prompt``, ``agent_exited`` happens once, and a
+  cancelled permission is one the gate let through. So past the limit, the log
+  grows only by what a backend asks for plus at most one exit; a silent or
+  flooding agent cannot grow it.
 """
 
 from __future__ import annotations
@@ -28,6 +61,25 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+
+from daemon.agentctl.protocol import EventKind
+
+# The closed list of design-notes §9, as code: every event kind the log carries
+# and whether it is retained at the bound (parks the producer, never dropped)
+# or excluded. Kandev's only exclusions were its two MCP-attachment reports;
+# this project has no MCP-attachment events, so the excluded list is EMPTY.
+# A new EventKind must be added to exactly one of the two (a unit test checks).
+RETAINED_KINDS: tuple[str, ...] = (
+    EventKind.SESSION_UPDATE,  # every ACP session/update (chunks, tool calls, mode/config/model/usage updates)
+    EventKind.AGENT_ERROR,  # a line on the agent's stdout that is not JSON-RPC
+    EventKind.AGENT_EXITED,  # process exit with exit code and stderr tail
+    EventKind.PERMISSION_REQUEST,  # session/request_permission: stays open while detached (001.9)
+    EventKind.PERMISSION_CANCELLED,  # an open request answered "cancelled" by the server (cancel, agent exit)
+    EventKind.TURN_STARTED,  # server-originated
+    EventKind.TURN_ENDED,  # server-originated: the turn's outcome (also kept in turn_status until ack_turn)
+)
+EXCLUDED_KINDS: tuple[str, ...] = ()
+"""Kinds that would never park a producer; empty: no MCP-attachment events exist here."""
 
 MAX_EVENT_BYTES = 7 * 1024 * 1024
 """Largest encoded ``data`` of one event (the frame limit is 8 MiB)."""
@@ -103,13 +155,76 @@ class Subscription:
 
 
 class EventLog:
-    """Events of one instance, retained in seq order until discarded."""
+    """Events of one instance, retained in seq order until discarded.
 
-    def __init__(self) -> None:
+    ``limit`` is the detached retention bound; None (the default, and what an
+    instance uses until its handshake is done) means producers never park.
+    """
+
+    def __init__(self, limit: int | None = None) -> None:
         self._events: deque[Event] = deque()
         self._next_seq = 1
         self._subscription: Subscription | None = None
         self._closed = False
+        self._limit = limit
+        self._room = asyncio.Event()  # set while producers may go on (mirrors ``has_room``)
+        self._room.set()
+        self._parked = 0  # producers waiting in wait_for_room
+        self._update_room()
+
+    # -- the detached bound (module docstring) ---------------------------------
+
+    @property
+    def limit(self) -> int | None:
+        return self._limit
+
+    def set_limit(self, limit: int | None) -> None:
+        """Arm (or change, or with None disarm) the detached bound."""
+        if limit is not None and limit < 1:
+            raise ValueError(f"detached event limit must be >= 1, not {limit}")
+        self._limit = limit
+        self._update_room()
+
+    @property
+    def has_room(self) -> bool:
+        """Whether a producer may hand over the agent's next message now."""
+        return (
+            self._closed
+            or self._limit is None
+            or self.attached
+            or len(self._events) < self._limit
+        )
+
+    @property
+    def paused(self) -> bool:
+        """Whether a producer is parked in ``wait_for_room`` right now."""
+        return self._parked > 0
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _update_room(self) -> None:
+        if self.has_room:
+            self._room.set()
+        else:
+            self._room.clear()
+
+    async def wait_for_room(self) -> None:
+        """Park until the log is not full; at once if it is not.
+
+        Released by an attach, a discard that makes room, or ``close()`` (the
+        instance's stop signal): never waits for a backend once the instance
+        stops. Callers must not hold any lock that stop or close takes.
+        """
+        if self.has_room:
+            return
+        self._parked += 1
+        try:
+            while not self.has_room:
+                await self._room.wait()
+        finally:
+            self._parked -= 1
 
     @property
     def next_seq(self) -> int:
@@ -137,7 +252,11 @@ class EventLog:
         return self._subscription is not None and not self._subscription.closed
 
     def append(self, kind: str, data: dict[str, Any]) -> Event | None:
-        """Number and retain one event; None once the log is closed (the instance is gone)."""
+        """Number and retain one event; None once the log is closed (the instance is gone).
+
+        Never refuses and never waits: the bound is applied before the agent's
+        message is read (``wait_for_room``), not here.
+        """
         if self._closed:
             return None
         event = Event(self._next_seq, kind, sendable(kind, data))
@@ -145,6 +264,7 @@ class EventLog:
         self._events.append(event)
         if self._subscription is not None:
             self._subscription.notify()
+        self._update_room()
         return event
 
     def get(self, seq: int) -> Event | None:
@@ -159,6 +279,8 @@ class EventLog:
         while self._events and self._events[0].seq <= seq:
             self._events.popleft()
             dropped += 1
+        if dropped:
+            self._update_room()
         return dropped
 
     def subscribe(self, after_seq: int) -> Subscription:
@@ -170,6 +292,7 @@ class EventLog:
         if self._closed:
             sub.close()
         self._subscription = sub
+        self._update_room()
         return sub
 
     def unsubscribe(self, sub: Subscription) -> None:
@@ -177,11 +300,14 @@ class EventLog:
         sub.close()
         if self._subscription is sub:
             self._subscription = None
+        self._update_room()
 
     def close(self) -> None:
-        """The instance is gone: end the subscription and throw the retained events away."""
+        """The instance is gone: end the subscription, throw the retained events away and
+        release every parked producer at once (AC-EXECUTORS-SURVIVAL-001.10)."""
         self._closed = True
         if self._subscription is not None:
             self._subscription.close()
             self._subscription = None
         self._events.clear()
+        self._update_room()

@@ -33,6 +33,38 @@ Turns: ``prompt`` opens a turn with a server-wide unique id and appends
 appended (after every ``session_update`` the agent sent before its answer)
 and the outcome is retained until ``ack_turn`` names it
 (AC-EXECUTORS-SURVIVAL-004.1, 004.6).
+
+Detached retention (AC-EXECUTORS-SURVIVAL-001.5, 001.6, 001.9, 001.10;
+design.md §1, §6; design-notes §9; the rule itself is in
+``daemon.agentctl.events``): the SDK's receive loop calls
+``AgentPipeTransport.receive()`` for every message, and ``receive`` awaits
+``EventLog.wait_for_room()`` before it hands a message over (so before the
+observer turns it into an event). While this instance's stream is not
+attached and ``detached_event_limit`` events are retained, that wait parks,
+holding the one message back: the SDK stops reading, the stdout
+``StreamReader`` (its limit is ``AGENT_STDOUT_LIMIT``, so it stops pulling from
+the pipe once about twice that is buffered) stops reading the pipe, the pipe
+fills and the agent blocks in its own write. What is not handed over is not an
+event yet, so nothing can be dropped. The bound is armed once
+the handshake is done: no backend can attach before ``create_instance``
+answers, and an agent blocked mid-``session/load`` would fail its handshake;
+history a ``session/load`` replays is retained in full and the producer parks
+right after, if that is already past the bound.
+
+- Attaching (``attach``) releases the producer at once; so do acks. Attached,
+  nothing parks (the backend acks as it applies).
+- Stop (``stop()``) first sets the stop signal and closes the log, which
+  releases every parked producer at once and throws retained events away;
+  the exit watcher, the only other waiter, watches the stop signal too. No
+  producer parks while holding a lock: ``receive`` holds none (the transport's
+  lock serialises sends only), and the SDK's handlers run as separate tasks.
+- After the agent exits, ``agent_exited`` is appended only once its stdout is
+  drained, so it never overtakes output still held back by the pause; time
+  spent paused does not count towards ``STDOUT_DRAIN_GRACE``.
+- Permission requests have no auto-cancel timer in this project, attached or
+  not: a request stays open until ``respond_permission``, a ``cancel``, the
+  agent's exit, or ``stop()`` (001.9; design-notes §6.6). A request raised
+  while detached therefore never expires.
 """
 
 from __future__ import annotations
@@ -48,7 +80,7 @@ import signal
 import subprocess
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,7 +88,6 @@ from typing import Any
 import acp
 import psutil
 from acp.connection import StreamDirection, StreamEvent
-from acp.core import DEFAULT_STDIO_BUFFER_LIMIT_BYTES
 from acp.exceptions import RequestError
 from acp.schema import (
     AllowedOutcome,
@@ -82,6 +113,12 @@ REAP_TIMEOUT = 5.0
 STDOUT_DRAIN_GRACE = 2.0
 """After the agent exits, how long to wait for the rest of its stdout (a child may hold it open)."""
 STDERR_TAIL_BYTES = 4096
+AGENT_STDOUT_LIMIT = 64 * 1024
+"""``StreamReader`` limit of the agent's stdout: it stops reading the pipe at about twice this, so
+a parked producer leaves the agent blocked instead of buffering its output in the server. Longer
+lines still work (``AgentPipeTransport._read_line`` reads them in pieces)."""
+DEFAULT_DETACHED_EVENT_LIMIT = 100
+"""The ``agentctl.detached_event_limit`` default; the server passes the validated setting."""
 INHERITED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TERM", "USER", "LOGNAME")
 CLIENT_NAME = "kandev-agentctl"
 CLIENT_VERSION = "0.1.0"
@@ -166,8 +203,11 @@ class AgentPipeTransport:
 
     Same framing as the SDK's stdio transport; owning it gives the server
     two things: ``eof`` (every line the agent wrote has been handed to the
-    connection) and the place where reading can later be paused for
-    backpressure (AC-EXECUTORS-SURVIVAL-001.6, design.md §1).
+    connection) and the place where reading pauses for backpressure
+    (AC-EXECUTORS-SURVIVAL-001.6, design.md §1): before each message read is
+    handed over, ``gate()`` is awaited (``EventLog.wait_for_room``); the next
+    ``receive()`` is not even called meanwhile, so nothing more is read. No
+    lock is held while it waits.
     """
 
     def __init__(
@@ -175,12 +215,21 @@ class AgentPipeTransport:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         on_garbage: Callable[[str], None] | None = None,
+        gate: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._reader = reader
         self._writer = writer
         self._on_garbage = on_garbage
+        self._gate = gate
+        self._holding = False  # a message read but held back by the gate
         self._send_lock = asyncio.Lock()
         self.eof = asyncio.Event()
+
+    @property
+    def drained(self) -> bool:
+        """Whether every message the agent wrote was handed over: ``eof``, or nothing is held back
+        and the reader holds the end of the pipe and nothing else (also while parked)."""
+        return self.eof.is_set() or (not self._holding and self._reader.at_eof())
 
     async def send(self, message: dict[str, Any]) -> None:
         data = (json.dumps(message, separators=(",", ":")) + "\n").encode("utf-8")
@@ -204,6 +253,15 @@ class AgentPipeTransport:
                     message = json.loads(line)
                 except ValueError:
                     message = None
+                if self._gate is not None:
+                    # Parks, holding this one message back, while the detached bound is reached.
+                    # Checked after the read (not before it) so that events the server appended
+                    # while this read was waiting for the agent count too.
+                    self._holding = True
+                    try:
+                        await self._gate()
+                    finally:
+                        self._holding = False
                 if isinstance(message, dict):
                     return message
                 if self._on_garbage is not None:
@@ -242,6 +300,7 @@ class _Permission:
     option_ids: list[str]
     future: asyncio.Future[str | None]
     rpc_id: str
+    turn_id: str | None = None
 
 
 class _AcpClient:
@@ -291,7 +350,10 @@ class Instance:
         turn_ids: Callable[[], str],
         on_change: Callable[[Instance], None] | None = None,
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        detached_event_limit: int = DEFAULT_DETACHED_EVENT_LIMIT,
     ) -> None:
+        if detached_event_limit < 1:
+            raise ValueError(f"detached_event_limit must be >= 1, not {detached_event_limit}")
         self.spec = spec
         self.instance_id = spec.instance_id
         self.workspace_roots = list(spec.workspace_roots) or [spec.cwd]
@@ -302,7 +364,9 @@ class Instance:
         self.exit_code: int | None = None
         self.current_turn_id: str | None = None
         self.outcomes: OrderedDict[str, dict[str, Any]] = OrderedDict()
-        self.log = EventLog()
+        self.log = EventLog()  # unbounded until the handshake is done (see the module docstring)
+        self.detached_event_limit = detached_event_limit
+        self._stop_signal = asyncio.Event()  # set first thing by stop(); every blocking wait watches it
         self.stderr_path = Path(agent_log_dir) / f"{spec.instance_id}.stderr.log"
         self._agent_log_dir = Path(agent_log_dir)
         self._turn_ids = turn_ids
@@ -339,6 +403,8 @@ class Instance:
             "next_seq": self.log.next_seq,
             "retained_events": self.log.retained_count,
             "attached": self.log.attached,
+            "paused": self.log.paused,
+            "detached_event_limit": self.detached_event_limit,
         }
 
     @property
@@ -379,7 +445,7 @@ class Instance:
                 env=agent_environment(spec.env),
                 start_new_session=True,
                 preexec_fn=_child_setup(os.getpid()),
-                limit=DEFAULT_STDIO_BUFFER_LIMIT_BYTES,
+                limit=AGENT_STDOUT_LIMIT,
             )
         except (OSError, ValueError, subprocess.SubprocessError) as exc:
             raise IpcError(
@@ -406,7 +472,7 @@ class Instance:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(proc.wait(), REAP_TIMEOUT)
             raise IpcError(ErrorCode.SHUTTING_DOWN, f"instance {self.instance_id} was stopped while starting")
-        self._transport = AgentPipeTransport(proc.stdout, proc.stdin, self._on_garbage)
+        self._transport = AgentPipeTransport(proc.stdout, proc.stdin, self._on_garbage, self.log.wait_for_room)
         self._exit_task = asyncio.create_task(self._watch_exit(), name=f"agentctl.exit.{self.instance_id}")
         self._conn = acp.connect_to_agent(_AcpClient(self), self._transport, observers=[self._observe])
         step = "initialize"
@@ -443,6 +509,7 @@ class Instance:
             raise IpcError(ErrorCode.AGENT_ERROR, await self._handshake_failure(step, exc), retryable=False) from None
         if self.state is not InstanceState.STARTING:  # exited or stopped meanwhile
             raise IpcError(ErrorCode.AGENT_ERROR, await self._handshake_failure(step, None), retryable=False)
+        self.log.set_limit(self.detached_event_limit)  # the detached bound applies from now on
         self._set_state(InstanceState.RUNNING)
 
     async def _handshake_failure(self, step: str, exc: BaseException | None) -> str:
@@ -498,7 +565,9 @@ class Instance:
         option_ids = [str(o.get("optionId")) for o in options if isinstance(o, dict)]
         request_id = os.urandom(16).hex()
         future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
-        self._permissions[request_id] = _Permission(request_id, option_ids, future, _rpc_key(rpc_id))
+        self._permissions[request_id] = _Permission(
+            request_id, option_ids, future, _rpc_key(rpc_id), self.current_turn_id
+        )
         self._permission_fifo.setdefault(str(tool_call.get("toolCallId")), deque()).append(request_id)
         self.log.append(
             EventKind.PERMISSION_REQUEST,
@@ -532,10 +601,16 @@ class Instance:
                         if not queue:
                             del self._permission_fifo[tool_call_id]
 
-    def _cancel_permissions(self) -> None:
+    def _cancel_permissions(self, reason: str) -> None:
+        """Answer every open request ``cancelled``; each one gets a ``permission_cancelled`` event
+        (a no-op append once the log is closed, i.e. on stop)."""
         for pending in self._permissions.values():
             if not pending.future.done():
                 pending.future.set_result(None)
+                self.log.append(
+                    EventKind.PERMISSION_CANCELLED,
+                    {"request_id": pending.request_id, "turn_id": pending.turn_id, "reason": reason},
+                )
 
     def respond_permission(self, request_id: str, option_id: str | None) -> None:
         pending = self._permissions.get(request_id)
@@ -601,7 +676,7 @@ class Instance:
         """ACP ``session/cancel``; open permission requests are answered ``cancelled`` (ACP rule)."""
         conn = self._require_running("cancel")
         assert self.acp_session_id is not None
-        self._cancel_permissions()
+        self._cancel_permissions("cancel")
         try:
             await conn.cancel(session_id=self.acp_session_id)
         except (ConnectionError, OSError) as exc:
@@ -655,15 +730,14 @@ class Instance:
         assert proc is not None and transport is not None
         code = await proc.wait()
         # Everything the agent wrote before dying is numbered before agent_exited.
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(transport.eof.wait(), STDOUT_DRAIN_GRACE)
+        await self._drain_stdout(transport)
         self.exit_code = code
         self._exited.set()
         if self.state in (InstanceState.STARTING, InstanceState.RUNNING):
             self.log.append(EventKind.AGENT_EXITED, {"exit_code": code, "stderr_tail": self.stderr_tail()})
             if self.current_turn_id is not None:
                 self._end_turn(self.current_turn_id, "agent_exited", f"the agent exited with code {code}")
-            self._cancel_permissions()
+            self._cancel_permissions("agent_exited")
             self._set_state(InstanceState.EXITED)
             log_event(
                 "agent_exited",
@@ -675,6 +749,23 @@ class Instance:
                 PID=self.pid,
                 EXIT_CODE=code,
             )
+
+    async def _drain_stdout(self, transport: AgentPipeTransport) -> None:
+        """Wait until every line of the exited agent's stdout was read, the stop signal, or
+        ``STDOUT_DRAIN_GRACE`` s of reading time (a child may hold stdout open). Time the producer
+        spends parked by the detached bound does not count: the rest is read after an attach."""
+        loop = asyncio.get_running_loop()
+        grace = STDOUT_DRAIN_GRACE
+        while not transport.drained and not self._stop_signal.is_set():
+            if grace <= 0:
+                log.warning("instance %s: the agent's stdout is still open %g s after its exit",
+                            self.instance_id, STDOUT_DRAIN_GRACE)
+                return
+            paused = self.log.paused
+            started = loop.time()
+            await _wait_any((transport.eof, self._stop_signal), min(grace, 0.1) if not paused else 0.1)
+            if not (paused and self.log.paused):
+                grace -= loop.time() - started
 
     def _signal_group(self, sig: int) -> bool:
         """Signal the agent's process group if it is still ours; True if a signal was sent.
@@ -712,10 +803,13 @@ class Instance:
         return True
 
     async def _do_stop(self) -> None:
+        # The stop signal first: it releases every parked producer at once (the log's close) and
+        # every other wait of this instance, without waiting for a backend (SURVIVAL-001.10).
+        self._stop_signal.set()
+        self.log.close()  # ends the attached stream, drops undelivered events, unparks producers
         previous = self.state
         self._set_state(InstanceState.STOPPING)
-        self.log.close()  # ends the attached stream and drops undelivered events
-        self._cancel_permissions()
+        self._cancel_permissions("stop")
         if self._prompt_task is not None and not self._prompt_task.done():
             self._prompt_task.cancel()
         await self._kill_group()
@@ -767,6 +861,18 @@ class Instance:
 
 class _HandshakeRefused(Exception):
     """The agent answered the handshake with something we cannot use."""
+
+
+async def _wait_any(events: tuple[asyncio.Event, ...], timeout: float) -> None:
+    """Return when one of ``events`` is set or after ``timeout`` s."""
+    if any(e.is_set() for e in events):
+        return
+    waiters = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()
 
 
 def _rpc_key(rpc_id: Any) -> str:

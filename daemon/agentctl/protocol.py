@@ -42,6 +42,9 @@ class EventKind:
     PERMISSION_REQUEST = "permission_request"  # {request_id, turn_id, tool_call, options}
     AGENT_EXITED = "agent_exited"  # {exit_code, stderr_tail}
     AGENT_ERROR = "agent_error"  # {message}
+    # An open permission request the server answered "cancelled" itself (a ``cancel`` op, or the
+    # agent exited); a backend's own respond_permission is not echoed. Added with the detached bound.
+    PERMISSION_CANCELLED = "permission_cancelled"  # {request_id, turn_id, reason: "cancel"|"agent_exited"}
 
 
 OPS = [
@@ -102,7 +105,12 @@ OPS = [
         optional={"option_id": str},
         doc="answer an open permission request; no option_id = cancelled -> {}",
     ),
-    Op("list_instances", doc="-> {instances: [{instance_id, session_id, task_id, pid, ...}]}"),
+    Op(
+        "list_instances",
+        doc="-> {instances: [{instance_id, session_id, task_id, pid, ..., next_seq, retained_events,"
+        " attached, paused, detached_event_limit}]}; paused: the agent's output is held back because"
+        " retained_events reached detached_event_limit while no stream is attached (SURVIVAL-001.6)",
+    ),
     Op("stop_instance", required={"instance_id": str}, doc="kill the group -> {stopped, already_absent}"),
     Op(
         "attach",

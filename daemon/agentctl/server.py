@@ -401,6 +401,7 @@ class AgentctlServer:
             agent_log_dir=Path(self.config.agent_log_dir),
             turn_ids=self.turn_ids,
             on_change=self._changed,
+            detached_event_limit=self.detached_event_limit,  # per instance, by its own stream (001.9)
             **kwargs,
         )
         self.instances[spec.instance_id] = inst

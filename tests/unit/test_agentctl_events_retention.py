@@ -1,0 +1,334 @@
+"""The detached retention bound of the control server's event log (AC-EXECUTORS-SURVIVAL-001.5,
+001.6, 001.9, 001.10; design-notes §9), in-process.
+
+The log never drops: ``append`` always retains; the bound parks the producer in
+``wait_for_room`` instead. The closed list of covered event classes is code
+(``RETAINED_KINDS`` / ``EXCLUDED_KINDS``) and each class has its own test here.
+The last tests put the real ``AgentPipeTransport`` on a real OS pipe, so that a
+parked producer is shown to leave the writer blocked on the pipe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from daemon.agentctl.events import EXCLUDED_KINDS, RETAINED_KINDS, EventLog
+from daemon.agentctl.instance import AGENT_STDOUT_LIMIT, AgentPipeTransport
+from daemon.agentctl.protocol import EventKind
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def run(coro: Any, timeout: float = 30.0) -> Any:
+    async def bounded() -> Any:
+        return await asyncio.wait_for(coro, timeout)
+
+    return asyncio.run(bounded())
+
+
+def all_kinds() -> set[str]:
+    return {v for k, v in vars(EventKind).items() if k.isupper() and isinstance(v, str)}
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+# ---------------------------------------------------------------- the closed list
+
+
+def test_closed_list_covers_every_event_kind_and_excludes_none():
+    """design-notes §9: every kind is classified, exactly once; there are no MCP-attachment
+    events in this project, so the excluded list is empty."""
+    assert EXCLUDED_KINDS == ()
+    assert len(set(RETAINED_KINDS)) == len(RETAINED_KINDS)
+    assert set(RETAINED_KINDS) | set(EXCLUDED_KINDS) == all_kinds()
+    assert not set(RETAINED_KINDS) & set(EXCLUDED_KINDS)
+
+
+SAMPLE_DATA: dict[str, dict[str, Any]] = {
+    EventKind.SESSION_UPDATE: {"turn_id": "t:1", "update": {"sessionUpdate": "agent_message_chunk"}},
+    EventKind.AGENT_ERROR: {"message": "the agent wrote a line that is not JSON-RPC: junk"},
+    EventKind.AGENT_EXITED: {"exit_code": 3, "stderr_tail": "boom"},
+    EventKind.PERMISSION_REQUEST: {"request_id": "r1", "turn_id": "t:1", "tool_call": {}, "options": []},
+    EventKind.PERMISSION_CANCELLED: {"request_id": "r1", "turn_id": "t:1", "reason": "cancel"},
+    EventKind.TURN_STARTED: {"turn_id": "t:1", "text": "hi"},
+    EventKind.TURN_ENDED: {"turn_id": "t:1", "stop_reason": "end_turn", "error": None},
+}
+
+
+def test_every_retained_kind_has_a_sample():
+    assert set(SAMPLE_DATA) == set(RETAINED_KINDS)
+
+
+@pytest.mark.parametrize("kind", RETAINED_KINDS)
+def test_class_is_retained_at_the_bound_and_handed_over(kind: str):
+    """AC-EXECUTORS-SURVIVAL-001.6, one test per class: at the bound the class is neither dropped
+    nor refused; the producer parks instead, and an attach hands everything over in order."""
+
+    async def scenario() -> None:
+        log = EventLog(limit=3)
+        log.append(EventKind.TURN_STARTED, {"turn_id": "t:1", "text": "x"})
+        log.append(EventKind.SESSION_UPDATE, {"turn_id": "t:1", "update": {}})
+        assert log.has_room
+        first = log.append(kind, SAMPLE_DATA[kind])  # reaches the bound
+        assert first is not None and log.retained_count == 3 and not log.has_room
+        producer = asyncio.ensure_future(log.wait_for_room())
+        await settle()
+        assert not producer.done() and log.paused
+        # a server-originated append at the bound is kept as well
+        second = log.append(kind, SAMPLE_DATA[kind])
+        assert second is not None and log.retained_count == 4
+        sub = log.subscribe(0)
+        await settle()
+        assert producer.done() and not log.paused
+        got = [await sub.next() for _ in range(4)]
+        assert [e.seq for e in got] == [1, 2, 3, 4]
+        assert [e.kind for e in got][2:] == [kind, kind]
+        assert got[2].data == SAMPLE_DATA[kind]
+
+    run(scenario())
+
+
+# ---------------------------------------------------------------- the pause rule
+
+
+def test_no_bound_until_armed_then_parks_at_the_limit():
+    """The handshake runs unbounded (limit None); arming applies the limit to what is retained."""
+
+    async def scenario() -> None:
+        log = EventLog()
+        for i in range(10):
+            log.append(EventKind.SESSION_UPDATE, {"i": i})
+        assert log.has_room
+        await asyncio.wait_for(log.wait_for_room(), 1)
+        log.set_limit(5)
+        assert not log.has_room
+        log.set_limit(None)
+        assert log.has_room
+        with pytest.raises(ValueError):
+            log.set_limit(0)
+
+    run(scenario())
+
+
+def test_attached_never_parks_and_detaching_at_the_bound_does():
+    """001.9: decided by this log's own stream; attached, retention is 'until acked' and unbounded."""
+
+    async def scenario() -> None:
+        log = EventLog(limit=2)
+        sub = log.subscribe(0)
+        assert log.attached
+        for i in range(50):
+            log.append(EventKind.SESSION_UPDATE, {"i": i})
+            assert log.has_room
+        await asyncio.wait_for(log.wait_for_room(), 1)
+        log.unsubscribe(sub)
+        assert not log.attached and not log.has_room
+        producer = asyncio.ensure_future(log.wait_for_room())
+        await settle()
+        assert log.paused
+        log.discard_through(49)  # an ack that leaves 1 < 2 retained
+        await settle()
+        assert producer.done() and not log.paused and log.retained_count == 1
+
+    run(scenario())
+
+
+def test_acks_release_only_below_the_limit():
+    async def scenario() -> None:
+        log = EventLog(limit=3)
+        for i in range(5):
+            log.append(EventKind.SESSION_UPDATE, {"i": i})
+        producer = asyncio.ensure_future(log.wait_for_room())
+        await settle()
+        log.discard_through(2)  # 2 discarded, 3 left: still full
+        await settle()
+        assert not producer.done() and log.paused
+        log.discard_through(3)
+        await settle()
+        assert producer.done()
+
+    run(scenario())
+
+
+def test_close_releases_every_parked_producer_at_once_and_discards():
+    """001.10: stop releases all parked producers in one step and throws retained events away;
+    later appends are no-ops and nothing parks any more."""
+
+    async def scenario() -> None:
+        log = EventLog(limit=1)
+        log.append(EventKind.SESSION_UPDATE, {})
+        producers = [asyncio.ensure_future(log.wait_for_room()) for _ in range(5)]
+        await settle()
+        assert log.paused and not any(p.done() for p in producers)
+        log.close()
+        await settle()
+        assert all(p.done() for p in producers) and not log.paused
+        assert log.retained_count == 0 and log.closed
+        assert log.append(EventKind.AGENT_EXITED, {"exit_code": 0}) is None
+        await asyncio.wait_for(log.wait_for_room(), 1)
+
+    run(scenario())
+
+
+def test_a_cancelled_producer_does_not_stay_counted_as_paused():
+    async def scenario() -> None:
+        log = EventLog(limit=1)
+        log.append(EventKind.SESSION_UPDATE, {})
+        producer = asyncio.ensure_future(log.wait_for_room())
+        await settle()
+        assert log.paused
+        producer.cancel()
+        await settle()
+        assert not log.paused
+
+    run(scenario())
+
+
+# ---------------------------------------------------------------- the transport on a real pipe
+
+
+class PipeAgent:
+    """A fake agent: a thread writing lines into a real pipe, blocking when the pipe is full."""
+
+    def __init__(self, lines: list[bytes]) -> None:
+        self.read_fd, self.write_fd = os.pipe()
+        self.lines = lines
+        self.written = 0
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._write, daemon=True)
+
+    def _write(self) -> None:
+        try:
+            with os.fdopen(self.write_fd, "wb", buffering=0) as out:
+                for line in self.lines:
+                    view = memoryview(line)
+                    while view:
+                        n = out.write(view)
+                        view = view[n:]
+                    self.written += 1
+        except (BrokenPipeError, OSError):
+            pass
+        finally:
+            self.done.set()
+
+
+async def open_transport(agent: PipeAgent, log: EventLog) -> tuple[AgentPipeTransport, list[Any]]:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=AGENT_STDOUT_LIMIT, loop=loop)
+    read_transport, _ = await loop.connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(reader, loop=loop), os.fdopen(agent.read_fd, "rb", buffering=0)
+    )
+    # stdin side: a pipe nobody reads; receive() never writes
+    stdin_r, stdin_w = os.pipe()
+    write_transport, write_protocol = await loop.connect_write_pipe(
+        asyncio.streams.FlowControlMixin, os.fdopen(stdin_w, "wb", buffering=0)
+    )
+    writer = asyncio.StreamWriter(write_transport, write_protocol, None, loop)
+
+    def garbage(line: str) -> None:
+        log.append(EventKind.AGENT_ERROR, {"message": f"the agent wrote a line that is not JSON-RPC: {line}"})
+
+    transport = AgentPipeTransport(reader, writer, garbage, log.wait_for_room)
+    return transport, [read_transport, write_transport, stdin_r]
+
+
+async def pump(transport: AgentPipeTransport, log: EventLog) -> None:
+    """What the SDK's receive loop plus the instance's observer do: one event per message."""
+    while True:
+        message = await transport.receive()
+        if message is None:
+            return
+        log.append(EventKind.SESSION_UPDATE, {"update": message})
+
+
+def test_parked_transport_blocks_the_writer_and_drops_nothing():
+    """001.6 at the transport: parked, the server stops reading, the writer blocks on the full pipe
+    (it has not written everything), nothing is dropped; agent_error lines (the one class only the
+    transport produces) included; after an attach all arrive exactly once, in order."""
+    n = 20000
+    lines: list[bytes] = []
+    for i in range(1, n + 1):
+        if i % 1000 == 0:
+            lines.append(f"garbage {i}\n".encode())
+        else:
+            lines.append(json.dumps({"jsonrpc": "2.0", "method": "x", "params": {"i": i, "pad": "p" * 150}}).encode()
+                         + b"\n")
+    agent = PipeAgent(lines)
+
+    async def scenario() -> None:
+        log = EventLog(limit=100)
+        transport, closers = await open_transport(agent, log)
+        agent.thread.start()
+        task = asyncio.ensure_future(pump(transport, log))
+        try:
+            deadline = time.monotonic() + 10
+            while not log.paused:
+                assert time.monotonic() < deadline, "the producer never parked"
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.5)
+            assert log.paused and log.retained_count == 100
+            written = agent.written
+            await asyncio.sleep(0.5)
+            assert agent.written == written < n and not agent.done.is_set(), "the writer is not blocked"
+            sub = log.subscribe(0)
+            got = []
+            while len(got) < n:
+                event = await asyncio.wait_for(sub.next(), 10)
+                assert event is not None
+                got.append(event)
+                log.discard_through(event.seq)  # the backend acks as it applies
+            await asyncio.wait_for(task, 10)
+            assert transport.eof.is_set() and transport.drained
+            assert [e.seq for e in got] == list(range(1, n + 1))
+            for i, event in enumerate(got, start=1):
+                if i % 1000 == 0:
+                    assert event.kind == EventKind.AGENT_ERROR and f"garbage {i}" in event.data["message"]
+                else:
+                    assert event.kind == EventKind.SESSION_UPDATE and event.data["update"]["params"]["i"] == i
+        finally:
+            task.cancel()
+            for c in closers:
+                if isinstance(c, int):
+                    os.close(c)
+                else:
+                    c.close()
+
+    run(scenario())
+    agent.thread.join(5)
+
+
+def test_lines_longer_than_the_reader_limit_arrive_whole():
+    """AGENT_STDOUT_LIMIT bounds what is buffered, not the size of a message."""
+    big = json.dumps({"jsonrpc": "2.0", "method": "x", "params": {"blob": "b" * (3 * 1024 * 1024)}}).encode() + b"\n"
+    small = json.dumps({"jsonrpc": "2.0", "method": "y"}).encode() + b"\n"
+    agent = PipeAgent([big, small, big])
+
+    async def scenario() -> None:
+        log = EventLog(limit=1)
+        transport, closers = await open_transport(agent, log)
+        agent.thread.start()
+        sub = log.subscribe(0)
+        try:
+            await asyncio.wait_for(pump(transport, log), 20)
+            got = [await sub.next() for _ in range(3)]
+            sizes = [len(e.data["update"].get("params", {}).get("blob", "")) for e in got]
+            assert sizes == [3 * 1024 * 1024, 0, 3 * 1024 * 1024]
+        finally:
+            for c in closers:
+                if isinstance(c, int):
+                    os.close(c)
+                else:
+                    c.close()
+
+    run(scenario())
+    agent.thread.join(5)
