@@ -86,10 +86,12 @@ def _dpkg_buildpackage(tree: Path, log: Path) -> float:
 
 def build_packages() -> dict[str, Any]:
     """The cached build for the current sources: {deb, upgrade_deb, version, upgrade_version, lintian, ...}."""
-    for tool in ("dpkg-buildpackage", "dh", "lintian"):
+    for tool in ("dpkg-buildpackage", "dh", "dh_python3", "lintian"):
         if shutil.which(tool) is None:
-            pytest.fail(f"{tool} not found: run `bash packaging/dev/setup.sh` (it installs the build tools)",
-                        pytrace=False)
+            why = f"{tool} not found: run `bash packaging/dev/setup.sh` on Debian 12 (it installs the build tools)"
+            if os.environ.get("CI", "").strip().lower() in ("true", "1", "yes"):
+                pytest.fail(why, pytrace=False)  # CI must never skip the package tests
+            pytest.skip(why)
     digest, version = source_hash(), _version()
     upgrade = f"{version}+test1"
     arch = _arch()
