@@ -89,7 +89,7 @@ class Backend:
         self.consumer = EventConsumer(store, self._client_for, self._on_gone)
         self.report = RecoveryReport()
         self.credential: bytes | None = None  # current ownership credential (memory + 0600 file only)
-        self.claim_task: asyncio.Task[None] | None = None
+        self.claim_tasks: dict[str, asyncio.Task[None]] = {}  # endpoint -> its renewal loop
         self.fallback_reason: str | None = None
         self.shutdown_requested = asyncio.Event()
         self.socket_path = str(paths.backend_socket)
@@ -155,11 +155,12 @@ class Backend:
 
     def _start_claims(self, client: AgentctlClient, endpoint: str, identity: str, credential: bytes) -> None:
         """Renew ownership every unowned period / 4 (AC-EXECUTORS-CONTROL-OWNERSHIP-003.2)."""
-        if self.claim_task is not None:
-            self.claim_task.cancel()
+        old = self.claim_tasks.pop(endpoint, None)
+        if old is not None:
+            old.cancel()
         period = float(client.unowned_period_s or 600.0)
-        self.claim_task = asyncio.get_running_loop().create_task(
-            self._claim_loop(endpoint, identity, credential, period / 4), name="claims"
+        self.claim_tasks[endpoint] = asyncio.get_running_loop().create_task(
+            self._claim_loop(endpoint, identity, credential, period / 4), name=f"claims-{endpoint}"
         )
 
     async def _claim_loop(self, endpoint: str, identity: str, credential: bytes, interval: float) -> None:
@@ -173,7 +174,18 @@ class Backend:
                             expected_identity=identity,
                         )
                     await conn.claim()
-                except (IpcError, OSError, Exception) as exc:  # a failed renewal never shortens the period
+                except IpcError as exc:
+                    if exc.code in (ErrorCode.SUPERSEDED_CREDENTIAL, ErrorCode.SHUTTING_DOWN):
+                        # Another backend adopted it, or it is exiting: not ours to renew (002.3, 003.9).
+                        log_event("ownership_lost", f"stopped renewing {endpoint}: {exc.code}", priority=4,
+                                  REASON=exc.code)
+                        return
+                    log.warning("ownership claim failed: %s", exc)
+                    if conn is not None:
+                        with contextlib.suppress(Exception):
+                            await conn.close()
+                    conn = None
+                except Exception as exc:  # a failed renewal never shortens the period
                     log.warning("ownership claim failed: %s", exc)
                     if conn is not None:
                         with contextlib.suppress(Exception):
@@ -241,10 +253,11 @@ class Backend:
     async def shutdown(self) -> None:
         """Graceful stop. Enabled: detach, send no stop (AC-EXECUTORS-SURVIVAL-001.1). Disabled: stop it all."""
         self.state = "stopping"
-        if self.claim_task is not None:
-            self.claim_task.cancel()
+        for task in self.claim_tasks.values():
+            task.cancel()
+        for task in self.claim_tasks.values():
             with contextlib.suppress(BaseException):
-                await self.claim_task
+                await task
         await self.consumer.stop(list(self.executions.executions.values()))
         for client in (self.client, self.passthrough_client):
             if client is not None:
@@ -383,8 +396,10 @@ class Backend:
         if passthrough:
             if self.passthrough_client is None:
                 handle, credential = await self.passthrough_launcher.start()
-                self.passthrough_client, _ = await self._connect(handle, credential)
+                self.passthrough_client, info = await self._connect(handle, credential)
                 self.passthrough_handle = handle
+                # It dies with us, but it must not reap itself while we live (OWN-003.1).
+                self._start_claims(self.passthrough_client, handle.endpoint, info["server_identity"], credential)
             return self.passthrough_client
         if self.client is None:
             raise IpcError(ErrorCode.UNAVAILABLE, "the backend has no control server yet; retry shortly", True)

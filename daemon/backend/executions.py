@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from daemon.agentctl.client import AgentctlClient
+from daemon.agentctl.client import AgentctlClient, OwnershipRefused
 from daemon.backend.events import apply_events, mark_agent_gone
 from daemon.journal import log_event
 from daemon.store.db import Store
@@ -149,7 +149,18 @@ class EventConsumer:
                 await self._consume_once(client, ex)
             except asyncio.CancelledError:
                 raise
+            except OwnershipRefused as exc:
+                log.warning("session %s: control server refused us (%s); no longer tracking it", ex.session_id, exc)
+                ex.gone = True
+                self.on_gone(ex)
+                return
             except IpcError as exc:
+                if exc.code == "superseded_credential":
+                    # Another backend adopted the server: these executions are no longer ours (OWN-002.3).
+                    log.warning("session %s: credential superseded; no longer tracking it", ex.session_id)
+                    ex.gone = True
+                    self.on_gone(ex)
+                    return
                 if exc.code == "not_found":
                     log.warning("instance %s of session %s is gone", ex.instance_id, ex.session_id)
                     self._agent_gone(ex, "agent instance is gone from the control server")
