@@ -1,11 +1,18 @@
-"""Fault injection points that exist in the product, off by default.
+"""Fault injection that exists in the product, off by default.
 
-``fault_point(name)`` does nothing unless ``$KANDEV_FAULT`` names that point,
-in which case the process SIGKILLs itself there. Tests use it to stop a
-backend at an exact step of adoption (e.g. after ``rotate`` was accepted and
-before ``confirm``) and check that every crash point leaves a credential held
-by both sides (spec/ownership.md, cross-cutting invariants). Nothing else
-reads this variable; operators never need it.
+``$KANDEV_FAULT`` holds a comma-separated list of faults; unset (always, in
+operation) means none. Three kinds:
+
+- kill points (``fault_point``): the backend SIGKILLs itself at an exact step
+  of adoption, so tests can check that every crash point leaves a credential
+  held by both sides (spec/ownership.md, cross-cutting invariants);
+- delays (``fault_delay``, written ``name:seconds``): a control-server step
+  answers late, so the one recovery deadline can be crossed on purpose;
+- failures (``fault_fails``): a control-server operation answers with an
+  error, so failed stops, failed reads and incompatible servers can be tested
+  with real processes.
+
+Nothing else reads this variable; operators never need it.
 """
 
 from __future__ import annotations
@@ -16,13 +23,6 @@ import signal
 from daemon.journal import log_event
 
 ENV = "KANDEV_FAULT"
-# Delays, set as ``KANDEV_FAULT=<name>:<seconds>``; read by the control server.
-DELAYS = frozenset(
-    {
-        "agentctl_slow_rotate",  # rotate answers late: an adoption still in flight at the deadline
-        "agentctl_slow_enumeration",  # list_instances answers late: enumeration not complete at the deadline
-    }
-)
 POINTS = frozenset(
     {
         "adopt_after_rotate",  # rotate accepted, nothing persisted yet
@@ -31,24 +31,50 @@ POINTS = frozenset(
         "adopt_after_confirm",  # confirmed, before re-tracking
     }
 )
+DELAYS = frozenset(
+    {
+        "agentctl_slow_rotate",  # an adoption still in flight at the deadline
+        "agentctl_slow_enumeration",  # enumeration not complete at the deadline
+    }
+)
+FAILURES = frozenset(
+    {
+        "agentctl_stop_fails",  # stop_instance answers an error (SURVIVAL-002.15/002.16)
+        "agentctl_turn_status_fails",  # turn_status answers an error (SURVIVAL-004.5)
+        "agentctl_lacks_turns",  # identify advertises no turns.v1 (OWNERSHIP-004.3)
+        "agentctl_shutdown_fails",  # ownership_shutdown answers an error (OWNERSHIP-004.7)
+    }
+)
+
+
+def _entries() -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in os.environ.get(ENV, "").split(","):
+        name, _, value = item.strip().partition(":")
+        if name:
+            out[name] = value
+    return out
 
 
 def fault_point(name: str) -> None:
     if name not in POINTS:
         raise ValueError(f"unknown fault point {name}")
-    if os.environ.get(ENV) == name:
+    if name in _entries():
         log_event("fault_injected", f"fault point {name}: killing this process", priority=4, FAULT=name)
         os.kill(os.getpid(), signal.SIGKILL)
 
 
 def fault_delay(name: str) -> float:
-    """Seconds the named step should be delayed: 0 unless ``$KANDEV_FAULT`` is ``name:seconds``."""
+    """Seconds the named step should be delayed: 0 unless ``$KANDEV_FAULT`` has ``name:seconds``."""
     if name not in DELAYS:
         raise ValueError(f"unknown fault delay {name}")
-    point, _, seconds = os.environ.get(ENV, "").partition(":")
-    if point != name:
-        return 0.0
     try:
-        return max(0.0, float(seconds))
+        return max(0.0, float(_entries().get(name, "0") or 0))
     except ValueError:
         return 0.0
+
+
+def fault_fails(name: str) -> bool:
+    if name not in FAILURES:
+        raise ValueError(f"unknown fault {name}")
+    return name in _entries()

@@ -49,7 +49,7 @@ from daemon.agentctl.launch import LaunchConfig
 from daemon.agentctl.ownership import Ownership
 from daemon.agentctl.protocol import TABLE
 from daemon.config import ResolvedAgentctl
-from daemon.faults import fault_delay
+from daemon.faults import fault_delay, fault_fails
 from daemon.journal import log_event
 from daemon.limits import MAX_CONNECTIONS
 from ipc.connection import ConnectionContext
@@ -264,7 +264,8 @@ class AgentctlServer:
     async def op_identify(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         return {
             "server_identity": self.server_identity,
-            "capabilities": list(TABLE.capabilities),
+            "capabilities": [c for c in TABLE.capabilities
+                             if not (c == "turns.v1" and fault_fails("agentctl_lacks_turns"))],
             "protocol_version": list(TABLE.version),
             "unowned_period_s": self.unowned_period_s,
         }
@@ -354,6 +355,8 @@ class AgentctlServer:
         return {"unowned_period_s": self.unowned_period_s}
 
     async def op_ownership_shutdown(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        if fault_fails("agentctl_shutdown_fails"):  # test fault, off unless $KANDEV_FAULT says so
+            raise IpcError(ErrorCode.INTERNAL, "injected fault: ownership_shutdown fails")
         # Already stopping (an unowned shutdown, an earlier call, a signal) counts as success (OWN-004.7):
         # the reply still comes only once every instance is stopped.
         if self.ownership.begin_shutdown("ownership_shutdown"):
@@ -454,6 +457,8 @@ class AgentctlServer:
         return {"instances": [inst.describe() for inst in self.instances.values()]}
 
     async def op_stop_instance(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        if fault_fails("agentctl_stop_fails"):  # test fault, off unless $KANDEV_FAULT says so
+            raise IpcError(ErrorCode.INTERNAL, "injected fault: stop_instance fails")
         instance_id = args["instance_id"]
         inst = self.instances.get(instance_id)
         if inst is None:
@@ -492,6 +497,8 @@ class AgentctlServer:
         return {"discarded": discarded}
 
     async def op_turn_status(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        if fault_fails("agentctl_turn_status_fails"):  # test fault, off unless $KANDEV_FAULT says so
+            raise IpcError(ErrorCode.INTERNAL, "injected fault: turn_status fails")
         return self._get(args["instance_id"]).turn_status()
 
     async def op_ack_turn(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
