@@ -368,8 +368,9 @@ def _store(r: _Report, config: Config | None, paths: Paths, probes: DoctorProbes
             finally:
                 conn.close()
         except sqlite3.Error as exc:
-            hint = _access_hint(probes) if not os.access(db, os.R_OK) else (
-                f"the file may be damaged: stop the backend, keep a copy of {db}, see the journal")
+            hint = (f"run `sudo kandev doctor`: {db} is readable by its owner only" if not os.access(db, os.R_OK)
+                    else (
+                f"the file may be damaged: stop the backend, keep a copy of {db}, see the journal"))
             r.add("store", False, f"{db}: cannot open read-only: {exc}", hint)
             return
         rev = row[0] if row else None

@@ -338,6 +338,11 @@ def test_b_survival_on_demo_flow_as_root_and_group_member(pkg: Box) -> None:
     refused = b.kandev("status", user="bob", check=False)
     assert refused["_rc"] == 3 and "Permission denied" in refused["_stderr"], refused
 
+    # a group member's doctor reaches the backend; the store and secrets stay private to kandev
+    d = {c["name"]: c for c in b.kandev("doctor", user="alice", check=False)["checks"]}
+    assert d["backend_socket"]["ok"] and d["run_dir"]["ok"] and d["secrets_dir"]["ok"], d
+    assert not d["store"]["ok"] and "sudo kandev doctor" in d["store"]["hint"]
+
     task = b.kandev("task", "create", "--title", "packaged survival", user="alice")["task_id"]
     sid = b.kandev("session", "start", task, user="alice")["session_id"]
     b.kandev("prompt", sid, "/slow 300", user="alice")

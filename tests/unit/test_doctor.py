@@ -247,4 +247,6 @@ def test_cli_agents_lists_builtin_agents(capsys: pytest.CaptureFixture[str]) -> 
     agents = json.loads(capsys.readouterr().out)["agents"]
     assert {"name": "mock", "package": "daemon.agents.mock", "version": "0.1.0"} in agents
     assert cli.main(["agents"]) == 0
-    assert capsys.readouterr().out.split() == ["mock", "daemon.agents.mock", "0.1.0"]
+    lines = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
+    assert lines == [[a["name"], a["package"], a["version"]] for a in agents]  # one line per agent, same order
+    assert ["mock", "daemon.agents.mock", "0.1.0"] in lines
