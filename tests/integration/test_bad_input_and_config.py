@@ -155,7 +155,7 @@ def test_scenario_e_bad_input_to_both_sockets(kandev_factory):
     ],
 )
 def test_scenario_f_backend_rejects_out_of_range_config(kandev_factory, env, key, value, range_text):
-    """AC-EXECUTORS-SURVIVAL-003.7, 002.13, 001.8: rejected at start, never clamped; the daemon does not start."""
+    """AC-EXECUTORS-SURVIVAL-003.7, AC-EXECUTORS-SURVIVAL-002.13, AC-EXECUTORS-SURVIVAL-001.8: rejected at start, never clamped; the daemon does not start."""
     k = kandev_factory(**env)
     proc = subprocess.run(
         [sys.executable, "-m", "daemon.backend.main", "--home", str(k.home)],

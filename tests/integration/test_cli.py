@@ -94,7 +94,7 @@ def test_agent_exit_fails_the_session(kandev_factory):
 
 
 def test_second_backend_on_the_same_home_is_refused(kandev_factory):
-    """design.md §5 single driver: a second backend exits with a message naming the holder."""
+    """AC-EXECUTORS-CONTROL-OWNERSHIP-002.4 (design.md §5 single driver): a second backend exits naming the holder."""
     k = kandev_factory()
     st = k.up()
     proc = subprocess.run(

@@ -70,7 +70,8 @@ def test_adoption_in_flight_at_deadline_retracks_nothing_and_stops(kandev_factor
 
 
 def test_enumeration_not_complete_at_deadline_stops_nothing(kandev_factory):
-    """AC-EXECUTORS-SURVIVAL-002.12, 003.7, 002.8: nothing re-tracked, nothing stopped; guarded meanwhile."""
+    """AC-EXECUTORS-SURVIVAL-002.12, AC-EXECUTORS-SURVIVAL-003.7, AC-EXECUTORS-SURVIVAL-002.8,
+    AC-EXECUTORS-SURVIVAL-003.6 (unknown rows untouched): nothing re-tracked, nothing stopped; guarded meanwhile."""
     k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="true", KANDEV_FAULT="agentctl_slow_enumeration:8", **DEADLINE)
     st, task, sid, pid = _survivor(k)
     proc = _start_backend(k)

@@ -75,7 +75,7 @@ def _enabled(kandev_factory, **env: str) -> Kandev:
 
 
 def test_scenario_a_turn_finished_while_away_applied_once(kandev_factory):
-    """AC-EXECUTORS-SURVIVAL-004.1, 004.2, 004.4, 004.6: retained, applied before publishing, acked once."""
+    """AC-EXECUTORS-SURVIVAL-004.1, AC-EXECUTORS-SURVIVAL-004.2, AC-EXECUTORS-SURVIVAL-004.4, AC-EXECUTORS-SURVIVAL-004.6: retained, applied before publishing, acked once."""
     k = _enabled(kandev_factory)
     k.up()
     task, sid = k.start_session("away")
@@ -86,7 +86,7 @@ def test_scenario_a_turn_finished_while_away_applied_once(kandev_factory):
     ctl = _ctl(k)
     status = wait_until(lambda: s if (s := ctl(lambda c: c.turn_status(instance)))["outcomes"] else None,
                         timeout=30)
-    assert ctl(lambda c: c.turn_status(instance)) == status  # reading never discards (004.6)
+    assert ctl(lambda c: c.turn_status(instance)) == status  # reading never discards (AC-EXECUTORS-SURVIVAL-004.6)
     turn_id = status["outcomes"][0]["turn_id"]
     k.up()
     show = k.show(sid)
@@ -106,7 +106,7 @@ def test_scenario_a_turn_finished_while_away_applied_once(kandev_factory):
 
 
 def test_scenario_b_flood_while_away_pauses_and_loses_nothing(kandev_factory):
-    """AC-EXECUTORS-SURVIVAL-001.5, 001.6: at the limit the producer pauses; nothing is dropped."""
+    """AC-EXECUTORS-SURVIVAL-001.5, AC-EXECUTORS-SURVIVAL-001.6: at the limit the producer pauses; nothing is dropped."""
     k = _enabled(kandev_factory, KANDEV_AGENTCTL_DETACHED_EVENT_LIMIT="100")
     k.up()
     _, sid = k.start_session("flood")
@@ -150,7 +150,8 @@ def test_scenario_c_permission_raised_while_detached_stays_open(kandev_factory):
 
 
 def test_scenario_d_orphans_duplicates_and_missing_instances(kandev_factory, short_tmp):
-    """AC-EXECUTORS-SURVIVAL-002.6, 002.7, 002.10."""
+    """AC-EXECUTORS-SURVIVAL-002.1, AC-EXECUTORS-SURVIVAL-002.6, AC-EXECUTORS-SURVIVAL-002.7,
+    AC-EXECUTORS-SURVIVAL-002.10, AC-EXECUTORS-SURVIVAL-003.6 (dead rows repaired, tokens kept)."""
     k = _enabled(kandev_factory)
     k.up()
     _, dup_sid = k.start_session("duplicate")
@@ -169,14 +170,14 @@ def test_scenario_d_orphans_duplicates_and_missing_instances(kandev_factory, sho
     k.agent_pids.update({orphan["pid"], extra["pid"]})
     ctl(lambda c: c.stop_instance(gone["instance_id"]))
     st = k.up()
-    # 002.6: the instance with no inventory record is stopped.
+    # AC-EXECUTORS-SURVIVAL-002.6: the instance with no inventory record is stopped.
     assert st["recovery"]["stopped_orphans"] == 1
     wait_until(lambda: not group_alive(orphan["pid"]), timeout=15)
-    # 002.10: the record's own instance wins; the other is stopped.
+    # AC-EXECUTORS-SURVIVAL-002.10: the record's own instance wins; the other is stopped.
     kept = k.show(dup_sid)
     assert kept["retracked"] and kept["instance_id"] == dup["instance_id"] and kept["agent_pid"] == dup["agent_pid"]
     wait_until(lambda: not group_alive(extra["pid"]), timeout=15)
-    # 002.7: no instance → repair path, resume token and worktree kept.
+    # AC-EXECUTORS-SURVIVAL-002.7: no instance → repair path, resume token and worktree kept.
     assert st["recovery"]["reasons"][gone_sid] == "no_instance"
     row = _db_row(k, "SELECT * FROM executors_running WHERE session_id = ?", gone_sid)
     assert row["status"] == "stale"
@@ -205,7 +206,7 @@ def test_scenario_f_passthrough_never_survives(kandev_factory):
 
 
 def test_scenario_g_hundred_sessions_survive(kandev_factory):
-    """AC-EXECUTORS-SURVIVAL-002.11, 003.7: every session re-tracked within one bound; duration reported."""
+    """AC-EXECUTORS-SURVIVAL-002.11, AC-EXECUTORS-SURVIVAL-003.1, AC-EXECUTORS-SURVIVAL-003.7: every session re-tracked within one bound; duration reported."""
     k = _enabled(kandev_factory)
     st = k.up()
     sessions: list[str] = []

@@ -39,7 +39,7 @@ def _assert_retracked_and_finishes(k, task: str, sid: str, pid: int, start: floa
     assert psutil.Process(pid).create_time() == start
     # AC-EXECUTORS-SURVIVAL-003.4: the open turn was not abandoned.
     assert show["turns"][-1]["state"] == "open"
-    # AC-EXECUTORS-SURVIVAL-003.2 / 003.5: the task stays in progress, not interrupted.
+    # AC-EXECUTORS-SURVIVAL-003.2 / AC-EXECUTORS-SURVIVAL-003.5: the task stays in progress, not interrupted.
     board = k.cli("board")
     assert task in board["running"]
     done = wait_until(lambda: s if (s := k.show(sid))["state"] == "WAITING_FOR_INPUT" else None, timeout=N + 30)
@@ -53,7 +53,7 @@ def _assert_retracked_and_finishes(k, task: str, sid: str, pid: int, start: floa
 
 
 def test_scenario_a_backend_sigkill_agent_survives_and_is_retracked(kandev_factory):
-    """AC-EXECUTORS-SURVIVAL-001.2, 001.4, 001.5, 002.1, 003.2, 003.3, 003.4, 003.5."""
+    """AC-EXECUTORS-SURVIVAL-001.2, AC-EXECUTORS-SURVIVAL-001.4, AC-EXECUTORS-SURVIVAL-001.5, AC-EXECUTORS-SURVIVAL-002.1, AC-EXECUTORS-SURVIVAL-003.2, AC-EXECUTORS-SURVIVAL-003.3, AC-EXECUTORS-SURVIVAL-003.4, AC-EXECUTORS-SURVIVAL-003.5."""
     k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="true")
     st = k.up()
     assert st["capability"]["state"] == "enabled"
@@ -90,7 +90,7 @@ def test_scenario_b_graceful_down_sends_no_stop(kandev_factory):
 
 
 def test_scenario_c_disabled_agent_dies_with_backend(kandev_factory):
-    """AC-EXECUTORS-SURVIVAL-005.1, 005.2: disabled by default; the agent dies with the backend."""
+    """AC-EXECUTORS-SURVIVAL-005.1, AC-EXECUTORS-SURVIVAL-005.2: disabled by default; the agent dies with the backend."""
     k = kandev_factory()  # nothing set: the capability is off by default
     st = k.up()
     assert st["capability"]["state"] == "disabled"

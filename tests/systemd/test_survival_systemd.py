@@ -58,7 +58,7 @@ def _assert_same_agent_retracked(box: SdBox, cli: BoxCli, sid: str, pid: int, st
 
 
 def test_scenario_d_survives_kill_and_restart_then_stop_control_server(booted: SdBox):
-    """AC-EXECUTORS-SURVIVAL-001.1, 001.2, 001.4 under systemd; journald fields read back."""
+    """AC-EXECUTORS-SURVIVAL-001.1, AC-EXECUTORS-SURVIVAL-001.2, AC-EXECUTORS-SURVIVAL-001.4 under systemd; journald fields read back."""
     box, cli = booted, BoxCli(booted)
     st = cli("status")
     assert st["capability"]["state"] == "enabled" and st["capability"]["supervisor"] == "systemd"
