@@ -102,3 +102,20 @@ def test_scenario_d_survives_kill_and_restart_then_stop_control_server(booted: S
     # 3. systemctl stop of the control server stops every agent (KillMode=control-group).
     box.systemctl("stop", "kandev-agentctl.service")
     assert box.wait_for(lambda: not box.alive(pid), timeout=20), "agent outlived its control server"
+
+
+def test_unit_missing_reports_unavailable_and_behaves_disabled(booted: SdBox):
+    """AC-EXECUTORS-SURVIVAL-005.4: switched on, but the control-server unit is not installed: the
+    capability is reported unavailable with its reason (not disabled), in status, STATUS= and the
+    journal, and the backend behaves as disabled (a child control server)."""
+    box, cli = booted, BoxCli(booted)
+    box.systemctl("stop", "kandev-backend.service")
+    box.run("rm", "-f", "/etc/systemd/system/kandev-agentctl.service")
+    box.systemctl("daemon-reload")
+    box.systemctl("start", "kandev-backend.service")
+    st = cli("status")
+    assert st["capability"]["state"] == "unavailable" and st["capability"]["reason"] == "unit_missing"
+    assert st["control_server"]["mode"] == "child"
+    assert "capability=unavailable(unit_missing)" in box.prop("kandev-backend.service", "StatusText")
+    entries = box.journal_json("KANDEV_EVENT=capability", "STATE=unavailable")
+    assert entries and entries[-1]["REASON"] == "unit_missing"
