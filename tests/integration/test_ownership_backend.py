@@ -89,7 +89,9 @@ async def _try_drive(socket_path: str, credential: bytes, installation_id: str) 
 
 
 def test_scenario_a_two_installations_never_adopt_each_other(kandev_factory):
-    """AC-EXECUTORS-CONTROL-OWNERSHIP-001.2, 001.4, 001.6: identity mismatch → refuse, touch nothing, start own."""
+    """AC-EXECUTORS-CONTROL-OWNERSHIP-001.1, AC-EXECUTORS-CONTROL-OWNERSHIP-001.2, AC-EXECUTORS-CONTROL-OWNERSHIP-001.3,
+    AC-EXECUTORS-CONTROL-OWNERSHIP-001.4, AC-EXECUTORS-CONTROL-OWNERSHIP-001.6, AC-EXECUTORS-SURVIVAL-005.6:
+    identity mismatch → refuse, touch nothing, start own; the one record names the server in use."""
     one = kandev_factory("one", KANDEV_FEATURES_AGENT_SURVIVAL="true")
     two = kandev_factory("two", KANDEV_FEATURES_AGENT_SURVIVAL="true")
     st1 = one.up()
@@ -128,7 +130,7 @@ def test_scenario_a_two_installations_never_adopt_each_other(kandev_factory):
 
 
 def test_scenario_b_each_adoption_rotates_and_old_credential_is_refused(kandev_factory):
-    """AC-EXECUTORS-CONTROL-OWNERSHIP-002.1, 002.7: after confirm the superseded credential drives nothing."""
+    """AC-EXECUTORS-CONTROL-OWNERSHIP-002.1, AC-EXECUTORS-CONTROL-OWNERSHIP-002.7: after confirm the superseded credential drives nothing."""
     k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="true")
     st = k.up()
     _, sid, pid, start = _running_turn(k)
@@ -153,7 +155,7 @@ def test_scenario_b_each_adoption_rotates_and_old_credential_is_refused(kandev_f
 
 @pytest.mark.parametrize("fault", ["adopt_after_rotate", "adopt_after_secret", "adopt_after_record"])
 def test_scenario_c_killed_between_rotate_and_confirm(kandev_factory, fault):
-    """AC-EXECUTORS-CONTROL-OWNERSHIP-002.7, 002.10: at every crash point a credential is held by both sides."""
+    """AC-EXECUTORS-CONTROL-OWNERSHIP-002.7, AC-EXECUTORS-CONTROL-OWNERSHIP-002.10: at every crash point a credential is held by both sides."""
     k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="true")
     st = k.up()
     _, sid, pid, start = _running_turn(k)
@@ -173,7 +175,8 @@ def test_scenario_c_killed_between_rotate_and_confirm(kandev_factory, fault):
 
 
 def test_scenario_d_backend_renews_then_unowned_shutdown(kandev_factory):
-    """AC-EXECUTORS-CONTROL-OWNERSHIP-003.1, 003.2: renewed while owned; stops every agent once unowned."""
+    """AC-EXECUTORS-CONTROL-OWNERSHIP-003.1, AC-EXECUTORS-CONTROL-OWNERSHIP-003.2, AC-EXECUTORS-CONTROL-OWNERSHIP-003.5,
+    AC-EXECUTORS-CONTROL-OWNERSHIP-001.8: renewed while owned; stops every agent once unowned; repaired next start."""
     k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="true", KANDEV_AGENTCTL_UNOWNED_PERIOD="1min")
     st = k.up()
     server = st["control_server"]["pid"]
@@ -182,13 +185,21 @@ def test_scenario_d_backend_renews_then_unowned_shutdown(kandev_factory):
     with pytest.raises(TimeoutError):
         wait_until(lambda: not alive(server), timeout=80)
     assert alive(pid)
+    token = k.show(sid)["resume_token"]
     k.cli("down")  # detaches: nobody renews any more
     wait_until(lambda: not alive(server), timeout=90)
     wait_until(lambda: not alive(pid), timeout=10)
+    # AC-EXECUTORS-CONTROL-OWNERSHIP-003.5: the next backend repairs the rows (nothing answers → pid probe).
+    st2 = k.up()
+    assert st2["adoption"] == {"outcome": "no_server", "reason": "no_answer"}
+    row = _inventory(k, sid)
+    assert row["status"] == "stale" and row["resume_token"] == token
+    assert k.show(sid)["state"] != "RUNNING"
 
 
 def test_scenario_f_disabled_stops_provable_survivor_and_repairs(kandev_factory):
-    """AC-EXECUTORS-SURVIVAL-005.5, AC-EXECUTORS-CONTROL-OWNERSHIP-002.9: ownership_shutdown, then repair."""
+    """AC-EXECUTORS-SURVIVAL-005.5, AC-EXECUTORS-SURVIVAL-005.7, AC-EXECUTORS-SURVIVAL-001.7,
+    AC-EXECUTORS-CONTROL-OWNERSHIP-002.9: the switch takes effect at the next start; ownership_shutdown, then repair."""
     k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="true")
     st = k.up()
     task, sid, pid, _ = _running_turn(k)
