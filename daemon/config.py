@@ -5,8 +5,8 @@ The file is ``--config FILE``, else ``$KANDEV_CONFIG``, else
 every key has its default). Each key ``<section>.<key>`` is overridden by the
 environment variable ``KANDEV_<SECTION>_<KEY>`` in upper case, e.g.
 ``KANDEV_AGENTCTL_RECOVERY_READ_RETRIES=3``. Every variable starting with
-``KANDEV_FEATURES_``, ``KANDEV_AGENTCTL_`` or ``KANDEV_DATABASE_`` is taken as
-a setting, so a misspelt one is refused like a misspelt file key.
+``KANDEV_FEATURES_``, ``KANDEV_AGENTCTL_``, ``KANDEV_DATABASE_`` or
+``KANDEV_CREDENTIALS_`` is taken as a setting, so a misspelt one is refused like a misspelt file key.
 
 Durations are written with a unit: ``ms``, ``s``, ``min`` or ``h`` (``500ms``,
 ``30s``, ``10min``, ``1h``, decimals allowed); bare numbers are refused, except
@@ -48,6 +48,7 @@ READ_BUDGET_CAP = 6.0
 EVENT_LIMIT_MIN, EVENT_LIMIT_MAX = 1, 10_000
 UNOWNED_PERIOD_MAX = 24 * HOUR
 UNOWNED_PERIOD_FLOOR = MINUTE
+LEASE_TTL_MIN, LEASE_TTL_MAX = MINUTE, 24 * HOUR
 _EPSILON = 1e-9  # float slack for "<=" between sums of parsed durations
 
 _DURATION = re.compile(r"^(-?)(\d+(?:\.\d+)?)(ms|s|min|h)$")
@@ -89,10 +90,21 @@ class DatabaseConfig:
 
 
 @dataclass(frozen=True)
+class CredentialsConfig:
+    """The git credential broker (daemon/credentials). ``github_token_file`` is the path of a 0600
+    file holding the upstream GitHub token (the token itself is never a setting); ``lease_ttl``
+    is in float seconds."""
+
+    github_token_file: str | None = None
+    lease_ttl: float = HOUR
+
+
+@dataclass(frozen=True)
 class Config:
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
     agentctl: AgentctlConfig = field(default_factory=AgentctlConfig)
     database: DatabaseConfig = field(default_factory=DatabaseConfig)
+    credentials: CredentialsConfig = field(default_factory=CredentialsConfig)
     source: str | None = None  # the file read, None if none was
     # dotted key -> where a non-default value came from: the file path or "env NAME".
     origins: Mapping[str, str] = field(default_factory=dict, compare=False)
@@ -121,6 +133,7 @@ _KINDS: dict[str, dict[str, str]] = {
         "idle_timeout": "duration_or_zero",
     },
     "database": {"url": "str"},
+    "credentials": {"github_token_file": "str", "lease_ttl": "duration"},
 }
 
 
@@ -134,6 +147,9 @@ _ACCEPTED = {
     "agentctl.unowned_period": "0s..24h (inclusive; below 1min it is raised to 1min)",
     "agentctl.idle_timeout": "a duration; 0 (or any duration <= 0) disables idle reaping",
     "database.url": "a non-empty SQLAlchemy URL; leave it unset for SQLite at <home>/kandev.db",
+    "credentials.github_token_file": "an absolute path to a 0600 file holding the upstream GitHub token"
+    " (never the token itself); unset: no git credential leases",
+    "credentials.lease_ttl": "1min..24h (inclusive)",
 }
 
 
@@ -297,6 +313,7 @@ def load_config(config_file: str | None, env: Mapping[str, str] | None = None) -
         features=FeaturesConfig(**values["features"]),
         agentctl=AgentctlConfig(**values["agentctl"]),
         database=DatabaseConfig(**values["database"]),
+        credentials=CredentialsConfig(**values["credentials"]),
         source=source,
         origins=origins,
         given=given,
@@ -312,8 +329,23 @@ def _given(config: Config, key: str, value: float, duration: bool = True) -> str
     return json.dumps(format_duration(value)) if duration else str(value)
 
 
+def validate_credentials(config: Config) -> None:
+    """Check the credential broker's keys (read by the backend; called by ``validate_backend``)."""
+    c = config.credentials
+    if not LEASE_TTL_MIN - _EPSILON <= c.lease_ttl <= LEASE_TTL_MAX + _EPSILON:
+        raise _Where("credentials.lease_ttl", config.origins.get("credentials.lease_ttl")).error(
+            _given(config, "credentials.lease_ttl", c.lease_ttl), "is out of range"
+        )
+    if c.github_token_file is not None and not os.path.isabs(c.github_token_file):
+        raise _Where("credentials.github_token_file", config.origins.get("credentials.github_token_file")).error(
+            config.given.get("credentials.github_token_file", json.dumps(c.github_token_file)),
+            "is not an absolute path",
+        )
+
+
 def validate_backend(config: Config) -> None:
-    """Check the keys the backend reads (AC-EXECUTORS-SURVIVAL-002.13, 003.7)."""
+    """Check the keys the backend reads (AC-EXECUTORS-SURVIVAL-002.13, 003.7; credentials)."""
+    validate_credentials(config)
     a = config.agentctl
 
     def where(key: str) -> _Where:
