@@ -1,0 +1,113 @@
+"""Git credential leases for agents (issue 5; design.md §7 "Credential leases"; RESUME-5/6/9,
+LEASE-CTX-1..7).
+
+The broker (``broker``) issues a scoped lease on the upstream GitHub token to a live session,
+keeps only the lease token's SHA-256 in ``credential_leases``, and redeems it for the shipped git
+credential helper (``daemon.git_credential_helper``) over the backend socket
+(``credential_redeem``). ``signing`` holds the stable signing key (store ``installation`` table)
+and the token formats; ``scope`` decides what a lease may open; ``agent_env`` builds the lease
+file and the agent environment that routes git to the helper.
+
+The resume flow, with the session already persisted STARTING under its resume lock::
+
+    creds = prepare_git_credentials(db, session_id, paths=paths, config=config.credentials)
+    record_credential_snapshot(db, session_id, creds.snapshot)   # still STARTING, before launch
+    ...launch with env.update(creds.env)...
+
+or the lower-level ``issue_lease`` / ``credential_snapshot`` / ``reissue_capability`` /
+``write_lease_file`` / ``agent_git_env``.
+"""
+
+from __future__ import annotations
+
+from .agent_env import (
+    LEASE_FILE_ENV,
+    SOCKET_ENV,
+    agent_git_env,
+    helper_command,
+    lease_file_path,
+    read_lease_file,
+    write_lease_file,
+)
+from .broker import (
+    POLICY_GITHUB_LEASE,
+    POLICY_NONE,
+    SNAPSHOT_KEY,
+    TERMINAL_STATES,
+    UPSTREAM_USERNAME,
+    GitCredentials,
+    Redemption,
+    credential_snapshot,
+    issue_lease,
+    no_credential_snapshot,
+    prepare_git_credentials,
+    record_credential_snapshot,
+    redeem_lease,
+    reissue_capability,
+    reissue_lease,
+    revoke_lease,
+    revoke_session_leases,
+    upstream_token,
+)
+from .errors import (
+    REISSUABLE_CODES,
+    CapabilityInvalid,
+    CredentialError,
+    CredentialsUnavailable,
+    LeaseExpired,
+    LeaseInvalid,
+    LeaseRevoked,
+    NotGitHubBacked,
+    ScopeDenied,
+    SessionNotFound,
+    SessionNotStarting,
+    SessionTerminal,
+)
+from .scope import GITHUB_HOST, LeaseScope, github_scope_for_workspace, parse_remote_url
+from .signing import ensure_signing_key, token_hash
+
+__all__ = [
+    "GITHUB_HOST",
+    "LEASE_FILE_ENV",
+    "POLICY_GITHUB_LEASE",
+    "POLICY_NONE",
+    "REISSUABLE_CODES",
+    "SNAPSHOT_KEY",
+    "SOCKET_ENV",
+    "TERMINAL_STATES",
+    "UPSTREAM_USERNAME",
+    "CapabilityInvalid",
+    "CredentialError",
+    "CredentialsUnavailable",
+    "GitCredentials",
+    "LeaseExpired",
+    "LeaseInvalid",
+    "LeaseRevoked",
+    "LeaseScope",
+    "NotGitHubBacked",
+    "Redemption",
+    "ScopeDenied",
+    "SessionNotFound",
+    "SessionNotStarting",
+    "SessionTerminal",
+    "agent_git_env",
+    "credential_snapshot",
+    "ensure_signing_key",
+    "github_scope_for_workspace",
+    "helper_command",
+    "issue_lease",
+    "lease_file_path",
+    "no_credential_snapshot",
+    "parse_remote_url",
+    "prepare_git_credentials",
+    "read_lease_file",
+    "record_credential_snapshot",
+    "redeem_lease",
+    "reissue_capability",
+    "reissue_lease",
+    "revoke_lease",
+    "revoke_session_leases",
+    "token_hash",
+    "upstream_token",
+    "write_lease_file",
+]
