@@ -52,8 +52,24 @@ OPS = [
 # Managed npm runtimes (seed 000; daemon/backend/runtimes_api.py).
 RUNTIME_OPS: list[Op] = []
 
-# Git credential leases (seed 000; daemon/backend/credentials_api.py).
-CREDENTIAL_OPS: list[Op] = []
+# Git credential leases (seed 000; daemon/backend/credentials_api.py). Called by the shipped git
+# credential helper; the lease token, the capability and the password are secrets (never logged).
+CREDENTIAL_OPS: list[Op] = [
+    Op(
+        "credential_redeem",
+        required={"lease_token": str, "host": str, "path": str},
+        optional={"protocol": str},
+        auth=False,
+        doc="-> {username, password, lease_id, host, repository, expires_at}; refused for terminal"
+        " sessions, expired/revoked/unknown leases, out-of-scope host or path",
+    ),
+    Op(
+        "credential_reissue",
+        required={"capability": str},
+        auth=False,
+        doc="-> {lease_token, lease_id}: a new lease for the capability's scope, re-checked against live state",
+    ),
+]
 
 # Resume, runtime configuration, context reset and workflow steps (seeds 000/004;
 # daemon/backend/resume_api.py).

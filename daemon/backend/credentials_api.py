@@ -1,0 +1,61 @@
+"""Backend ops of the git credential broker (``api.CREDENTIAL_OPS``; daemon/credentials).
+
+``credential_redeem`` and ``credential_reissue`` are what the shipped git credential helper
+calls, on the backend socket whose peers are admitted by ``SO_PEERCRED`` (same uid, root or the
+service group). There is deliberately no op that *issues* a lease from nothing: leases are
+issued inside the backend by the launch/resume flow (``daemon.credentials.issue_lease``), only a
+holder of a lease's reissue capability can get a new one over the socket.
+
+The broker runs in a worker thread with its own store session (it reads the token file and may
+run ``git config --file``); refusals are typed errors with the broker's stable codes
+(``session_terminal``, ``lease_expired``, ``lease_revoked``, ``lease_invalid``, ``scope_denied``,
+``credentials_unavailable``, ``capability_invalid``, ``not_found``). Neither the request's lease
+token nor the answer's password is ever logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from daemon.credentials import CredentialError, ensure_signing_key, redeem_lease, reissue_lease
+from ipc.server import ConnectionContext
+
+if TYPE_CHECKING:
+    from daemon.backend.app import Backend
+
+Handler = Callable[[ConnectionContext, dict[str, Any]], Awaitable[Any]]
+
+
+def handlers(backend: Backend) -> dict[str, Handler]:
+    """The op handlers. Creating them also creates the signing key if this home has none yet, so
+    a start without OS randomness fails before any launch (LEASE-CTX-5)."""
+    ensure_signing_key(backend.store.engine)
+    config = backend.config.credentials
+
+    def _redeem(args: dict[str, Any]) -> dict[str, Any]:
+        with backend.store.session() as db:
+            r = redeem_lease(db, args["lease_token"], args["host"], args["path"], config=config,
+                             protocol=args.get("protocol") or "https")
+            return {"username": r.username, "password": r.password, "lease_id": r.lease_id,
+                    "host": r.host, "repository": r.repository, "expires_at": r.expires_at}
+
+    def _reissue(args: dict[str, Any]) -> dict[str, Any]:
+        with backend.store.session() as db:
+            token, lease_id = reissue_lease(db, args["capability"], config=config)
+            return {"lease_token": token, "lease_id": lease_id}
+
+    async def op_credential_redeem(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return await asyncio.to_thread(_redeem, args)
+        except CredentialError as exc:
+            raise exc.to_ipc() from None
+
+    async def op_credential_reissue(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return await asyncio.to_thread(_reissue, args)
+        except CredentialError as exc:
+            raise exc.to_ipc() from None
+
+    return {"credential_redeem": op_credential_redeem, "credential_reissue": op_credential_reissue}

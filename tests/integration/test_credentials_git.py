@@ -1,0 +1,239 @@
+"""Git credential leases end to end (issue 5, scenario C): a real backend process, a task whose
+workspace is a real git repository with origin ``https://github.com/example/repo.git``, and the
+real ``git`` run with the environment an agent gets, authenticating through the shipped helper
+(``git credential fill``; no network is needed).
+
+The session is moved to STARTING through the guarded transition before the lease is issued, as
+the resume flow does (RESUME-5, RESUME-9, LEASE-CTX-7); the broker is called in this process on
+the backend's own store, which is what the backend's resume flow does in its process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from daemon.config import CredentialsConfig
+from daemon.credentials import (
+    SNAPSHOT_KEY,
+    SessionTerminal,
+    issue_lease,
+    prepare_git_credentials,
+    read_lease_file,
+    record_credential_snapshot,
+)
+from daemon.paths import Paths
+from daemon.store import transitions
+from daemon.store.db import Store, sqlite_url
+from daemon.store.models import CredentialLease, TaskSession, new_id
+from tests.helpers import wait_until
+from tests.integration.conftest import Kandev, alive
+
+UPSTREAM = "ghp_INTEGRATIONupstreamToken0123456789abcd"
+FILL = "protocol=https\nhost=github.com\npath=example/repo.git\n\n"
+
+
+@dataclass
+class Setup:
+    k: Kandev
+    repo: Path
+    token_file: Path
+    config: CredentialsConfig
+    paths: Paths
+    task_id: str
+    git_home: Path
+
+    def store(self) -> Store:
+        return Store.open(sqlite_url(self.k.home / "kandev.db"))
+
+    def starting_session(self) -> str:
+        """A session of the task, moved CREATED -> STARTING through the guarded transition."""
+        sid = new_id()
+        s = self.store()
+        try:
+            with s.session() as db:
+                db.add(TaskSession(id=sid, task_id=self.task_id, agent="mock", state="CREATED", metadata_json={}))
+                db.flush()
+                transitions.transition_session(db, sid, "STARTING", expected_from={"CREATED"}, reason="resume")
+        finally:
+            s.close()
+        return sid
+
+    def transition(self, sid: str, to: str, expected: str) -> None:
+        s = self.store()
+        try:
+            with s.session() as db:
+                transitions.transition_session(db, sid, to, expected_from={expected}, reason="test")
+        finally:
+            s.close()
+
+    def git(self, env: dict[str, str], *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+        """Real git as the agent runs it: the agent's env plus the broker's variables, in the repo."""
+        full = {k: v for k, v in self.k.env.items() if not k.startswith("GIT_")}
+        full["HOME"] = str(self.git_home)  # a user config with credential.helper=store (see below)
+        full.update(env)
+        return subprocess.run(["git", *args], input=stdin, capture_output=True, text=True, env=full,
+                              cwd=self.repo, timeout=60)
+
+
+@pytest.fixture
+def setup(kandev_factory: Any, short_tmp: Path) -> Iterator[Setup]:
+    token_file = short_tmp / "github-token"
+    token_file.write_text(UPSTREAM + "\n")
+    token_file.chmod(0o600)
+    repo = short_tmp / "repo"
+    repo.mkdir()
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True, timeout=30)
+    subprocess.run(["git", "remote", "add", "origin", "https://github.com/example/repo.git"], cwd=repo, check=True,
+                   timeout=30)
+    git_home = short_tmp / "gituser"
+    git_home.mkdir()
+    # A user-level helper that would write any credential it is given to ~/.git-credentials:
+    # the agent env must reset the helper list for github.com so it never sees the upstream token.
+    (git_home / ".gitconfig").write_text("[credential]\n\thelper = store\n")
+    k = kandev_factory("home", f'[credentials]\ngithub_token_file = "{token_file}"\nlease_ttl = "1h"\n')
+    k.up()
+    task_id = k.cli("task", "create", "--title", "gh", "--workspace", str(repo))["task_id"]
+    yield Setup(k, repo, token_file, CredentialsConfig(github_token_file=str(token_file), lease_ttl=3600.0),
+                Paths.for_home(k.home), task_id, git_home)
+
+
+def prepare(setup: Setup, sid: str) -> Any:
+    s = setup.store()
+    try:
+        with s.session() as db:
+            creds = prepare_git_credentials(db, sid, paths=setup.paths, config=setup.config)
+            record_credential_snapshot(db, sid, creds.snapshot)  # RESUME-6: while STARTING, before launch
+        return creds
+    finally:
+        s.close()
+
+
+def fill_ok(setup: Setup, env: dict[str, str]) -> None:
+    p = setup.git(env, "credential", "fill", stdin=FILL)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == ["protocol=https", "host=github.com", "path=example/repo.git",
+                                     "username=x-access-token", f"password={UPSTREAM}"]
+
+
+def fill_refused(setup: Setup, env: dict[str, str], code: str) -> None:
+    p = setup.git(env, "credential", "fill", stdin=FILL)
+    assert p.returncode != 0 and UPSTREAM not in p.stdout
+    assert f"kandev-git-credential: {code}" in p.stderr, p.stderr
+
+
+def kill_backend(k: Kandev) -> None:
+    pid = k.backend_pid
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not alive(pid), timeout=30)
+
+
+def test_git_authenticates_through_the_shipped_helper_and_the_lease_survives_a_restart(setup: Setup) -> None:
+    """Scenario C / RESUME-5, RESUME-6, RESUME-9, LEASE-CTX-5/6: STARTING is persisted, then the
+    lease is issued; git run with ``agent_git_env`` gets the upstream token from the helper; the
+    snapshot is stored; after the backend is SIGKILLed and started again the same lease still
+    redeems (signing key and hash are in the store); a user-level ``store`` helper never sees
+    the token."""
+    sid = setup.starting_session()
+    creds = prepare(setup, sid)
+    assert creds.policy == "github-lease"
+    token, capability = read_lease_file(creds.lease_file)
+    for value in creds.env.values():  # the agent env names a file and a socket, never a secret
+        assert token not in value and capability not in value and UPSTREAM not in value
+
+    fill_ok(setup, creds.env)
+    approve = setup.git(creds.env, "credential", "approve",
+                        stdin=FILL.replace("\n\n", f"\nusername=x-access-token\npassword={UPSTREAM}\n\n"))
+    assert approve.returncode == 0, approve.stderr
+    assert not (setup.git_home / ".git-credentials").exists()
+    # Without the agent env the user's helper would have been used: the reset is what prevents it.
+
+    s = setup.store()
+    try:
+        with s.session() as db:
+            snap = db.get(TaskSession, sid).metadata_json[SNAPSHOT_KEY]
+    finally:
+        s.close()
+    assert snap["policy"] == "github-lease" and snap["lease_id"] == creds.lease_id
+    assert (snap["host"], snap["repository"]) == ("github.com", "example/repo")
+
+    # A path outside the lease's scope is refused by the backend.
+    p = setup.git(creds.env, "credential", "fill", stdin=FILL.replace("example/repo.git", "example/other.git"))
+    assert p.returncode != 0 and UPSTREAM not in p.stdout and "scope_denied" in p.stderr
+
+    kill_backend(setup.k)
+    setup.k.up()
+    fill_ok(setup, creds.env)
+    assert read_lease_file(creds.lease_file) == (token, capability)  # the same lease, not a reissued one
+    assert setup.k.cli("session", "show", sid)["state"] not in ("COMPLETED", "FAILED", "CANCELLED")
+
+
+@pytest.mark.parametrize("state", ["FAILED", "CANCELLED"])
+def test_terminal_sessions_get_no_lease_and_redeem_none(setup: Setup, state: str) -> None:
+    """RESUME-9: a lease for a FAILED or CANCELLED session is refused at issue, and a lease whose
+    session became terminal no longer redeems through git."""
+    sid = setup.starting_session()
+    setup.transition(sid, state, "STARTING")
+    s = setup.store()
+    try:
+        with s.session() as db, pytest.raises(SessionTerminal):
+            issue_lease(db, sid, config=setup.config)
+    finally:
+        s.close()
+
+    live = setup.starting_session()
+    creds = prepare(setup, live)
+    fill_ok(setup, creds.env)
+    setup.transition(live, state, "STARTING")
+    fill_refused(setup, creds.env, "session_terminal")
+
+
+def test_expired_lease_is_reissued_once_with_the_capability(setup: Setup) -> None:
+    """LEASE-CTX-3: the helper's one reissue after lease_expired, re-checked against live state;
+    the new lease is written back to the lease file; revoked leases end the capability."""
+    sid = setup.starting_session()
+    creds = prepare(setup, sid)
+    old_token, capability = read_lease_file(creds.lease_file)
+    s = setup.store()
+    try:
+        with s.session() as db:
+            db.get(CredentialLease, creds.lease_id).expires_at = datetime.now(UTC) - timedelta(seconds=1)
+    finally:
+        s.close()
+    fill_ok(setup, creds.env)
+    new_token, same_cap = read_lease_file(creds.lease_file)
+    assert new_token != old_token and same_cap == capability
+
+    s = setup.store()
+    try:
+        with s.session() as db:
+            for row in db.query(CredentialLease).filter_by(session_id=sid):
+                row.revoked = True
+    finally:
+        s.close()
+    fill_refused(setup, creds.env, "capability_invalid")
+
+
+def test_redemption_log_lines_never_contain_a_secret(setup: Setup) -> None:
+    """The backend's log (journal fields rendered as lines in <home>/logs/backend.log when there is
+    no journald) records issue, redemption and refusal by lease id, never the lease token, the
+    capability or the upstream token."""
+    sid = setup.starting_session()
+    creds = prepare(setup, sid)
+    token, capability = read_lease_file(creds.lease_file)
+    fill_ok(setup, creds.env)
+    setup.git(creds.env, "credential", "fill", stdin=FILL.replace("example/repo.git", "example/other.git"))
+    log = (setup.k.home / "logs" / "backend.log").read_text()
+    lines = [line for line in log.splitlines() if "credential_" in line]
+    assert any("credential_redeemed" in line and creds.lease_id in line for line in lines), log[-2000:]
+    assert any("credential_refused" in line and "scope_denied" in line for line in lines)
+    for secret in (token, token.split(".")[0], capability, UPSTREAM):
+        assert secret not in log
