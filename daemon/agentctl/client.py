@@ -320,7 +320,8 @@ class AgentctlClient:
         workspace_roots: list[str] | None = None,
         timeout: float = CREATE_TIMEOUT,
     ) -> dict[str, Any]:
-        """Spawn an agent -> ``{instance_id, pid, pid_start_time, acp_session_id}``."""
+        """Spawn an agent -> ``{instance_id, pid, pid_start_time, acp_session_id, modes, config_options,
+        handshake_seq}`` (the last three from servers that know them)."""
         args: dict[str, Any] = {"session_id": session_id, "task_id": task_id, "command": command, "cwd": cwd}
         if env is not None:
             args["env"] = env
@@ -331,6 +332,22 @@ class AgentctlClient:
         if workspace_roots is not None:
             args["workspace_roots"] = workspace_roots
         return await self.call("create_instance", args, timeout=timeout)
+
+    async def set_mode(self, instance_id: str, mode_id: str) -> dict[str, Any]:
+        """ACP session/set_mode -> ``{acp_session_id, mode_id, last_seq}`` (refused: agent_error)."""
+        return await self.call("set_mode", {"instance_id": instance_id, "mode_id": mode_id}, timeout=CREATE_TIMEOUT)
+
+    async def set_config_option(self, instance_id: str, config_id: str, value: str | bool) -> dict[str, Any]:
+        """ACP session/set_config_option -> ``{acp_session_id, config_options, last_seq}``."""
+        return await self.call(
+            "set_config_option",
+            {"instance_id": instance_id, "config_id": config_id, "value": value},
+            timeout=CREATE_TIMEOUT,
+        )
+
+    async def reset_context(self, instance_id: str) -> dict[str, Any]:
+        """A new ACP session on the same process -> ``{acp_session_id, modes, config_options, last_seq}``."""
+        return await self.call("reset_context", {"instance_id": instance_id}, timeout=CREATE_TIMEOUT)
 
     async def prompt(self, instance_id: str, text: str) -> str:
         """Open a turn -> its server-assigned turn id."""

@@ -361,6 +361,10 @@ class Instance:
         self.pid: int | None = None
         self.pid_start_time: float | None = None
         self.acp_session_id: str | None = None
+        # What the agent reported for its current ACP session (session/new|load, reset_context):
+        # {"modes": <SessionModeState JSON>|None, "config_options": [<config option JSON>]}.
+        self.session_info: dict[str, Any] = {"modes": None, "config_options": []}
+        self.handshake_seq = 0  # last seq appended during the handshake (e.g. a session/load replay)
         self.exit_code: int | None = None
         self.current_turn_id: str | None = None
         self.outcomes: OrderedDict[str, dict[str, Any]] = OrderedDict()
@@ -491,17 +495,19 @@ class Instance:
                 )
             if self.spec.resume_session_id:
                 step = "session/load"
-                await asyncio.wait_for(
+                loaded = await asyncio.wait_for(
                     self._conn.load_session(cwd=self.spec.cwd, session_id=self.spec.resume_session_id),
                     self._handshake_timeout,
                 )
                 self.acp_session_id = self.spec.resume_session_id
+                self.session_info = session_info(loaded)
             else:
                 step = "session/new"
                 session = await asyncio.wait_for(
                     self._conn.new_session(cwd=self.spec.cwd), self._handshake_timeout
                 )
                 self.acp_session_id = session.session_id
+                self.session_info = session_info(session)
         except asyncio.CancelledError:
             await self.stop()
             raise
@@ -509,6 +515,7 @@ class Instance:
             raise IpcError(ErrorCode.AGENT_ERROR, await self._handshake_failure(step, exc), retryable=False) from None
         if self.state is not InstanceState.STARTING:  # exited or stopped meanwhile
             raise IpcError(ErrorCode.AGENT_ERROR, await self._handshake_failure(step, None), retryable=False)
+        self.handshake_seq = self.log.last_seq
         self.log.set_limit(self.detached_event_limit)  # the detached bound applies from now on
         self._set_state(InstanceState.RUNNING)
 
@@ -681,6 +688,55 @@ class Instance:
             await conn.cancel(session_id=self.acp_session_id)
         except (ConnectionError, OSError) as exc:
             raise IpcError(ErrorCode.AGENT_ERROR, f"cannot reach the agent: {exc}") from None
+
+    # -- runtime configuration and context reset (seed 004) -------------------------
+
+    async def _config_call(self, what: str, call: Callable[[acp.ClientSideConnection], Awaitable[Any]]) -> Any:
+        """One ACP request on the current session; a refusal is ``agent_error`` (not retryable)."""
+        conn = self._require_running(what)
+        try:
+            return await asyncio.wait_for(call(conn), self._handshake_timeout)
+        except RequestError as exc:
+            raise IpcError(ErrorCode.AGENT_ERROR, f"the agent refused {what}: {_rpc_error_text(exc)}", False) from None
+        except TimeoutError:
+            raise IpcError(ErrorCode.TIMEOUT, f"no answer to {what} within {self._handshake_timeout:g} s") from None
+        except (ConnectionError, OSError) as exc:
+            raise IpcError(ErrorCode.AGENT_ERROR, f"cannot reach the agent for {what}: {exc}", False) from None
+
+    async def set_mode(self, mode_id: str) -> dict[str, Any]:
+        """ACP ``session/set_mode`` on the current session. ``last_seq`` covers every update the
+        agent sent before it answered (the observer numbers messages in arrival order)."""
+        session_id = self.acp_session_id
+        await self._config_call(
+            f"session/set_mode {mode_id!r}", lambda c: c.set_session_mode(session_id=session_id, mode_id=mode_id)
+        )
+        modes = self.session_info.get("modes")
+        if isinstance(modes, dict):
+            self.session_info["modes"] = {**modes, "currentModeId": mode_id}
+        return {"acp_session_id": session_id, "mode_id": mode_id, "last_seq": self.log.last_seq}
+
+    async def set_config_option(self, config_id: str, value: str | bool) -> dict[str, Any]:
+        """ACP ``session/set_config_option``; answers the agent's authoritative option list."""
+        session_id = self.acp_session_id
+        response = await self._config_call(
+            f"session/set_config_option {config_id}={value!r}",
+            lambda c: c.set_config_option(config_id=config_id, session_id=session_id, value=value),
+        )
+        options = _dump_list(getattr(response, "config_options", None))
+        if options:
+            self.session_info["config_options"] = options
+        return {"acp_session_id": session_id, "config_options": options, "last_seq": self.log.last_seq}
+
+    async def reset_context(self) -> dict[str, Any]:
+        """A new ACP session (``session/new``) on the same agent process: the fast path of a context
+        reset. On success prompts go to the new session; on failure the current one stays."""
+        if self.current_turn_id is not None:
+            raise IpcError(ErrorCode.CONFLICT, f"turn {self.current_turn_id} is still open on this instance")
+        cwd = self.spec.cwd
+        session = await self._config_call("session/new (context reset)", lambda c: c.new_session(cwd=cwd))
+        self.acp_session_id = session.session_id
+        self.session_info = session_info(session)
+        return {"acp_session_id": self.acp_session_id, **self.session_info, "last_seq": self.log.last_seq}
 
     def turn_status(self) -> dict[str, Any]:
         """Pure read (AC-EXECUTORS-SURVIVAL-004.6): the open turn and every retained outcome."""
@@ -873,6 +929,26 @@ async def _wait_any(events: tuple[asyncio.Event, ...], timeout: float) -> None:
     finally:
         for w in waiters:
             w.cancel()
+
+
+def _dump(model: Any) -> Any:
+    if model is None:
+        return None
+    if hasattr(model, "model_dump"):
+        return model.model_dump(mode="json", by_alias=True, exclude_none=True)
+    return model
+
+
+def _dump_list(items: Any) -> list[Any]:
+    return [_dump(i) for i in items or []]
+
+
+def session_info(response: Any) -> dict[str, Any]:
+    """The modes and config options an ACP session/new|load answer reported, as JSON."""
+    return {
+        "modes": _dump(getattr(response, "modes", None)),
+        "config_options": _dump_list(getattr(response, "config_options", None)),
+    }
 
 
 def _rpc_key(rpc_id: Any) -> str:

@@ -95,7 +95,29 @@ OPS = [
             "workspace_roots": list,  # file-operation reach; defaults to [cwd]
         },
         doc="spawn the agent in its own process group, ACP initialize + session/new|load"
-        " -> {instance_id, pid, pid_start_time, acp_session_id}",
+        " -> {instance_id, pid, pid_start_time, acp_session_id, modes, config_options, handshake_seq};"
+        " handshake_seq: the last seq appended before the answer (e.g. the history a session/load"
+        " replays), so a backend that already stores the transcript attaches after it",
+    ),
+    # --- runtime configuration and context reset (seed 004). Added ops, no new capability: adoption
+    # requires every capability, and a backend meeting an older server gets unknown_op and falls back.
+    Op(
+        "set_mode",
+        required={"instance_id": str, "mode_id": str},
+        doc="ACP session/set_mode on the instance's current session; refused by the agent: agent_error"
+        " -> {acp_session_id, mode_id, last_seq}; last_seq covers every update sent before the answer",
+    ),
+    Op(
+        "set_config_option",
+        required={"instance_id": str, "config_id": str, "value": (str, bool)},
+        doc="ACP session/set_config_option (a model is the option with category 'model'); refused:"
+        " agent_error -> {acp_session_id, config_options (the agent's authoritative list), last_seq}",
+    ),
+    Op(
+        "reset_context",
+        required={"instance_id": str},
+        doc="a new ACP session (session/new) on the same agent process; prompts go to it from now on;"
+        " refused or failed: the current session stays -> {acp_session_id, modes, config_options, last_seq}",
     ),
     Op("prompt", required={"instance_id": str, "text": str}, doc="start a turn -> {turn_id}"),
     Op("cancel", required={"instance_id": str}, doc="ACP session/cancel for the current turn -> {}"),

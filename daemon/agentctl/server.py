@@ -434,7 +434,35 @@ class AgentctlServer:
             "pid": inst.pid,
             "pid_start_time": inst.pid_start_time,
             "acp_session_id": inst.acp_session_id,
+            "modes": inst.session_info.get("modes"),
+            "config_options": list(inst.session_info.get("config_options") or []),
+            "handshake_seq": inst.handshake_seq,
         }
+
+    async def op_set_mode(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        return await self._get(args["instance_id"]).set_mode(_check_str("mode_id", args["mode_id"]))
+
+    async def op_set_config_option(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        value = args["value"]
+        if isinstance(value, str):
+            value = _check_str("value", value)
+        return await self._get(args["instance_id"]).set_config_option(
+            _check_str("config_id", args["config_id"]), value
+        )
+
+    async def op_reset_context(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        self._refuse_if_shutting_down("reset_context")
+        inst = self._get(args["instance_id"])
+        result = await inst.reset_context()
+        log_event(
+            "instance_context_reset",
+            f"instance {inst.instance_id}: new ACP session {inst.acp_session_id} (context reset)",
+            INSTANCE_ID=inst.instance_id,
+            SESSION_ID=inst.spec.session_id,
+            TASK_ID=inst.spec.task_id,
+            PID=inst.pid,
+        )
+        return result
 
     async def op_prompt(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         inst = self._get(args["instance_id"])

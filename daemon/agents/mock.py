@@ -22,9 +22,14 @@ Prompt scripts (on the text of the prompt)::
 ``session/cancel`` stops /slow and /flood between chunks; the prompt then
 ends with stop reason ``cancelled``.
 
+A ``session/new`` on a process that already has a session (a context reset)
+sends ``current_mode_update`` and ``config_option_update`` with the new
+session's defaults before it answers.
+
 Failure switches, read from ``<workspace>/.kandev-mock.toml`` at each request
 (workspace = the session's cwd; the process cwd for ``initialize``):
 ``fail_initialize = true`` (exit 3 before answering), ``fail_load = true``,
+``exit_on_load = true`` (exit 4 before answering ``session/load``),
 ``reject_mode = "plan"``, ``reject_option = "effort=high"``.
 
 The legacy ``session/set_model`` is not offered: SDK 0.12.1 routes only the
@@ -165,15 +170,30 @@ class MockAgent:
     async def new_session(self, cwd: str, **kwargs: Any) -> NewSessionResponse:
         rec = SessionRecord(session_id=uuid.uuid4().hex, cwd=cwd)
         rec.save()
+        reset = bool(self._sessions)
         self._sessions[rec.session_id] = rec
         log.info("session/new cwd=%s -> %s (state %s)", cwd, rec.session_id, rec.path)
+        if reset:
+            # A new session on a process that already has one is a context reset: like real
+            # adapters, it announces its defaults before it answers (the race of seed 004).
+            await self.client.session_update(
+                rec.session_id, CurrentModeUpdate(session_update="current_mode_update", current_mode_id=rec.mode)
+            )
+            await self.client.session_update(
+                rec.session_id,
+                ConfigOptionUpdate(session_update="config_option_update", config_options=_config_options(rec)),
+            )
         return NewSessionResponse(
             session_id=rec.session_id, modes=_modes(rec), config_options=_config_options(rec)
         )
 
     async def load_session(self, cwd: str, session_id: str, **kwargs: Any) -> LoadSessionResponse:
         log.info("session/load cwd=%s session=%s", cwd, session_id)
-        if read_switches(cwd).get("fail_load"):
+        switches = read_switches(cwd)
+        if switches.get("exit_on_load"):  # the transport drops before session/load completes
+            log.info("exit_on_load set: exiting 4")
+            os._exit(4)
+        if switches.get("fail_load"):
             raise RequestError.internal_error({"details": "fail_load is set in .kandev-mock.toml"})
         rec = SessionRecord.load(session_id, cwd)
         if rec is None:
