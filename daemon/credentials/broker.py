@@ -443,7 +443,7 @@ def prepare_git_credentials(
 ) -> GitCredentials:
     """Issue a lease (with a reissue capability), write the session's lease file and build the
     agent env; or policy ``none`` when the session is not GitHub-backed or no upstream token is
-    configured. Call it with the session already STARTING (RESUME-5/9); then store
+    configured. Either way the leases of the session's earlier attempts are revoked first. Call it with the session already STARTING (RESUME-5/9); then store
     ``result.snapshot`` with ``record_credential_snapshot`` before launch (RESUME-6).
 
     ``SessionTerminal`` and the other ``CredentialError``s propagate (e.g. a configured but
@@ -454,6 +454,8 @@ def prepare_git_credentials(
     except CredentialError as exc:
         _refused("issue", exc, SESSION_ID=session_id)
         raise
+    # A launch replaces the session's agent: the leases (and capabilities) of earlier attempts end.
+    revoke_session_leases(db, session_id)
     if not config.github_token_file:
         return GitCredentials(POLICY_NONE, no_credential_snapshot("credentials.github_token_file is not set"), {})
     try:

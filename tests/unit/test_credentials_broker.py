@@ -457,6 +457,13 @@ def test_prepare_git_credentials_writes_a_private_lease_file_and_a_token_free_en
         assert token not in value and cap not in value and UPSTREAM not in value
     assert redeem(store, token, config, now=datetime.now(UTC)).password == UPSTREAM
 
+    with store.session() as db:  # a new attempt (resume) revokes the earlier attempt's lease
+        again = prepare_git_credentials(db, sid, paths=paths, config=config)
+    with pytest.raises(LeaseRevoked):
+        redeem(store, token, config, now=datetime.now(UTC))
+    new_token, _ = read_lease_file(again.lease_file)
+    assert new_token != token and redeem(store, new_token, config, now=datetime.now(UTC)).password == UPSTREAM
+
     plain = new_session(store, tmp_path / "home")
     with store.session() as db:
         none = prepare_git_credentials(db, plain, paths=paths, config=config)
