@@ -40,6 +40,7 @@ TURN_STATES = ("open", "finished", "abandoned")
 MESSAGE_ROLES = ("user", "agent", "system")
 INVENTORY_STATUSES = ("live", "stale")
 LAUNCH_MODES = ("unit", "detached", "child")
+WORKFLOW_STEP_STATUSES = ("pending", "active", "blocked", "done")
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -230,3 +231,23 @@ class RuntimeUpdateJob(Base):
     detail: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class WorkflowStep(Base):
+    """One named step of a task's workflow (seed 004), in ``position`` order.
+
+    At most one step of a task is ``active`` or ``blocked`` (the current one: blocked when its
+    entry actions failed, e.g. a context reset whose restore was rejected, so its automatic
+    prompt was not sent); steps before it are ``done``, after it ``pending``.
+    """
+
+    __tablename__ = "workflow_steps"
+    __table_args__ = (CheckConstraint(_one_of("status", WORKFLOW_STEP_STATUSES), name="status"),)
+    task_id: Mapped[str] = mapped_column(ForeignKey("tasks.id", ondelete="CASCADE"), primary_key=True)
+    position: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    name: Mapped[str] = mapped_column(String(64))
+    reset_context: Mapped[bool] = mapped_column(Boolean, default=False)
+    prompt: Mapped[str | None] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(16), default="pending")
+    detail: Mapped[str | None] = mapped_column(Text)
+    entered_at: Mapped[datetime | None] = mapped_column()
