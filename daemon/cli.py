@@ -58,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     tc.add_argument("--title", required=True)
     tc.add_argument("--workspace")
     tc.add_argument("--executor", choices=["local", "worktree"], default="local")
+    tc.add_argument("--steps", help="workflow steps 'name[:reset][:prompt=TEXT],...' (e.g."
+                    " 'plan,implement:reset:prompt=Implement it'); the first is entered at once")
+    tp = task.add_parser("proceed", help="enter the task's next workflow step: its context reset, then its prompt")
+    tp.add_argument("task_id")
+    tw = task.add_parser("workflow", help="the task's workflow steps and where it is")
+    tw.add_argument("task_id")
 
     session = sub.add_parser("session", help="sessions").add_subparsers(
         dest="session_cmd", required=True, parser_class=_Parser
@@ -70,6 +76,19 @@ def build_parser() -> argparse.ArgumentParser:
     sh = session.add_parser("show", help="one session: state, agent, turns, transcript")
     sh.add_argument("session_id")
     session.add_parser("list", help="every session")
+    sc = session.add_parser("configure", help="set the agent's model, mode and options (applied through the agent)")
+    sc.add_argument("session_id")
+    sc.add_argument("--model")
+    sc.add_argument("--mode")
+    sc.add_argument("--option", action="append", default=[], metavar="ID=VALUE", help="a config option (repeatable)")
+    sr = session.add_parser("reset-context", help="a new provider session with model, mode and options restored")
+    sr.add_argument("session_id")
+    sr.add_argument("--restart", action="store_true",
+                    help="restart the agent process instead of a new ACP session on the same process")
+
+    rs = sub.add_parser("resume", help="give a session that lost its agent an agent again (session/load)")
+    rs.add_argument("session_id")
+    rs.add_argument("--fresh", action="store_true", help="start a new provider conversation (wipes the token)")
 
     pr = sub.add_parser("prompt", help="send a prompt to a session")
     pr.add_argument("session_id")
@@ -88,6 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument("--config", help="config file to check (default: $KANDEV_CONFIG, /etc/kandev/kandev.toml)")
     sub.add_parser("agents", help="the built-in agents with package and pinned version")
     return p
+
+
+def _options(pairs: list[str]) -> dict[str, str]:
+    options: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip() or not value:
+            raise Usage(f"--option {pair!r}: expected ID=VALUE")
+        options[key.strip()] = value
+    return options
 
 
 def _call(socket: Path, op: str, args: dict[str, Any] | None = None, timeout: float | None = 60.0) -> Any:
@@ -179,10 +208,26 @@ def run(args: argparse.Namespace) -> Any:
     if cmd == "status":
         return _call(sock, "status")
     if cmd == "task":
+        if args.task_cmd == "proceed":
+            return _call(sock, "task_proceed", {"task_id": args.task_id}, timeout=180.0)
+        if args.task_cmd == "workflow":
+            return _call(sock, "task_workflow", {"task_id": args.task_id})
         call_args = {"title": args.title, "executor": args.executor}
         if args.workspace:
             call_args["workspace"] = str(Path(args.workspace).resolve())
-        return _call(sock, "task_create", call_args)
+        if args.steps is not None:
+            from daemon.backend.workflow import WorkflowError, parse_steps
+
+            try:
+                parse_steps(args.steps)  # refused before the task exists
+            except WorkflowError as exc:
+                raise Usage(f"--steps: {exc}") from None
+        created = _call(sock, "task_create", call_args)
+        if args.steps is not None:
+            created["workflow"] = _call(sock, "workflow_set", {"task_id": created["task_id"], "steps": args.steps})
+        return created
+    if cmd == "resume":
+        return _call(sock, "session_resume", {"session_id": args.session_id, "fresh": args.fresh}, timeout=180.0)
     if cmd == "session":
         if args.session_cmd == "start":
             call_args = {"task_id": args.task_id, "agent": args.agent, "passthrough": args.passthrough}
@@ -191,6 +236,16 @@ def run(args: argparse.Namespace) -> Any:
             return _call(sock, "session_start", call_args, timeout=120.0)
         if args.session_cmd == "show":
             return _call(sock, "session_show", {"session_id": args.session_id})
+        if args.session_cmd == "configure":
+            call_args = {"session_id": args.session_id, "options": _options(args.option)}
+            if args.model is not None:
+                call_args["model"] = args.model
+            if args.mode is not None:
+                call_args["mode"] = args.mode
+            return _call(sock, "session_configure", call_args, timeout=180.0)
+        if args.session_cmd == "reset-context":
+            return _call(sock, "session_reset_context", {"session_id": args.session_id, "restart": args.restart},
+                         timeout=180.0)
         return _call(sock, "session_list")
     if cmd == "prompt":
         return _call(

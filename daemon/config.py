@@ -70,6 +70,8 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class FeaturesConfig:
     agent_survival: bool = False
+    # Resume (ACP session/load) the sessions a restart interrupted, once startup recovery is done.
+    auto_resume: bool = False
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,7 @@ class ResolvedAgentctl:
 
 
 _KINDS: dict[str, dict[str, str]] = {
-    "features": {"agent_survival": "bool"},
+    "features": {"agent_survival": "bool", "auto_resume": "bool"},
     "agentctl": {
         "detached_event_limit": "int",
         "recovery_deadline": "duration",
@@ -140,6 +142,7 @@ _KINDS: dict[str, dict[str, str]] = {
 # What each key accepts, quoted in every refusal.
 _ACCEPTED = {
     "features.agent_survival": "true or false",
+    "features.auto_resume": "true or false",
     "agentctl.detached_event_limit": "1..10000 (whole number, inclusive)",
     "agentctl.recovery_deadline": "1s..5min (inclusive)",
     "agentctl.recovery_read_timeout": ">= 100ms",

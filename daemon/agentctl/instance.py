@@ -409,6 +409,9 @@ class Instance:
             "attached": self.log.attached,
             "paused": self.log.paused,
             "detached_event_limit": self.detached_event_limit,
+            # What the agent reported about its current ACP session (seed 004).
+            "modes": self.session_info.get("modes"),
+            "config_options": list(self.session_info.get("config_options") or []),
         }
 
     @property

@@ -73,7 +73,49 @@ CREDENTIAL_OPS: list[Op] = [
 
 # Resume, runtime configuration, context reset and workflow steps (seeds 000/004;
 # daemon/backend/resume_api.py).
-RESUME_OPS: list[Op] = []
+RESUME_OPS: list[Op] = [
+    Op(
+        "session_resume",
+        required={"session_id": str},
+        optional={"fresh": bool},
+        auth=False,
+        doc="give a FAILED, CANCELLED or WAITING_FOR_INPUT session without a live agent an agent again:"
+        " ACP session/load of its stored provider session, or with fresh a new one (the token is wiped)"
+        " -> {session_id, state, acp_session_id, resume_token, loaded, fresh, runtime_config}",
+    ),
+    Op(
+        "session_configure",
+        required={"session_id": str},
+        optional={"model": str, "mode": str, "options": dict},
+        auth=False,
+        doc="apply model (config option of category model), mode, then options by id through the agent"
+        " -> {session_id, runtime_config, calls}; a refused field: agent_error, what was accepted is kept",
+    ),
+    Op(
+        "session_reset_context",
+        required={"session_id": str},
+        optional={"restart": bool},
+        auth=False,
+        doc="a new provider session (ACP session/new on the same process; restart: a new process) with the"
+        " captured model, mode and options restored -> {session_id, state, path, acp_session_id,"
+        " runtime_config, captured, calls}; a refused field fails the reset (session FAILED)",
+    ),
+    Op(
+        "workflow_set",
+        required={"task_id": str, "steps": str},
+        auth=False,
+        doc="give a task its workflow steps 'name[:reset][:prompt=TEXT],...'; the first is entered"
+        " -> {task_id, steps}",
+    ),
+    Op("task_workflow", required={"task_id": str}, auth=False, doc="-> {task_id, current, steps: [...]}"),
+    Op(
+        "task_proceed",
+        required={"task_id": str},
+        auth=False,
+        doc="enter the next step (persisted), then its context reset, then its automatic prompt; a failed"
+        " reset blocks the prompt -> {task_id, step, position, session_id, reset, prompt}",
+    ),
+]
 
 OPS = OPS + RUNTIME_OPS + CREDENTIAL_OPS + RESUME_OPS
 
