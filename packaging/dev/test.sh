@@ -20,7 +20,13 @@ echo "== pytest"
 log=$(mktemp /var/tmp/kandev-pytest.XXXXXX)
 trap 'rm -f "$log"' EXIT
 set +e
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider -ra "$@" 2>&1 | tee "$log"
+# Most tests wait on real daemons and agents rather than compute: three workers, one test file
+# per worker (--dist loadfile keeps each module's systemd box and fixtures on one worker).
+# KANDEV_TEST_WORKERS=0 runs serially.
+workers=${KANDEV_TEST_WORKERS:-3}
+parallel=()
+[ "$workers" != 0 ] && parallel=(-n "$workers" --dist loadfile)
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider -ra "${parallel[@]}" "$@" 2>&1 | tee "$log"
 pytest_rc=${PIPESTATUS[0]}
 set -e
 # pytest's last line is its summary, e.g. "12 passed, 1 skipped in 3.21s"
