@@ -2,10 +2,18 @@
 
 Each entry names its package and pinned version and builds the argv that
 starts the agent speaking ACP over stdio.
+
+The npm agents are *managed npm runtimes* (design.md §7, NPM-CTX-1/2): their
+package name, exact version, ACP arguments and command shape are trusted
+built-in metadata, never taken from a caller. They start as
+``npx --yes --prefer-offline <package>@<version> <acp args...>`` (a direct argv,
+no shell); ``kandev runtime update AGENT`` (``daemon.runtimes``) prepares and
+repairs exactly that ``<package>@<version>``.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,20 +25,60 @@ class BuiltinAgent:
     package: str
     version: str
     argv_factory: Callable[[], list[str]]
+    runtime: str = "python"  # "python" (runs from kandev's own code) or "npm" (a managed npm runtime)
+    acp_args: tuple[str, ...] = ()
 
     def argv(self) -> list[str]:
         """The command line that starts this agent."""
         return self.argv_factory()
+
+    @property
+    def npm_spec(self) -> str:
+        """The exact ``<package>@<version>`` of a managed npm runtime."""
+        if self.runtime != "npm":
+            raise ValueError(f"agent {self.name!r} is not a managed npm runtime")
+        return f"{self.package}@{self.version}"
 
 
 def _mock_argv() -> list[str]:
     return [sys.executable, "-m", "daemon.agents.mock"]
 
 
+# npm package names (optionally scoped) and exact release versions: no tags, ranges,
+# prereleases, URLs, paths or shell text (NPM-CTX-1/2).
+NPM_PACKAGE_RE = re.compile(r"^(?:@[a-z0-9][a-z0-9._-]*/)?[a-z0-9][a-z0-9._-]*$")
+EXACT_VERSION_RE = re.compile(r"^(?:0|[1-9][0-9]*)\.(?:0|[1-9][0-9]*)\.(?:0|[1-9][0-9]*)$")
+
+
+def npx_argv(package: str, version: str, acp_args: tuple[str, ...] = ()) -> list[str]:
+    """How a managed npm agent starts: the exact spec through npx, preferring the local cache."""
+    return ["npx", "--yes", "--prefer-offline", f"{package}@{version}", *acp_args]
+
+
+def npm_agent(name: str, package: str, version: str, acp_args: tuple[str, ...] = ()) -> BuiltinAgent:
+    if not NPM_PACKAGE_RE.match(package) or ".." in package:
+        raise ValueError(f"agent {name!r}: {package!r} is not a plain npm package name")
+    if not EXACT_VERSION_RE.match(version):
+        raise ValueError(f"agent {name!r}: {version!r} is not an exact release version")
+    return BuiltinAgent(
+        name=name,
+        package=package,
+        version=version,
+        argv_factory=lambda: npx_argv(package, version, acp_args),
+        runtime="npm",
+        acp_args=tuple(acp_args),
+    )
+
+
 BUILTIN_AGENTS: dict[str, BuiltinAgent] = {
     agent.name: agent
     for agent in (
         BuiltinAgent(name="mock", package="daemon.agents.mock", version="0.1.0", argv_factory=_mock_argv),
+        # Pinned to releases checked on the npm registry (npm view <pkg> versions).
+        npm_agent("claude-code", "@zed-industries/claude-code-acp", "0.16.2"),
+        npm_agent("codex", "@agentclientprotocol/codex-acp", "2.6.0"),
+        npm_agent("gemini", "@google/gemini-cli", "0.61.0", ("--experimental-acp",)),
+        npm_agent("opencode", "opencode-ai", "1.18.33", ("acp",)),
     )
 }
 
