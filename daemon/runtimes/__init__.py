@@ -1,0 +1,12 @@
+"""Managed npm runtimes (seed 000 RESUME-11..13, design.md §7, NPM-CTX-1..6).
+
+- ``npx_cache``: the ``_npx`` key of an exact spec and the one repair kandev
+  ever makes to the npm cache (remove ``<cache>/_npx/<key>`` of a built-in spec).
+- ``proc``: bounded subprocess runs (direct argv, own process group, time limit)
+  and the sanitizer for error text.
+- ``probe``: the ACP ``initialize`` probe of a candidate runtime.
+- ``update``: the update job's state machine and the job manager the backend
+  serves through ``daemon.backend.runtimes_api``.
+- ``cli``: ``kandev runtime update AGENT`` (start or join the job, show its
+  progress on stderr, return the final result).
+"""

@@ -1,0 +1,157 @@
+"""Bounded subprocess runs for the runtime jobs, and the sanitizer for what they report.
+
+Every command is a direct argv (never a shell), runs in its own process group
+(so npm and the node processes it starts are killed together), with stdin
+closed, a time limit, and at most ``OUTPUT_LIMIT`` bytes kept of each output
+stream (the tail: npm prints its error last).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+OUTPUT_LIMIT = 64 * 1024
+DETAIL_LIMIT = 1500
+KILL_GRACE_S = 2.0
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-_]")
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+_REDACTIONS = (
+    # registry credentials in .npmrc style or in environment-variable style
+    (re.compile(r"(?i)(_authToken|_auth|_password|npm_token|token|password|secret)(\s*[=:]\s*)\S+"), r"\1\2<redacted>"),
+    (re.compile(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=-]{8,}"), r"\1 <redacted>"),
+    (re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s:@]+(?::[^/\s@]*)?@"), r"\1<redacted>@"),
+)
+
+
+def sanitize(text: str, limit: int = DETAIL_LIMIT) -> str:
+    """One bounded, printable line-oriented text: escapes and control characters removed, credentials
+    redacted, blank lines dropped, and at most ``limit`` characters (head and tail, joined by ``…``)."""
+    text = _ANSI.sub("", text or "")
+    text = _CONTROL.sub("", text.replace("\r\n", "\n").replace("\r", "\n"))
+    for pattern, repl in _REDACTIONS:
+        text = pattern.sub(repl, text)
+    lines = [line.rstrip() for line in text.split("\n")]
+    text = "\n".join(line for line in lines if line.strip())
+    if len(text) > limit:  # keep the head (what failed) and the tail (npm prints its error last)
+        head = max(limit // 3, 1)
+        text = text[:head] + "…" + text[-(limit - head - 1):]
+    return text
+
+
+@dataclass(frozen=True)
+class RunResult:
+    argv: tuple[str, ...]
+    returncode: int | None  # None: did not start, or was killed at the time limit
+    stdout: str
+    stderr: str
+    timed_out: bool
+    duration_s: float
+    error: str | None = None  # why it did not start
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.timed_out and self.error is None
+
+    def failure(self, limit: int = DETAIL_LIMIT) -> str:
+        """Why it failed, bounded and sanitized."""
+        if self.error is not None:
+            return sanitize(self.error, limit)
+        if self.timed_out:
+            head = f"timed out after {self.duration_s:.0f} s"
+        else:
+            head = f"exit code {self.returncode}"
+        tail = sanitize(self.stderr or self.stdout, max(limit - len(head) - 2, 100))
+        return f"{head}: {tail}" if tail else head
+
+
+async def _drain(stream: asyncio.StreamReader | None, limit: int) -> bytes:
+    """Read to EOF, keeping the last ``limit`` bytes."""
+    if stream is None:
+        return b""
+    kept = bytearray()
+    while True:
+        chunk = await stream.read(65536)
+        if not chunk:
+            return bytes(kept)
+        kept += chunk
+        if len(kept) > limit:
+            del kept[: len(kept) - limit]
+
+
+def kill_group(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Signal the process group ``pid`` leads (it was started with ``start_new_session``)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+async def stop_group(proc: asyncio.subprocess.Process, grace: float = KILL_GRACE_S) -> None:
+    """SIGTERM the group, SIGKILL it after ``grace`` seconds, and reap the leader."""
+    if proc.returncode is None:
+        kill_group(proc.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(asyncio.shield(proc.wait()), grace)
+        except TimeoutError:
+            pass
+    kill_group(proc.pid, signal.SIGKILL)  # also whatever the leader left behind in its group
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(asyncio.shield(proc.wait()), grace)
+
+
+class CommandRunner:
+    """Runs direct-argv commands in ``cwd`` with ``env`` (default: this process's environment)."""
+
+    def __init__(self, cwd: Path | str, env: Mapping[str, str] | None = None, output_limit: int = OUTPUT_LIMIT):
+        self.cwd = str(cwd)
+        self.env = dict(os.environ if env is None else env)
+        self.output_limit = output_limit
+
+    async def run(self, argv: Sequence[str], timeout: float) -> RunResult:
+        argv = tuple(argv)
+        start = time.monotonic()
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                cwd=self.cwd,
+                env=self.env,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            return RunResult(argv, None, "", "", False, time.monotonic() - start, f"cannot run {argv[0]}: {exc}")
+        reads = asyncio.gather(_drain(proc.stdout, self.output_limit), _drain(proc.stderr, self.output_limit))
+        timed_out = False
+        try:
+            out, err = await asyncio.wait_for(asyncio.shield(reads), timeout)
+            await asyncio.wait_for(proc.wait(), KILL_GRACE_S)
+        except TimeoutError:
+            timed_out = True
+            await stop_group(proc)
+            try:
+                out, err = await asyncio.wait_for(reads, KILL_GRACE_S)
+            except TimeoutError:  # something outside the group still holds the pipes
+                out, err = b"", b""
+        except BaseException:  # cancelled: never leave npm running behind us
+            await stop_group(proc)
+            reads.cancel()
+            raise
+        else:
+            kill_group(proc.pid)  # nothing of the group outlives the command
+        return RunResult(
+            argv,
+            None if timed_out else proc.returncode,
+            out.decode("utf-8", "replace"),
+            err.decode("utf-8", "replace"),
+            timed_out,
+            time.monotonic() - start,
+        )
