@@ -23,6 +23,7 @@ from daemon.agents.registry import BUILTIN_AGENTS
 from daemon.backend import api
 from daemon.paths import Paths, resolve_home
 from daemon.platform import Check
+from daemon.runtimes.cli import runtime_update
 from ipc.client import SyncClient
 from ipc.errors import ErrorCode, IpcError
 
@@ -106,6 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
     doc = sub.add_parser("doctor", help="check this installation (no backend needed); exit 1 if a check fails")
     doc.add_argument("--config", help="config file to check (default: $KANDEV_CONFIG, /etc/kandev/kandev.toml)")
     sub.add_parser("agents", help="the built-in agents with package and pinned version")
+    runtime = sub.add_parser("runtime", help="managed npm runtimes of the built-in agents").add_subparsers(
+        dest="runtime_cmd", required=True, parser_class=_Parser
+    )
+    ru = runtime.add_parser(
+        "update",
+        help="prepare the agent's pinned npm package, repair its own npx cache entry once if that fails, "
+        "then ACP-probe it (progress on stderr; exit 1 if the job fails)",
+    )
+    ru.add_argument("agent", help="a built-in npm agent (see kandev agents)")
     return p
 
 
@@ -265,6 +275,8 @@ def run(args: argparse.Namespace) -> Any:
         return _call(sock, "board")
     if cmd == "doctor":
         return doctor.as_json(doctor.run_doctor(paths, config_path=args.config))
+    if cmd == "runtime":
+        return runtime_update(lambda op, a, t: _call(sock, op, a, timeout=t), args.agent, sys.stderr)
     if cmd == "agents":
         return {"agents": [{"name": a.name, "package": a.package, "version": a.version}
                            for a in sorted(BUILTIN_AGENTS.values(), key=lambda a: a.name)]}
@@ -294,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{a['name']}\t{a['package']}\t{a['version']}")
         return EXIT_OK
     _print(result, args.json)
+    if args.command == "runtime" and result.get("state") != "succeeded":
+        return EXIT_REFUSED
     return EXIT_OK
 
 

@@ -50,7 +50,23 @@ OPS = [
 ]
 
 # Managed npm runtimes (seed 000; daemon/backend/runtimes_api.py).
-RUNTIME_OPS: list[Op] = []
+RUNTIME_OPS: list[Op] = [
+    Op(
+        "runtime_update",
+        required={"agent": str},
+        auth=False,
+        doc="start the update job of a built-in managed npm agent, or join its active one -> job "
+        "{job_id, agent, package, version, state, attempts, repaired, probe{ok, protocol_version}, detail, "
+        "events, joined}",
+    ),
+    Op(
+        "runtime_job",
+        required={"job_id": str},
+        optional={"after": int, "wait": float},
+        auth=False,
+        doc="one runtime update job; with wait (s, <= 30), once it has more than `after` events or ended -> job",
+    ),
+]
 
 # Git credential leases (seed 000; daemon/backend/credentials_api.py). Called by the shipped git
 # credential helper; the lease token, the capability and the password are secrets (never logged).

@@ -23,6 +23,7 @@ from sqlalchemy import select
 
 import daemon.backend.credentials_api as credentials_api
 import daemon.backend.resume_api as resume_api
+import daemon.backend.runtimes_api as runtimes_api
 from daemon.agentctl.client import AgentctlClient, identify
 from daemon.agents.registry import get_agent
 from daemon.backend.adoption import Adopter
@@ -327,6 +328,7 @@ class Backend:
             # Handler tables of later features register here, one line each.
             **credentials_api.handlers(self),
             **resume_api.handlers(self),
+            **runtimes_api.handlers(self),
         }
 
     async def op_status(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
