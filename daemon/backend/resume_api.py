@@ -308,6 +308,13 @@ class ResumeService:
             if task is None:
                 raise IpcError(ErrorCode.NOT_FOUND, f"the task of session {session_id} is gone")
             row = db.get(ExecutorRunning, session_id)
+            if row is not None and row.status == "live":
+                # The inventory still claims an agent this backend does not track (liveness unknown,
+                # or another backend owns its server): a second agent for the session is refused.
+                raise _conflict(
+                    f"session {session_id}: its inventory row still names a possibly running agent"
+                    " (liveness unknown); it is settled at the next backend start"
+                )
             meta = dict(session.metadata_json or {})
             token = (row.resume_token if row is not None else None) or (meta.get("acp") or {}).get("session_id")
             if not fresh and not token:
