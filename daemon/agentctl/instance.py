@@ -34,6 +34,14 @@ appended (after every ``session_update`` the agent sent before its answer)
 and the outcome is retained until ``ack_turn`` names it
 (AC-EXECUTORS-SURVIVAL-004.1, 004.6).
 
+Runtime configuration (seed 004): ``session_info`` keeps what the agent
+reported about its current ACP session (modes, config options); ``set_mode``
+and ``set_config_option`` send the ACP requests on that session and answer
+``last_seq`` (every update the agent sent before answering is numbered by
+then); ``reset_context`` opens a new ACP session (``session/new``) on the same
+process and makes it the current one. ``handshake_seq`` is the last seq of the
+handshake, e.g. the history a ``session/load`` replays.
+
 Detached retention (AC-EXECUTORS-SURVIVAL-001.5, 001.6, 001.9, 001.10;
 design.md §1, §6; design-notes §9; the rule itself is in
 ``daemon.agentctl.events``): the SDK's receive loop calls
