@@ -207,7 +207,9 @@ class Recovery:
             if self.past_deadline:
                 listing = await self._budget(client.list_instances)
             else:
-                listing = await asyncio.wait_for(client.list_instances(), timeout=max(0.0, deadline - time.monotonic()))
+                remaining = max(0.001, deadline - time.monotonic())
+                reply = await client.call("list_instances", timeout=remaining)
+                listing = list(reply.get("instances") or []) if isinstance(reply, dict) else []
         except (IpcError, TimeoutError) as exc:
             # Cannot enumerate: recover nothing, stop nothing, no second server (002.12).
             log.warning("enumeration failed: %s", exc)

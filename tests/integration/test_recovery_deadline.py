@@ -72,7 +72,10 @@ def test_adoption_in_flight_at_deadline_retracks_nothing_and_stops(kandev_factor
 def test_enumeration_not_complete_at_deadline_stops_nothing(kandev_factory):
     """AC-EXECUTORS-SURVIVAL-002.12, AC-EXECUTORS-SURVIVAL-003.7, AC-EXECUTORS-SURVIVAL-002.8,
     AC-EXECUTORS-SURVIVAL-003.6 (unknown rows untouched): nothing re-tracked, nothing stopped; guarded meanwhile."""
-    k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="true", KANDEV_FAULT="agentctl_slow_enumeration:8", **DEADLINE)
+    # A 20 s deadline leaves a wide window to observe the guard from the CLI on a loaded machine.
+    window = {"KANDEV_AGENTCTL_RECOVERY_DEADLINE": "20s", "KANDEV_AGENTCTL_RECOVERY_READ_TIMEOUT": "1s",
+              "KANDEV_AGENTCTL_RECOVERY_READ_RETRIES": "1"}
+    k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="true", KANDEV_FAULT="agentctl_slow_enumeration:40", **window)
     st, task, sid, pid = _survivor(k)
     proc = _start_backend(k)
     try:
@@ -81,7 +84,7 @@ def test_enumeration_not_complete_at_deadline_stops_nothing(kandev_factory):
         refused = k.run("prompt", sid, "hello")
         assert refused.returncode == 1
         error = json.loads(refused.stdout)["error"]
-        assert error["code"] == "session_guarded" and error["retryable"] is True
+        assert error["code"] == "session_guarded" and error["retryable"] is True, error
         wait_until(lambda: json.loads(k.run("status").stdout)["backend"]["state"] == "ready", timeout=60)
     finally:
         if proc.poll() is None:
