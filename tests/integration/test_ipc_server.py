@@ -966,6 +966,7 @@ def test_socket_mode_and_cleanup(server: ServerThread, sock_dir: Path) -> None:
 
 
 def test_live_socket_is_never_unlinked(server: ServerThread) -> None:
+    """AC-EXECUTORS-CONTROL-OWNERSHIP-001.7 (Unix-socket form): an endpoint that answers is occupied."""
     inode = os.stat(server.path).st_ino
 
     async def second() -> None:
