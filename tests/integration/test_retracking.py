@@ -77,12 +77,13 @@ def _enabled(kandev_factory, **env: str) -> Kandev:
 def test_scenario_a_turn_finished_while_away_applied_once(kandev_factory):
     """AC-EXECUTORS-SURVIVAL-004.1, AC-EXECUTORS-SURVIVAL-004.2, AC-EXECUTORS-SURVIVAL-004.4, AC-EXECUTORS-SURVIVAL-004.6: retained, applied before publishing, acked once."""
     k = _enabled(kandev_factory)
-    k.up()
+    backend = k.up()["backend"]["pid"]
     task, sid = k.start_session("away")
-    k.cli("prompt", sid, "/slow 4")
-    wait_until(lambda: agent_chunks(k.show(sid)), timeout=30)
     instance = k.show(sid)["instance_id"]
-    _kill_backend(k)
+    k.cli("prompt", sid, "/slow 10")
+    wait_until(lambda: agent_chunks(k.show(sid)), timeout=30)
+    os.kill(backend, signal.SIGKILL)  # at once: the turn must end while no backend is attached
+    wait_until(lambda: not alive(backend), timeout=10)
     ctl = _ctl(k)
     status = wait_until(lambda: s if (s := ctl(lambda c: c.turn_status(instance)))["outcomes"] else None,
                         timeout=30)
@@ -92,8 +93,8 @@ def test_scenario_a_turn_finished_while_away_applied_once(kandev_factory):
     show = k.show(sid)
     assert show["retracked"] and show["state"] == "WAITING_FOR_INPUT"  # published as the outcome left it
     assert task in k.cli("board")["turn_finished"]
-    done = wait_until(lambda: s if len(agent_chunks(s := k.show(sid))) == 4 else None, timeout=30)
-    assert agent_chunks(done) == ["1/4 ", "2/4 ", "3/4 ", "4/4 "]
+    done = wait_until(lambda: s if len(agent_chunks(s := k.show(sid))) == 10 else None, timeout=30)
+    assert agent_chunks(done) == [f"{i}/10 " for i in range(1, 11)]
     assert [(t["turn_id"], t["state"], t["stop_reason"]) for t in done["turns"]] == [(turn_id, "finished", "end_turn")]
     ctl = _ctl(k)  # the credential rotated on adoption
     wait_until(lambda: not ctl(lambda c: c.turn_status(instance))["outcomes"], timeout=10)  # acked
