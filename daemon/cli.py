@@ -23,7 +23,6 @@ from daemon.agents.registry import BUILTIN_AGENTS
 from daemon.backend import api
 from daemon.paths import Paths, resolve_home
 from daemon.platform import Check
-from daemon.runtimes.cli import runtime_update
 from ipc.client import SyncClient
 from ipc.errors import ErrorCode, IpcError
 
@@ -276,6 +275,9 @@ def run(args: argparse.Namespace) -> Any:
     if cmd == "doctor":
         return doctor.as_json(doctor.run_doctor(paths, config_path=args.config))
     if cmd == "runtime":
+        # Imported here: the runtime updater pulls in the ACP SDK, which would add ~0.5 s to every command.
+        from daemon.runtimes.cli import runtime_update
+
         return runtime_update(lambda op, a, t: _call(sock, op, a, timeout=t), args.agent, sys.stderr)
     if cmd == "agents":
         return {"agents": [{"name": a.name, "package": a.package, "version": a.version}

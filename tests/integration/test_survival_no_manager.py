@@ -18,7 +18,7 @@ import pytest
 from tests.helpers import wait_until
 from tests.integration.conftest import agent_chunks, alive, group_alive
 
-N = 20
+N = 40  # long enough that the turn outlives the restart even on a loaded machine
 EXPECTED = [f"{i}/{N} " for i in range(1, N + 1)]
 pytestmark = pytest.mark.timeout(240)
 
