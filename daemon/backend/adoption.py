@@ -121,6 +121,18 @@ class Adopter:
             return True, None
         return True, info
 
+    async def _prove(self, record: ControlServerRecord, credential: bytes) -> AgentctlClient:
+        """identify → the server proves it holds our credential → authenticate; the superseded
+        credential is accepted here because only rotate and ownership_shutdown may follow (002.7, 002.9)."""
+        return await AgentctlClient.connect(
+            record.endpoint,
+            credential=credential,
+            installation_id=self.installation_id,
+            expected_identity=record.server_identity,
+            timeout=self.read_timeout_s,
+            purpose="adopt",
+        )
+
     # -------------------------------------------------------------- adopt
     async def adopt(self, record: ControlServerRecord | None) -> Adoption:
         # 1. no answer
@@ -142,14 +154,7 @@ class Adopter:
             return Adoption("refused", "credential_unavailable", record=record, answered=True)
         # 4. authentication: the server proves possession first (001.10)
         try:
-            client = await AgentctlClient.connect(
-                record.endpoint,
-                credential=credential,
-                installation_id=self.installation_id,
-                expected_identity=record.server_identity,
-                timeout=self.read_timeout_s,
-                purpose="adopt",
-            )
+            client = await self._prove(record, credential)
         except OwnershipRefused as exc:
             return Adoption("refused", exc.reason, record=record, answered=True)
         except IpcError as exc:
@@ -248,14 +253,7 @@ class Adopter:
         except (OSError, ValueError):
             return Adoption("disabled", "credential_unavailable", record=record, answered=True)
         try:
-            client = await AgentctlClient.connect(
-                record.endpoint,
-                credential=credential,
-                installation_id=self.installation_id,
-                expected_identity=record.server_identity,
-                timeout=self.read_timeout_s,
-                purpose="adopt",
-            )
+            client = await self._prove(record, credential)
         except OwnershipRefused as exc:
             return Adoption("disabled", exc.reason, record=record, answered=True)
         except IpcError:

@@ -18,19 +18,10 @@ import pytest
 from tests.helpers import wait_until
 from tests.integration.conftest import Kandev, agent_chunks, alive, group_alive
 from tests.integration.test_retracking import _ctl
+from tests.integration.test_retracking import _db_row as _row
 
 pytestmark = pytest.mark.timeout(240)
 MOCK = [sys.executable, "-m", "daemon.agents.mock"]
-
-
-def _row(k: Kandev, sql: str, *params: Any) -> dict[str, Any] | None:
-    con = sqlite3.connect(f"file:{k.home / 'kandev.db'}?mode=ro", uri=True)
-    con.row_factory = sqlite3.Row
-    try:
-        row = con.execute(sql, params).fetchone()
-        return dict(row) if row else None
-    finally:
-        con.close()
 
 
 def _kill_backend(k: Kandev) -> None:
