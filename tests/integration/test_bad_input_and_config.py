@@ -143,6 +143,18 @@ def test_scenario_e_bad_input_to_both_sockets(kandev_factory):
     assert _db_snapshot(db) == before
 
 
+def _start_backend_once(k) -> subprocess.CompletedProcess[str]:
+    """Run kandev-backend in the foreground; with bad config it must exit at once."""
+    return subprocess.run(
+        [sys.executable, "-m", "daemon.backend.main", "--home", str(k.home)],
+        capture_output=True,
+        text=True,
+        env=k.env,
+        timeout=60,
+        cwd=REPO,
+    )
+
+
 @pytest.mark.parametrize(
     ("env", "key", "value", "range_text"),
     [
@@ -157,14 +169,7 @@ def test_scenario_e_bad_input_to_both_sockets(kandev_factory):
 def test_scenario_f_backend_rejects_out_of_range_config(kandev_factory, env, key, value, range_text):
     """AC-EXECUTORS-SURVIVAL-003.7, AC-EXECUTORS-SURVIVAL-002.13, AC-EXECUTORS-SURVIVAL-001.8: rejected at start, never clamped; the daemon does not start."""
     k = kandev_factory(**env)
-    proc = subprocess.run(
-        [sys.executable, "-m", "daemon.backend.main", "--home", str(k.home)],
-        capture_output=True,
-        text=True,
-        env=k.env,
-        timeout=60,
-        cwd=REPO,
-    )
+    proc = _start_backend_once(k)
     assert proc.returncode == 2
     assert key in proc.stderr and value in proc.stderr and range_text in proc.stderr, proc.stderr
     assert not (k.home / "run" / "backend.sock").exists()
@@ -173,13 +178,6 @@ def test_scenario_f_backend_rejects_out_of_range_config(kandev_factory, env, key
 def test_scenario_f_budget_cross_check_explains_itself(kandev_factory):
     """AC-EXECUTORS-SURVIVAL-002.13: T x (R+1) <= min(6s, D/5), and the message says so."""
     k = kandev_factory(KANDEV_AGENTCTL_RECOVERY_DEADLINE="20s")
-    proc = subprocess.run(
-        [sys.executable, "-m", "daemon.backend.main", "--home", str(k.home)],
-        capture_output=True,
-        text=True,
-        env=k.env,
-        timeout=60,
-        cwd=REPO,
-    )
+    proc = _start_backend_once(k)
     assert proc.returncode == 2
     assert "recovery_deadline" in proc.stderr and "30" in proc.stderr, proc.stderr
