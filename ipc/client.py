@@ -19,6 +19,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from ipc.aio import within
+
 from .errors import ErrorCode, IpcError
 from .framing import (
     HEADER_SIZE,
@@ -89,7 +91,7 @@ class AsyncClient:
         """Connect (within ``timeout``) and, unless ``hello=False``, check the server's version."""
         where = os.fspath(path)
         try:
-            reader, writer = await asyncio.wait_for(
+            reader, writer = await within(
                 asyncio.open_unix_connection(where, limit=_READ_LIMIT), timeout
             )
         except TimeoutError:
@@ -159,7 +161,7 @@ class AsyncClient:
                 pass
         self._writer.close()
         try:
-            await asyncio.wait_for(self._writer.wait_closed(), 1.0)
+            await within(self._writer.wait_closed(), 1.0)
         except (TimeoutError, OSError):
             pass
 
@@ -188,7 +190,7 @@ class AsyncClient:
             if timeout is None:
                 return await fut
             try:
-                return await asyncio.wait_for(fut, timeout)
+                return await within(fut, timeout)
             except TimeoutError:
                 raise IpcError(
                     ErrorCode.TIMEOUT, f"{op} on {self.path}: no reply within {timeout} s"

@@ -23,6 +23,8 @@ from collections.abc import Awaitable, Callable, Collection, Mapping
 from functools import partial
 from typing import Any
 
+from ipc.aio import within
+
 from .connection import ConnectionContext
 from .errors import ErrorCode, IpcError
 from .framing import MAX_FRAME, ConnectionClosed, FrameTooLarge, encode_frame
@@ -149,12 +151,12 @@ class IpcServer:
             await asyncio.wait(list(self._handler_tasks), timeout=_CLOSE_GRACE)
         if self._connections:
             try:
-                await asyncio.wait_for(self._all_gone.wait(), _CLOSE_GRACE)
+                await within(self._all_gone.wait(), _CLOSE_GRACE)
             except TimeoutError:  # peers that do not read: drop their unsent frames
                 for ctx in list(self._connections):
                     ctx.abort()
                 try:
-                    await asyncio.wait_for(self._all_gone.wait(), _CLOSE_GRACE)
+                    await within(self._all_gone.wait(), _CLOSE_GRACE)
                 except TimeoutError:
                     log.warning(
                         "ipc server %s: %d connections did not close", self.path, len(self._connections)

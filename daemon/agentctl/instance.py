@@ -108,6 +108,7 @@ from acp.schema import (
 from daemon.agentctl.events import EventLog, Subscription
 from daemon.agentctl.protocol import EventKind
 from daemon.journal import log_event
+from ipc.aio import within
 from ipc.errors import ErrorCode, IpcError
 
 log = logging.getLogger("kandev.agentctl.instance")
@@ -485,14 +486,14 @@ class Instance:
         if self.gone:  # stopped while the process was being created
             self._signal_group(signal.SIGKILL)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(proc.wait(), REAP_TIMEOUT)
+                await within(proc.wait(), REAP_TIMEOUT)
             raise IpcError(ErrorCode.SHUTTING_DOWN, f"instance {self.instance_id} was stopped while starting")
         self._transport = AgentPipeTransport(proc.stdout, proc.stdin, self._on_garbage, self.log.wait_for_room)
         self._exit_task = asyncio.create_task(self._watch_exit(), name=f"agentctl.exit.{self.instance_id}")
         self._conn = acp.connect_to_agent(_AcpClient(self), self._transport, observers=[self._observe])
         step = "initialize"
         try:
-            init = await asyncio.wait_for(
+            init = await within(
                 self._conn.initialize(
                     protocol_version=acp.PROTOCOL_VERSION,
                     client_capabilities=ClientCapabilities(),
@@ -506,7 +507,7 @@ class Instance:
                 )
             if self.spec.resume_session_id:
                 step = "session/load"
-                loaded = await asyncio.wait_for(
+                loaded = await within(
                     self._conn.load_session(cwd=self.spec.cwd, session_id=self.spec.resume_session_id),
                     self._handshake_timeout,
                 )
@@ -514,7 +515,7 @@ class Instance:
                 self.session_info = session_info(loaded)
             else:
                 step = "session/new"
-                session = await asyncio.wait_for(
+                session = await within(
                     self._conn.new_session(cwd=self.spec.cwd), self._handshake_timeout
                 )
                 self.acp_session_id = session.session_id
@@ -543,7 +544,7 @@ class Instance:
         if not self.gone:
             # Let an agent that is exiting by itself report its own exit code.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._exited.wait(), 0.5)
+                await within(self._exited.wait(), 0.5)
         exited_by_itself = self._exited.is_set() and not self.gone
         await self.stop()
         parts = [f"agent {self.spec.agent or self.spec.command[0]!r}: {reason}"]
@@ -671,7 +672,7 @@ class Instance:
         except (ConnectionError, OSError) as exc:
             # The agent went away: the exit watcher ends the turn with agent_exited.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._exited.wait(), STDOUT_DRAIN_GRACE + 1.0)
+                await within(self._exited.wait(), STDOUT_DRAIN_GRACE + 1.0)
             self._end_turn(turn_id, "error", f"lost the connection to the agent: {exc}")
         except Exception as exc:
             log.exception("instance %s: prompt failed", self.instance_id)
@@ -706,7 +707,7 @@ class Instance:
         """One ACP request on the current session; a refusal is ``agent_error`` (not retryable)."""
         conn = self._require_running(what)
         try:
-            return await asyncio.wait_for(call(conn), self._handshake_timeout)
+            return await within(call(conn), self._handshake_timeout)
         except RequestError as exc:
             raise IpcError(ErrorCode.AGENT_ERROR, f"the agent refused {what}: {_rpc_error_text(exc)}", False) from None
         except TimeoutError:
@@ -882,10 +883,10 @@ class Instance:
         await self._kill_group()
         if self._conn is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._conn.close(), 2.0)
+                await within(self._conn.close(), 2.0)
         if self._exit_task is not None and not self._exit_task.done():
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(self._exit_task), STDOUT_DRAIN_GRACE + 1.0)
+                await within(asyncio.shield(self._exit_task), STDOUT_DRAIN_GRACE + 1.0)
             self._exit_task.cancel()
         if self._proc is not None and self._proc.returncode is not None:
             self.exit_code = self._proc.returncode
@@ -905,7 +906,7 @@ class Instance:
         assert proc is not None
         deadline = time.monotonic() + timeout
         try:
-            await asyncio.wait_for(proc.wait(), timeout)
+            await within(proc.wait(), timeout)
         except TimeoutError:
             return False
         while self.group_alive():

@@ -52,6 +52,7 @@ from daemon.config import ResolvedAgentctl
 from daemon.faults import fault_delay, fault_fails
 from daemon.journal import log_event
 from daemon.limits import MAX_CONNECTIONS
+from ipc.aio import within
 from ipc.connection import ConnectionContext
 from ipc.errors import ErrorCode, IpcError
 from ipc.framing import ConnectionClosed
@@ -374,7 +375,7 @@ class AgentctlServer:
     async def _exit_after_reply(self, ctx: ConnectionContext, reason: str) -> None:
         # Give the reply time to be written (or the client time to hang up) before closing.
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(ctx.closed.wait(), _SHUTDOWN_REPLY_GRACE)
+            await within(ctx.closed.wait(), _SHUTDOWN_REPLY_GRACE)
         self._request_exit(reason)
 
     # -- instances -----------------------------------------------------------

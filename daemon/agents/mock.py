@@ -80,6 +80,7 @@ from daemon.agents.mock_store import (
     state_dir,
 )
 from daemon.agents.registry import get_agent
+from ipc.aio import within
 
 log = logging.getLogger("kandev.mock")
 
@@ -287,7 +288,7 @@ class MockAgent:
             await self._say(rec, f"{i}/{n} ")
             if interval:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(cancel.wait(), interval)
+                    await within(cancel.wait(), interval)
         return "cancelled" if cancel.is_set() else "end_turn"
 
     async def _ask_permission(self, rec: SessionRecord, cancel: asyncio.Event) -> StopReason:

@@ -25,7 +25,6 @@ no adoption (002.9).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import secrets
@@ -41,6 +40,7 @@ from daemon.faults import fault_point
 from daemon.paths import Paths
 from daemon.store.db import Store
 from daemon.store.models import ControlServerRecord
+from ipc.aio import within
 from ipc.errors import ErrorCode, IpcError
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ class Adopter:
         last: Exception | None = None
         for _ in range(self.read_retries + 1):
             try:
-                return await asyncio.wait_for(fn(), timeout=self.read_timeout_s)
+                return await within(fn(), timeout=self.read_timeout_s)
             except TimeoutError as exc:
                 last = exc
             except IpcError as exc:

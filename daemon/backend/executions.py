@@ -25,6 +25,7 @@ from daemon.agentctl.client import AgentctlClient, OwnershipRefused
 from daemon.backend.events import apply_events, mark_agent_gone
 from daemon.journal import log_event
 from daemon.store.db import Store
+from ipc.aio import cancel_and_wait
 from ipc.errors import IpcError
 
 log = logging.getLogger(__name__)
@@ -251,8 +252,6 @@ class EventConsumer:
         """Stop consuming (backend shutdown); the instances keep running."""
         self.stopping = True
         tasks = [ex.consumer for ex in executions if ex.consumer is not None]
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(BaseException):
-                await t
+        stopped = await asyncio.gather(*(cancel_and_wait(t) for t in tasks))
+        if not all(stopped):
+            log.error("%d event consumer(s) did not stop within 5 s of being cancelled", stopped.count(False))

@@ -33,6 +33,7 @@ from daemon.agentctl import launch as launch_file
 from daemon.agentctl.client import identify
 from daemon.config import Config
 from daemon.paths import Paths
+from ipc.aio import within
 
 AGENTCTL_UNIT = "kandev-agentctl.service"
 BOOTSTRAP_CREDENTIAL = "agentctl-bootstrap"  # LoadCredential= source in the unit
@@ -169,7 +170,7 @@ class Launcher:
             stderr=subprocess.PIPE,
         )
         try:
-            out, err = await asyncio.wait_for(proc.communicate(), timeout=90)
+            out, err = await within(proc.communicate(), timeout=90)
         except TimeoutError:
             proc.kill()
             await proc.wait()
@@ -183,7 +184,7 @@ class Launcher:
         proc = await asyncio.create_subprocess_exec(
             "systemctl", *args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
         )
-        out, _ = await asyncio.wait_for(proc.communicate(), timeout=90)
+        out, _ = await within(proc.communicate(), timeout=90)
         return out.decode()
 
     async def _unit_main_pid(self) -> int | None:

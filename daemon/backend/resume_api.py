@@ -77,6 +77,7 @@ from daemon.credentials.broker import POLICY_GITHUB_LEASE, SNAPSHOT_KEY
 from daemon.journal import log_event
 from daemon.store import transitions
 from daemon.store.models import ExecutorRunning, Message, Task, TaskSession
+from ipc.aio import cancel_and_wait
 from ipc.errors import ErrorCode, IpcError
 from ipc.server import ConnectionContext
 
@@ -210,10 +211,9 @@ class ResumeService:
         """Stop consuming this execution's events and forget it (its instance is not stopped here)."""
         ex.gone = True
         self.backend.executions.executions.pop(ex.session_id, None)
-        if ex.consumer is not None and ex.consumer is not asyncio.current_task():
-            ex.consumer.cancel()
-            with contextlib.suppress(BaseException):
-                await ex.consumer
+        consumer = ex.consumer
+        if consumer is not None and consumer is not asyncio.current_task() and not await cancel_and_wait(consumer):
+            log.error("session %s: the event consumer did not stop within 5 s of being cancelled", ex.session_id)
         ex.fail_waiters("agent_exited")
 
     async def _catalogue(self, session_id: str, meta: Mapping[str, Any]) -> rc.Catalogue:

@@ -22,6 +22,7 @@ import acp
 from acp.schema import ClientCapabilities, Implementation
 
 from daemon.runtimes.proc import DETAIL_LIMIT, _drain, sanitize, stop_group
+from ipc.aio import within
 
 CLIENT_NAME = "kandev-runtime-probe"
 CLIENT_VERSION = "0.1.0"
@@ -75,7 +76,7 @@ async def acp_probe(
     conn = acp.connect_to_agent(_ProbeClient(), proc.stdin, proc.stdout)
     result: ProbeResult
     try:
-        init = await asyncio.wait_for(
+        init = await within(
             conn.initialize(
                 protocol_version=acp.PROTOCOL_VERSION,
                 client_capabilities=ClientCapabilities(),
@@ -105,7 +106,7 @@ async def acp_probe(
         with contextlib.suppress(Exception):
             await conn.close()
     try:
-        err = await asyncio.wait_for(stderr_task, 2.0)
+        err = await within(stderr_task, 2.0)
     except (TimeoutError, Exception):
         stderr_task.cancel()
         err = b""

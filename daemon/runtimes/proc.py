@@ -18,6 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ipc.aio import within
+
 OUTPUT_LIMIT = 64 * 1024
 DETAIL_LIMIT = 1500
 KILL_GRACE_S = 2.0
@@ -98,12 +100,12 @@ async def stop_group(proc: asyncio.subprocess.Process, grace: float = KILL_GRACE
     if proc.returncode is None:
         kill_group(proc.pid, signal.SIGTERM)
         try:
-            await asyncio.wait_for(asyncio.shield(proc.wait()), grace)
+            await within(asyncio.shield(proc.wait()), grace)
         except TimeoutError:
             pass
     kill_group(proc.pid, signal.SIGKILL)  # also whatever the leader left behind in its group
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(asyncio.shield(proc.wait()), grace)
+        await within(asyncio.shield(proc.wait()), grace)
 
 
 class CommandRunner:
@@ -132,13 +134,13 @@ class CommandRunner:
         reads = asyncio.gather(_drain(proc.stdout, self.output_limit), _drain(proc.stderr, self.output_limit))
         timed_out = False
         try:
-            out, err = await asyncio.wait_for(asyncio.shield(reads), timeout)
-            await asyncio.wait_for(proc.wait(), KILL_GRACE_S)
+            out, err = await within(asyncio.shield(reads), timeout)
+            await within(proc.wait(), KILL_GRACE_S)
         except TimeoutError:
             timed_out = True
             await stop_group(proc)
             try:
-                out, err = await asyncio.wait_for(reads, KILL_GRACE_S)
+                out, err = await within(reads, KILL_GRACE_S)
             except TimeoutError:  # something outside the group still holds the pipes
                 out, err = b"", b""
         except BaseException:  # cancelled: never leave npm running behind us

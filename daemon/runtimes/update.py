@@ -59,6 +59,7 @@ from daemon.runtimes.npx_cache import (
 from daemon.runtimes.probe import ProbeResult, acp_probe
 from daemon.runtimes.proc import DETAIL_LIMIT, CommandRunner, RunResult, sanitize
 from daemon.store.models import RuntimeUpdateJob
+from ipc.aio import within
 from ipc.errors import ErrorCode, IpcError
 
 log = logging.getLogger(__name__)
@@ -432,7 +433,7 @@ class RuntimeJobs:
                 break
             wakeup = self._wakeups.setdefault(job.job_id, asyncio.Event())
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wakeup.wait(), remaining)
+                await within(wakeup.wait(), remaining)
             job = self.get(job_id)
         return job
 
