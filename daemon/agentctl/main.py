@@ -30,6 +30,7 @@ import signal
 import sys
 from pathlib import Path
 
+from daemon import task_dump
 from daemon.agentctl import launch
 from daemon.agentctl.launch import LaunchConfig, LaunchError
 from daemon.agentctl.server import AgentctlServer
@@ -152,6 +153,7 @@ async def _serve(config: LaunchConfig, resolved: ResolvedAgentctl, credential: b
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, task_dump.log_tasks)
     notifier.notify("READY=1\nSTATUS=serving 0 instances")
     log_event(
         "agentctl_started",

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Mapping
 
 import sdnotify
 
+from daemon import task_dump
 from daemon.backend import api
 from daemon.backend.app import Backend
 from daemon.backend.lock import HomeLock, LockHeld
@@ -97,6 +98,7 @@ async def _run(paths: Paths, backend: Backend, notifier: sdnotify.SystemdNotifie
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, backend.shutdown_requested.set)
     loop.add_signal_handler(signal.SIGHUP, lambda: None)
+    loop.add_signal_handler(signal.SIGUSR1, task_dump.log_tasks)
 
     server = IpcServer(
         paths.backend_socket,
