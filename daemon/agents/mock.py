@@ -17,6 +17,12 @@ Prompt scripts (on the text of the prompt)::
                  "permission: <option id | cancelled>"
     /fail        the prompt is answered with a JSON-RPC error
     /exit C      chunk "exiting C", then the process exits with code C
+    /git-credential
+                 runs ``git credential fill`` for the workspace's ``origin`` (in the
+                 session's cwd, with the agent's own environment), as git does before
+                 a push; one chunk "git-credential: ok username=U password-sha256=H"
+                 (first 12 hex of the password's SHA-256, never the password) or
+                 "git-credential: failed (exit C): <git's first error line>"
     /other       treated as plain text (echo)
 
 ``session/cancel`` stops /slow and /flood between chunks; the prompt then
@@ -41,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import sys
@@ -278,6 +285,9 @@ class MockAgent:
             await self._say(rec, f"exiting {number}")  # written to the pipe once this returns
             log.info("/exit: exiting %d", number)
             os._exit(number)
+        if command == "/git-credential" and not args:
+            await self._say(rec, await _git_credential(rec.cwd))
+            return "end_turn"
         await self._say(rec, f"echo: {text}")
         return "end_turn"
 
@@ -312,6 +322,39 @@ async def _serve() -> None:
     await acp.run_agent(MockAgent(), writer, reader)
 
 
+async def _git_credential(cwd: str) -> str:
+    """``git credential fill`` for ``origin`` of the repository at ``cwd``: what the credential
+    helpers configured for this process give git. Reports a digest of the password, never it."""
+    env = dict(os.environ, GIT_TERMINAL_PROMPT="0")  # no helper answered: fail, do not ask
+    remote = await _git(cwd, env, "remote", "get-url", "origin")
+    if remote[0] != 0:
+        return f"git-credential: failed (exit {remote[0]}): {_first_line(remote[2])}"
+    code, out, err = await _git(cwd, env, "credential", "fill", stdin=f"url={remote[1].strip()}\n\n")
+    if code != 0:
+        return f"git-credential: failed (exit {code}): {_first_line(err)}"
+    fields = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    digest = hashlib.sha256(fields.get("password", "").encode()).hexdigest()[:12]
+    return f"git-credential: ok username={fields.get('username', '')} password-sha256={digest}"
+
+
+async def _git(cwd: str, env: dict[str, str], *args: str, stdin: str = "") -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        "git", *args, cwd=cwd, env=env, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        out, err = await within(proc.communicate(stdin.encode()), 30)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return -1, "", "git did not finish within 30 s"
+    return proc.returncode or 0, out.decode(errors="replace"), err.decode(errors="replace")
+
+
+def _first_line(text: str) -> str:
+    return next((line.strip() for line in text.splitlines() if line.strip()), "(no message)")[:300]
+
+
 def main() -> None:
     logging.basicConfig(
         stream=sys.stderr, level=logging.INFO, format="%(asctime)s kandev-mock[%(process)d] %(message)s"
@@ -323,3 +366,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+

@@ -32,6 +32,12 @@ from daemon.backend.executions import EventConsumer, Execution, ExecutionStore
 from daemon.backend.launcher import ControlServerHandle, Launcher, UnitBusy
 from daemon.backend.recovery import Recovery, RecoveryReport
 from daemon.config import Config
+from daemon.credentials import (
+    CredentialError,
+    GitCredentials,
+    prepare_git_credentials,
+    record_credential_snapshot,
+)
 from daemon.journal import log_event
 from daemon.paths import Paths
 from daemon.platform import CapabilityStatus
@@ -411,6 +417,22 @@ class Backend:
             raise IpcError(ErrorCode.UNAVAILABLE, "the backend has no control server yet; retry shortly", True)
         return self.client
 
+    def agent_base_env(self) -> dict[str, str]:
+        """The environment every agent launch adds to the control server's (the mock's state dir)."""
+        mock_state = self.paths.home / "agents" / "mock-state"
+        mock_state.mkdir(parents=True, exist_ok=True)
+        return {"KANDEV_MOCK_STATE_DIR": str(mock_state)}
+
+    def git_credentials(self, session_id: str, env: dict[str, str]) -> GitCredentials:
+        """Issue the session's git credential lease and store the non-secret snapshot, for a launch
+        of a session that is already durably STARTING (RESUME-5, RESUME-6, RESUME-9): policy
+        ``none`` when the workspace is not GitHub-backed or no upstream token is configured."""
+        with self.store.session() as db:
+            creds = prepare_git_credentials(db, session_id, paths=self.paths, config=self.config.credentials,
+                                            base_env=env)
+            record_credential_snapshot(db, session_id, creds.snapshot)
+            return creds
+
     async def op_session_start(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         if self.state != "ready":
             raise IpcError(ErrorCode.UNAVAILABLE, f"backend is {self.state}; retry shortly", True)
@@ -438,18 +460,28 @@ class Backend:
             )
             db.flush()
             transitions.transition_session(db, session_id, "STARTING", expected_from={"CREATED"}, reason="start")
+        env = self.agent_base_env()
+        try:
+            # A GitHub-backed workspace gets its scoped lease now that STARTING is durable (as a resume does).
+            creds = await asyncio.to_thread(self.git_credentials, session_id, env)
+        except CredentialError as exc:
+            with self.store.session() as db:
+                transitions.transition_session(
+                    db, session_id, "FAILED", expected_from={"STARTING"}, reason="git credentials refused",
+                    last_error=f"git credentials: {exc.message}",
+                )
+            raise exc.to_ipc() from None
+        env.update(creds.env)
         client = await self._server_for(passthrough)
         handle = self.passthrough_handle if passthrough else self.handle
         assert handle is not None
-        mock_state = self.paths.home / "agents" / "mock-state"
-        mock_state.mkdir(parents=True, exist_ok=True)
         try:
             info = await client.create_instance(
                 session_id=session_id,
                 task_id=task_id,
                 command=list(agent.argv()),
                 cwd=workspace,
-                env={"KANDEV_MOCK_STATE_DIR": str(mock_state)},
+                env=env,
                 agent=agent_name,
             )
         except IpcError as exc:
@@ -507,7 +539,7 @@ class Backend:
             INSTANCE_ID=ex.instance_id,
             AGENT_PID=ex.agent_pid,
         )
-        result: dict[str, Any] = {"session_id": session_id, "turn_id": None}
+        result: dict[str, Any] = {"session_id": session_id, "turn_id": None, "credential_policy": creds.policy}
         if args.get("prompt"):
             started = await self._prompt(session_id, args["prompt"], wait=False)
             result["turn_id"] = started["turn_id"]

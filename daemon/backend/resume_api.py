@@ -71,7 +71,7 @@ from daemon.agents.registry import get_agent
 from daemon.backend import runtime_config as rc
 from daemon.backend import workflow as wf
 from daemon.backend.executions import Execution
-from daemon.credentials import CredentialError, prepare_git_credentials, record_credential_snapshot
+from daemon.credentials import CredentialError
 from daemon.credentials.agent_env import agent_git_env, lease_file_path
 from daemon.credentials.broker import POLICY_GITHUB_LEASE, SNAPSHOT_KEY
 from daemon.journal import log_event
@@ -346,11 +346,6 @@ class ResumeService:
         if state != "STARTING":
             raise _conflict(f"session {session_id} is {state}, no longer STARTING: the resume stops here")
 
-    def _base_env(self) -> dict[str, str]:
-        mock_state = self.backend.paths.home / "agents" / "mock-state"
-        mock_state.mkdir(parents=True, exist_ok=True)
-        return {"KANDEV_MOCK_STATE_DIR": str(mock_state)}
-
     async def _assemble(self, begun: _Begun) -> _Request:
         try:
             agent = get_agent(begun.agent)
@@ -358,22 +353,13 @@ class ResumeService:
             raise IpcError(ErrorCode.INVALID_ARGUMENT, str(exc.args[0] if exc.args else exc)) from None
         if not begun.workspace or not os.path.isdir(begun.workspace):
             raise IpcError(ErrorCode.INVALID_ARGUMENT, f"the workspace {begun.workspace!r} no longer exists")
-        env = self._base_env()
+        env = self.backend.agent_base_env()
         # The broker refuses terminal sessions (RESUME-9): it is asked only once STARTING is durable.
         self._require_starting(begun.session_id)
-        creds = await asyncio.to_thread(self._credentials, begun.session_id, env)
+        creds = await asyncio.to_thread(self.backend.git_credentials, begun.session_id, env)
         env.update(creds.env)
         return _Request(command=list(agent.argv()), env=env, snapshot=creds.snapshot,
                         credential_policy=creds.policy)
-
-    def _credentials(self, session_id: str, env: dict[str, str]) -> Any:
-        """Issue the lease and store the snapshot, while STARTING and before launch (RESUME-6)."""
-        b = self.backend
-        with b.store.session() as db:
-            creds = prepare_git_credentials(db, session_id, paths=b.paths, config=b.config.credentials,
-                                            base_env=env)
-            record_credential_snapshot(db, session_id, creds.snapshot)
-            return creds
 
     async def _launch(self, begun: _Begun, request: _Request) -> dict[str, Any]:
         b = self.backend
@@ -666,7 +652,7 @@ class ResumeService:
             workspace = task.workspace if task is not None else None
         if not workspace or not os.path.isdir(workspace):
             raise IpcError(ErrorCode.INVALID_ARGUMENT, f"the workspace {workspace!r} no longer exists")
-        env = self._base_env()
+        env = self.backend.agent_base_env()
         snapshot = meta.get(SNAPSHOT_KEY) or {}
         lease_file = lease_file_path(self.backend.paths, sid)
         if snapshot.get("policy") == POLICY_GITHUB_LEASE and lease_file.exists():

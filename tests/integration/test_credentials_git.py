@@ -3,13 +3,18 @@ workspace is a real git repository with origin ``https://github.com/example/repo
 real ``git`` run with the environment an agent gets, authenticating through the shipped helper
 (``git credential fill``; no network is needed).
 
-The session is moved to STARTING through the guarded transition before the lease is issued, as
-the resume flow does (RESUME-5, RESUME-9, LEASE-CTX-7); the broker is called in this process on
-the backend's own store, which is what the backend's resume flow does in its process.
+``test_scenario_c_real_resume_of_a_failed_github_session`` runs the scenario through the real
+daemons: ``kandev session start`` / ``kandev resume`` issue the lease and the mock agent's own
+``git credential fill`` (prompt ``/git-credential``) authenticates through the helper. The other
+tests drive the broker in this process on the backend's own store (what the backend does in its
+process), with the session moved to STARTING through the guarded transition first (RESUME-5,
+RESUME-9, LEASE-CTX-7), to reach expiry, revocation and scope cases directly.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -237,3 +242,79 @@ def test_redemption_log_lines_never_contain_a_secret(setup: Setup) -> None:
     assert any("credential_refused" in line and "scope_denied" in line for line in lines)
     for secret in (token, token.split(".")[0], capability, UPSTREAM):
         assert secret not in log
+
+
+def _agent_says(k: Kandev, sid: str, prompt: str) -> str:
+    k.cli("prompt", sid, prompt, "--wait")
+    return [m["text"] for m in k.show(sid)["transcript"] if m["kind"] == "agent_message_chunk"][-1]
+
+
+def test_scenario_c_real_resume_of_a_failed_github_session(setup: Setup) -> None:
+    """Scenario C end to end through the real daemons, RESUME-5, RESUME-6, RESUME-9: a GitHub-backed
+    session gets its lease at start and the agent's own ``git`` authenticates through the shipped
+    helper; the session FAILS; ``kandev resume`` persists STARTING before the broker issues the
+    new lease, the snapshot names that lease, and git run by the resumed agent authenticates
+    again; the first attempt's lease is revoked and a lease for the FAILED session is refused."""
+    k = setup.k
+    digest = hashlib.sha256(UPSTREAM.encode()).hexdigest()[:12]
+    ok = f"git-credential: ok username=x-access-token password-sha256={digest}"
+    sid = k.cli("session", "start", setup.task_id)["session_id"]
+    assert _agent_says(k, sid, "/git-credential") == ok
+    first = json.loads(json.dumps(_metadata(setup, sid)[SNAPSHOT_KEY]))
+    assert first["policy"] == "github-lease" and first["repository"] == "example/repo"
+
+    k.cli("prompt", sid, "/exit 2")
+    wait_until(lambda: k.show(sid)["state"] == "FAILED", timeout=30)
+    s = setup.store()
+    try:
+        with s.session() as db, pytest.raises(SessionTerminal):  # RESUME-9: no lease for a FAILED session
+            issue_lease(db, sid, config=setup.config)
+    finally:
+        s.close()
+
+    resumed = k.cli("resume", sid)
+    assert resumed["state"] == "WAITING_FOR_INPUT" and resumed["credential_policy"] == "github-lease"
+    snapshot = _metadata(setup, sid)[SNAPSHOT_KEY]
+    assert snapshot["policy"] == "github-lease" and snapshot["lease_id"] != first["lease_id"]
+    log = (k.home / "logs" / "backend.log").read_text()
+    starting = log.index(f"session {sid} FAILED -> STARTING (resume)")
+    issued = log.index(f"git credential lease {snapshot['lease_id']} issued to session {sid}")
+    assert starting < issued  # RESUME-5: STARTING is durable before the lease is asked for
+    assert _agent_says(k, sid, "/git-credential") == ok
+    assert _lease_revoked(setup, first["lease_id"]) and not _lease_revoked(setup, snapshot["lease_id"])
+    for text in (log, *(p.read_text() for p in (k.home / "logs" / "agents").glob("*.log"))):
+        assert UPSTREAM not in text
+
+
+def test_a_session_without_a_github_remote_starts_without_a_lease(setup: Setup, short_tmp: Path) -> None:
+    """The policy is ``none`` (and says why) when the workspace is not GitHub-backed: no lease, and
+    the agent's git finds no credential from kandev."""
+    plain = short_tmp / "plain"
+    plain.mkdir()
+    subprocess.run(["git", "init", "-q"], cwd=plain, check=True, timeout=30)
+    subprocess.run(["git", "remote", "add", "origin", "https://gitlab.example/x/y.git"], cwd=plain, check=True,
+                   timeout=30)
+    task = setup.k.cli("task", "create", "--title", "plain", "--workspace", str(plain))["task_id"]
+    sid = setup.k.cli("session", "start", task)["session_id"]
+    snapshot = _metadata(setup, sid)[SNAPSHOT_KEY]
+    assert snapshot["policy"] == "none" and snapshot.get("lease_id") is None
+    said = _agent_says(setup.k, sid, "/git-credential")
+    assert said.startswith("git-credential: failed"), said
+
+
+def _metadata(setup: Setup, sid: str) -> dict[str, Any]:
+    s = setup.store()
+    try:
+        with s.session() as db:
+            return dict(db.get(TaskSession, sid).metadata_json or {})
+    finally:
+        s.close()
+
+
+def _lease_revoked(setup: Setup, lease_id: str) -> bool:
+    s = setup.store()
+    try:
+        with s.session() as db:
+            return bool(db.get(CredentialLease, lease_id).revoked)
+    finally:
+        s.close()
