@@ -24,6 +24,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from daemon.config import CredentialsConfig
@@ -31,6 +32,7 @@ from daemon.credentials import (
     SNAPSHOT_KEY,
     SessionTerminal,
     issue_lease,
+    lease_file_path,
     prepare_git_credentials,
     read_lease_file,
     record_credential_snapshot,
@@ -318,3 +320,38 @@ def _lease_revoked(setup: Setup, lease_id: str) -> bool:
             return bool(db.get(CredentialLease, lease_id).revoked)
     finally:
         s.close()
+
+
+def _process_facts(pid: int) -> tuple[list[str], str, dict[str, str]]:
+    """(argv, cwd, environment) of a running agent process."""
+    proc = psutil.Process(pid)
+    return proc.cmdline(), proc.cwd(), proc.environ()
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["acp", "restart"])
+def test_a_context_reset_changes_nothing_else(setup: Setup, restart: bool) -> None:
+    """RESETCFG-13: a context reset (the ACP fast path, and the process-restart fallback) changes
+    the provider session and nothing else: the same agent and executor, the same command line,
+    working directory and environment, the same git lease (no new one issued, the lease file
+    untouched) and git still authenticating through it."""
+    k = setup.k
+    sid = k.cli("session", "start", setup.task_id)["session_id"]
+    k.cli("session", "configure", sid, "--model", "mock-smart", "--mode", "plan", "--option", "effort=high")
+    before, meta_before = k.show(sid), _metadata(setup, sid)
+    lease_file = lease_file_path(setup.paths, sid)
+    lease_bytes = lease_file.read_bytes()
+    facts_before = _process_facts(before["agent_pid"])
+
+    reset = k.cli("session", "reset-context", sid, *(["--restart"] if restart else []))
+    assert reset["path"] == ("restart" if restart else "acp")
+    after, meta_after = k.show(sid), _metadata(setup, sid)
+    assert after["state"] == "WAITING_FOR_INPUT" and after["runtime_config"] == before["runtime_config"]
+    assert (after["agent"], after["task_id"]) == (before["agent"], before["task_id"])
+    assert (after["agent_pid"] == before["agent_pid"]) is (not restart)
+    assert _process_facts(after["agent_pid"]) == facts_before
+    assert meta_after[SNAPSHOT_KEY] == meta_before[SNAPSHOT_KEY]  # the same lease: none was issued
+    assert lease_file.read_bytes() == lease_bytes
+    digest = hashlib.sha256(UPSTREAM.encode()).hexdigest()[:12]
+    assert _agent_says(k, sid, "/git-credential") == (
+        f"git-credential: ok username=x-access-token password-sha256={digest}")
+    assert not _lease_revoked(setup, meta_before[SNAPSHOT_KEY]["lease_id"])
