@@ -25,6 +25,7 @@ import pytest
 from tests.helpers import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
+TASK_DUMP = "task dump requested (SIGUSR1)"
 
 
 class CliError(RuntimeError):
@@ -46,14 +47,35 @@ class Kandev:
         self.agent_pids: set[int] = set()
 
     def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "daemon.cli", "--home", str(self.home), "--json", *args],
-            capture_output=True,
-            text=True,
-            env=self.env,
-            timeout=timeout,
-            cwd=REPO,
-        )
+        try:
+            return subprocess.run(
+                [sys.executable, "-m", "daemon.cli", "--home", str(self.home), "--json", *args],
+                capture_output=True,
+                text=True,
+                env=self.env,
+                timeout=timeout,
+                cwd=REPO,
+            )
+        except subprocess.TimeoutExpired:
+            self.print_task_dumps()  # shown with the failure: what each daemon was waiting on
+            raise
+
+    def print_task_dumps(self) -> None:
+        """SIGUSR1 to each daemon this home started; print the task dump each one logged."""
+        logs = self.home / "logs"
+        for pids, log in ((self.backend_pids, logs / "backend.log"), (self.server_pids, logs / "agentctl.log")):
+            for pid in sorted(pids):
+                if not alive(pid) or str(self.home) not in " ".join(_cmdline(pid)):
+                    continue  # gone, or the pid is another process's now
+                before = log.read_text(errors="replace").count(TASK_DUMP) if log.exists() else 0
+                os.kill(pid, signal.SIGUSR1)
+                try:
+                    text = wait_until(lambda log=log, before=before: t if (t := log.read_text(errors="replace"))
+                                      .count(TASK_DUMP) > before else None, timeout=10)
+                except TimeoutError:
+                    print(f"--- pid {pid} logged no task dump within 10 s")
+                    continue
+                print(f"--- task dump of pid {pid} ({log.name})\n{text[text.rindex(TASK_DUMP):][-20000:]}")
 
     def cli(self, *args: str, timeout: float = 120) -> dict[str, Any]:
         proc = self.run(*args, timeout=timeout)
@@ -109,6 +131,13 @@ def _terminate(pid: int, group: bool = False) -> None:
     except TimeoutError:
         with contextlib.suppress(ProcessLookupError):
             kill(pid, signal.SIGKILL)
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return psutil.Process(pid).cmdline()
+    except psutil.Error:
+        return []
 
 
 def alive(pid: int) -> bool:

@@ -17,7 +17,7 @@ from tests.integration.conftest import alive
 pytestmark = pytest.mark.timeout(120)
 
 
-def test_sigusr1_logs_every_task_with_its_await_chain_and_changes_nothing(kandev_factory):
+def test_sigusr1_logs_every_task_with_its_await_chain_and_changes_nothing(kandev_factory, capsys):
     k = kandev_factory()
     st = k.up()
     task, sid = k.start_session("dump")
@@ -41,3 +41,9 @@ def test_sigusr1_logs_every_task_with_its_await_chain_and_changes_nothing(kandev
     k.cli("prompt", sid, "still here", "--wait")
     assert k.show(sid)["state"] == "WAITING_FOR_INPUT"
     assert k.status()["backend"]["pid"] == backend
+
+    # what the fixture prints when a CLI call times out: one dump per daemon of this home
+    k.print_task_dumps()
+    printed = capsys.readouterr().out
+    assert f"--- task dump of pid {backend} (backend.log)" in printed
+    assert f"--- task dump of pid {server} (agentctl.log)" in printed
