@@ -323,6 +323,8 @@ class AgentctlServer:
             self._authenticate(ctx, args["proof"], "rotate")
         elif ctx.state.get("authenticated") is not True:
             raise IpcError(ErrorCode.UNAUTHENTICATED, "rotate needs an authenticated connection or a proof")
+        if fault_fails("agentctl_rotate_fails"):  # test fault, off unless $KANDEV_FAULT says so
+            raise IpcError(ErrorCode.INTERNAL, "injected fault: rotate fails")
         rotation = self.ownership.rotate_as(ctx.state.get("cred_id"))
         cut = self._cut(rotation.cut, f"rotation {rotation.rotation_id} left its credential no power")
         log_event(

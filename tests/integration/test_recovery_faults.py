@@ -147,3 +147,27 @@ def test_single_instance_with_another_instance_id_is_retracked(kandev_factory):
     after = k.show(sid)
     assert after["retracked"] and after["agent_pid"] == show["agent_pid"]
     assert after["instance_id"] == show["instance_id"]
+
+
+def test_rotation_failure_is_an_incomplete_adoption(kandev_factory):
+    """AC-EXECUTORS-CONTROL-OWNERSHIP-002.5: the survivor answers ``rotate`` with an error: adoption
+    is incomplete, nothing is recovered, no further operation reaches that server (it enumerates
+    and stops nothing: its agent runs on), the credential both sides hold is kept, and the rows
+    are left as they were (liveness unknown)."""
+    k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="true", KANDEV_FAULT="agentctl_rotate_fails")
+    st = k.up()
+    _, sid, show = _running(k)
+    ref = _row(k, "SELECT * FROM control_server_record WHERE id = 1")["credential_ref"]
+    _kill_backend(k)
+    server_log = k.home / "logs" / "agentctl.log"
+    mark = len(server_log.read_text())
+    st2 = k.up()
+    assert st2["adoption"] == {"outcome": "refused", "reason": "credential_rotation_failure"}
+    assert st2["recovery"]["retracked"] == 0
+    assert alive(st["control_server"]["pid"]) and alive(show["agent_pid"])
+    assert (k.home / "secrets" / ref).exists()  # the credential held by both sides is not thrown away
+    assert _row(k, "SELECT * FROM executors_running WHERE session_id = ?", sid)["status"] == "live"  # unknown
+    assert not k.show(sid)["retracked"]
+    after = server_log.read_text()[mark:]  # both servers of this home log here
+    assert "instance_stopped" not in after and "ownership_shutdown" not in after, after[-3000:]
+    assert k.status()["control_server"]["pid"] != st["control_server"]["pid"]  # not driven: a server of its own
