@@ -45,6 +45,7 @@ nothing answers (no socket, connection refused, timeout).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 from daemon.agentctl import auth
@@ -192,6 +193,9 @@ class AgentctlClient:
         self.credential_role: str | None = info.get("credential_role")
         """``current`` or ``superseded``: which accepted credential authenticated this connection."""
         self.timeout = timeout
+        self.on_superseded: Callable[[AgentctlClient], None] | None = None
+        """Called (once per refusal) when an operation is refused with ``superseded_credential``:
+        another holder of the installation's credential adopted the server (OWNERSHIP-002.3)."""
         self._conn = conn
         self._credential = credential
         self._installation_id = installation_id
@@ -253,7 +257,12 @@ class AgentctlClient:
 
     async def call(self, op: str, args: dict[str, Any] | None = None, *, timeout: float | None = None) -> Any:
         """Any op of ``protocol.TABLE`` on the authenticated connection."""
-        return await self._conn.call(op, args, timeout=self.timeout if timeout is None else timeout)
+        try:
+            return await self._conn.call(op, args, timeout=self.timeout if timeout is None else timeout)
+        except IpcError as exc:
+            if exc.code == ErrorCode.SUPERSEDED_CREDENTIAL and self.on_superseded is not None:
+                self.on_superseded(self)
+            raise
 
     # -- ownership ----------------------------------------------------------
 

@@ -24,7 +24,7 @@ from sqlalchemy import select
 import daemon.backend.credentials_api as credentials_api
 import daemon.backend.resume_api as resume_api
 import daemon.backend.runtimes_api as runtimes_api
-from daemon.agentctl.client import AgentctlClient, identify
+from daemon.agentctl.client import AgentctlClient, OwnershipRefused, identify
 from daemon.agents.registry import get_agent
 from daemon.backend.adoption import Adopter
 from daemon.backend.events import _ensure_turn
@@ -110,6 +110,26 @@ class Backend:
     def _on_gone(self, ex: Execution) -> None:
         self.executions.executions.pop(ex.session_id, None)
 
+    def _superseded(self, client: AgentctlClient) -> None:
+        """An operation was refused for a superseded credential: another holder of this
+        installation's credential adopted the server. Its executions are no longer ours: forget
+        them, stop renewing, and never retry; nothing is stopped (OWNERSHIP-002.3)."""
+        client.on_superseded = None  # once
+        passthrough = client is self.passthrough_client
+        lost = [ex for ex in self.executions.executions.values() if ex.passthrough == passthrough]
+        for ex in lost:
+            ex.gone = True
+            self.executions.executions.pop(ex.session_id, None)
+            ex.fail_waiters("superseded_credential")
+            if ex.consumer is not None:
+                ex.consumer.cancel()
+        claims = self.claim_tasks.pop(client.socket_path, None)
+        if claims is not None:
+            claims.cancel()
+        log_event("ownership_lost", f"control server at {client.socket_path} was adopted with this installation's"
+                  f" credential by someone else: {len(lost)} execution(s) no longer tracked, nothing stopped",
+                  priority=4, REASON="superseded_credential", COUNT=len(lost))
+
     async def _connect(self, handle: ControlServerHandle, credential: bytes) -> tuple[AgentctlClient, dict[str, Any]]:
         info = await identify(handle.endpoint, timeout=5.0)
         if info is None:
@@ -183,6 +203,12 @@ class Backend:
                             expected_identity=identity,
                         )
                     await conn.claim()
+                except OwnershipRefused as exc:
+                    # Our credential no longer authenticates (another backend adopted it and confirmed),
+                    # or another server answers there: nothing left to renew, no retry (002.3).
+                    log_event("ownership_lost", f"stopped renewing {endpoint}: {exc.reason}", priority=4,
+                              REASON=exc.reason)
+                    return
                 except IpcError as exc:
                     if exc.code in (ErrorCode.SUPERSEDED_CREDENTIAL, ErrorCode.SHUTTING_DOWN):
                         # Another backend adopted it, or it is exiting: not ours to renew (002.3, 003.9).
@@ -235,6 +261,8 @@ class Backend:
             enabled=self.enabled, start_own_server=self.start_own_server, publish=self._publish
         )
         self.client = client
+        if client is not None:
+            client.on_superseded = self._superseded
         self.report = report
         if report.adoption.outcome == "adopted" and report.adoption.record is not None:
             rec = report.adoption.record
@@ -409,6 +437,7 @@ class Backend:
             if self.passthrough_client is None:
                 handle, credential = await self.passthrough_launcher.start()
                 self.passthrough_client, info = await self._connect(handle, credential)
+                self.passthrough_client.on_superseded = self._superseded
                 self.passthrough_handle = handle
                 # It dies with us, but it must not reap itself while we live (OWN-003.1).
                 self._start_claims(self.passthrough_client, handle.endpoint, info["server_identity"], credential)

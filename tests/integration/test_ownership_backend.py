@@ -13,6 +13,7 @@ F: capability switched off: a provable survivor is stopped through ownership_shu
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import sqlite3
@@ -233,3 +234,46 @@ def test_scenario_f_disabled_leaves_unprovable_server_running(kandev_factory):
     assert alive(st["control_server"]["pid"]) and alive(pid)
     row = _inventory(k, sid)
     assert row["status"] == "live"  # liveness unknown: left untouched (AC-EXECUTORS-SURVIVAL-003.6)
+
+
+def test_superseded_backend_stops_treating_the_executions_as_its_own(kandev_factory):
+    """AC-EXECUTORS-CONTROL-OWNERSHIP-002.3: while a backend drives a server, another adopter (this
+    test, holding the installation's credential) rotates. Phase 1 (not yet confirmed): the
+    backend's next operation is refused as superseded; it drops every execution on that server,
+    stops renewing and does not retry, and stops nothing (the agent is the new owner's). Phase 2
+    (confirmed): the old credential authenticates nothing; the backend sends no retry."""
+    k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="true", KANDEV_AGENTCTL_UNOWNED_PERIOD="1min")
+    st = k.up()
+    _, sid = k.start_session("superseded")
+    pid = k.show(sid)["agent_pid"]
+    rec = _record(k)
+    old = _credential(k, rec["credential_ref"])
+    log = k.home / "logs" / "backend.log"
+
+    async def take_over() -> None:
+        client = await AgentctlClient.connect(rec["endpoint"], credential=old, installation_id=_installation(k),
+                                              purpose="adopt")
+        try:
+            rotation_id, new = await client.rotate()
+            # phase 1: the backend's credential is superseded, not yet dead
+            refused = await asyncio.to_thread(k.run, "prompt", sid, "hello")
+            assert refused.returncode == 1, refused.stdout + refused.stderr
+            assert json.loads(refused.stdout)["error"]["code"] == "superseded_credential", refused.stdout
+            await client.reauthenticate(new)
+            await client.confirm_rotation(rotation_id)  # phase 2
+        finally:
+            await client.close()
+
+    asyncio.run(take_over())
+    lost = wait_until(lambda: [line for line in log.read_text().splitlines() if "ownership_lost" in line], timeout=10)
+    assert "reason=superseded_credential" in lost[0] and "1 execution(s) no longer tracked" in lost[0], lost
+    show = k.show(sid)
+    assert not show["live"]
+    again = k.run("prompt", sid, "hello")
+    assert again.returncode == 1  # typed refusal: the backend no longer drives it
+    assert alive(pid) and alive(st["control_server"]["pid"])  # nothing stopped: not ours any more
+    # no retry: past one claim interval (period/4 = 15 s) nothing more was tried on that server
+    with pytest.raises(TimeoutError):
+        wait_until(lambda: "ownership claim failed" in log.read_text() or "refused us" in log.read_text(),
+                   timeout=20)
+    assert len([line for line in log.read_text().splitlines() if "ownership_lost" in line]) == 1
