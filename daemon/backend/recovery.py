@@ -232,7 +232,8 @@ class Recovery:
         jobs: dict[asyncio.Task[Execution | None], Record] = {}
         for rec in standalone:
             if rec.session_id in self.executions.executions:
-                continue  # already tracked: idempotent (002.9)
+                report.retracked.append(rec.session_id)  # already tracked: the same set, no second execution (002.9)
+                continue
             candidates = by_session.get(rec.session_id, [])
             if not candidates:
                 report.not_retracked[rec.session_id] = "no_instance"  # repair path (002.7)
@@ -390,7 +391,7 @@ class Recovery:
                 )
         for rec in records:
             if not rec.passthrough:
-                self.executions.acquire_guard(rec.session_id)
+                self.executions.acquire_guard(rec.session_id)  # a session already tracked is left unguarded
         return records
 
     def read_server_record(self) -> ControlServerRecord | None:

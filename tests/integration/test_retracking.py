@@ -226,3 +226,73 @@ def test_scenario_g_hundred_sessions_survive(kandev_factory):
     listed = k.cli("session", "list")["sessions"]
     assert all(s["retracked"] and s["state"] == "RUNNING" for s in listed)
     assert all(alive(pid) for pid in pids.values())
+
+
+def test_a_second_retracking_pass_is_idempotent(kandev_factory):
+    """AC-EXECUTORS-SURVIVAL-002.9: recovery run twice in one backend lifetime against the same
+    control server (the real survivor, driven in this process with the backend's own recovery
+    code and store) yields the same tracked set and never a second execution: the session already
+    tracked is neither guarded, re-created nor repaired the second time."""
+    from daemon.backend.adoption import Adopter
+    from daemon.backend.executions import ExecutionStore
+    from daemon.backend.recovery import Recovery
+    from daemon.paths import Paths
+    from daemon.store.db import Store, sqlite_url
+
+    k = _enabled(kandev_factory)
+    k.up()
+    _, sid = k.start_session("twice")
+    k.cli("prompt", sid, "/slow 600")
+    show = wait_until(lambda: s if agent_chunks(s := k.show(sid)) else None, timeout=30)
+    _kill_backend(k)
+
+    async def twice() -> tuple[list[str], list[str], bool, bool, dict[str, Any]]:
+        store = Store.open(sqlite_url(k.home / "kandev.db"))
+        executions = ExecutionStore()
+        installation = (k.home / "installation-id").read_text().strip()
+
+        async def no_own_server() -> AgentctlClient:
+            raise AssertionError("the survivor was not adopted")
+
+        def publish(ex: Any) -> None:
+            assert ex.session_id not in executions.executions, "a second execution for a tracked session"
+            executions.executions[ex.session_id] = ex
+
+        async def one_pass() -> tuple[Any, AgentctlClient]:
+            adopter = Adopter(store, Paths.for_home(k.home), installation, read_timeout_s=5, read_retries=1)
+            recovery = Recovery(store, executions, adopter, deadline_s=60, read_timeout_s=5, read_retries=1,
+                                boot_id="test-boot")
+            return await recovery.recover(enabled=True, start_own_server=no_own_server, publish=publish)
+
+        clients = []
+        try:
+            first, c1 = await one_pass()
+            clients.append(c1)
+            tracked = executions.executions[sid]
+            guarded_during_second: list[bool] = []
+            original = executions.acquire_guard
+
+            def watching(session_id: str) -> bool:
+                got = original(session_id)
+                guarded_during_second.append(got)
+                return got
+
+            executions.acquire_guard = watching  # type: ignore[method-assign]
+            second, c2 = await one_pass()
+            clients.append(c2)
+            instances = await c2.list_instances()
+            return (first.retracked, second.retracked, executions.executions[sid] is tracked,
+                    any(guarded_during_second), {"instances": instances, "unknown": second.unknown})
+        finally:
+            for c in clients:
+                await c.close()
+            store.close()
+
+    first, second, same_object, guarded, facts = asyncio.run(twice())
+    assert first == [sid] and second == [sid]
+    assert same_object and not guarded
+    assert [i["session_id"] for i in facts["instances"]] == [sid] and facts["unknown"] == []
+    row = _db_row(k, "SELECT * FROM executors_running WHERE session_id = ?", sid)
+    assert row["status"] == "live" and row["instance_id"] == show["instance_id"]
+    assert _db_row(k, "SELECT state FROM task_sessions WHERE id = ?", sid)["state"] == "RUNNING"
+    assert alive(show["agent_pid"])
