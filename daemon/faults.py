@@ -43,6 +43,7 @@ FAILURES = frozenset(
         "agentctl_turn_status_fails",  # turn_status answers an error (SURVIVAL-004.5)
         "agentctl_lacks_turns",  # identify advertises no turns.v1 (OWNERSHIP-004.3)
         "agentctl_shutdown_fails",  # ownership_shutdown answers an error (OWNERSHIP-004.7)
+        "agentctl_lacks_shutdown",  # ownership_shutdown is an unknown op (OWNERSHIP-004.6)
         "agentctl_rotate_fails",  # rotate answers an error: adoption incomplete (OWNERSHIP-002.5)
     }
 )

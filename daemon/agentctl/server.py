@@ -360,6 +360,8 @@ class AgentctlServer:
     async def op_ownership_shutdown(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         if fault_fails("agentctl_shutdown_fails"):  # test fault, off unless $KANDEV_FAULT says so
             raise IpcError(ErrorCode.INTERNAL, "injected fault: ownership_shutdown fails")
+        if fault_fails("agentctl_lacks_shutdown"):  # test fault: answers as a server without the op would
+            raise IpcError(ErrorCode.UNKNOWN_OP, "unknown op 'ownership_shutdown' (injected fault)")
         # Already stopping (an unowned shutdown, an earlier call, a signal) counts as success (OWN-004.7):
         # the reply still comes only once every instance is stopped.
         if self.ownership.begin_shutdown("ownership_shutdown"):

@@ -96,11 +96,13 @@ def test_incompatible_server_is_stopped_and_rows_repaired_at_once(kandev_factory
     assert k.show(sid)["state"] != "RUNNING"
 
 
-def test_incompatible_server_that_cannot_be_stopped_is_left_alone(kandev_factory):
+@pytest.mark.parametrize("fault", ["agentctl_shutdown_fails", "agentctl_lacks_shutdown"])
+def test_incompatible_server_that_cannot_be_stopped_is_left_alone(kandev_factory, fault):
     """AC-EXECUTORS-CONTROL-OWNERSHIP-004.7: failed whole-server stop → no row repaired, own server on a
-    new endpoint, record rewritten, credential kept, survivor left to its unowned shutdown."""
-    k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="true",
-                       KANDEV_FAULT="agentctl_lacks_turns,agentctl_shutdown_fails")
+    new endpoint, record rewritten, credential kept, survivor left to its unowned shutdown.
+    AC-EXECUTORS-CONTROL-OWNERSHIP-004.6: a server that answers identity but does not support
+    ownership_shutdown (``unknown_op``) is the same failed stop."""
+    k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="true", KANDEV_FAULT=f"agentctl_lacks_turns,{fault}")
     st = k.up()
     _, sid, show = _running(k)
     old_ref = _row(k, "SELECT * FROM control_server_record WHERE id = 1")["credential_ref"]
