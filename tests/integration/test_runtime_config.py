@@ -158,7 +158,6 @@ def test_reset_by_process_restart_restores_the_same_fields(kandev_factory):
 
 @pytest.mark.parametrize("switch, field", [('reject_mode = "plan"\n', "mode"),
                                            ('reject_option = "effort=high"\n', "option effort")])
-@pytest.mark.xfail(strict=False, reason="known intermittent hang: `task proceed` with a rejected restore timed out (120 s) once in four full CI runs; undiagnosed, issue 5 left open for it")
 def test_rejected_field_fails_the_reset_and_blocks_the_step_prompt(kandev_factory, switch, field):
     """RESETCFG-9, RESETCFG-10, RESETCFG-11, RESETCFG-T3: the new session rejects one captured field:
     the reset fails, the execution is failed, the failure status is persisted, no ready or reset
