@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from daemon.store.db import Store, sqlite_url
 from tests.helpers import REPO_ROOT, venv_python_path
+from tests.postgres import PgCluster
+from tests.postgres import require as postgres_bin
 
 
 @pytest.fixture(scope="session")
@@ -22,3 +26,29 @@ def venv_python() -> Path:
     if not py.exists():
         pytest.fail(f"no dev venv python at {py}: run `bash packaging/dev/setup.sh` first", pytrace=False)
     return py
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PgCluster]:
+    """One throwaway PostgreSQL server per test process (tests/postgres.py); ``new_database()``
+    gives each test an empty database."""
+    cluster = PgCluster(postgres_bin()).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    """A migrated, empty store on each engine kandev supports: an SQLite file, and a database on
+    a real PostgreSQL server (the ``postgres`` fixture is started only for that parameter)."""
+    if request.param == "sqlite":
+        url = sqlite_url(tmp_path / "kandev.db")
+    else:
+        url = request.getfixturevalue("postgres").new_database()
+    store = Store.open(url)
+    try:
+        yield store
+    finally:
+        store.close()

@@ -2,24 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import pytest
 
 from daemon.store.board import BUCKETS, board, bucket_for
-from daemon.store.db import Store, sqlite_url
+from daemon.store.db import Store
 from daemon.store.models import Task, TaskSession
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
-    s = Store.open(sqlite_url(tmp_path / "kandev.db"))
-    yield s
-    s.close()
+def store(any_store: Store) -> Store:
+    """Each test runs on SQLite and on a real PostgreSQL server (tests/conftest.py)."""
+    return any_store
 
 
 def _task(store: Store, task_state: str, *session_states: str) -> str:

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from daemon.store import transitions as tr
-from daemon.store.db import Store, sqlite_url
+from daemon.store.db import Store
 from daemon.store.models import SESSION_STATES, Task, TaskSession
 from daemon.store.transitions import (
     ALLOWED,
@@ -24,10 +23,9 @@ Event = tuple[str, str, str, str]
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
-    s = Store.open(sqlite_url(tmp_path / "kandev.db"))
-    yield s
-    s.close()
+def store(any_store: Store) -> Store:
+    """Each test runs on SQLite and on a real PostgreSQL server (tests/conftest.py)."""
+    return any_store
 
 
 @pytest.fixture
