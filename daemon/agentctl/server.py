@@ -43,7 +43,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from daemon.agentctl import auth
+from daemon.agentctl import agent_logs, auth
 from daemon.agentctl.instance import Instance, InstanceSpec, TurnIds
 from daemon.agentctl.launch import LaunchConfig
 from daemon.agentctl.ownership import Ownership
@@ -142,6 +142,30 @@ class AgentctlServer:
     async def start(self) -> None:
         await self.ipc.start()
         self._spawn_background(self.run_unowned_timer())
+        self._spawn_background(self.run_agent_log_bounds())
+
+    async def run_agent_log_bounds(self) -> None:
+        """Keep the agents' stderr files bounded (``agent_logs``): old files of instances this
+        server does not run are pruned at start and hourly; running instances' files are capped
+        about every minute."""
+        directory = Path(self.config.agent_log_dir)
+        last_prune: float | None = None
+        while not self.shutting_down:
+            if last_prune is None or time.monotonic() - last_prune >= agent_logs.PRUNE_EVERY_S:
+                last_prune = time.monotonic()
+                keep = {inst.stderr_path for inst in self.instances.values()}
+                removed = await asyncio.to_thread(agent_logs.prune, directory, keep)
+                if removed:
+                    log_event("agent_logs_pruned", f"removed {len(removed)} agent stderr file(s) of instances"
+                              f" not running here and not written for {agent_logs.MAX_AGE_S // 86400} days",
+                              COUNT=len(removed))
+            for inst in list(self.instances.values()):
+                dropped = await asyncio.to_thread(agent_logs.cap, inst.stderr_path)
+                if dropped:
+                    log_event("agent_log_truncated", f"instance {inst.instance_id}: cut {dropped} bytes of agent"
+                              f" stderr (kept under {agent_logs.MAX_BYTES} bytes)", INSTANCE_ID=inst.instance_id,
+                              DROPPED=dropped)
+            await asyncio.sleep(agent_logs.CAP_EVERY_S)
 
     async def run_unowned_timer(self, interval: float = 1.0) -> None:
         """Check the unowned period about every ``interval`` s; on expiry latch and request the exit."""
