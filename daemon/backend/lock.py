@@ -1,4 +1,4 @@
-"""The single-driver lock: one backend per Kandev home (design.md §5).
+"""The single-driver locks: one backend per Kandev home (design.md §5), and per store.
 
 ``fcntl.flock`` on ``<home>/backend.lock``, opened without following
 symlinks and required to be a regular file, taken before anything else and
@@ -10,9 +10,11 @@ backend can name it.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 
 class LockHeld(RuntimeError):
@@ -56,3 +58,88 @@ def _read_pid(fd: int) -> int | None:
         return int(os.pread(fd, 32, 0).decode().strip() or 0) or None
     except (OSError, ValueError):
         return None
+
+
+# A session-level PostgreSQL advisory lock key: the first 8 bytes of sha256("kandev-backend").
+PG_LOCK_KEY = int.from_bytes(hashlib.sha256(b"kandev-backend").digest()[:8], "big", signed=True)
+
+
+class StoreLocked(RuntimeError):
+    """Another backend already drives the store named by ``database.url``."""
+
+
+class StoreLock:
+    """The single-driver rule for a store outside the home (OWN-002.4: the home, "and an external
+    SQLite file if one is used"; a PostgreSQL database is the same case).
+
+    - SQLite file other than ``<home>/kandev.db``: ``flock`` on ``<file>.lock`` beside it (never on
+      the database file itself), with the holder's pid written in it, like the home lock.
+    - PostgreSQL: a session-level advisory lock (``pg_try_advisory_lock``) on a dedicated
+      connection kept open for the process lifetime; the server drops it when that connection
+      ends, SIGKILL included. Two backends of different homes on one database are refused.
+    - ``<home>/kandev.db`` itself is covered by the home lock; other engines get no extra lock.
+    """
+
+    def __init__(self, url: str, home_db: Path) -> None:
+        self.url = url
+        self.home_db = home_db
+        self._file_lock: HomeLock | None = None
+        self._engine: Any = None
+        self._conn: Any = None
+
+    def acquire(self) -> None:
+        from sqlalchemy.engine import make_url
+
+        url = make_url(self.url)
+        backend = url.get_backend_name()
+        if backend == "sqlite":
+            db = url.database
+            if not db or db == ":memory:" or db.startswith("file:"):
+                return
+            path = Path(db).absolute()
+            if path.resolve() == self.home_db.absolute().resolve():
+                return
+            lock = HomeLock(path.with_name(path.name + ".lock"))
+            try:
+                lock.acquire()
+            except LockHeld as exc:
+                who = f"pid {exc.holder_pid}" if exc.holder_pid else "another process"
+                raise StoreLocked(f"another kandev-backend ({who}) already uses the database {path}:"
+                                  f" {lock.path} is locked") from None
+            self._file_lock = lock
+        elif backend == "postgresql":
+            self._lock_postgresql()
+
+    def _lock_postgresql(self) -> None:
+        from sqlalchemy import create_engine, text
+        from sqlalchemy.pool import NullPool
+
+        engine = create_engine(self.url, poolclass=NullPool)
+        try:
+            conn = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+        except Exception:
+            engine.dispose()
+            raise
+        try:
+            got = conn.execute(text("SELECT pg_try_advisory_lock(:key)"), {"key": PG_LOCK_KEY}).scalar()
+        except Exception:
+            conn.close()
+            engine.dispose()
+            raise
+        if not got:
+            conn.close()
+            engine.dispose()
+            raise StoreLocked("another kandev-backend already uses this PostgreSQL database (it holds the"
+                              f" advisory lock {PG_LOCK_KEY}); one database serves one kandev home")
+        self._engine, self._conn = engine, conn
+
+    def release(self) -> None:
+        if self._file_lock is not None:
+            self._file_lock.release()
+            self._file_lock = None
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            finally:
+                self._engine.dispose()
+                self._conn = self._engine = None

@@ -1,8 +1,8 @@
 """``kandev-backend``: the startup order of design.md §7, then serve until told to stop.
 
-lock → config validation → logging → platform check → store (migrations) →
-CLI socket (guards make early requests safe) → recovery and reconciliation →
-READY=1. Shutdown detaches from the control server when survival is enabled
+home lock → config validation → store lock (a store outside the home) → logging →
+platform check → store (migrations) → CLI socket (guards make early requests safe) →
+recovery and reconciliation → READY=1. Shutdown detaches from the control server when survival is enabled
 (its agents keep running) and stops it when it is our child.
 """
 
@@ -22,8 +22,8 @@ import sdnotify
 from daemon import task_dump
 from daemon.backend import api
 from daemon.backend.app import Backend
-from daemon.backend.lock import HomeLock, LockHeld
-from daemon.config import ConfigError, load_config, validate_agentctl, validate_backend
+from daemon.backend.lock import HomeLock, LockHeld, StoreLock, StoreLocked
+from daemon.config import Config, ConfigError, load_config, validate_agentctl, validate_backend
 from daemon.journal import log_event, setup_logging
 from daemon.limits import raise_open_file_limit
 from daemon.paths import Paths, installation_id, resolve_home
@@ -163,26 +163,43 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as exc:
             print(f"kandev-backend: invalid configuration: {exc}", file=sys.stderr)
             return 2
-        setup_logging("backend", verbose=args.verbose)
-        capability = check_capability(config)
-        log_event(
-            "capability",
-            f"agent survival capability: {capability.state}"
-            + (f" ({capability.reason}: {capability.detail})" if capability.reason else ""),
-            STATE=capability.state,
-            REASON=capability.reason,
-            SUPERVISOR=capability.supervisor,
-        )
         url = config.database.url or sqlite_url(paths.db_path)
-        store = Store.open(url)
-        backend = Backend(paths, config, capability, store, installation_id(paths))
-        notifier = sdnotify.SystemdNotifier()
+        store_lock = StoreLock(url, paths.db_path)
         try:
-            return asyncio.run(_watched(_run(paths, backend, notifier), notifier))
+            store_lock.acquire()  # a store outside the home: one backend per store too, before logging
+        except StoreLocked as exc:
+            print(f"kandev-backend: {exc}", file=sys.stderr)
+            return 1
+        except Exception as exc:  # e.g. the database server is down
+            print(f"kandev-backend: cannot lock the store: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
+        try:
+            return _serve(args, paths, config, url)
         finally:
-            store.close()
+            store_lock.release()
     finally:
         lock.release()
+
+
+def _serve(args: argparse.Namespace, paths: Paths, config: Config, url: str) -> int:
+    """Logging → platform check → store (migrations) → the event loop, with both locks held."""
+    setup_logging("backend", verbose=args.verbose)
+    capability = check_capability(config)
+    log_event(
+        "capability",
+        f"agent survival capability: {capability.state}"
+        + (f" ({capability.reason}: {capability.detail})" if capability.reason else ""),
+        STATE=capability.state,
+        REASON=capability.reason,
+        SUPERVISOR=capability.supervisor,
+    )
+    store = Store.open(url)
+    backend = Backend(paths, config, capability, store, installation_id(paths))
+    notifier = sdnotify.SystemdNotifier()
+    try:
+        return asyncio.run(_watched(_run(paths, backend, notifier), notifier))
+    finally:
+        store.close()
 
 
 if __name__ == "__main__":

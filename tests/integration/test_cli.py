@@ -104,3 +104,24 @@ def test_second_backend_on_the_same_home_is_refused(kandev_factory):
     assert proc.returncode == 1
     assert f"pid {st['backend']['pid']}" in proc.stderr
     assert k.status()["backend"]["pid"] == st["backend"]["pid"]
+
+
+def test_second_backend_on_the_same_external_sqlite_file_is_refused(kandev_factory, short_tmp):
+    """AC-EXECUTORS-CONTROL-OWNERSHIP-002.4: "and on an external SQLite file if one is used": two
+    homes whose database.url names one SQLite file; the second backend exits naming the holder,
+    before it logs or opens the store."""
+    shared = short_tmp / "shared.db"
+    config = f'[database]\nurl = "sqlite:///{shared}"\n'
+    first = kandev_factory("one", config)
+    st = first.up()
+    second = kandev_factory("two", config)
+    proc = subprocess.run(
+        [sys.executable, "-m", "daemon.backend.main", "--home", str(second.home)],
+        capture_output=True, text=True, env=second.env, timeout=60, cwd=REPO,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert f"pid {st['backend']['pid']}" in proc.stderr and f"{shared}.lock is locked" in proc.stderr
+    assert not (second.home / "logs" / "backend.log").exists()
+    assert first.status()["backend"]["pid"] == st["backend"]["pid"]
+    first.cli("down")
+    assert second.up()["backend"]["state"] == "ready"  # the lock ends with its holder

@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 from sqlalchemy import create_engine, text
 
 from tests.helpers import wait_until
-from tests.integration.conftest import agent_chunks, alive
+from tests.integration.conftest import REPO, agent_chunks, alive
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -58,3 +60,21 @@ def test_survival_round_trip_on_postgresql(kandev_factory, postgres):
     store = next(c for c in doctor["checks"] if c["name"] == "store")
     assert store["ok"] and "database.url" in store["detail"] and "(head)" in store["detail"], store
     assert url not in store["detail"]  # the URL (it may hold a password) is not echoed
+
+
+def test_one_postgresql_database_serves_one_home(kandev_factory, postgres):
+    """AC-EXECUTORS-CONTROL-OWNERSHIP-002.4 for a PostgreSQL store: a second backend (another home)
+    on the same database is refused at start, before it logs; it starts once the first is gone."""
+    url = postgres.new_database()
+    first = kandev_factory("one", f'[database]\nurl = "{url}"\n')
+    st = first.up()
+    second = kandev_factory("two", f'[database]\nurl = "{url}"\n')
+    proc = subprocess.run([sys.executable, "-m", "daemon.backend.main", "--home", str(second.home)],
+                          capture_output=True, text=True, env=second.env, timeout=60, cwd=REPO)
+    assert proc.returncode == 1 and "already uses this PostgreSQL database" in proc.stderr, proc.stderr
+    assert not (second.home / "logs" / "backend.log").exists()
+    assert first.status()["backend"]["pid"] == st["backend"]["pid"]
+    os.kill(st["backend"]["pid"], signal.SIGKILL)  # the server drops the lock with the connection
+    wait_until(lambda: not alive(st["backend"]["pid"]), timeout=10)
+    wait_until(lambda: second.run("up", timeout=120).returncode == 0, timeout=60)
+    assert second.up()["backend"]["state"] == "ready"  # (again, to record its pids for the clean-up)
