@@ -42,6 +42,7 @@ Handler = Callable[[ConnectionContext, dict[str, Any]], Awaitable[Any]]
 Authorize = Callable[[ConnectionContext, Op], None]
 
 _CLOSE_GRACE = 1.0  # seconds close() lets connections flush before aborting them
+_REFUSAL_LINGER_S = 1.0  # seconds a refused connection stays half-open for the peer to read why
 
 
 def _valid_id(rid: Any) -> bool:
@@ -111,6 +112,7 @@ class IpcServer:
         self._server: asyncio.AbstractServer | None = None
         self._identity: SocketIdentity | None = None
         self._connections: set[ConnectionContext] = set()
+        self._lingering: set[asyncio.Transport] = set()  # refused peers reading why (admit)
         self._all_gone = asyncio.Event()
         self._handler_tasks: set[asyncio.Task[None]] = set()
         self._closing = False
@@ -145,6 +147,8 @@ class IpcServer:
             self._server.close()
         for ctx in list(self._connections):
             ctx.close()
+        for transport in list(self._lingering):
+            self._end_linger(transport)
         for task in list(self._handler_tasks):
             task.cancel()
         if self._handler_tasks:
@@ -202,8 +206,20 @@ class IpcServer:
             self._all_gone.clear()
             return ctx
         transport.write(error_frame(None, error))
-        transport.close()
+        if transport.can_write_eof():
+            # Lingering close: half-close so the peer reads the refusal, then EOF, and keep
+            # discarding its input for a moment. A peer that already wrote its first request
+            # then gets the typed refusal, not EPIPE/ECONNRESET from our socket vanishing.
+            transport.write_eof()
+            self._lingering.add(transport)
+            asyncio.get_running_loop().call_later(_REFUSAL_LINGER_S, self._end_linger, transport)
+        else:
+            transport.close()
         return None
+
+    def _end_linger(self, transport: asyncio.Transport) -> None:
+        self._lingering.discard(transport)
+        transport.close()
 
     def forget(self, ctx: ConnectionContext) -> None:
         """The connection is gone (after ``ctx.closed`` was set)."""

@@ -23,6 +23,8 @@ from .framing import FrameBuffer, FrameTooLarge, InvalidFrame, encode_frame
 if TYPE_CHECKING:
     from .connection import ConnectionContext
 
+_DISCARD = memoryview(bytearray(64 * 1024))  # scratch space for a refused peer's input
+
 
 def error_frame(rid: Any, error: IpcError) -> bytes:
     """An encoded error response (``rid`` None for connection-level errors)."""
@@ -66,9 +68,13 @@ class ServerProtocol(asyncio.BufferedProtocol):
             self._done = True
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        if self.ctx is None:  # refused: what the peer still sends while we linger is discarded
+            return _DISCARD
         return self._frames.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self.ctx is None:
+            return
         self._frames.buffer_updated(nbytes)
         if not self._done:
             self.process()

@@ -855,6 +855,28 @@ def test_requests_after_a_stream_request_are_not_dispatched(server: ServerThread
 # -- peer credentials ------------------------------------------------------------
 
 
+def test_a_refused_peer_that_writes_at_once_still_reads_the_typed_refusal(sock_dir: Path) -> None:
+    """The client sends hello as soon as it connects, often before the refusal arrives. The server
+    half-closes and lingers, so the write never meets a vanished socket (EPIPE): every attempt
+    gets permission_denied, never a bare unavailable (before the linger: ~9 % did)."""
+    st = ServerThread(sock_dir / "strict2.sock", allowed_uids={12345}).start()
+    try:
+        async def attempts() -> list[str]:
+            codes = []
+            for _ in range(200):
+                try:
+                    await AsyncClient.connect(st.path)
+                    codes.append("connected")
+                except IpcError as exc:
+                    codes.append(exc.code)
+            return codes
+
+        codes = arun(attempts(), timeout=120)
+        assert set(codes) == {ErrorCode.PERMISSION_DENIED}, {c: codes.count(c) for c in set(codes)}
+    finally:
+        st.stop()
+
+
 def test_peer_refused_by_uid_in_process(sock_dir: Path) -> None:
     st = ServerThread(sock_dir / "strict.sock", allowed_uids={12345}).start()
     try:
