@@ -490,21 +490,16 @@ class Backend:
             db.flush()
             transitions.transition_session(db, session_id, "STARTING", expected_from={"CREATED"}, reason="start")
         env = self.agent_base_env()
+        stage = "git credentials"
         try:
             # A GitHub-backed workspace gets its scoped lease now that STARTING is durable (as a resume does).
             creds = await asyncio.to_thread(self.git_credentials, session_id, env)
-        except CredentialError as exc:
-            with self.store.session() as db:
-                transitions.transition_session(
-                    db, session_id, "FAILED", expected_from={"STARTING"}, reason="git credentials refused",
-                    last_error=f"git credentials: {exc.message}",
-                )
-            raise exc.to_ipc() from None
-        env.update(creds.env)
-        client = await self._server_for(passthrough)
-        handle = self.passthrough_handle if passthrough else self.handle
-        assert handle is not None
-        try:
+            env.update(creds.env)
+            stage = "control server"
+            client = await self._server_for(passthrough)
+            handle = self.passthrough_handle if passthrough else self.handle
+            assert handle is not None
+            stage = "launch"
             info = await client.create_instance(
                 session_id=session_id,
                 task_id=task_id,
@@ -513,12 +508,20 @@ class Backend:
                 env=env,
                 agent=agent_name,
             )
-        except IpcError as exc:
-            with self.store.session() as db:
+        except BaseException as exc:
+            # Whatever failed after STARTING, the session does not stay STARTING.
+            error = exc.to_ipc() if isinstance(exc, CredentialError) else exc
+            message = error.message if isinstance(error, IpcError) else (str(error) or type(error).__name__)
+            with self.store.session() as db, contextlib.suppress(transitions.TransitionConflict):
                 transitions.transition_session(
-                    db, session_id, "FAILED", expected_from={"STARTING"}, reason="launch failed", last_error=exc.message
+                    db, session_id, "FAILED", expected_from={"STARTING"}, reason=f"start failed ({stage})",
+                    last_error=f"{stage}: {message}",
                 )
-            raise IpcError(ErrorCode.AGENT_ERROR, f"agent failed to start: {exc.message}") from None
+            if stage == "launch" and isinstance(error, IpcError):
+                raise IpcError(ErrorCode.AGENT_ERROR, f"agent failed to start: {message}") from None
+            if error is not exc:
+                raise error from None
+            raise
         with self.store.session() as db:
             session = self._session(db, session_id)
             meta = dict(session.metadata_json or {})

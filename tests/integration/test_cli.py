@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -125,3 +126,19 @@ def test_second_backend_on_the_same_external_sqlite_file_is_refused(kandev_facto
     assert first.status()["backend"]["pid"] == st["backend"]["pid"]
     first.cli("down")
     assert second.up()["backend"]["state"] == "ready"  # the lock ends with its holder
+
+
+def test_a_start_whose_agent_fails_to_start_is_failed_not_starting(kandev_factory):
+    """An agent that exits before answering initialize: `session start` says agent_error, and the
+    session is FAILED with the launch's reason (never left STARTING)."""
+    k = kandev_factory()
+    k.up()
+    out = k.cli("task", "create", "--title", "broken agent")
+    (Path(out["workspace"]) / ".kandev-mock.toml").write_text("fail_initialize = true\n")
+    proc = k.run("session", "start", out["task_id"])
+    assert proc.returncode == 1
+    error = json.loads(proc.stdout)["error"]
+    assert error["code"] == "agent_error" and "agent failed to start" in error["message"], error
+    (session,) = k.cli("session", "list")["sessions"]
+    show = k.show(session["session_id"])
+    assert show["state"] == "FAILED" and show["last_error"].startswith("launch: "), show["last_error"]

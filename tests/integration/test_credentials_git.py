@@ -355,3 +355,20 @@ def test_a_context_reset_changes_nothing_else(setup: Setup, restart: bool) -> No
     assert _agent_says(k, sid, "/git-credential") == (
         f"git-credential: ok username=x-access-token password-sha256={digest}")
     assert not _lease_revoked(setup, meta_before[SNAPSHOT_KEY]["lease_id"])
+
+
+def test_a_start_whose_credentials_are_refused_fails_and_does_not_stay_starting(setup: Setup) -> None:
+    """RESUME-7's rule for a first start too: a failure after STARTING (here the broker refuses a
+    token file others may read) leaves the session FAILED with the reason, never STARTING, and no
+    agent was launched; once fixed, a new start gets its lease."""
+    k = setup.k
+    setup.token_file.chmod(0o644)
+    proc = k.run("session", "start", setup.task_id)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert json.loads(proc.stdout)["error"]["code"] == "credentials_unavailable"
+    (session,) = k.cli("session", "list")["sessions"]
+    show = k.show(session["session_id"])
+    assert show["state"] == "FAILED" and "git credentials" in show["last_error"] and not show["agent_pid"]
+    setup.token_file.chmod(0o600)
+    sid = k.cli("session", "start", setup.task_id)["session_id"]
+    assert _metadata(setup, sid)[SNAPSHOT_KEY]["policy"] == "github-lease"
