@@ -115,6 +115,9 @@ def test_scenario_b_flood_while_away_pauses_and_loses_nothing(kandev_factory):
     pid = k.show(sid)["agent_pid"]
     _kill_backend(k)
     ctl = _ctl(k)
+    # The bound applies while detached: wait until the server has noticed the dead backend's stream
+    # (until then the instance is still attached and whatever it sends counts as sent, not parked).
+    wait_until(lambda: not ctl(lambda c: c.list_instances())[0]["attached"], timeout=10)
     ctl(lambda c: c.prompt(instance, "/flood 5000"))
     paused = wait_until(
         lambda: i if (i := ctl(lambda c: c.list_instances())[0]).get("paused") else None, timeout=30
