@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -156,6 +157,17 @@ def group_alive(pgid: int) -> bool:
         except (ProcessLookupError, psutil.NoSuchProcess):
             continue
     return False
+
+
+def db_row(k: Kandev, sql: str, *params: Any) -> dict[str, Any] | None:
+    """One row of this home's SQLite store, read-only (None if the query returns nothing)."""
+    con = sqlite3.connect(f"file:{k.home / 'kandev.db'}?mode=ro", uri=True)
+    con.row_factory = sqlite3.Row
+    try:
+        row = con.execute(sql, params).fetchone()
+        return dict(row) if row else None
+    finally:
+        con.close()
 
 
 def agent_chunks(show: dict[str, Any]) -> list[str]:

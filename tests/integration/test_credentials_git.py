@@ -42,7 +42,8 @@ from daemon.store import transitions
 from daemon.store.db import Store, sqlite_url
 from daemon.store.models import CredentialLease, TaskSession, new_id
 from tests.helpers import wait_until
-from tests.integration.conftest import Kandev, alive
+from tests.integration.conftest import Kandev, alive, db_row
+from tests.integration.test_resume import metadata
 
 UPSTREAM = "ghp_INTEGRATIONupstreamToken0123456789abcd"
 FILL = "protocol=https\nhost=github.com\npath=example/repo.git\n\n"
@@ -262,7 +263,7 @@ def test_scenario_c_real_resume_of_a_failed_github_session(setup: Setup) -> None
     ok = f"git-credential: ok username=x-access-token password-sha256={digest}"
     sid = k.cli("session", "start", setup.task_id)["session_id"]
     assert _agent_says(k, sid, "/git-credential") == ok
-    first = json.loads(json.dumps(_metadata(setup, sid)[SNAPSHOT_KEY]))
+    first = metadata(k, sid)[SNAPSHOT_KEY]
     assert first["policy"] == "github-lease" and first["repository"] == "example/repo"
 
     k.cli("prompt", sid, "/exit 2")
@@ -276,7 +277,7 @@ def test_scenario_c_real_resume_of_a_failed_github_session(setup: Setup) -> None
 
     resumed = k.cli("resume", sid)
     assert resumed["state"] == "WAITING_FOR_INPUT" and resumed["credential_policy"] == "github-lease"
-    snapshot = _metadata(setup, sid)[SNAPSHOT_KEY]
+    snapshot = metadata(setup.k, sid)[SNAPSHOT_KEY]
     assert snapshot["policy"] == "github-lease" and snapshot["lease_id"] != first["lease_id"]
     log = (k.home / "logs" / "backend.log").read_text()
     starting = log.index(f"session {sid} FAILED -> STARTING (resume)")
@@ -298,28 +299,16 @@ def test_a_session_without_a_github_remote_starts_without_a_lease(setup: Setup, 
                    timeout=30)
     task = setup.k.cli("task", "create", "--title", "plain", "--workspace", str(plain))["task_id"]
     sid = setup.k.cli("session", "start", task)["session_id"]
-    snapshot = _metadata(setup, sid)[SNAPSHOT_KEY]
+    snapshot = metadata(setup.k, sid)[SNAPSHOT_KEY]
     assert snapshot["policy"] == "none" and snapshot.get("lease_id") is None
     said = _agent_says(setup.k, sid, "/git-credential")
     assert said.startswith("git-credential: failed"), said
 
 
-def _metadata(setup: Setup, sid: str) -> dict[str, Any]:
-    s = setup.store()
-    try:
-        with s.session() as db:
-            return dict(db.get(TaskSession, sid).metadata_json or {})
-    finally:
-        s.close()
-
-
 def _lease_revoked(setup: Setup, lease_id: str) -> bool:
-    s = setup.store()
-    try:
-        with s.session() as db:
-            return bool(db.get(CredentialLease, lease_id).revoked)
-    finally:
-        s.close()
+    row = db_row(setup.k, "SELECT revoked FROM credential_leases WHERE id = ?", lease_id)
+    assert row is not None
+    return bool(row["revoked"])
 
 
 def _process_facts(pid: int) -> tuple[list[str], str, dict[str, str]]:
@@ -337,14 +326,14 @@ def test_a_context_reset_changes_nothing_else(setup: Setup, restart: bool) -> No
     k = setup.k
     sid = k.cli("session", "start", setup.task_id)["session_id"]
     k.cli("session", "configure", sid, "--model", "mock-smart", "--mode", "plan", "--option", "effort=high")
-    before, meta_before = k.show(sid), _metadata(setup, sid)
+    before, meta_before = k.show(sid), metadata(setup.k, sid)
     lease_file = lease_file_path(setup.paths, sid)
     lease_bytes = lease_file.read_bytes()
     facts_before = _process_facts(before["agent_pid"])
 
     reset = k.cli("session", "reset-context", sid, *(["--restart"] if restart else []))
     assert reset["path"] == ("restart" if restart else "acp")
-    after, meta_after = k.show(sid), _metadata(setup, sid)
+    after, meta_after = k.show(sid), metadata(setup.k, sid)
     assert after["state"] == "WAITING_FOR_INPUT" and after["runtime_config"] == before["runtime_config"]
     assert (after["agent"], after["task_id"]) == (before["agent"], before["task_id"])
     assert (after["agent_pid"] == before["agent_pid"]) is (not restart)
@@ -371,4 +360,4 @@ def test_a_start_whose_credentials_are_refused_fails_and_does_not_stay_starting(
     assert show["state"] == "FAILED" and "git credentials" in show["last_error"] and not show["agent_pid"]
     setup.token_file.chmod(0o600)
     sid = k.cli("session", "start", setup.task_id)["session_id"]
-    assert _metadata(setup, sid)[SNAPSHOT_KEY]["policy"] == "github-lease"
+    assert metadata(setup.k, sid)[SNAPSHOT_KEY]["policy"] == "github-lease"

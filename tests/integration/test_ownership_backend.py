@@ -28,27 +28,21 @@ from daemon.agentctl import launch as launch_file
 from daemon.agentctl.client import AgentctlClient, OwnershipRefused
 from ipc.errors import IpcError
 from tests.helpers import wait_until
-from tests.integration.conftest import REPO, Kandev, agent_chunks, alive
+from tests.integration.conftest import REPO, Kandev, agent_chunks, alive, db_row
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def _record(k: Kandev) -> dict[str, Any]:
-    con = sqlite3.connect(f"file:{k.home / 'kandev.db'}?mode=ro", uri=True)
-    con.row_factory = sqlite3.Row
-    try:
-        return dict(con.execute("SELECT * FROM control_server_record WHERE id = 1").fetchone())
-    finally:
-        con.close()
+    row = db_row(k, "SELECT * FROM control_server_record WHERE id = 1")
+    assert row is not None
+    return row
 
 
 def _inventory(k: Kandev, sid: str) -> dict[str, Any]:
-    con = sqlite3.connect(f"file:{k.home / 'kandev.db'}?mode=ro", uri=True)
-    con.row_factory = sqlite3.Row
-    try:
-        return dict(con.execute("SELECT * FROM executors_running WHERE session_id = ?", (sid,)).fetchone())
-    finally:
-        con.close()
+    row = db_row(k, "SELECT * FROM executors_running WHERE session_id = ?", sid)
+    assert row is not None
+    return row
 
 
 def _credential(k: Kandev, ref: str) -> bytes:

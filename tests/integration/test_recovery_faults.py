@@ -16,9 +16,8 @@ from typing import Any
 import pytest
 
 from tests.helpers import wait_until
-from tests.integration.conftest import Kandev, agent_chunks, alive, group_alive
+from tests.integration.conftest import Kandev, agent_chunks, alive, db_row, group_alive
 from tests.integration.test_retracking import _ctl
-from tests.integration.test_retracking import _db_row as _row
 
 pytestmark = pytest.mark.timeout(240)
 MOCK = [sys.executable, "-m", "daemon.agents.mock"]
@@ -89,9 +88,9 @@ def test_incompatible_server_is_stopped_and_rows_repaired_at_once(kandev_factory
     wait_until(lambda: not alive(st["control_server"]["pid"]), timeout=30)
     wait_until(lambda: not group_alive(show["agent_pid"]), timeout=10)
     assert st2["control_server"]["endpoint"] != st["control_server"]["endpoint"]
-    rec = _row(k, "SELECT * FROM control_server_record WHERE id = 1")
+    rec = db_row(k, "SELECT * FROM control_server_record WHERE id = 1")
     assert rec["endpoint"] == st2["control_server"]["endpoint"]
-    row = _row(k, "SELECT * FROM executors_running WHERE session_id = ?", sid)
+    row = db_row(k, "SELECT * FROM executors_running WHERE session_id = ?", sid)
     assert row["status"] == "stale" and row["resume_token"] == show["resume_token"]
     assert k.show(sid)["state"] != "RUNNING"
 
@@ -105,14 +104,14 @@ def test_incompatible_server_that_cannot_be_stopped_is_left_alone(kandev_factory
     k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="true", KANDEV_FAULT=f"agentctl_lacks_turns,{fault}")
     st = k.up()
     _, sid, show = _running(k)
-    old_ref = _row(k, "SELECT * FROM control_server_record WHERE id = 1")["credential_ref"]
+    old_ref = db_row(k, "SELECT * FROM control_server_record WHERE id = 1")["credential_ref"]
     _kill_backend(k)
     st2 = k.up()
     assert st2["adoption"] == {"outcome": "refused", "reason": "capability_incompatibility"}
     assert alive(st["control_server"]["pid"]) and alive(show["agent_pid"])
-    assert _row(k, "SELECT * FROM control_server_record WHERE id = 1")["endpoint"] == st2["control_server"]["endpoint"]
+    assert db_row(k, "SELECT * FROM control_server_record WHERE id = 1")["endpoint"] == st2["control_server"]["endpoint"]
     assert (k.home / "secrets" / old_ref).exists()
-    assert _row(k, "SELECT * FROM executors_running WHERE session_id = ?", sid)["status"] == "live"  # untouched
+    assert db_row(k, "SELECT * FROM executors_running WHERE session_id = ?", sid)["status"] == "live"  # untouched
 
 
 def test_credential_unavailable_refuses_keeps_secret_and_rewrites_record(kandev_factory):
@@ -121,7 +120,7 @@ def test_credential_unavailable_refuses_keeps_secret_and_rewrites_record(kandev_
     k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="true")
     st = k.up()
     _, sid, show = _running(k)
-    ref = _row(k, "SELECT * FROM control_server_record WHERE id = 1")["credential_ref"]
+    ref = db_row(k, "SELECT * FROM control_server_record WHERE id = 1")["credential_ref"]
     secret = k.home / "secrets" / ref
     _kill_backend(k)
     os.chmod(secret, 0o644)  # unreadable by our rules: not 0600
@@ -130,8 +129,8 @@ def test_credential_unavailable_refuses_keeps_secret_and_rewrites_record(kandev_
     assert st2["recovery"]["retracked"] == 0
     assert secret.exists()
     assert alive(st["control_server"]["pid"]) and alive(show["agent_pid"])  # not foreign, but not ours to stop
-    assert _row(k, "SELECT * FROM control_server_record WHERE id = 1")["endpoint"] == st2["control_server"]["endpoint"]
-    assert _row(k, "SELECT * FROM executors_running WHERE session_id = ?", sid)["status"] == "live"  # unknown
+    assert db_row(k, "SELECT * FROM control_server_record WHERE id = 1")["endpoint"] == st2["control_server"]["endpoint"]
+    assert db_row(k, "SELECT * FROM executors_running WHERE session_id = ?", sid)["status"] == "live"  # unknown
 
 
 def test_single_instance_with_another_instance_id_is_retracked(kandev_factory):
@@ -159,7 +158,7 @@ def test_rotation_failure_is_an_incomplete_adoption(kandev_factory):
     k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="true", KANDEV_FAULT="agentctl_rotate_fails")
     st = k.up()
     _, sid, show = _running(k)
-    ref = _row(k, "SELECT * FROM control_server_record WHERE id = 1")["credential_ref"]
+    ref = db_row(k, "SELECT * FROM control_server_record WHERE id = 1")["credential_ref"]
     _kill_backend(k)
     server_log = k.home / "logs" / "agentctl.log"
     mark = len(server_log.read_text())
@@ -168,7 +167,7 @@ def test_rotation_failure_is_an_incomplete_adoption(kandev_factory):
     assert st2["recovery"]["retracked"] == 0
     assert alive(st["control_server"]["pid"]) and alive(show["agent_pid"])
     assert (k.home / "secrets" / ref).exists()  # the credential held by both sides is not thrown away
-    assert _row(k, "SELECT * FROM executors_running WHERE session_id = ?", sid)["status"] == "live"  # unknown
+    assert db_row(k, "SELECT * FROM executors_running WHERE session_id = ?", sid)["status"] == "live"  # unknown
     assert not k.show(sid)["retracked"]
     after = server_log.read_text()[mark:]  # both servers of this home log here
     assert "instance_stopped" not in after and "ownership_shutdown" not in after, after[-3000:]

@@ -27,22 +27,12 @@ from typing import Any
 import pytest
 
 from tests.helpers import wait_until
-from tests.integration.conftest import REPO, Kandev, agent_chunks, alive
+from tests.integration.conftest import REPO, Kandev, agent_chunks, alive, db_row
 
 pytestmark = pytest.mark.timeout(240)
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def db_one(k: Kandev, sql: str, *params: Any) -> dict[str, Any] | None:
-    con = sqlite3.connect(f"file:{k.home / 'kandev.db'}?mode=ro", uri=True)
-    con.row_factory = sqlite3.Row
-    try:
-        row = con.execute(sql, params).fetchone()
-        return dict(row) if row else None
-    finally:
-        con.close()
 
 
 def db_write(k: Kandev, sql: str, *params: Any) -> None:
@@ -56,15 +46,15 @@ def db_write(k: Kandev, sql: str, *params: Any) -> None:
 
 def identities(k: Kandev, sid: str) -> tuple[str | None, str | None]:
     """RESUME-3: (task_sessions.metadata.acp.session_id, executors_running.resume_token)."""
-    session = db_one(k, "SELECT metadata_json FROM task_sessions WHERE id = ?", sid)
-    row = db_one(k, "SELECT resume_token FROM executors_running WHERE session_id = ?", sid)
+    session = db_row(k, "SELECT metadata_json FROM task_sessions WHERE id = ?", sid)
+    row = db_row(k, "SELECT resume_token FROM executors_running WHERE session_id = ?", sid)
     assert session is not None
     meta = json.loads(session["metadata_json"])
     return (meta.get("acp") or {}).get("session_id"), (row or {}).get("resume_token")
 
 
 def metadata(k: Kandev, sid: str) -> dict[str, Any]:
-    row = db_one(k, "SELECT metadata_json FROM task_sessions WHERE id = ?", sid)
+    row = db_row(k, "SELECT metadata_json FROM task_sessions WHERE id = ?", sid)
     assert row is not None
     return json.loads(row["metadata_json"])
 
@@ -303,7 +293,7 @@ def test_scenario_d_failure_after_starting_restores_prior_state(kandev_factory, 
     snapshot = metadata(k, sid)["git_credential_snapshot"]  # RESUME-6: stored, non-secret, this attempt's
     assert snapshot["policy"] == "github-lease" and snapshot["repository"] == "example/repo"
     assert "ghp_" not in json.dumps(snapshot)
-    lease = db_one(k, "SELECT * FROM credential_leases WHERE id = ?", snapshot["lease_id"])
+    lease = db_row(k, "SELECT * FROM credential_leases WHERE id = ?", snapshot["lease_id"])
     assert lease is not None and not lease["revoked"]
 
 

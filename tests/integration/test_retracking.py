@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sqlite3
 import sys
 from typing import Any
 
@@ -27,25 +26,15 @@ from daemon.agentctl import launch as launch_file
 from daemon.agentctl.client import AgentctlClient
 from ipc.client import SyncClient
 from tests.helpers import wait_until
-from tests.integration.conftest import Kandev, agent_chunks, alive, group_alive
+from tests.integration.conftest import Kandev, agent_chunks, alive, db_row, group_alive
 
 pytestmark = pytest.mark.timeout(300)
 MOCK = [sys.executable, "-m", "daemon.agents.mock"]
 
 
-def _db_row(k: Kandev, sql: str, *params: Any) -> dict[str, Any] | None:
-    con = sqlite3.connect(f"file:{k.home / 'kandev.db'}?mode=ro", uri=True)
-    con.row_factory = sqlite3.Row
-    try:
-        row = con.execute(sql, params).fetchone()
-        return dict(row) if row else None
-    finally:
-        con.close()
-
-
 def _ctl(k: Kandev):
     """Run ``fn(client)`` against the control server with this home's current credential."""
-    rec = _db_row(k, "SELECT * FROM control_server_record WHERE id = 1")
+    rec = db_row(k, "SELECT * FROM control_server_record WHERE id = 1")
     assert rec is not None
     credential = launch_file.read_credential_file(k.home / "secrets" / rec["credential_ref"])
     installation = (k.home / "installation-id").read_text().strip()
@@ -162,7 +151,7 @@ def test_scenario_d_orphans_duplicates_and_missing_instances(kandev_factory, sho
     _, gone_sid = k.start_session("gone")
     dup = k.show(dup_sid)
     gone = k.show(gone_sid)
-    gone_row = _db_row(k, "SELECT * FROM executors_running WHERE session_id = ?", gone_sid)
+    gone_row = db_row(k, "SELECT * FROM executors_running WHERE session_id = ?", gone_sid)
     workspace = short_tmp / "ws"
     workspace.mkdir()
     _kill_backend(k)
@@ -183,7 +172,7 @@ def test_scenario_d_orphans_duplicates_and_missing_instances(kandev_factory, sho
     wait_until(lambda: not group_alive(extra["pid"]), timeout=15)
     # AC-EXECUTORS-SURVIVAL-002.7: no instance → repair path, resume token and worktree kept.
     assert st["recovery"]["reasons"][gone_sid] == "no_instance"
-    row = _db_row(k, "SELECT * FROM executors_running WHERE session_id = ?", gone_sid)
+    row = db_row(k, "SELECT * FROM executors_running WHERE session_id = ?", gone_sid)
     assert row["status"] == "stale"
     assert row["resume_token"] == gone_row["resume_token"] and row["workspace_path"] == gone_row["workspace_path"]
     assert k.show(gone_sid)["resume_token"] == gone["resume_token"]
@@ -295,7 +284,7 @@ def test_a_second_retracking_pass_is_idempotent(kandev_factory):
     assert first == [sid] and second == [sid]
     assert same_object and not guarded
     assert [i["session_id"] for i in facts["instances"]] == [sid] and facts["unknown"] == []
-    row = _db_row(k, "SELECT * FROM executors_running WHERE session_id = ?", sid)
+    row = db_row(k, "SELECT * FROM executors_running WHERE session_id = ?", sid)
     assert row["status"] == "live" and row["instance_id"] == show["instance_id"]
-    assert _db_row(k, "SELECT state FROM task_sessions WHERE id = ?", sid)["state"] == "RUNNING"
+    assert db_row(k, "SELECT state FROM task_sessions WHERE id = ?", sid)["state"] == "RUNNING"
     assert alive(show["agent_pid"])
