@@ -16,6 +16,12 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.pool import NullPool
+
+from daemon.store.db import sqlite_file
+
 
 class LockHeld(RuntimeError):
     """Another backend holds the lock; ``holder_pid`` may be None if unreadable."""
@@ -88,15 +94,13 @@ class StoreLock:
         self._conn: Any = None
 
     def acquire(self) -> None:
-        from sqlalchemy.engine import make_url
-
         url = make_url(self.url)
         backend = url.get_backend_name()
         if backend == "sqlite":
-            db = url.database
-            if not db or db == ":memory:" or db.startswith("file:"):
+            db = sqlite_file(url)
+            if db is None:
                 return
-            path = Path(db).absolute()
+            path = db.absolute()
             if path.resolve() == self.home_db.absolute().resolve():
                 return
             lock = HomeLock(path.with_name(path.name + ".lock"))
@@ -111,9 +115,6 @@ class StoreLock:
             self._lock_postgresql()
 
     def _lock_postgresql(self) -> None:
-        from sqlalchemy import create_engine, text
-        from sqlalchemy.pool import NullPool
-
         engine = create_engine(self.url, poolclass=NullPool)
         try:
             conn = engine.connect().execution_options(isolation_level="AUTOCOMMIT")

@@ -34,7 +34,8 @@ def sqlite_url(path: Path | str) -> str:
     return URL.create("sqlite", database=str(Path(path).absolute())).render_as_string()
 
 
-def _sqlite_file(url: URL) -> Path | None:
+def sqlite_file(url: URL) -> Path | None:
+    """The database file of an SQLite URL; None for another engine, memory or a ``file:`` URI."""
     if url.get_backend_name() != "sqlite":
         return None
     db = url.database
@@ -100,7 +101,7 @@ class Store:
     def open(cls, url: str) -> Store:
         """Connect, migrate to head, and return the store."""
         parsed = make_url(url)
-        path = _sqlite_file(parsed)
+        path = sqlite_file(parsed)
         if path is not None:
             _create_private_file(path)
         engine = create_engine(parsed)
