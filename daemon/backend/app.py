@@ -45,6 +45,7 @@ from daemon.store import transitions
 from daemon.store.board import board
 from daemon.store.db import Store
 from daemon.store.models import ControlServerRecord, ExecutorRunning, Message, Task, TaskSession, Turn
+from ipc.aio import cancel_and_wait
 from ipc.errors import ErrorCode, IpcError
 from ipc.server import ConnectionContext
 
@@ -119,7 +120,7 @@ class Backend:
         lost = [ex for ex in self.executions.executions.values() if ex.passthrough == passthrough]
         for ex in lost:
             ex.gone = True
-            self.executions.executions.pop(ex.session_id, None)
+            self._on_gone(ex)
             ex.fail_waiters("superseded_credential")
             if ex.consumer is not None:
                 ex.consumer.cancel()
@@ -290,11 +291,7 @@ class Backend:
     async def shutdown(self) -> None:
         """Graceful stop. Enabled: detach, send no stop (AC-EXECUTORS-SURVIVAL-001.1). Disabled: stop it all."""
         self.state = "stopping"
-        for task in self.claim_tasks.values():
-            task.cancel()
-        for task in self.claim_tasks.values():
-            with contextlib.suppress(BaseException):
-                await task
+        await asyncio.gather(*(cancel_and_wait(task) for task in self.claim_tasks.values()))
         await self.consumer.stop(list(self.executions.executions.values()))
         for client in (self.client, self.passthrough_client):
             if client is not None:
