@@ -98,6 +98,13 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
+def _put_runtime(meta: dict[str, Any], value: rc.SessionRuntimeConfig, catalogue: rc.Catalogue) -> None:
+    """Store a session's runtime configuration in its metadata, and the agent's catalogue if known."""
+    meta["runtime_config"] = value.to_json()
+    if catalogue.known:
+        meta["acp_catalogue"] = catalogue.to_json()
+
+
 def _iso() -> str:
     return _now().isoformat().replace("+00:00", "Z")
 
@@ -567,9 +574,7 @@ class ResumeService:
         with self.backend.store.session() as db:
             session = self._session(db, session_id)
             meta = dict(session.metadata_json or {})
-            meta["runtime_config"] = value.to_json()
-            if catalogue.known:
-                meta["acp_catalogue"] = catalogue.to_json()
+            _put_runtime(meta, value, catalogue)
             meta.update(extra)
             session.metadata_json = meta
         self.live[session_id] = value
@@ -745,9 +750,7 @@ class ResumeService:
         with self.backend.store.session() as db:
             session = self._session(db, session_id)
             meta = dict(session.metadata_json or {})
-            meta["runtime_config"] = accepted.to_json()
-            if catalogue.known:
-                meta["acp_catalogue"] = catalogue.to_json()
+            _put_runtime(meta, accepted, catalogue)
             meta["context_reset"] = {
                 **(meta.get("context_reset") or {}), "status": "failed", "at": _iso(), "path": path,
                 "stage": "restore", "field": fld, "error": error[:2000], "captured": snapshot.to_json(),
@@ -778,9 +781,7 @@ class ResumeService:
         with self.backend.store.session() as db:
             session = self._session(db, session_id)
             meta = dict(session.metadata_json or {})
-            meta["runtime_config"] = value.to_json()
-            if applied.catalogue.known:
-                meta["acp_catalogue"] = applied.catalogue.to_json()
+            _put_runtime(meta, value, applied.catalogue)
             meta["context_reset"] = {
                 **(meta.get("context_reset") or {}), "status": "succeeded", "at": _iso(), "path": path,
                 "origin": origin, "acp_session_id": ex.acp_session_id, "runtime_config": value.to_json(),
