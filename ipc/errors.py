@@ -30,10 +30,18 @@ class ErrorCode:
     TIMEOUT = "timeout"
     AGENT_ERROR = "agent_error"  # the agent refused or failed the request
     INTERNAL = "internal"
+    BUFFERS_FULL = "buffers_full"  # the server's receive buffers (all connections together) are at their cap
+    IDLE_TIMEOUT = "idle_timeout"  # the server closed a connection that sent no request for too long
 
 
 _RETRYABLE_BY_DEFAULT = frozenset(
-    {ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.SESSION_GUARDED}
+    {
+        ErrorCode.UNAVAILABLE,
+        ErrorCode.TIMEOUT,
+        ErrorCode.SESSION_GUARDED,
+        ErrorCode.BUFFERS_FULL,
+        ErrorCode.IDLE_TIMEOUT,
+    }
 )
 
 

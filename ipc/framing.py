@@ -2,8 +2,9 @@
 
 This module turns dicts into frames and frames back into dicts, for asyncio
 streams and for blocking sockets, and nothing else. Decoding is defensive:
-the length prefix is checked against a limit before the body is read (so a
-hostile prefix never makes us allocate), bodies are decoded with
+the length prefix is checked against a limit before the body is read, and
+buffers grow with the bytes that arrived (so a hostile prefix never makes us
+allocate), bodies are decoded with
 ``raw=False``, ``strict_map_key=True``, bounded lengths and no ext types, and
 anything that is not a map is refused with a typed error.
 """
@@ -98,22 +99,74 @@ def frame_length(header: bytes, max_size: int) -> int:
     return size
 
 
+class BufferLimitExceeded(IpcError):
+    """Growing a receive buffer would take a server's buffers past their shared cap."""
+
+    def __init__(self, wanted: int, limit: int) -> None:
+        super().__init__(
+            ErrorCode.BUFFERS_FULL,
+            f"the server's receive buffers are full (a frame needed {wanted} more bytes; the cap for all"
+            f" connections together is {limit} bytes); retry shortly",
+        )
+
+
+class BufferBudget:
+    """The receive-buffer bytes all connections of one server may hold together.
+
+    Each ``FrameBuffer`` of the server charges its capacity here. A buffer may always hold its
+    ``initial`` size (so small requests keep being served while big frames are refused); growing
+    beyond it is refused with ``BufferLimitExceeded`` once the total would pass ``limit``.
+    """
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError("buffer limit must be >= 1")
+        self.limit = limit
+        self.used = 0
+
+    def change(self, old: int, new: int, *, free_up_to: int) -> None:
+        """Move one buffer's charge from ``old`` to ``new`` bytes; growth beyond ``free_up_to``
+        (the buffer's initial size) must fit under the limit."""
+        grow = new - max(old, free_up_to)
+        if new > old and grow > 0 and self.used + grow > self.limit:
+            raise BufferLimitExceeded(new - old, self.limit)
+        self.used += new - old
+
+
 class FrameBuffer:
     """Incremental frame splitter over one reusable receive buffer (sans I/O).
 
     Fill it with ``get_buffer()`` + ``recv_into`` + ``buffer_updated(n)``
     (the shape of ``asyncio.BufferedProtocol``, and of a blocking
     ``socket.recv_into`` loop), then take complete frames with
-    ``next_frame()``. The buffer only grows to hold a frame whose length
-    prefix has been checked against ``max_size``, and shrinks back once that
-    frame is consumed, so a hostile prefix never causes an allocation.
-    Partial frames survive across reads, so a read timeout never loses sync.
+    ``next_frame()``. The buffer grows with the bytes that actually arrived
+    (it at most doubles what is pending, and never exceeds the declared frame
+    once a length prefix was checked against ``max_size``), so a peer that
+    declares a large frame and sends little of it costs little; it shrinks
+    back once the frame is consumed. Partial frames survive across reads, so a
+    read timeout never loses sync.
+
+    ``budget``: a ``BufferBudget`` shared by a server's connections (growth past its cap raises
+    ``BufferLimitExceeded`` from ``get_buffer``). ``release_idle``: drop the whole buffer when
+    everything received was consumed (a server holds many idle connections); otherwise keep
+    ``initial`` bytes for the next read. Call ``close()`` when the connection ends.
     """
 
-    def __init__(self, max_size: int = MAX_FRAME, initial: int = 64 * 1024) -> None:
+    def __init__(
+        self,
+        max_size: int = MAX_FRAME,
+        initial: int = 64 * 1024,
+        *,
+        budget: BufferBudget | None = None,
+        release_idle: bool = False,
+    ) -> None:
+        if initial < 1:
+            raise ValueError("initial buffer size must be >= 1")
         self.max_size = max_size
         self._initial = initial
-        self._buf = bytearray(initial)
+        self._budget = budget
+        self._release_idle = release_idle
+        self._buf = bytearray()
         self._view = memoryview(self._buf)
         self._start = 0
         self._end = 0
@@ -123,8 +176,13 @@ class FrameBuffer:
         """Bytes received but not yet consumed as a frame (non-zero at EOF = truncated)."""
         return self._end - self._start
 
+    @property
+    def capacity(self) -> int:
+        """Bytes the buffer holds allocated now."""
+        return len(self._buf)
+
     def get_buffer(self, sizehint: int = -1) -> memoryview:
-        """Free space to receive into (never empty)."""
+        """Free space to receive into (never empty). May raise ``BufferLimitExceeded``."""
         if self._end == len(self._buf):
             self._make_room()
         return self._view[self._end :]
@@ -132,6 +190,11 @@ class FrameBuffer:
     def buffer_updated(self, nbytes: int) -> None:
         """Record that ``nbytes`` were written into the last ``get_buffer()``."""
         self._end += nbytes
+
+    def close(self) -> None:
+        """Free the buffer and return its charge to the budget (the connection ended)."""
+        self._resize(0)
+        self._start = self._end = 0
 
     def _next_size(self) -> int | None:
         """Body size of the next frame if its header is complete (checked against the limit)."""
@@ -144,17 +207,29 @@ class FrameBuffer:
 
     def _make_room(self) -> None:
         pending = self._end - self._start
-        need = self._initial
+        want = max(self._initial, 2 * pending)  # grows with what arrived, never with what is declared
         if pending >= HEADER_SIZE:
             (size,) = HEADER.unpack_from(self._buf, self._start)
-            if size <= self.max_size:  # an oversized prefix is refused by next_frame
-                need = max(need, HEADER_SIZE + size)
-        if need <= pending:  # complete frames not consumed yet: make some space anyway
-            need = pending + self._initial
-        new = bytearray(max(need, self._initial))
-        new[:pending] = self._view[self._start : self._end]
-        self._buf, self._view = new, memoryview(new)
+            frame = HEADER_SIZE + size
+            if size <= self.max_size and frame > pending:  # an oversized prefix is refused by next_frame
+                want = min(want, frame)
+            elif frame <= pending:  # complete frames not consumed yet: make some space anyway
+                want = pending + self._initial
+        if self._start and want <= len(self._buf):  # room enough once compacted
+            self._buf[:pending] = self._buf[self._start : self._end]
+        else:
+            self._resize(want, keep=pending)
         self._start, self._end = 0, pending
+
+    def _resize(self, size: int, keep: int = 0) -> None:
+        """Replace the buffer by one of ``size`` bytes holding the ``keep`` pending bytes."""
+        old = len(self._buf)
+        if self._budget is not None:
+            self._budget.change(old, size, free_up_to=self._initial)
+        new = bytearray(size)
+        if keep:
+            new[:keep] = self._view[self._start : self._start + keep]
+        self._buf, self._view = new, memoryview(new)
 
     def _take(self, size: int) -> memoryview:
         begin = self._start + HEADER_SIZE
@@ -164,9 +239,11 @@ class FrameBuffer:
     def _consumed(self) -> None:
         if self._start == self._end:
             self._start = self._end = 0
-            if len(self._buf) > self._initial:  # drop a buffer grown for one big frame
-                self._buf = bytearray(self._initial)
-                self._view = memoryview(self._buf)
+            if self._release_idle:
+                if self._buf:
+                    self._resize(0)
+            elif len(self._buf) > self._initial:  # drop a buffer grown for one big frame
+                self._resize(self._initial)
 
     def next_frame(self) -> dict[str, Any] | None:
         """The next complete frame, or None if more bytes are needed.

@@ -27,12 +27,12 @@ from ipc.aio import within
 
 from .connection import ConnectionContext
 from .errors import ErrorCode, IpcError
-from .framing import MAX_FRAME, ConnectionClosed, FrameTooLarge, encode_frame
+from .framing import MAX_FRAME, BufferBudget, ConnectionClosed, FrameTooLarge, encode_frame
 from .hello import HELLO, HELLO_OP
 from .listener import SocketIdentity, bind_listener, check_socket_path, unlink_if_ours
 from .peercred import peer_admitted, peer_credentials
 from .schema import Op, OpTable
-from .server_protocol import ServerProtocol, error_frame
+from .server_protocol import REFUSAL_LINGER_S, ConnectionLimits, ServerProtocol, error_frame
 
 __all__ = ["HELLO", "Authorize", "ConnectionContext", "Handler", "IpcServer"]
 
@@ -42,7 +42,9 @@ Handler = Callable[[ConnectionContext, dict[str, Any]], Awaitable[Any]]
 Authorize = Callable[[ConnectionContext, Op], None]
 
 _CLOSE_GRACE = 1.0  # seconds close() lets connections flush before aborting them
-_REFUSAL_LINGER_S = 1.0  # seconds a refused connection stays half-open for the peer to read why
+_REFUSAL_LINGER_S = REFUSAL_LINGER_S  # seconds a refused connection stays half-open for the peer to read why
+BUFFER_LIMIT = 32 * 1024 * 1024
+"""Default cap on the receive-buffer bytes of all of a server's connections together."""
 
 
 def _valid_id(rid: Any) -> bool:
@@ -58,6 +60,12 @@ class IpcServer:
     refuse it. A frame that has begun must be complete within
     ``frame_timeout`` seconds (of time we spend reading), else the
     connection gets ``invalid_frame`` and is closed.
+
+    ``idle_timeout`` (seconds, None: never): a connection with no request in
+    flight and no stream that sent nothing for that long is told
+    ``idle_timeout`` and closed, unless ``idle_exempt(ctx)`` is true.
+    ``buffer_limit``: the receive-buffer bytes all connections may hold
+    together; a frame that would pass it is refused with ``buffers_full``.
     """
 
     def __init__(
@@ -75,6 +83,9 @@ class IpcServer:
         max_inflight_per_connection: int = 64,
         on_disconnect: Callable[[ConnectionContext], None] | None = None,
         frame_timeout: float = 5.0,
+        idle_timeout: float | None = None,
+        idle_exempt: Callable[[ConnectionContext], bool] | None = None,
+        buffer_limit: int = BUFFER_LIMIT,
     ) -> None:
         if HELLO in table or HELLO in handlers:
             raise ValueError("'hello' is built into IpcServer; a table must not redefine it")
@@ -91,6 +102,8 @@ class IpcServer:
             raise ValueError("max_connections and max_inflight_per_connection must be >= 1")
         if frame_timeout <= 0:
             raise ValueError("frame_timeout must be > 0")
+        if idle_timeout is not None and idle_timeout <= 0:
+            raise ValueError("idle_timeout must be > 0 (None: no idle timeout)")
         self.path = check_socket_path(path)
         self.table = table
         self._handlers = dict(handlers)
@@ -98,11 +111,12 @@ class IpcServer:
         self._allowed_uids = frozenset({os.getuid(), 0} if allowed_uids is None else allowed_uids)
         self._allowed_gids = frozenset(allowed_gids)
         self._socket_mode = socket_mode
-        self._max_frame = max_frame
         self._max_connections = max_connections
-        self._max_inflight = max_inflight_per_connection
         self._on_disconnect = on_disconnect
-        self._frame_timeout = frame_timeout
+        self._limits = ConnectionLimits(
+            max_frame, max_inflight_per_connection, frame_timeout, idle_timeout, idle_exempt
+        )
+        self._budget = BufferBudget(buffer_limit)
         self._hello_result = {
             "protocol": table.protocol,
             "version": [table.version[0], table.version[1]],
@@ -124,13 +138,18 @@ class IpcServer:
         """The live connections (a copy)."""
         return set(self._connections)
 
+    @property
+    def buffered(self) -> int:
+        """Receive-buffer bytes all connections hold now (charged against ``buffer_limit``)."""
+        return self._budget.used
+
     async def start(self) -> None:
         """Bind the socket (see ``ipc.listener`` for the safety rules) and accept."""
         if self._server is not None:
             raise RuntimeError("server already started")
         sock, self.path, self._identity = bind_listener(self.path, self._socket_mode)
         loop = asyncio.get_running_loop()
-        factory = partial(ServerProtocol, self, self._max_frame, self._max_inflight, self._frame_timeout)
+        factory = partial(ServerProtocol, self, self._limits, self._budget)
         try:
             self._server = await loop.create_unix_server(factory, sock=sock)
         except BaseException:

@@ -10,20 +10,45 @@ op was dispatched (but keeps reading, to notice the peer leaving). A frame
 that has begun must be complete within ``frame_timeout`` seconds of reading
 time, or the connection is refused with ``invalid_frame`` and closed: a
 half-sent frame cannot hold a connection slot forever.
+
+Two more bounds hold against admitted peers that misbehave. A connection
+with no request in flight that sent nothing for ``idle_timeout`` seconds
+(since its last byte or its last response) is told ``idle_timeout`` and
+closed, unless it carries a stream or the server's ``idle_exempt`` says it
+may stay (e.g. it authenticated as the owner). Receive buffers grow only
+with the bytes that arrived and are charged to the server's shared
+``BufferBudget``; a frame that would take the total past the cap is refused
+with ``buffers_full`` (a lingering close, so the peer reads why) and the
+connection is closed.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .errors import IpcError
-from .framing import FrameBuffer, FrameTooLarge, InvalidFrame, encode_frame
+from .errors import ErrorCode, IpcError
+from .framing import BufferBudget, BufferLimitExceeded, FrameBuffer, FrameTooLarge, InvalidFrame, encode_frame
 
 if TYPE_CHECKING:
     from .connection import ConnectionContext
 
 _DISCARD = memoryview(bytearray(64 * 1024))  # scratch space for a refused peer's input
+REFUSAL_LINGER_S = 1.0  # seconds a refused connection stays half-open for the peer to read why
+INITIAL_BUFFER = 16 * 1024  # a connection's receive buffer before a frame needs more
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """The per-connection bounds a server applies (see the module doc)."""
+
+    max_frame: int
+    max_inflight: int
+    frame_timeout: float
+    idle_timeout: float | None = None  # None: connections may stay idle
+    idle_exempt: Callable[[ConnectionContext], bool] | None = None
 
 
 def error_frame(rid: Any, error: IpcError) -> bytes:
@@ -44,19 +69,21 @@ class Dispatcher(Protocol):
 class ServerProtocol(asyncio.BufferedProtocol):
     """One accepted connection's reading side."""
 
-    def __init__(
-        self, dispatcher: Dispatcher, max_frame: int, max_inflight: int, frame_timeout: float
-    ) -> None:
+    def __init__(self, dispatcher: Dispatcher, limits: ConnectionLimits, budget: BufferBudget) -> None:
         self._dispatcher = dispatcher
-        self._frames = FrameBuffer(max_frame)
-        self._max_inflight = max_inflight
-        self._frame_timeout = frame_timeout
+        self._limits = limits
+        self._frames = FrameBuffer(limits.max_frame, INITIAL_BUFFER, budget=budget, release_idle=True)
+        self._max_inflight = limits.max_inflight
+        self._frame_timeout = limits.frame_timeout
         self._frame_timer: asyncio.TimerHandle | None = None
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._last_active = 0.0  # loop time of the last byte read or response finished
         self._transport: asyncio.Transport | None = None
         self.ctx: ConnectionContext | None = None
         self.inflight = 0
         self._reading_paused = False
         self._done = False  # refused, EOF, or unrecoverable: ignore further input
+        self._discarding = False  # refused mid-frame: what the peer still sends is dropped
 
     # -- asyncio callbacks -------------------------------------------------
 
@@ -66,22 +93,36 @@ class ServerProtocol(asyncio.BufferedProtocol):
         self.ctx = self._dispatcher.admit(transport)
         if self.ctx is None:
             self._done = True
+            return
+        if self._limits.idle_timeout is not None:
+            loop = asyncio.get_running_loop()
+            self._last_active = loop.time()
+            self._idle_timer = loop.call_later(self._limits.idle_timeout, self._idle_check)
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self.ctx is None:  # refused: what the peer still sends while we linger is discarded
+        if self.ctx is None or self._discarding:  # refused: what the peer still sends is discarded
             return _DISCARD
-        return self._frames.get_buffer(sizehint)
+        try:
+            return self._frames.get_buffer(sizehint)
+        except BufferLimitExceeded as exc:
+            self._refuse_mid_frame(exc)
+            return _DISCARD
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self.ctx is None:
+        if self.ctx is None or self._discarding:
             return
         self._frames.buffer_updated(nbytes)
+        if self._idle_timer is not None:
+            self._last_active = asyncio.get_running_loop().time()
         if not self._done:
             self.process()
 
     def eof_received(self) -> bool:
         self._done = True
         self._stop_frame_timer()
+        self._stop_idle_timer()
+        if self._discarding:
+            return False
         ctx = self.ctx
         if ctx is None:
             return False
@@ -104,6 +145,8 @@ class ServerProtocol(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._done = True
         self._stop_frame_timer()
+        self._stop_idle_timer()
+        self._frames.close()  # its bytes go back to the server's budget
         ctx = self.ctx
         if ctx is not None:
             ctx._connection_lost()
@@ -168,9 +211,60 @@ class ServerProtocol(asyncio.BufferedProtocol):
             self._frame_timer.cancel()
             self._frame_timer = None
 
+    def _idle_check(self) -> None:
+        """Close the connection if it has been idle for the idle timeout, else look again later."""
+        self._idle_timer = None
+        ctx, timeout = self.ctx, self._limits.idle_timeout
+        if self._done or ctx is None or ctx._closing or timeout is None:
+            return
+        if ctx._stream_task is not None:
+            return  # a stream connection is never idle: it lives as long as its stream
+        loop = asyncio.get_running_loop()
+        exempt = self._limits.idle_exempt
+        busy = self.inflight > 0 or self._frames.pending > 0  # a begun frame has its own timer
+        if busy or (exempt is not None and exempt(ctx)):
+            self._idle_timer = loop.call_later(timeout, self._idle_check)
+            return
+        quiet = loop.time() - self._last_active
+        if quiet < timeout:
+            self._idle_timer = loop.call_later(timeout - quiet, self._idle_check)
+            return
+        self._done = True
+        error = IpcError(ErrorCode.IDLE_TIMEOUT, f"no request for {timeout:g} s: connection closed; reconnect")
+        ctx._send_soon(error_frame(None, error))
+        ctx.close()
+
+    def _stop_idle_timer(self) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+
+    def _refuse_mid_frame(self, error: IpcError) -> None:
+        """Refuse a frame we cannot buffer: the typed error, then a lingering close (we stop
+        reading its bytes, so the peer could not resynchronise anyway)."""
+        ctx, transport = self.ctx, self._transport
+        assert ctx is not None and transport is not None
+        self._done = True
+        self._discarding = True
+        self._stop_frame_timer()
+        self._stop_idle_timer()
+        self._frames.close()
+        if not ctx._streaming:
+            ctx._send_soon(error_frame(None, error))
+        if transport.can_write_eof() and not ctx._write_paused:
+            # Half-close so the peer reads the refusal and EOF, and drop its input for a moment:
+            # closing with its unread bytes queued would reset the connection and lose the refusal.
+            transport.write_eof()
+            self._resume_reading()
+            asyncio.get_running_loop().call_later(REFUSAL_LINGER_S, ctx.close)
+        else:
+            ctx.close()
+
     def task_done(self) -> None:
         """Called by each handler task as it ends: one more request may run."""
         self.inflight -= 1
+        if self._idle_timer is not None:
+            self._last_active = asyncio.get_running_loop().time()
         if not self._done:
             if self._reading_paused:
                 self.process()

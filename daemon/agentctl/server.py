@@ -51,7 +51,7 @@ from daemon.agentctl.protocol import TABLE
 from daemon.config import ResolvedAgentctl
 from daemon.faults import fault_delay, fault_fails
 from daemon.journal import log_event
-from daemon.limits import MAX_CONNECTIONS
+from daemon.limits import BUFFER_LIMIT, IDLE_CONNECTION_TIMEOUT_S, connection_limit
 from ipc.aio import within
 from ipc.connection import ConnectionContext
 from ipc.errors import ErrorCode, IpcError
@@ -63,6 +63,10 @@ log = logging.getLogger("kandev.agentctl.server")
 
 _SHUTDOWN_REPLY_GRACE = 0.5  # seconds the ownership_shutdown reply gets before the process exits
 _MAX_TEXT = 4 * 1024 * 1024
+
+
+def _authenticated(ctx: ConnectionContext) -> bool:
+    return ctx.state.get("authenticated") is True
 
 
 def _bad(message: str) -> IpcError:
@@ -125,7 +129,9 @@ class AgentctlServer:
         self._background: set[asyncio.Task[Any]] = set()
         handlers = {name: self._logged(name, getattr(self, f"op_{name}")) for name in TABLE.names}
         self.ipc = IpcServer(
-            config.socket_path, TABLE, handlers, authorize=self._authorize, max_connections=MAX_CONNECTIONS
+            config.socket_path, TABLE, handlers, authorize=self._authorize, max_connections=connection_limit(),
+            # The owner's authenticated connections (calls, claims, streams) may idle; nobody else's.
+            idle_timeout=IDLE_CONNECTION_TIMEOUT_S, idle_exempt=_authenticated, buffer_limit=BUFFER_LIMIT,
         )
 
     # -- lifecycle -----------------------------------------------------------

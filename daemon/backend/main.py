@@ -25,7 +25,7 @@ from daemon.backend.app import Backend
 from daemon.backend.lock import HomeLock, LockHeld, StoreLock, StoreLocked
 from daemon.config import Config, ConfigError, load_config, validate_agentctl, validate_backend
 from daemon.journal import log_event, setup_logging
-from daemon.limits import raise_open_file_limit
+from daemon.limits import BUFFER_LIMIT, IDLE_CONNECTION_TIMEOUT_S, connection_limit, raise_open_file_limit
 from daemon.paths import Paths, installation_id, resolve_home
 from daemon.platform import check_capability
 from daemon.store.db import Store, sqlite_url
@@ -106,6 +106,9 @@ async def _run(paths: Paths, backend: Backend, notifier: sdnotify.SystemdNotifie
         backend.handlers(),
         allowed_gids=_service_gids(),
         socket_mode=0o660,
+        max_connections=connection_limit(),
+        idle_timeout=IDLE_CONNECTION_TIMEOUT_S,
+        buffer_limit=BUFFER_LIMIT,
     )
     await server.start()
     notifier.notify("STATUS=recovering")

@@ -212,6 +212,13 @@ class ServerThread:
 
         return int(self.run(count()))
 
+    def buffered(self) -> int:
+        async def used() -> int:
+            assert self.server is not None
+            return self.server.buffered
+
+        return int(self.run(used()))
+
     def stop(self) -> None:
         if self.server is not None:
             self.run(self.server.close())
@@ -721,6 +728,83 @@ def test_many_bad_clients_at_once_do_not_stall_good_ones(server: ServerThread) -
     finally:
         for s in stallers:
             s.close()
+
+
+# -- admitted peers that misbehave: idle connections, buffer cap (issue 10 item 7) -------------
+
+
+@pytest.fixture
+def idle_server(sock_dir: Path) -> Iterator[ServerThread]:
+    exempt = lambda ctx: ctx.state.get("authenticated") is True  # noqa: E731
+    st = ServerThread(sock_dir / "idle.sock", frame_timeout=1.0, idle_timeout=0.5, idle_exempt=exempt).start()
+    try:
+        yield st
+    finally:
+        st.stop()
+
+
+def test_an_idle_connection_is_told_and_closed(idle_server: ServerThread) -> None:
+    """Issue 10 item 7: no request and no byte for the idle timeout -> ``idle_timeout``, closed."""
+    raw = Raw(idle_server.path)
+    try:
+        start = time.monotonic()
+        frame = assert_error(raw.recv(), ErrorCode.IDLE_TIMEOUT, None)
+        assert frame["error"]["retryable"] is True
+        assert time.monotonic() - start >= 0.45
+        assert raw.is_closed()
+    finally:
+        raw.close()
+    wait_until(lambda: idle_server.connection_count() == 0, timeout=10)
+
+
+def test_a_request_in_flight_or_a_stream_is_never_idle(idle_server: ServerThread) -> None:
+    with SyncClient(idle_server.path, timeout=5) as c:
+        assert c.call("slow", {"delay": 1.5, "tag": "long"}, timeout=10) == "long"  # 3 x the idle timeout
+        assert c.call("add", {"a": 1, "b": 1}, timeout=5) == 2  # the clock restarted at the response
+
+    async def stream_outlives_the_idle_timeout() -> None:
+        c = await AsyncClient.connect(idle_server.path)
+        stream = await c.stream("watch")
+        assert await stream.__anext__() == Event(0, "hello", None)
+        await asyncio.sleep(1.5)  # nothing is sent either way: the stream stays open
+        assert idle_server.connection_count() == 1
+        await stream.close()
+
+    arun(stream_outlives_the_idle_timeout())
+
+
+def test_an_exempt_connection_may_stay_idle(idle_server: ServerThread) -> None:
+    async def main() -> None:
+        c = await AsyncClient.connect(idle_server.path)
+        assert await c.call("login", {"token": "letmein"}) is True
+        await asyncio.sleep(1.5)
+        assert await c.call("secret") == "the secret"
+        await c.close()
+
+    arun(main())
+
+
+def test_a_frame_past_the_buffer_cap_is_refused_and_the_server_keeps_serving(sock_dir: Path) -> None:
+    """Issue 10 item 7: total buffered bytes per server are capped; past the cap, ``buffers_full``."""
+    st = ServerThread(sock_dir / "capped.sock", frame_timeout=5.0, buffer_limit=1024 * 1024).start()
+    holders = [Raw(st.path) for _ in range(3)]
+    try:
+        for raw in holders[:2]:  # each declares 4 MiB and sends 400 KB of it: ~512 KiB buffered each
+            raw.send(struct.pack(">I", 4 * 1024 * 1024) + b"\x80" * 400_000)
+        wait_until(lambda: st.buffered() >= 2 * 400_000, timeout=10)
+        holders[2].send(struct.pack(">I", 4 * 1024 * 1024) + b"\x80" * 400_000)
+        frame = assert_error(holders[2].recv(), ErrorCode.BUFFERS_FULL, None)
+        assert frame["error"]["retryable"] is True
+        assert holders[2].is_closed()
+        assert st.buffered() <= 1024 * 1024
+        assert_alive(st.path)  # small requests still fit in a connection's initial buffer
+        for raw in holders[:2]:
+            raw.close()
+        wait_until(lambda: st.buffered() == 0 and st.connection_count() == 0, timeout=10)
+    finally:
+        for raw in holders:
+            raw.close()
+        st.stop()
 
 
 # -- streams -------------------------------------------------------------------

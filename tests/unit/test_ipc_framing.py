@@ -16,6 +16,8 @@ import pytest
 from ipc.errors import ErrorCode, IpcError
 from ipc.framing import (
     MAX_FRAME,
+    BufferBudget,
+    BufferLimitExceeded,
     ConnectionClosed,
     FrameBuffer,
     FrameTooLarge,
@@ -379,3 +381,48 @@ def test_frame_buffer_invalid_frame_keeps_sync_and_skip() -> None:
     assert fb.skip_frame() is True
     assert fb.skip_frame() is False  # a partial header remains
     assert fb.pending == 2
+
+
+def test_frame_buffer_grows_with_what_arrived_not_with_the_declared_length() -> None:
+    """Issue 10 item 7: a peer that declares an 8 MiB frame and sends 64 KiB costs about 2 x 64 KiB."""
+    fb = FrameBuffer(initial=16 * 1024)
+    feed(fb, struct.pack(">I", 8 * 1024 * 1024) + b"\x80" * (64 * 1024))
+    assert fb.next_frame() is None
+    assert fb.capacity <= 2 * (64 * 1024 + 4)
+    assert fb.pending == 64 * 1024 + 4
+
+
+def test_frame_buffer_never_grows_beyond_the_declared_frame() -> None:
+    fb = FrameBuffer(initial=1024)
+    frame = encode_frame({"blob": b"q" * 300_000})
+    feed(fb, frame[:-1])
+    assert fb.capacity == len(frame)  # doubling stopped at the frame's own size
+    feed(fb, frame[-1:])
+    assert fb.next_frame() == {"blob": b"q" * 300_000}
+
+
+def test_frame_buffer_released_when_idle() -> None:
+    fb = FrameBuffer(initial=1024, release_idle=True)
+    assert fb.capacity == 0  # nothing allocated before the first byte arrives
+    feed(fb, encode_frame({"a": 1}))
+    assert fb.capacity == 1024
+    assert drain(fb) == [{"a": 1}]
+    assert fb.capacity == 0
+
+
+def test_budget_refuses_growth_past_the_cap_but_not_initial_buffers() -> None:
+    budget = BufferBudget(160 * 1024)
+    big = [FrameBuffer(initial=16 * 1024, budget=budget) for _ in range(3)]
+    for fb in big[:2]:
+        feed(fb, struct.pack(">I", 1024 * 1024) + b"\x80" * 40_000)  # grows to 64 KiB each
+    with pytest.raises(BufferLimitExceeded) as info:
+        feed(big[2], struct.pack(">I", 1024 * 1024) + b"\x80" * 40_000)
+    assert info.value.code == ErrorCode.BUFFERS_FULL and info.value.retryable
+    small = FrameBuffer(initial=16 * 1024, budget=budget)
+    feed(small, encode_frame({"still": "served"}))  # a small frame fits in its initial buffer
+    assert drain(small) == [{"still": "served"}]
+    used = budget.used
+    for fb in big:
+        fb.close()
+    small.close()
+    assert budget.used == 0 < used
