@@ -1,10 +1,11 @@
-"""The single-driver locks: one backend per Kandev home (design.md §5), and per store.
+"""The single-driver locks: one backend per Kandev home (design.md §5), and one per store.
 
 ``fcntl.flock`` on ``<home>/backend.lock``, opened without following
 symlinks and required to be a regular file, taken before anything else and
 held for the whole process lifetime (the kernel drops it when we exit, even
 on SIGKILL). The holder writes its pid into the file so that a refused second
-backend can name it.
+backend can name it. The store's own lock (``StoreLock``) is taken next, the
+same way whichever home names the store, so two homes can never drive one store.
 """
 
 from __future__ import annotations
@@ -75,20 +76,21 @@ class StoreLocked(RuntimeError):
 
 
 class StoreLock:
-    """The single-driver rule for a store outside the home (OWN-002.4: the home, "and an external
-    SQLite file if one is used"; a PostgreSQL database is the same case).
+    """The single-driver rule for the store (OWN-002.4: the home, "and an external SQLite file if
+    one is used"; a PostgreSQL database is the same case), whatever home opens it.
 
-    - SQLite file other than ``<home>/kandev.db``: ``flock`` on ``<file>.lock`` beside it (never on
-      the database file itself), with the holder's pid written in it, like the home lock.
+    - Every SQLite file, the home's own ``kandev.db`` included: ``flock`` on ``<file>.lock`` beside
+      the file's real path (symlinks resolved; never on the database file itself, whose POSIX locks
+      belong to SQLite), with the holder's pid written in it, like the home lock. A backend of
+      another home that names this home's ``kandev.db`` in ``database.url`` meets the same lock.
     - PostgreSQL: a session-level advisory lock (``pg_try_advisory_lock``) on a dedicated
       connection kept open for the process lifetime; the server drops it when that connection
       ends, SIGKILL included. Two backends of different homes on one database are refused.
-    - ``<home>/kandev.db`` itself is covered by the home lock; other engines get no extra lock.
+    - Other engines (and in-memory SQLite) get no extra lock.
     """
 
-    def __init__(self, url: str, home_db: Path) -> None:
+    def __init__(self, url: str) -> None:
         self.url = url
-        self.home_db = home_db
         self._file_lock: HomeLock | None = None
         self._engine: Any = None
         self._conn: Any = None
@@ -100,9 +102,7 @@ class StoreLock:
             db = sqlite_file(url)
             if db is None:
                 return
-            path = db.absolute()
-            if path.resolve() == self.home_db.absolute().resolve():
-                return
+            path = db.absolute().resolve()
             lock = HomeLock(path.with_name(path.name + ".lock"))
             try:
                 lock.acquire()

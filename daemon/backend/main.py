@@ -1,7 +1,8 @@
 """``kandev-backend``: the startup order of design.md §7, then serve until told to stop.
 
-home lock → config validation → store lock (a store outside the home) → logging →
-platform check → store (migrations) → CLI socket (guards make early requests safe) →
+home lock → config validation → store lock (whatever home names the store) → the store's
+installation (another one's is refused) → logging → platform check → store (migrations; a store
+without an owner is adopted) → CLI socket (guards make early requests safe) →
 recovery and reconciliation → READY=1. Shutdown detaches from the control server when survival is enabled
 (its agents keep running) and stops it when it is our child.
 """
@@ -29,6 +30,7 @@ from daemon.limits import BUFFER_LIMIT, IDLE_CONNECTION_TIMEOUT_S, connection_li
 from daemon.paths import Paths, installation_id, resolve_home
 from daemon.platform import check_capability
 from daemon.store.db import Store, sqlite_url
+from daemon.store.owner import ForeignStore, check_store_owner, claim_store, describe_store
 from ipc.server import IpcServer
 
 log = logging.getLogger("kandev.backend")
@@ -167,14 +169,24 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kandev-backend: invalid configuration: {exc}", file=sys.stderr)
             return 2
         url = config.database.url or sqlite_url(paths.db_path)
-        store_lock = StoreLock(url, paths.db_path)
+        store_lock = StoreLock(url)
         try:
-            store_lock.acquire()  # a store outside the home: one backend per store too, before logging
+            store_lock.acquire()  # one backend per store too, whatever home names it; before logging
         except StoreLocked as exc:
             print(f"kandev-backend: {exc}", file=sys.stderr)
             return 1
         except Exception as exc:  # e.g. the database server is down
             print(f"kandev-backend: cannot lock the store: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
+        ours = installation_id(paths)
+        try:
+            # A store of another installation is refused before anything reads or migrates it.
+            check_store_owner(url, ours, describe_store(url))
+        except ForeignStore as exc:
+            print(f"kandev-backend: {exc}", file=sys.stderr)
+            return 1
+        except Exception as exc:
+            print(f"kandev-backend: cannot read the store: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 1
         try:
             return _serve(args, paths, config, url)
@@ -197,7 +209,15 @@ def _serve(args: argparse.Namespace, paths: Paths, config: Config, url: str) -> 
         SUPERVISOR=capability.supervisor,
     )
     store = Store.open(url)
-    backend = Backend(paths, config, capability, store, installation_id(paths))
+    ours = installation_id(paths)
+    try:
+        if claim_store(store.engine, ours, describe_store(url)):
+            log_event("store_adopted", f"the store now belongs to installation {ours}", INSTALLATION_ID=ours)
+    except ForeignStore as exc:
+        store.close()
+        print(f"kandev-backend: {exc}", file=sys.stderr)
+        return 1
+    backend = Backend(paths, config, capability, store, ours)
     notifier = sdnotify.SystemdNotifier()
     try:
         return asyncio.run(_watched(_run(paths, backend, notifier), notifier))

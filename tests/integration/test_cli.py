@@ -125,7 +125,14 @@ def test_second_backend_on_the_same_external_sqlite_file_is_refused(kandev_facto
     assert not (second.home / "logs" / "backend.log").exists()
     assert first.status()["backend"]["pid"] == st["backend"]["pid"]
     first.cli("down")
-    assert second.up()["backend"]["state"] == "ready"  # the lock ends with its holder
+    # The lock ends with its holder, but the store remembers the installation that created it
+    # (issue 10 item 5): another installation is still refused, naming both ids.
+    proc = subprocess.run(
+        [sys.executable, "-m", "daemon.backend.main", "--home", str(second.home)],
+        capture_output=True, text=True, env=second.env, timeout=60, cwd=REPO,
+    )
+    assert proc.returncode == 1 and "belongs to installation" in proc.stderr, proc.stderr
+    assert first.up()["backend"]["state"] == "ready"
 
 
 def test_a_start_whose_agent_fails_to_start_is_failed_not_starting(kandev_factory):

@@ -64,7 +64,8 @@ def test_survival_round_trip_on_postgresql(kandev_factory, postgres):
 
 def test_one_postgresql_database_serves_one_home(kandev_factory, postgres):
     """AC-EXECUTORS-CONTROL-OWNERSHIP-002.4 for a PostgreSQL store: a second backend (another home)
-    on the same database is refused at start, before it logs; it starts once the first is gone."""
+    on the same database is refused at start, before it logs; once the first is gone it is still
+    refused, because the store belongs to the first installation (issue 10 item 5)."""
     url = postgres.new_database()
     first = kandev_factory("one", f'[database]\nurl = "{url}"\n')
     st = first.up()
@@ -76,5 +77,14 @@ def test_one_postgresql_database_serves_one_home(kandev_factory, postgres):
     assert first.status()["backend"]["pid"] == st["backend"]["pid"]
     os.kill(st["backend"]["pid"], signal.SIGKILL)  # the server drops the lock with the connection
     wait_until(lambda: not alive(st["backend"]["pid"]), timeout=10)
-    wait_until(lambda: second.run("up", timeout=120).returncode == 0, timeout=60)
-    assert second.up()["backend"]["state"] == "ready"  # (again, to record its pids for the clean-up)
+
+    def refused_as_foreign() -> str | None:
+        proc = subprocess.run([sys.executable, "-m", "daemon.backend.main", "--home", str(second.home)],
+                              capture_output=True, text=True, env=second.env, timeout=60, cwd=REPO)
+        assert proc.returncode == 1, proc.stderr
+        return proc.stderr if "belongs to installation" in proc.stderr else None
+
+    stderr = wait_until(refused_as_foreign, timeout=60)
+    first_id = (first.home / "installation-id").read_text().strip()
+    assert first_id in stderr and (second.home / "installation-id").read_text().strip() in stderr
+    assert first.up()["backend"]["state"] == "ready"  # its own installation drives it again
