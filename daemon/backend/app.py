@@ -12,7 +12,6 @@ import contextlib
 import json
 import logging
 import os
-import subprocess
 import uuid
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
@@ -31,6 +30,7 @@ from daemon.backend.events import _ensure_turn
 from daemon.backend.executions import EventConsumer, Execution, ExecutionStore
 from daemon.backend.launcher import ControlServerHandle, Launcher, UnitBusy
 from daemon.backend.recovery import Recovery, RecoveryReport
+from daemon.backend.worktree import add_worktree
 from daemon.config import Config
 from daemon.credentials import (
     CredentialError,
@@ -320,19 +320,12 @@ class Backend:
             raise _not_found("session", session_id)
         return session
 
-    def _workspace_for(self, task_id: str, workspace: str | None, executor: str) -> str:
+    async def _workspace_for(self, task_id: str, workspace: str | None, executor: str) -> str:
         if executor == "worktree":
             if not workspace:
                 raise IpcError(ErrorCode.INVALID_ARGUMENT, "executor 'worktree' needs --workspace (a git repository)")
             target = self.paths.worktrees_dir / task_id
-            proc = subprocess.run(
-                ["git", "-C", workspace, "worktree", "add", "-b", f"kandev/{task_id}", str(target)],
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-            if proc.returncode != 0:
-                raise IpcError(ErrorCode.INVALID_ARGUMENT, f"git worktree add failed: {proc.stderr.strip()}")
+            await add_worktree(workspace, target, f"kandev/{task_id}")  # off the loop, hooks disabled
             return str(target)
         if workspace:
             path = Path(workspace)
@@ -412,7 +405,7 @@ class Backend:
         if executor not in EXECUTORS:
             raise IpcError(ErrorCode.INVALID_ARGUMENT, f"executor must be one of {', '.join(EXECUTORS)}")
         task_id = uuid.uuid4().hex
-        workspace = self._workspace_for(task_id, args.get("workspace"), executor)
+        workspace = await self._workspace_for(task_id, args.get("workspace"), executor)
         with self.store.session() as db:
             db.add(
                 Task(
