@@ -42,6 +42,27 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_USAGE)
 
 
+def _page_size(text: str) -> int:
+    value = _whole(text)
+    if not 1 <= value <= 10_000:
+        raise argparse.ArgumentTypeError(f"{text!r} is not in 1..10000")
+    return value
+
+
+def _cursor(text: str) -> int:
+    value = _whole(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative")
+    return value
+
+
+def _whole(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="kandev", description="Run and observe kandev agents.")
     p.add_argument("--home", help="Kandev home (default: $KANDEV_HOME, $STATE_DIRECTORY, ~/.local/share/kandev)")
@@ -73,8 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
     ss.add_argument("--agent", default="mock")
     ss.add_argument("--prompt")
     ss.add_argument("--passthrough", action="store_true")
-    sh = session.add_parser("show", help="one session: state, agent, turns, transcript")
+    sh = session.add_parser("show", help="one session: state, agent, turns, one page of its transcript")
     sh.add_argument("session_id")
+    where = sh.add_mutually_exclusive_group()
+    where.add_argument("--tail", type=_page_size, metavar="N",
+                       help="the last N transcript entries (default: the last 10000)")
+    where.add_argument("--after-seq", type=_cursor, metavar="S",
+                       help="the entries after cursor S (a page's next_cursor; 0: from the start)")
+    sh.add_argument("--limit", type=_page_size, metavar="N", help="with --after-seq: at most N entries (default 10000)")
     session.add_parser("list", help="every session")
     sc = session.add_parser("configure", help="set the agent's model, mode and options (applied through the agent)")
     sc.add_argument("session_id")
@@ -244,7 +271,11 @@ def run(args: argparse.Namespace) -> Any:
                 call_args["prompt"] = args.prompt
             return _call(sock, "session_start", call_args, timeout=120.0)
         if args.session_cmd == "show":
-            return _call(sock, "session_show", {"session_id": args.session_id})
+            if args.limit is not None and args.after_seq is None:
+                raise Usage("session show: --limit goes with --after-seq")
+            page = {k: v for k, v in (("tail", args.tail), ("after_seq", args.after_seq), ("limit", args.limit))
+                    if v is not None}
+            return _call(sock, "session_show", {"session_id": args.session_id, **page})
         if args.session_cmd == "configure":
             call_args = {"session_id": args.session_id, "options": _options(args.option)}
             if args.model is not None:

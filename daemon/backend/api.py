@@ -44,7 +44,15 @@ OPS = [
         auth=False,
         doc="answer an open permission request of the session's agent; no option_id = cancelled -> {ok}",
     ),
-    Op("session_show", required={"session_id": str}, auth=False, doc="see design.md §8"),
+    Op(
+        "session_show",
+        required={"session_id": str},
+        optional={"tail": int, "after_seq": int, "limit": int},
+        auth=False,
+        doc="state, agent, turns and one transcript page: the last `tail` entries (default 10000), or"
+        " `limit` entries after the cursor `after_seq`; `page` carries next_cursor, more_before/after"
+        " (daemon/backend/session_view.py)",
+    ),
     Op("session_list", auth=False, doc="-> {sessions: [...]}"),
     Op("board", auth=False, doc="-> {backlog, running, turn_finished, needs_attention, done}"),
 ]

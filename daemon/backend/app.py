@@ -30,6 +30,7 @@ from daemon.backend.events import _ensure_turn
 from daemon.backend.executions import EventConsumer, Execution, ExecutionStore
 from daemon.backend.launcher import ControlServerHandle, Launcher, UnitBusy
 from daemon.backend.recovery import Recovery, RecoveryReport
+from daemon.backend.session_view import PageRequest, StoredSession, read_session
 from daemon.backend.worktree import add_worktree
 from daemon.config import Config
 from daemon.credentials import (
@@ -44,7 +45,7 @@ from daemon.platform import CapabilityStatus
 from daemon.store import transitions
 from daemon.store.board import board
 from daemon.store.db import Store
-from daemon.store.models import ControlServerRecord, ExecutorRunning, Message, Task, TaskSession, Turn
+from daemon.store.models import ControlServerRecord, ExecutorRunning, Message, Task, TaskSession
 from ipc.aio import cancel_and_wait
 from ipc.errors import ErrorCode, IpcError
 from ipc.server import ConnectionContext
@@ -647,88 +648,73 @@ class Backend:
             )
         return {"ok": True}
 
-    @staticmethod
-    def _permissions(messages: list[Message]) -> list[dict[str, Any]]:
-        """Permission requests of the transcript, each open until answered."""
-        requests: dict[str, dict[str, Any]] = {}
-        for m in messages:
-            if m.kind not in ("permission_request", "permission_response", "permission_cancelled"):
-                continue
-            try:
-                data = json.loads(m.text)
-            except ValueError:
-                continue
-            rid = str(data.get("request_id"))
-            if m.kind == "permission_request":
-                options = [o.get("optionId") or o.get("option_id") for o in data.get("options") or []
-                           if isinstance(o, dict)]
-                requests[rid] = {"request_id": rid, "turn_id": data.get("turn_id"), "options": options,
-                                 "state": "open", "answer": None}
-            elif rid in requests and m.kind == "permission_cancelled":
-                requests[rid]["state"] = "cancelled"
-            elif rid in requests:
-                requests[rid]["state"] = "answered"
-                requests[rid]["answer"] = data.get("option_id")
-        return list(requests.values())
+    def _read_session(self, session_id: str, request: PageRequest) -> StoredSession:
+        """The store's part of ``session show`` (a worker thread, its own store session)."""
+        with self.store.session() as db:
+            stored = read_session(db, session_id, request)
+        if stored is None:
+            raise _not_found("session", session_id)
+        return stored
 
     async def op_session_show(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         session_id = args["session_id"]
+        # Transcripts may be huge: read off the loop, one bounded page (daemon.backend.session_view).
+        stored = await asyncio.to_thread(self._read_session, session_id, PageRequest.from_args(args))
         ex = self.executions.executions.get(session_id)
+        session, row = stored.session, stored.row
+        meta = dict(session.metadata_json or {})
+        runtime = meta.get("runtime_config") or {"model": None, "mode": None, "options": {}}
+        return {
+            "session_id": session.id,
+            "task_id": session.task_id,
+            "state": session.state,
+            "agent": session.agent,
+            "passthrough": bool(session.passthrough),
+            "agent_pid": ex.agent_pid if ex else (row.agent_pid if row else None),
+            "agent_pid_start_time": ex.agent_pid_start_time if ex else (row.agent_pid_start_time if row else None),
+            "instance_id": ex.instance_id if ex else (row.instance_id if row else None),
+            "resume_token": row.resume_token if row else (meta.get("acp") or {}).get("session_id"),
+            "retracked": bool(ex.retracked) if ex else False,
+            "live": ex is not None,
+            "recoverable": ex is None and session.state not in ("COMPLETED",) and row is not None,
+            "not_retracked_reason": self.report.not_retracked.get(session_id),
+            "guard": self.executions.guards.get(session_id),
+            "last_error": session.last_error,
+            "runtime_config": runtime,
+            "permissions": stored.permissions,
+            "turns": stored.turns,
+            "turns_total": stored.turns_total,
+            "transcript": stored.transcript,
+            "page": stored.page,
+        }
+
+    def _read_sessions(self) -> list[tuple[str, str, str]]:
         with self.store.session() as db:
-            session = self._session(db, session_id)
-            row = db.get(ExecutorRunning, session_id)
-            turns = db.scalars(select(Turn).where(Turn.session_id == session_id).order_by(Turn.ordinal)).all()
-            messages = db.scalars(select(Message).where(Message.session_id == session_id).order_by(Message.id)).all()
-            meta = dict(session.metadata_json or {})
-            runtime = meta.get("runtime_config") or {"model": None, "mode": None, "options": {}}
-            return {
-                "session_id": session.id,
-                "task_id": session.task_id,
-                "state": session.state,
-                "agent": session.agent,
-                "passthrough": bool(session.passthrough),
-                "agent_pid": ex.agent_pid if ex else (row.agent_pid if row else None),
-                "agent_pid_start_time": ex.agent_pid_start_time if ex else (row.agent_pid_start_time if row else None),
-                "instance_id": ex.instance_id if ex else (row.instance_id if row else None),
-                "resume_token": row.resume_token if row else (meta.get("acp") or {}).get("session_id"),
-                "retracked": bool(ex.retracked) if ex else False,
-                "live": ex is not None,
-                "recoverable": ex is None and session.state not in ("COMPLETED",) and row is not None,
-                "not_retracked_reason": self.report.not_retracked.get(session_id),
-                "guard": self.executions.guards.get(session_id),
-                "last_error": session.last_error,
-                "runtime_config": runtime,
-                "permissions": self._permissions(list(messages)),
-                "turns": [
-                    {"turn_id": t.id, "state": t.state, "stop_reason": t.stop_reason, "prompt": t.prompt}
-                    for t in turns
-                ],
-                "transcript": [
-                    {"role": m.role, "kind": m.kind, "text": m.text, "turn_id": m.turn_id, "seq": m.event_seq}
-                    for m in messages
-                ],
-            }
+            return [tuple(r) for r in db.execute(
+                select(TaskSession.id, TaskSession.task_id, TaskSession.state).order_by(TaskSession.created_at)
+            )]
 
     async def op_session_list(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
-        with self.store.session() as db:
-            sessions = db.scalars(select(TaskSession).order_by(TaskSession.created_at)).all()
-            return {
-                "sessions": [
-                    {
-                        "session_id": s.id,
-                        "task_id": s.task_id,
-                        "state": s.state,
-                        "retracked": bool(
-                            (ex := self.executions.executions.get(s.id)) is not None and ex.retracked
-                        ),
-                    }
-                    for s in sessions
-                ]
-            }
+        rows = await asyncio.to_thread(self._read_sessions)  # off the loop: every session of the store
+        executions = self.executions.executions
+        return {
+            "sessions": [
+                {
+                    "session_id": sid,
+                    "task_id": task_id,
+                    "state": state,
+                    "retracked": bool((ex := executions.get(sid)) is not None and ex.retracked),
+                }
+                for sid, task_id, state in rows
+            ]
+        }
 
-    async def op_board(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+    def _read_board(self) -> dict[str, list[str]]:
         with self.store.session() as db:
             return board(db)
+
+    async def op_board(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        return await asyncio.to_thread(self._read_board)  # off the loop: every task of the store
 
 
 async def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:

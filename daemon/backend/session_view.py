@@ -1,0 +1,214 @@
+"""What ``kandev session show`` reads from the store: a session, its turns and one transcript page.
+
+A transcript can hold hundreds of thousands of entries (``/flood 100000``), more than one 8 MiB
+frame can carry, so ``session show`` pages it:
+
+- no flag: the last ``DEFAULT_PAGE`` entries (old callers that read ``transcript`` see a whole
+  transcript of up to that many entries, as before);
+- ``tail=N``: the last N entries;
+- ``after_seq=S`` (and ``limit=N``, default ``DEFAULT_PAGE``): the first N entries whose
+  ``cursor`` is greater than S (``after_seq=0``: from the beginning).
+
+Each entry carries its ``cursor`` (increasing along the transcript); the answer's ``page`` says
+where it stands: ``next_cursor`` (pass it as ``after_seq`` for the entries after this page),
+``first_cursor``, ``more_before``, ``more_after``, ``count`` and ``total``. Whatever the flags, a
+page also stops at ``PAGE_TEXT_BYTES`` of text and an entry's text is cut at ``ENTRY_TEXT_MAX``
+characters (``text_truncated`` says so), so an answer always fits in one frame. Turns are the
+last ``TURNS_SHOWN`` (``turns_total`` counts all), and permission requests are read from the last
+``PERMISSION_MESSAGES`` permission entries.
+
+Everything here is a plain blocking database read: the backend runs it in a worker thread with
+its own store session, never on its event loop.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from daemon.store.models import ExecutorRunning, Message, TaskSession, Turn
+from ipc.errors import ErrorCode, IpcError
+
+DEFAULT_PAGE = 10_000
+"""Transcript entries of a page when no size is given (also the largest size accepted)."""
+MAX_PAGE = DEFAULT_PAGE
+PAGE_TEXT_BYTES = 4 * 1024 * 1024
+"""Characters of entry text one page carries at most (the frame limit is 8 MiB)."""
+ENTRY_TEXT_MAX = 256 * 1024
+"""Characters of one entry's (or one turn prompt's) text shown; the rest is cut."""
+ENTRY_OVERHEAD = 128
+"""Bytes an entry costs besides its text (keys, kind, turn id), counted against the page budget."""
+TURNS_SHOWN = 1000
+PERMISSION_MESSAGES = 2000
+PERMISSION_KINDS = ("permission_request", "permission_response", "permission_cancelled")
+
+
+@dataclass(frozen=True)
+class PageRequest:
+    """Which transcript page to read (see the module doc)."""
+
+    tail: int | None = None
+    after_seq: int | None = None
+    limit: int | None = None
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any]) -> PageRequest:
+        tail, after, limit = args.get("tail"), args.get("after_seq"), args.get("limit")
+        if tail is not None and (after is not None or limit is not None):
+            raise IpcError(ErrorCode.INVALID_ARGUMENT, "session_show: tail cannot be combined with after_seq/limit")
+        for name, value in (("tail", tail), ("limit", limit)):
+            if value is not None and not 1 <= value <= MAX_PAGE:
+                raise IpcError(ErrorCode.INVALID_ARGUMENT, f"session_show: {name} must be in 1..{MAX_PAGE}, not {value}")
+        if after is not None and after < 0:
+            raise IpcError(ErrorCode.INVALID_ARGUMENT, f"session_show: after_seq must be >= 0, not {after}")
+        if limit is not None and after is None:
+            after = 0
+        return cls(tail=tail, after_seq=after, limit=limit)
+
+    @property
+    def forward(self) -> bool:
+        return self.after_seq is not None
+
+    @property
+    def size(self) -> int:
+        return (self.limit if self.forward else self.tail) or DEFAULT_PAGE
+
+
+def _cut(text: str) -> tuple[str, bool]:
+    return (text[:ENTRY_TEXT_MAX], True) if len(text) > ENTRY_TEXT_MAX else (text, False)
+
+
+def _entry(row: Any) -> dict[str, Any]:
+    text, cut = _cut(row.text)
+    entry = {"role": row.role, "kind": row.kind, "text": text, "turn_id": row.turn_id, "seq": row.event_seq,
+             "cursor": row.id}
+    if cut:
+        entry["text_truncated"] = True
+    return entry
+
+
+def transcript_page(db: Session, session_id: str, request: PageRequest) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """One page of the transcript in order, and its ``page`` description."""
+    columns = (Message.id, Message.role, Message.kind, Message.text, Message.turn_id, Message.event_seq)
+    query = select(*columns).where(Message.session_id == session_id)
+    if request.forward:
+        query = query.where(Message.id > request.after_seq).order_by(Message.id)
+    else:
+        query = query.order_by(Message.id.desc())
+    entries: list[dict[str, Any]] = []
+    budget = PAGE_TEXT_BYTES
+    for row in db.execute(query.limit(request.size)):
+        entry = _entry(row)
+        cost = len(entry["text"]) + ENTRY_OVERHEAD
+        if entries and cost > budget:
+            break  # the page is full: the rest is on the next one
+        budget -= cost
+        entries.append(entry)
+    if not request.forward:
+        entries.reverse()
+    first = entries[0]["cursor"] if entries else None
+    last = entries[-1]["cursor"] if entries else None
+
+    def exists(condition: Any) -> bool:
+        return db.execute(select(Message.id).where(Message.session_id == session_id, condition).limit(1)).first() \
+            is not None
+
+    if entries:
+        more_before, more_after = exists(Message.id < first), exists(Message.id > last)
+    else:
+        more_before = request.forward and exists(Message.id <= request.after_seq)
+        more_after = False
+    total = db.execute(select(func.count()).select_from(Message).where(Message.session_id == session_id)).scalar()
+    page = {
+        "mode": "after_seq" if request.forward else "tail",
+        "size": request.size,
+        "count": len(entries),
+        "total": int(total or 0),
+        "first_cursor": first,
+        "next_cursor": last if last is not None else (request.after_seq if request.forward else 0),
+        "more_before": more_before,
+        "more_after": more_after,
+    }
+    return entries, page
+
+
+def permissions(db: Session, session_id: str) -> list[dict[str, Any]]:
+    """Permission requests of the transcript (its last ``PERMISSION_MESSAGES`` permission entries),
+    each open until answered or cancelled."""
+    rows = db.execute(
+        select(Message.kind, Message.text)
+        .where(Message.session_id == session_id, Message.kind.in_(PERMISSION_KINDS))
+        .order_by(Message.id.desc())
+        .limit(PERMISSION_MESSAGES)
+    ).all()
+    requests: dict[str, dict[str, Any]] = {}
+    for kind, text in reversed(rows):
+        try:
+            data = json.loads(text)
+        except ValueError:
+            continue
+        if not isinstance(data, dict):
+            continue
+        rid = str(data.get("request_id"))
+        if kind == "permission_request":
+            options = [o.get("optionId") or o.get("option_id") for o in data.get("options") or []
+                       if isinstance(o, dict)]
+            requests[rid] = {"request_id": rid, "turn_id": data.get("turn_id"), "options": options,
+                             "state": "open", "answer": None}
+        elif rid in requests and kind == "permission_cancelled":
+            requests[rid]["state"] = "cancelled"
+        elif rid in requests:
+            requests[rid]["state"] = "answered"
+            requests[rid]["answer"] = data.get("option_id")
+    return list(requests.values())
+
+
+def turns(db: Session, session_id: str) -> tuple[list[dict[str, Any]], int]:
+    """The last ``TURNS_SHOWN`` turns in order, and how many the session has."""
+    rows = db.scalars(
+        select(Turn).where(Turn.session_id == session_id).order_by(Turn.ordinal.desc()).limit(TURNS_SHOWN)
+    ).all()
+    shown = []
+    for t in reversed(rows):
+        prompt, cut = _cut(t.prompt)
+        turn = {"turn_id": t.id, "state": t.state, "stop_reason": t.stop_reason, "prompt": prompt}
+        if cut:
+            turn["prompt_truncated"] = True
+        shown.append(turn)
+    total = db.execute(select(func.count()).select_from(Turn).where(Turn.session_id == session_id)).scalar()
+    return shown, int(total or 0)
+
+
+@dataclass
+class StoredSession:
+    """The store's part of ``session show`` (the backend adds what only it knows in memory)."""
+
+    session: TaskSession
+    row: ExecutorRunning | None
+    turns: list[dict[str, Any]]
+    turns_total: int
+    transcript: list[dict[str, Any]]
+    page: dict[str, Any]
+    permissions: list[dict[str, Any]]
+
+
+def read_session(db: Session, session_id: str, request: PageRequest) -> StoredSession | None:
+    """Everything ``session show`` reads from the store; None for an unknown session."""
+    session = db.get(TaskSession, session_id)
+    if session is None:
+        return None
+    shown_turns, turns_total = turns(db, session_id)
+    transcript, page = transcript_page(db, session_id, request)
+    return StoredSession(
+        session=session,
+        row=db.get(ExecutorRunning, session_id),
+        turns=shown_turns,
+        turns_total=turns_total,
+        transcript=transcript,
+        page=page,
+        permissions=permissions(db, session_id),
+    )

@@ -1,0 +1,102 @@
+"""``kandev session show`` pages its transcript (issue 10 item 8): real backend, mock agent, real CLI.
+
+One session floods 100,000 chunks (about 10 MB of transcript: more than one 8 MiB frame holds);
+``session show`` still answers, quickly, with its last page, and ``--after-seq``/``--limit``
+walk the whole transcript exactly once, in order.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import Kandev, agent_chunks, make_env
+
+pytestmark = pytest.mark.timeout(600)
+
+CHUNKS = 100_000
+SHOW_BOUND_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def flooded():
+    """One backend with one session whose transcript holds /flood 100000 (shared by this module)."""
+    with tempfile.TemporaryDirectory(prefix="kd-", dir="/var/tmp") as d:
+        root = Path(d)
+        root.chmod(0o700)
+        config = root / "home.toml"
+        config.write_text("")
+        k = Kandev(root / "home", make_env(config))
+        try:
+            k.up()
+            _, sid = k.start_session("flood")
+            done = k.cli("prompt", sid, f"/flood {CHUNKS}", "--wait", timeout=540)
+            assert done["stop_reason"] == "end_turn"
+            yield k, sid
+        finally:
+            k.cleanup()
+
+
+def _timed_show(k, sid: str, *flags: str) -> tuple[float, dict]:
+    start = time.monotonic()
+    proc = k.run("session", "show", sid, *flags)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 0, proc.stderr
+    return elapsed, json.loads(proc.stdout)
+
+
+def test_scenario_f_last_page_of_a_huge_transcript_within_a_second(flooded):
+    """Issue 10 scenario F: after ``/flood 100000``, ``kandev session show SID`` returns its last page
+    within a second (the real CLI, interpreter start included) and never fails with
+    ``frame_too_large``. The bound is an acceptance bound: the best of three calls is taken, so a
+    momentary stall of a shared machine does not decide it."""
+    k, sid = flooded
+    timings = []
+    for _ in range(3):
+        elapsed, show = _timed_show(k, sid)
+        timings.append(elapsed)
+    print(f"\nsession show of {CHUNKS} chunks (last page): " + ", ".join(f"{t:.2f} s" for t in timings))
+    assert min(timings) < SHOW_BOUND_S, timings
+    chunks = agent_chunks(show)
+    assert chunks[-1] == f"{CHUNKS}/{CHUNKS} "
+    first = CHUNKS - len(chunks) + 1
+    assert chunks == [f"{i}/{CHUNKS} " for i in range(first, CHUNKS + 1)]  # the newest, in order
+    page = show["page"]
+    assert page["more_before"] is True and page["more_after"] is False
+    assert page["count"] == len(show["transcript"]) <= 10_000
+    assert page["total"] >= CHUNKS + 1  # the prompt and every chunk
+    assert page["next_cursor"] == show["transcript"][-1]["cursor"]
+    assert show["turns"][-1]["stop_reason"] == "end_turn" and show["turns_total"] == 1
+
+    elapsed, tail = _timed_show(k, sid, "--tail", "3")
+    assert agent_chunks(tail) == [f"{i}/{CHUNKS} " for i in range(CHUNKS - 2, CHUNKS + 1)]
+
+
+def test_after_seq_walks_the_whole_transcript_once_in_order(flooded):
+    k, sid = flooded
+    cursor, texts, pages = 0, [], 0
+    while True:
+        _, show = _timed_show(k, sid, "--after-seq", str(cursor), "--limit", "10000")
+        pages += 1
+        cursors = [m["cursor"] for m in show["transcript"]]
+        assert cursors == sorted(cursors) and (not cursors or cursors[0] > cursor)
+        texts.extend(agent_chunks(show))
+        if not show["page"]["more_after"]:
+            break
+        cursor = show["page"]["next_cursor"]
+    assert texts == [f"{i}/{CHUNKS} " for i in range(1, CHUNKS + 1)]
+    assert pages == 11  # 100,001 entries, 10,000 a page
+    _, end = _timed_show(k, sid, "--after-seq", str(show["page"]["next_cursor"]))
+    assert end["transcript"] == [] and end["page"]["more_before"] is True
+
+
+def test_page_flags_are_checked(flooded):
+    k, sid = flooded
+    for flags in (["--tail", "0"], ["--tail", "10001"], ["--after-seq", "-1"], ["--limit", "5"],
+                  ["--tail", "5", "--after-seq", "1"]):
+        proc = k.run("session", "show", sid, *flags)
+        assert proc.returncode == 2, (flags, proc.stderr)
