@@ -109,7 +109,7 @@ def _remove_stale(path: str) -> None:
 
 
 def bind_listener(
-    path: str | os.PathLike[str], mode: int, backlog: int = 128
+    path: str | os.PathLike[str], mode: int, backlog: int = 1024
 ) -> tuple[socket.socket, str, SocketIdentity]:
     """Bind and listen on ``path``; return the non-blocking socket, its absolute path and identity."""
     full = check_socket_path(path)

@@ -29,6 +29,23 @@ __all__ = ["SyncClient"]
 _UNSET: Any = object()
 
 
+_CONNECT_RETRY_S = 0.01
+
+
+def _connect(sock: socket.socket, path: str, timeout: float) -> None:
+    """Connect, waiting while the server's accept queue is full (a Unix socket with a timeout
+    fails at once with EAGAIN then, where a TCP one would wait), up to ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            sock.connect(path)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"the accept queue of {path} stayed full") from None
+            time.sleep(_CONNECT_RETRY_S)
+
+
 class SyncClient:
     """A blocking connection to an ``IpcServer``."""
 
@@ -50,7 +67,7 @@ class SyncClient:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(timeout)
-            sock.connect(self.path)
+            _connect(sock, self.path, timeout)
         except TimeoutError:
             sock.close()
             raise IpcError(ErrorCode.UNAVAILABLE, f"timed out connecting to {self.path}") from None
