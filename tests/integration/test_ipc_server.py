@@ -1165,6 +1165,40 @@ def test_table_must_not_redefine_hello_and_handlers_must_match() -> None:
 # -- clients and unreachable servers -------------------------------------------------------
 
 
+def test_sync_client_waits_out_a_full_accept_queue(sock_dir: Path) -> None:
+    """A Unix-socket connect with a timeout fails at once (EAGAIN) while the server's accept queue is
+    full; the CLI's client waits within its connect timeout instead of calling the server dead."""
+    path = str(sock_dir / "busy.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(0)
+    queued = []
+    try:
+        while True:  # fill the accept queue
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.setblocking(False)
+            try:
+                s.connect(path)
+            except BlockingIOError:
+                s.close()
+                break
+            queued.append(s)
+        accepted: list[socket.socket] = []
+        drain = threading.Timer(0.3, lambda: accepted.extend(listener.accept()[0] for _ in range(len(queued))))
+        drain.start()
+        start = time.monotonic()
+        client = SyncClient(path, hello=False, timeout=5)
+        assert time.monotonic() - start >= 0.25  # it waited for the queue to drain
+        client.close()
+        drain.join(5)
+        for s in accepted:
+            s.close()
+    finally:
+        for s in queued:
+            s.close()
+        listener.close()
+
+
 def test_unreachable_socket_is_unavailable_naming_the_path(sock_dir: Path) -> None:
     missing = str(sock_dir / "missing.sock")
     stale = sock_dir / "stale.sock"
