@@ -146,10 +146,10 @@ class FrameBuffer:
     back once the frame is consumed. Partial frames survive across reads, so a
     read timeout never loses sync.
 
-    ``budget``: a ``BufferBudget`` shared by a server's connections (growth past its cap raises
-    ``BufferLimitExceeded`` from ``get_buffer``). ``release_idle``: drop the whole buffer when
-    everything received was consumed (a server holds many idle connections); otherwise keep
-    ``initial`` bytes for the next read. Call ``close()`` when the connection ends.
+    Nothing is allocated before the first byte arrives (a connection that never sends costs no
+    buffer); after a frame the buffer keeps ``initial`` bytes for the next one. ``budget``: a
+    ``BufferBudget`` shared by a server's connections (growth past its cap raises
+    ``BufferLimitExceeded`` from ``get_buffer``). Call ``close()`` when the connection ends.
     """
 
     def __init__(
@@ -158,14 +158,12 @@ class FrameBuffer:
         initial: int = 64 * 1024,
         *,
         budget: BufferBudget | None = None,
-        release_idle: bool = False,
     ) -> None:
         if initial < 1:
             raise ValueError("initial buffer size must be >= 1")
         self.max_size = max_size
         self._initial = initial
         self._budget = budget
-        self._release_idle = release_idle
         self._buf = bytearray()
         self._view = memoryview(self._buf)
         self._start = 0
@@ -239,10 +237,7 @@ class FrameBuffer:
     def _consumed(self) -> None:
         if self._start == self._end:
             self._start = self._end = 0
-            if self._release_idle:
-                if self._buf:
-                    self._resize(0)
-            elif len(self._buf) > self._initial:  # drop a buffer grown for one big frame
+            if len(self._buf) > self._initial:  # drop a buffer grown for one big frame
                 self._resize(self._initial)
 
     def next_frame(self) -> dict[str, Any] | None:

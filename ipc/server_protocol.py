@@ -72,7 +72,7 @@ class ServerProtocol(asyncio.BufferedProtocol):
     def __init__(self, dispatcher: Dispatcher, limits: ConnectionLimits, budget: BufferBudget) -> None:
         self._dispatcher = dispatcher
         self._limits = limits
-        self._frames = FrameBuffer(limits.max_frame, INITIAL_BUFFER, budget=budget, release_idle=True)
+        self._frames = FrameBuffer(limits.max_frame, INITIAL_BUFFER, budget=budget)
         self._max_inflight = limits.max_inflight
         self._frame_timeout = limits.frame_timeout
         self._frame_timer: asyncio.TimerHandle | None = None
