@@ -4,7 +4,8 @@
 one JSON object on stdout. Exit codes: 0 ok, 1 refused by the backend (typed
 error on stderr, or in the JSON as ``error``), 2 usage, 3 backend unreachable.
 The CLI owns nothing: ``up`` only starts a backend process when no service
-manager runs one.
+manager runs one; when the backend runs but gave up restarting a control server
+that kept dying, ``up`` asks it to try again.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    up = sub.add_parser("up", help="start the backend in the background (no service manager)")
+    up = sub.add_parser("up", help="start the backend in the background (no service manager); if it runs but"
+                        " gave up restarting a control server that kept dying, make it try again")
     up.add_argument("--config", help="config file for the backend")
     sub.add_parser("down", help="stop the backend gracefully")
     sub.add_parser("status", help="backend, capability, control server, recovery")
@@ -181,9 +183,37 @@ def _reachable(socket: Path) -> dict[str, Any] | None:
         return None
 
 
+def _gave_up(status: dict[str, Any]) -> list[str]:
+    """Which control servers the backend gave up restarting (they kept dying)."""
+    server = status.get("control_server") or {}
+    links = [("survival", server), ("passthrough", server.get("passthrough") or {})]
+    return [name for name, link in links if link.get("state") == "gave_up"]
+
+
+def _retry_control_server(paths: Paths, status: dict[str, Any]) -> dict[str, Any]:
+    """The backend runs but gave up on a control server: ask it to try again and wait for the outcome
+    (running, or gave up again after its crash-loop limit)."""
+    _call(paths.backend_socket, "control_server_retry", timeout=10.0)
+    deadline = time.monotonic() + UP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        status = _call(paths.backend_socket, "status", timeout=10.0)
+        server = status["control_server"]
+        states = {server["state"], (server.get("passthrough") or {}).get("state")}
+        if "gave_up" in states:
+            loss = (server.get("gave_up") or (server.get("passthrough") or {}).get("gave_up") or {})
+            raise IpcError("control_server_gave_up", "the control server still dies at start; the backend gave"
+                           f" up again: {loss.get('reason', 'unknown reason')}")
+        if not states & {"lost", "restarting"}:
+            return {"started": False, "retried": True, "pid": status["backend"]["pid"], "status": status}
+        time.sleep(0.1)
+    raise IpcError(ErrorCode.TIMEOUT, f"the control server did not come back within {UP_TIMEOUT_S:.0f}s")
+
+
 def cmd_up(paths: Paths, args: argparse.Namespace) -> dict[str, Any]:
     status = _reachable(paths.backend_socket)
     if status is not None and status["backend"]["state"] == "ready":
+        if _gave_up(status):
+            return _retry_control_server(paths, status)
         return {"started": False, "pid": status["backend"]["pid"], "status": status}
     if status is None:
         paths.ensure()

@@ -12,6 +12,8 @@ Works without a running backend. Every check is a ``daemon.platform.Check``
 - ``home``, ``run_dir``, ``secrets_dir``, ``backend_socket``, ``agentctl_sockets``: ownership
   and modes of the Kandev home, and whether this user can reach the CLI socket (and the backend
   behind it).
+- ``control_server``: when the backend answered, the state of its control server(s): running, or
+  lost/restarting after a crash, or given up after too many crashes (with the last reason).
 - ``store``: the database opens read-only and its alembic revision is known.
 - ``node``, ``npm``: present on the PATH the backend uses (npm-based agents need them).
 
@@ -335,6 +337,39 @@ def _permissions(r: _Report, paths: Paths, probes: DoctorProbes) -> dict[str, An
     return status
 
 
+def _control_server(r: _Report, status: dict[str, Any] | None) -> None:
+    """What the running backend says about its control server(s); nothing when it did not answer."""
+    if status is None or not isinstance(status.get("control_server"), dict):
+        return
+    server = status["control_server"]
+    for name, link in (("control_server", server), ("control_server.passthrough", server.get("passthrough") or {})):
+        state = link.get("state")
+        if state is None or (name != "control_server" and state == "none"):
+            continue
+        loss = link.get("gave_up") or link.get("last_loss") or {}
+        last = f"; last loss {loss.get('at')}: {loss.get('reason')}" if loss else ""
+        if state == "gave_up":
+            window = link.get("crash_loop") or {}
+            r.add(name, False, f"gave up restarting it after {window.get('limit', '?')} losses within "
+                  f"{window.get('window_s', '?')} s{last}",
+                  "see `journalctl KANDEV_EVENT=control_server_lost` (or the backend log) and the control-server"
+                  " log for why it dies; once fixed, `kandev up` makes the backend try again")
+        elif state in ("lost", "restarting"):
+            r.add(name, False, f"{state}: the backend is starting a new one{last}",
+                  "wait a few seconds and look again; `kandev status` shows the state")
+        elif state == "superseded":
+            r.add(name, False, "superseded: another holder of this installation's credential adopted it; this"
+                  " backend no longer drives it", "restart the backend (`kandev down` then `kandev up`, or"
+                  " `systemctl restart kandev-backend`)")
+        elif state == "unreachable":
+            r.add(name, False, f"running but not answering, pid {link.get('pid', server.get('pid'))}",
+                  "see the control-server log; `systemctl kill --kill-whom=main -s USR1` dumps its tasks")
+        else:
+            detail = f"{state}" + (f", pid {link.get('pid')}" if link.get("pid") else "")
+            r.add(name, True, detail + (f" ({link.get('restarts')} restart(s) after losses{last})"
+                                        if link.get("restarts") else ""))
+
+
 def _store(r: _Report, config: Config | None, paths: Paths, probes: DoctorProbes) -> None:
     head = probes.head_revision()
     url = config.database.url if config is not None else None
@@ -410,7 +445,8 @@ def run_doctor(
     config = _config(r, config_path, environ)
     states = _units(r, p)
     path = _platform(r, config, environ, p, states)
-    _permissions(r, paths, p)
+    status = _permissions(r, paths, p)
+    _control_server(r, status)
     _store(r, config, paths, p)
     _tools(r, path, p)
     return r.checks

@@ -1,18 +1,25 @@
 """Fault injection that exists in the product, off by default.
 
 ``$KANDEV_FAULT`` holds a comma-separated list of faults; unset (always, in
-operation) means none. Three kinds:
+operation) means none. ``$KANDEV_FAULT_FILE`` may name a file holding more of
+them (the same syntax; commas or newlines); unlike the variable, which a process
+reads from the environment it started with, the file is read again at every
+check, so a test can switch a fault on or off for processes that are already
+running (and for the children they start later) without restarting them. A
+missing or unreadable file means no fault. Three kinds:
 
-- kill points (``fault_point``): the backend SIGKILLs itself at an exact step
-  of adoption, so tests can check that every crash point leaves a credential
-  held by both sides (spec/ownership.md, cross-cutting invariants);
+- kill points (``fault_point``): the process SIGKILLs itself at an exact step:
+  the backend at each step of adoption, so tests can check that every crash
+  point leaves a credential held by both sides (spec/ownership.md,
+  cross-cutting invariants); the control server at its start, so a server
+  that crashes every time it is started can be tested (crash-loop limit);
 - delays (``fault_delay``, written ``name:seconds``): a control-server step
   answers late, so the one recovery deadline can be crossed on purpose;
 - failures (``fault_fails``): a control-server operation answers with an
   error, so failed stops, failed reads and incompatible servers can be tested
   with real processes.
 
-Nothing else reads this variable; operators never need it.
+Nothing else reads these variables; operators never need them.
 """
 
 from __future__ import annotations
@@ -23,12 +30,14 @@ import signal
 from daemon.journal import log_event
 
 ENV = "KANDEV_FAULT"
+FILE_ENV = "KANDEV_FAULT_FILE"
 POINTS = frozenset(
     {
         "adopt_after_rotate",  # rotate accepted, nothing persisted yet
         "adopt_after_secret",  # new secret written, record not yet updated
         "adopt_after_record",  # secret and record durable, confirm not sent
         "adopt_after_confirm",  # confirmed, before re-tracking
+        "agentctl_dies_at_start",  # the control server, launch file read, before it listens
     }
 )
 DELAYS = frozenset(
@@ -49,9 +58,21 @@ FAILURES = frozenset(
 )
 
 
+def _file_text() -> str:
+    path = os.environ.get(FILE_ENV)
+    if not path:
+        return ""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read(65536)
+    except (OSError, ValueError):
+        return ""
+
+
 def _entries() -> dict[str, str]:
     out: dict[str, str] = {}
-    for item in os.environ.get(ENV, "").split(","):
+    text = os.environ.get(ENV, "") + "," + _file_text().replace("\n", ",")
+    for item in text.split(","):
         name, _, value = item.strip().partition(":")
         if name:
             out[name] = value

@@ -35,6 +35,7 @@ from daemon.agentctl import launch
 from daemon.agentctl.launch import LaunchConfig, LaunchError
 from daemon.agentctl.server import AgentctlServer
 from daemon.config import ConfigError, ResolvedAgentctl
+from daemon.faults import fault_point
 from daemon.journal import log_event, setup_logging
 from daemon.limits import raise_open_file_limit
 from daemon.paths import resolve_home
@@ -198,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     except LaunchError as exc:
         return _refuse(f"refusing to start: {exc}", logged=False)
     _setup_logging(config, args.verbose)
+    fault_point("agentctl_dies_at_start")  # test fault, off unless $KANDEV_FAULT(_FILE) says so
     try:
         resolved = launch.validate(config)
     except ConfigError as exc:

@@ -55,6 +55,12 @@ OPS = [
     ),
     Op("session_list", auth=False, doc="-> {sessions: [...]}"),
     Op("board", auth=False, doc="-> {backlog, running, turn_finished, needs_attention, done}"),
+    Op(
+        "control_server_retry",
+        auth=False,
+        doc="where the backend gave up restarting a control server that kept dying, try again now (kandev up)"
+        " -> {retried: [link names], state, passthrough_state}",
+    ),
 ]
 
 # Managed npm runtimes (seed 000; daemon/backend/runtimes_api.py).

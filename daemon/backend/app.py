@@ -26,10 +26,12 @@ import daemon.backend.runtimes_api as runtimes_api
 from daemon.agentctl.client import AgentctlClient, OwnershipRefused, identify
 from daemon.agents.registry import get_agent
 from daemon.backend.adoption import Adopter
+from daemon.backend.control_link import Attached, ControlServerLink, LinkState, Loss
 from daemon.backend.events import _ensure_turn
 from daemon.backend.executions import EventConsumer, Execution, ExecutionStore
 from daemon.backend.launcher import ControlServerHandle, Launcher, UnitBusy
-from daemon.backend.recovery import Recovery, RecoveryReport
+from daemon.backend.recovery import LostAgent, Recovery, RecoveryReport, repair_lost_server
+from daemon.backend.server_watch import ServerWatch
 from daemon.backend.session_view import PageRequest, StoredSession, read_session
 from daemon.backend.worktree import add_worktree
 from daemon.config import Config
@@ -104,6 +106,14 @@ class Backend:
         self.fallback_reason: str | None = None
         self.shutdown_requested = asyncio.Event()
         self.socket_path = str(paths.backend_socket)
+        # The life of each control server (watch, lose, restart, give up): daemon.backend.control_link.
+        self.link = ControlServerLink(
+            "survival", start=self._restart_own_server, on_restarted=self._resume_interrupted,
+            on_lost=lambda attached, loss: self._server_lost(attached, loss, passthrough=False))
+        self.passthrough_link = ControlServerLink(
+            "passthrough", start=self._start_passthrough_server, on_restarted=self._resume_interrupted,
+            on_lost=lambda attached, loss: self._server_lost(attached, loss, passthrough=True))
+        self.resume_service: resume_api.ResumeService | None = None  # set by resume_api.handlers
 
     # ------------------------------------------------------------ lifecycle
     def _client_for(self, ex: Execution) -> AgentctlClient | None:
@@ -118,6 +128,7 @@ class Backend:
         them, stop renewing, and never retry; nothing is stopped (OWNERSHIP-002.3)."""
         client.on_superseded = None  # once
         passthrough = client is self.passthrough_client
+        self._release_link(client.socket_path)  # not ours: neither watched nor restarted
         lost = [ex for ex in self.executions.executions.values() if ex.passthrough == passthrough]
         for ex in lost:
             ex.gone = True
@@ -210,12 +221,15 @@ class Backend:
                     # or another server answers there: nothing left to renew, no retry (002.3).
                     log_event("ownership_lost", f"stopped renewing {endpoint}: {exc.reason}", priority=4,
                               REASON=exc.reason)
+                    self._release_link(endpoint)
                     return
                 except IpcError as exc:
                     if exc.code in (ErrorCode.SUPERSEDED_CREDENTIAL, ErrorCode.SHUTTING_DOWN):
                         # Another backend adopted it, or it is exiting: not ours to renew (002.3, 003.9).
                         log_event("ownership_lost", f"stopped renewing {endpoint}: {exc.code}", priority=4,
                                   REASON=exc.code)
+                        if exc.code == ErrorCode.SUPERSEDED_CREDENTIAL:
+                            self._release_link(endpoint)  # one that exits is a loss its link handles
                         return
                     log.warning("ownership claim failed: %s", exc)
                     if conn is not None:
@@ -284,6 +298,8 @@ class Backend:
         for ex in list(self.executions.executions.values()):
             if ex.consumer is None:
                 self.consumer.start(ex)
+        if client is not None and self.handle is not None:
+            self.link.attach(self._attached(self.handle, client))
         self.state = "ready"
 
     def _publish(self, ex: Execution) -> None:
@@ -292,6 +308,7 @@ class Backend:
     async def shutdown(self) -> None:
         """Graceful stop. Enabled: detach, send no stop (AC-EXECUTORS-SURVIVAL-001.1). Disabled: stop it all."""
         self.state = "stopping"
+        await asyncio.gather(self.link.close(), self.passthrough_link.close())  # what follows is no loss
         await asyncio.gather(*(cancel_and_wait(task) for task in self.claim_tasks.values()))
         await self.consumer.stop(list(self.executions.executions.values()))
         for client in (self.client, self.passthrough_client):
@@ -307,6 +324,84 @@ class Backend:
             "backend stopped; " + ("agents left running (survival enabled)" if self.enabled else "agents stopped"),
             DETACHED=int(self.enabled),
         )
+
+    # ------------------------------------------------ control-server losses
+    def _attached(self, handle: ControlServerHandle, client: AgentctlClient) -> Attached:
+        return Attached(handle, client, ServerWatch(handle, lambda: client.closed))
+
+    def _release_link(self, endpoint: str) -> None:
+        for link in (self.link, self.passthrough_link):
+            if link.attached is not None and link.attached.handle.endpoint == endpoint:
+                link.release()
+
+    async def _server_lost(self, attached: Attached, loss: Loss, *, passthrough: bool) -> list[str]:
+        """A control server died under us (its link saw it): forget it, make every session that
+        lived on it truthful as startup recovery would with no server left, and remove what we
+        wrote for it. Returns the sessions interrupted."""
+        handle: ControlServerHandle = attached.handle
+        if passthrough:
+            self.passthrough_client, self.passthrough_handle = None, None
+        else:
+            self.client, self.handle = None, None
+        claims = self.claim_tasks.pop(handle.endpoint, None)
+        if claims is not None:
+            await cancel_and_wait(claims)
+        dropped = await self.executions.drop(lambda ex: ex.passthrough == passthrough, "interrupted")
+        tracked = [LostAgent(ex.session_id, ex.agent_pid, ex.agent_pid_start_time, ex.last_seq) for ex in dropped]
+        with self.store.session() as db:
+            repaired = repair_lost_server(db, endpoint=handle.endpoint, tracked=tracked, reason=loss.reason,
+                                          now=_now())
+        with contextlib.suppress(Exception):
+            await attached.client.close()
+        self.launcher.remove_files(handle)
+        return repaired
+
+    async def _restart_own_server(self) -> Attached:
+        """The survival link's restart: a fresh server the way startup starts one (unit, detached or child;
+        a fresh credential and control-server record, its own claim loop)."""
+        if self.launcher.mode == "unit":
+            await self.launcher.wait_unit_settled()  # systemd may still be killing the old unit's cgroup
+        client = await self.start_own_server()
+        client.on_superseded = self._superseded
+        self.client = client
+        assert self.handle is not None
+        return self._attached(self.handle, client)
+
+    async def _start_passthrough_server(self) -> Attached:
+        """A control server that is always our child, for passthrough sessions (SURVIVAL-005.3)."""
+        handle, credential = await self.passthrough_launcher.start()
+        try:
+            client, info = await self._connect(handle, credential)
+        except BaseException:
+            await Launcher.terminate(handle)
+            self.passthrough_launcher.remove_files(handle)
+            raise
+        client.on_superseded = self._superseded
+        self.passthrough_client, self.passthrough_handle = client, handle
+        # It dies with us, but it must not reap itself while we live (OWN-003.1).
+        self._start_claims(client, handle.endpoint, info["server_identity"], credential)
+        return self._attached(handle, client)
+
+    def _resume_interrupted(self, session_ids: list[str]) -> None:
+        if self.resume_service is not None:
+            self.resume_service.resume_interrupted(session_ids)
+
+    @staticmethod
+    def _no_server(link: ControlServerLink) -> IpcError:
+        loss = link.last_loss
+        why = f" (last loss: {loss.reason})" if loss is not None else ""
+        if link.state == LinkState.GAVE_UP:
+            return IpcError("control_server_unavailable",
+                            f"the {link.name} control server kept dying and the backend gave up restarting it{why};"
+                            " fix the cause, then `kandev up` tries again", False)
+        return IpcError("control_server_unavailable",
+                        f"the {link.name} control server is {link.state.value}{why}; retry shortly", True)
+
+    async def op_control_server_retry(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        """``kandev up`` with a backend that runs: try again where it gave up restarting a server."""
+        retried = [link.name for link in (self.link, self.passthrough_link) if link.retry()]
+        return {"retried": retried, "state": self.link.state.value,
+                "passthrough_state": self.passthrough_link.state.value}
 
     # ------------------------------------------------------------- helpers
     def _task(self, db: Any, task_id: str) -> Task:
@@ -344,6 +439,7 @@ class Backend:
             "shutdown": self.op_shutdown,
             "task_create": self.op_task_create,
             "session_start": self.op_session_start,
+            "control_server_retry": self.op_control_server_retry,
             "prompt": self.op_prompt,
             "cancel": self.op_cancel,
             "permission_respond": self.op_permission_respond,
@@ -361,6 +457,9 @@ class Backend:
         reachable = False
         if handle is not None:
             reachable = await identify(handle.endpoint, timeout=1.0) is not None
+        link = self.link.snapshot()
+        if link["state"] == LinkState.RUNNING.value and not reachable:
+            link["state"] = "unreachable"  # running, but it does not answer
         report = self.report
         return {
             "backend": {
@@ -377,12 +476,14 @@ class Backend:
                 "supervisor": self.capability.supervisor,
             },
             "control_server": {
-                "state": ("running" if reachable else "unreachable") if handle is not None else "none",
+                **link,
                 "pid": handle.pid if handle else None,
-                "server_identity": self.server_identity,
+                "server_identity": self.server_identity if handle else None,
                 "endpoint": handle.endpoint if handle else None,
-                "mode": handle.mode if handle else None,
+                "mode": handle.mode if handle else self.launcher.mode,
                 "log_path": handle.log_path if handle else None,
+                "passthrough": {**self.passthrough_link.snapshot(),
+                                "pid": self.passthrough_handle.pid if self.passthrough_handle else None},
             },
             "recovery": {
                 "retracked": len(report.retracked),
@@ -426,14 +527,14 @@ class Backend:
     async def _server_for(self, passthrough: bool) -> AgentctlClient:
         if passthrough:
             if self.passthrough_client is None:
-                handle, credential = await self.passthrough_launcher.start()
-                self.passthrough_client, info = await self._connect(handle, credential)
-                self.passthrough_client.on_superseded = self._superseded
-                self.passthrough_handle = handle
-                # It dies with us, but it must not reap itself while we live (OWN-003.1).
-                self._start_claims(self.passthrough_client, handle.endpoint, info["server_identity"], credential)
+                if self.passthrough_link.state != LinkState.NONE:  # lost: its link restarts it
+                    raise self._no_server(self.passthrough_link)
+                self.passthrough_link.attach(await self._start_passthrough_server())
+            assert self.passthrough_client is not None
             return self.passthrough_client
         if self.client is None:
+            if self.link.state in (LinkState.LOST, LinkState.RESTARTING, LinkState.GAVE_UP):
+                raise self._no_server(self.link)
             raise IpcError(ErrorCode.UNAVAILABLE, "the backend has no control server yet; retry shortly", True)
         return self.client
 
@@ -678,6 +779,8 @@ class Backend:
             "live": ex is not None,
             "recoverable": ex is None and session.state not in ("COMPLETED",) and row is not None,
             "not_retracked_reason": self.report.not_retracked.get(session_id),
+            # Why its agent was lost, while it has none: a backend restart or a lost control server.
+            "interruption": (row.metadata_json or {}).get("interruption") if row is not None and ex is None else None,
             "guard": self.executions.guards.get(session_id),
             "last_error": session.last_error,
             "runtime_config": runtime,

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 BATCH_MAX = 2000
 ACK_EVERY = 500  # events between ack_events calls while streaming
 REATTACH_DELAY_S = 0.5
+LOST_WARNING_EVERY_S = 30.0  # a stream that keeps failing is reported at most this often
 
 
 @dataclass
@@ -50,9 +51,15 @@ class Execution:
     turn_waiters: dict[str, list[asyncio.Future[str | None]]] = field(default_factory=dict)
     consumer: asyncio.Task[None] | None = None
     gone: bool = False
+    gone_reason: str | None = None  # the stop reason a late waiter gets once the execution is gone
+    stream_failures: int = 0  # consecutive failed attaches, for rate-limited warnings
+    warned_at: float | None = None
 
     def wait_turn(self, turn_id: str) -> asyncio.Future[str | None]:
         fut: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        if self.gone and self.gone_reason is not None:
+            fut.set_result(self.gone_reason)  # nothing will ever end this turn here
+            return fut
         self.turn_waiters.setdefault(turn_id, []).append(fut)
         return fut
 
@@ -64,6 +71,12 @@ class Execution:
     def fail_waiters(self, reason: str) -> None:
         for turn_id in list(self.turn_waiters):
             self.resolve_turn(turn_id, reason)
+
+    def interrupt(self, reason: str) -> None:
+        """Its control server is gone: nothing more comes from it; every waiter gets ``reason``."""
+        self.gone = True
+        self.gone_reason = reason
+        self.fail_waiters(reason)
 
 
 class Guarded(IpcError):
@@ -110,6 +123,19 @@ class ExecutionStore:
         """An agent of this session could not be stopped: guarded for the rest of this lifetime (002.16)."""
         self._unhold(session_id)
         self.guards[session_id] = "unstopped_agent"
+
+    async def drop(self, predicate: Callable[[Execution], bool], reason: str) -> list[Execution]:
+        """Stop tracking every execution ``predicate`` picks (its control server is gone): untracked,
+        its waiters answered with ``reason``, its event consumer stopped. Returns them."""
+        dropped = [ex for ex in self.executions.values() if predicate(ex)]
+        for ex in dropped:
+            self.executions.pop(ex.session_id, None)
+            ex.interrupt(reason)
+        consumers = [ex.consumer for ex in dropped if ex.consumer is not None and ex.consumer is not asyncio.current_task()]
+        stopped = await asyncio.gather(*(cancel_and_wait(t) for t in consumers))
+        if not all(stopped):
+            log.error("%d event consumer(s) did not stop within 5 s of being cancelled", stopped.count(False))
+        return dropped
 
     def check_launch(self, session_id: str) -> None:
         """Refuse a launch for a guarded session (retryable while recovering)."""
@@ -166,15 +192,29 @@ class EventConsumer:
                     log.warning("instance %s of session %s is gone", ex.instance_id, ex.session_id)
                     self._agent_gone(ex, "agent instance is gone from the control server")
                     return
-                log.warning("event stream for session %s lost: %s", ex.session_id, exc)
+                self._warn_lost(ex, exc)
             except Exception:
                 log.exception("event consumer for session %s failed", ex.session_id)
             if self.stopping or ex.gone:
                 return
             await asyncio.sleep(REATTACH_DELAY_S)
 
+    @staticmethod
+    def _warn_lost(ex: Execution, exc: IpcError) -> None:
+        """One warning when a stream is lost, then at most one every ``LOST_WARNING_EVERY_S`` while
+        re-attaching keeps failing (a dead control server is handled by its link, not here)."""
+        ex.stream_failures += 1
+        now = asyncio.get_running_loop().time()
+        if ex.warned_at is not None and now - ex.warned_at < LOST_WARNING_EVERY_S:
+            return
+        ex.warned_at = now
+        again = f" ({ex.stream_failures} failed attempts so far)" if ex.stream_failures > 1 else ""
+        log.warning("event stream for session %s lost: %s%s", ex.session_id, exc, again)
+
     async def _consume_once(self, client: AgentctlClient, ex: Execution) -> None:
         stream = await client.attach(ex.instance_id, after_seq=ex.last_seq)
+        ex.stream_failures = 0
+        ex.warned_at = None
         queue: asyncio.Queue[Any] = asyncio.Queue()
         done = object()
 

@@ -21,6 +21,7 @@ environment. Every launch gets a new socket path.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import os
 import secrets
@@ -28,6 +29,9 @@ import signal
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
 
 from daemon.agentctl import launch as launch_file
 from daemon.agentctl.client import identify
@@ -38,6 +42,8 @@ from ipc.aio import within
 AGENTCTL_UNIT = "kandev-agentctl.service"
 BOOTSTRAP_CREDENTIAL = "agentctl-bootstrap"  # LoadCredential= source in the unit
 READY_TIMEOUT_S = 30.0
+UNIT_SETTLE_TIMEOUT_S = 30.0
+_UNIT_BUSY_STATES = ("active", "activating", "reloading", "deactivating")
 _PR_SET_PDEATHSIG = 1
 
 
@@ -59,6 +65,17 @@ class ControlServerHandle:
     log_path: str
     pid: int | None = None
     process: subprocess.Popen[bytes] | None = None  # only while it is our child
+    pid_start_time: float | None = None  # psutil create_time of ``pid``, read right after the start
+    launch_path: str | None = None  # the launch file this backend wrote for it (None: adopted)
+
+
+def _start_time(pid: int | None) -> float | None:
+    if not pid:
+        return None
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
 
 
 def _set_parent_death_signal() -> None:  # runs in the child between fork and exec
@@ -105,22 +122,58 @@ class Launcher:
             credential_ref=credential_ref,
             log_path=str(self.paths.agentctl_log),
         )
-        if self.mode == "unit":
-            state = (await self._systemctl_state("is-active", AGENTCTL_UNIT)).strip()
-            if state in ("active", "activating", "reloading", "deactivating"):
-                raise UnitBusy(f"{AGENTCTL_UNIT} is {state} with a server this backend did not adopt")
-            launch_file.write_credential(self.paths.secrets_dir / BOOTSTRAP_CREDENTIAL, credential)
-            launch_path = self.paths.agentctl_dir / "launch.json"
-            launch_file.dump(cfg, launch_path)
-            await self._systemctl("start", AGENTCTL_UNIT)
-            handle.pid = await self._unit_main_pid()
-        else:
-            launch_path = self.paths.agentctl_dir / f"launch-{secrets.token_hex(6)}.json"
-            launch_file.dump(cfg, launch_path)
-            handle.process = self._spawn(str(launch_path))
-            handle.pid = handle.process.pid
-        await self._wait_ready(handle)
+        try:
+            if self.mode == "unit":
+                state = (await self._systemctl_state("is-active", AGENTCTL_UNIT)).strip()
+                if state in _UNIT_BUSY_STATES:
+                    raise UnitBusy(f"{AGENTCTL_UNIT} is {state} with a server this backend did not adopt")
+                launch_file.write_credential(self.paths.secrets_dir / BOOTSTRAP_CREDENTIAL, credential)
+                launch_path = self.paths.agentctl_dir / "launch.json"
+                handle.launch_path = str(launch_path)
+                launch_file.dump(cfg, launch_path)
+                await self._systemctl("start", AGENTCTL_UNIT)
+                handle.pid = await self._unit_main_pid()
+            else:
+                launch_path = self.paths.agentctl_dir / f"launch-{secrets.token_hex(6)}.json"
+                handle.launch_path = str(launch_path)
+                launch_file.dump(cfg, launch_path)
+                handle.process = self._spawn(str(launch_path))
+                handle.pid = handle.process.pid
+            handle.pid_start_time = _start_time(handle.pid)
+            await self._wait_ready(handle)
+        except BaseException:
+            # A start that failed leaves nothing behind: no process of ours, no credential, no launch file.
+            if handle.process is not None and handle.process.poll() is None:
+                handle.process.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    handle.process.wait(timeout=5)
+            self.remove_files(handle)
+            raise
         return handle, credential
+
+    def remove_files(self, handle: ControlServerHandle) -> None:
+        """Remove what this backend wrote for a server that is gone: its credential, its launch file
+        (and the unit's bootstrap copy of the credential) and its socket path, so that repeated
+        restarts leave no growing pile. Call it only once the server is known dead."""
+        paths = [self.paths.secrets_dir / handle.credential_ref, Path(handle.endpoint)]
+        if handle.launch_path:
+            paths.append(Path(handle.launch_path))
+        if handle.mode == "unit" and handle.launch_path:
+            paths.append(self.paths.secrets_dir / BOOTSTRAP_CREDENTIAL)
+        for path in paths:
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+    async def wait_unit_settled(self, timeout: float = UNIT_SETTLE_TIMEOUT_S) -> str:
+        """Wait (bounded) while systemd is still tearing the control-server unit down after its main
+        process died (``deactivating``: the rest of its cgroup is being killed); returns the state."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            state = (await self._systemctl_state("is-active", AGENTCTL_UNIT)).strip()
+            if state != "deactivating" or loop.time() >= deadline:
+                return state
+            await asyncio.sleep(0.1)
 
     def _spawn(self, launch_path: str) -> subprocess.Popen[bytes]:
         argv = agentctl_argv(launch_path)

@@ -20,6 +20,8 @@ are left untouched: neither repaired nor treated as live (design.md §7).
 
 from __future__ import annotations
 
+import os
+import signal
 from dataclasses import dataclass, field
 
 import psutil
@@ -76,3 +78,46 @@ def classify(
     if scope.enumeration is None:
         return UNKNOWN
     return LIVE if instance_id in scope.enumeration else DEAD
+
+
+def stop_leftover_group(pid: int | None, start_time: float | None) -> str:
+    """After its control server died: make sure nothing of an agent's process group remains.
+
+    Returns ``gone`` (nothing of it left), ``killed`` (SIGKILL sent to its group) or ``unknown``
+    (its identity could not be checked, so nothing was signalled). Every agent leads its own process
+    group (``start_new_session``), so its pgid is its pid. The leader alive is signalled only if
+    its start time matches; the leader gone, Linux never hands out a pid that is still in use as a
+    process-group id, so a group with that id is the agent's, unless another process now owns the
+    pid (then the agent's group is empty). The same rule the control server applies to its agents.
+    """
+    if not pid:
+        return "gone"
+    try:
+        leader = psutil.Process(pid)
+        if start_time is None:
+            return "unknown"  # a process holds the pid, and nothing says whether it is the agent
+        if abs(leader.create_time() - start_time) > 0.01:
+            return "gone"  # the pid is another process's now: the agent and its group are gone
+    except psutil.NoSuchProcess:
+        pass
+    except psutil.Error:
+        return "unknown"
+    if not _group_has_live_members(pid):
+        return "gone"  # at most zombies left (the leader killed with its server, not yet reaped)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return "gone"
+    except PermissionError:
+        return "unknown"
+    return "killed"
+
+
+def _group_has_live_members(pgid: int) -> bool:
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                return True
+        except (OSError, psutil.Error):
+            continue
+    return False

@@ -34,7 +34,8 @@ Ops (``api.RESUME_OPS``; CLI in brackets):
 and reconciliation are done (backend ``ready``), every session that this start's reconciliation
 repaired (interrupted by the restart: WAITING_FOR_INPUT, no live agent, a stale inventory row with
 a token; re-tracked sessions and rows of unknown liveness are never touched) is resumed in the
-background through the same path. While it runs the session is STARTING, so its task keeps the
+background through the same path. So are the sessions a control server that died under the
+running backend interrupted, once its replacement runs (``resume_interrupted``). While it runs the session is STARTING, so its task keeps the
 bucket of its own state (review: ``turn_finished``); it never shows in backlog or running.
 
 **Context reset** (RESETCFG-1..13): capture one ``SessionRuntimeConfig`` (before anything else),
@@ -117,6 +118,7 @@ def handlers(backend: Backend) -> dict[str, Handler]:
     """The op handlers; also arms automatic resume (it waits for the end of startup recovery)."""
     service = ResumeService(backend)
     service.arm_auto_resume()
+    backend.resume_service = service  # the backend asks it to resume what a lost control server interrupted
     return service.handlers()
 
 
@@ -167,6 +169,7 @@ class ResumeService:
     live: dict[str, rc.SessionRuntimeConfig] = field(default_factory=dict)
     catalogues: dict[str, rc.Catalogue] = field(default_factory=dict)
     auto_task: asyncio.Task[None] | None = None
+    later_tasks: set[asyncio.Task[None]] = field(default_factory=set)  # resumes after a control-server restart
     auto_resumed: dict[str, str] = field(default_factory=dict)  # session -> outcome
 
     def handlers(self) -> dict[str, Handler]:
@@ -483,10 +486,23 @@ class ResumeService:
             await asyncio.sleep(0.05)
         if b.state != "ready":
             return
-        candidates = self.interrupted_sessions()
+        await self._resume_all(self.interrupted_sessions(), "the restart")
+
+    def resume_interrupted(self, session_ids: list[str]) -> None:
+        """With ``features.auto_resume``: resume, in the background and through the same path, the
+        sessions a lost control server interrupted, now that a new one runs (issue 11)."""
+        if not getattr(self.backend.config.features, "auto_resume", False) or self.backend.state != "ready":
+            return
+        task = asyncio.get_running_loop().create_task(
+            self._resume_all(self.interrupted_sessions(session_ids), "the loss of the control server"),
+            name="auto-resume-after-loss")
+        self.later_tasks.add(task)
+        task.add_done_callback(self.later_tasks.discard)
+
+    async def _resume_all(self, candidates: list[str], cause: str) -> None:
         if not candidates:
             return
-        log_event("auto_resume", f"automatic resume of {len(candidates)} session(s) interrupted by the restart",
+        log_event("auto_resume", f"automatic resume of {len(candidates)} session(s) interrupted by {cause}",
                   COUNT=len(candidates))
         gate = asyncio.Semaphore(AUTO_RESUME_PARALLEL)
 
@@ -505,12 +521,14 @@ class ResumeService:
 
         await asyncio.gather(*(one(s) for s in candidates))
 
-    def interrupted_sessions(self) -> list[str]:
-        """Sessions this start's reconciliation repaired: not re-tracked, liveness not unknown, now
-        WAITING_FOR_INPUT with a stale row holding a token, no agent, no guard."""
+    def interrupted_sessions(self, named: list[str] | None = None) -> list[str]:
+        """Sessions this start's reconciliation repaired (or ``named``: those a lost control server
+        interrupted): not re-tracked, liveness not unknown, now WAITING_FOR_INPUT with a stale row
+        holding a token, no agent, no guard."""
         b = self.backend
         report = b.report
-        named = [s for s in report.not_retracked if s not in set(report.unknown) and s not in report.retracked]
+        if named is None:
+            named = [s for s in report.not_retracked if s not in set(report.unknown) and s not in report.retracked]
         out: list[str] = []
         with b.store.session() as db:
             for sid in sorted(named):

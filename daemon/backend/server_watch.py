@@ -1,0 +1,131 @@
+"""Is the control server this backend uses still running, and if not, why did it go?
+
+A ``ServerWatch`` is bound to one started or adopted server (its ``ControlServerHandle``). Its
+``gone()`` is cheap enough to call twice a second and never blocks the event loop:
+
+- our child (``child`` mode, or a ``detached`` server this backend spawned): ``Popen.poll()``,
+  which also reaps it and gives the exit status;
+- otherwise (an adopted detached server, or the ``kandev-agentctl.service`` main process): the
+  process identity, pid plus start time (psutil), so a reused pid is never taken for the server;
+- no pid known at all: only the connection can tell; it is gone when the backend's connection
+  has dropped and nothing answers ``identify`` at the endpoint.
+
+``reason()`` says why, as precisely as can be known: the exit status or signal of a child; for
+the unit, what systemd recorded (``ExecMainCode``/``ExecMainStatus``/``Result``, read with an
+asynchronous ``systemctl show``); for a process that is not our child, that the status is unknown.
+A server that is alive but does not answer is not gone: its connection problems are retried by
+whoever uses it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+from collections.abc import Callable
+
+import psutil
+
+from daemon.agentctl.client import identify
+from daemon.backend.launcher import AGENTCTL_UNIT, ControlServerHandle
+from ipc.aio import within
+
+SYSTEMCTL_TIMEOUT_S = 10.0
+UNIT_SETTLE_S = 2.0  # how long reason() waits for systemd to record the main process's end
+_CLD = {"1": "exited", "2": "killed", "3": "dumped"}  # ExecMainCode: CLD_EXITED, CLD_KILLED, CLD_DUMPED
+
+
+def describe_status(returncode: int) -> str:
+    """A Popen return code in words: ``exited with status 3`` / ``killed by signal SIGKILL``."""
+    if returncode < 0:
+        return f"killed by signal {_signal_name(-returncode)}"
+    return f"exited with status {returncode}"
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+class ServerWatch:
+    """Watches one control server (see the module docstring)."""
+
+    def __init__(self, handle: ControlServerHandle, client_closed: Callable[[], bool] = lambda: False) -> None:
+        self.handle = handle
+        self.client_closed = client_closed
+        self.start_time = handle.pid_start_time
+        if self.start_time is None and handle.pid and handle.process is None:
+            # Adopted: the server answered with our credential just now, so this pid is it.
+            try:
+                self.start_time = psutil.Process(handle.pid).create_time()
+            except psutil.Error:
+                self.start_time = None
+
+    async def gone(self) -> bool:
+        proc = self.handle.process
+        if proc is not None:
+            return proc.poll() is not None
+        pid = self.handle.pid
+        if pid:
+            return not _same_process(pid, self.start_time)
+        if not self.client_closed():
+            return False
+        return await identify(self.handle.endpoint, timeout=1.0) is None
+
+    async def reason(self) -> str:
+        proc = self.handle.process
+        if proc is not None and proc.returncode is not None:
+            return describe_status(proc.returncode)
+        if self.handle.mode == "unit":
+            return await _unit_reason()
+        if self.handle.pid:
+            return f"process {self.handle.pid} is gone; its exit status is unknown (not a child of this backend)"
+        return "its connection dropped and nothing answers at its endpoint; exit status unknown"
+
+
+def _same_process(pid: int, start_time: float | None) -> bool:
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return start_time is None or abs(proc.create_time() - start_time) <= 0.01
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:
+        return True  # cannot tell (e.g. permission): not proof that it is gone
+
+
+async def _systemctl_show(*props: str) -> dict[str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        "systemctl", "show", "-p", ",".join(props), AGENTCTL_UNIT,
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    )
+    try:
+        out, _ = await within(proc.communicate(), SYSTEMCTL_TIMEOUT_S)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return {}
+    return dict(line.split("=", 1) for line in out.decode(errors="replace").splitlines() if "=" in line)
+
+
+async def _unit_reason() -> str:
+    """What systemd recorded about the unit's main process, once it has recorded it."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + UNIT_SETTLE_S
+    props: dict[str, str] = {}
+    while True:
+        props = await _systemctl_show("ActiveState", "Result", "ExecMainCode", "ExecMainStatus")
+        if props.get("ActiveState") not in ("active", "reloading") or loop.time() >= deadline:
+            break
+        await asyncio.sleep(0.1)
+    code, status = props.get("ExecMainCode", ""), props.get("ExecMainStatus", "")
+    state = f"{AGENTCTL_UNIT} is {props.get('ActiveState', 'unknown')} (result {props.get('Result', 'unknown')})"
+    how = _CLD.get(code)
+    if how == "exited":
+        return f"exited with status {status}; {state}"
+    if how in ("killed", "dumped") and status.isdigit():
+        return f"killed by signal {_signal_name(int(status))}{' (core dumped)' if how == 'dumped' else ''}; {state}"
+    return f"its main process is gone; {state}"
