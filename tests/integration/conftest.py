@@ -159,6 +159,24 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
+def mock_agents(home: Path) -> set[int]:
+    """Pids of every live mock-agent process started for this Kandev home (its environment names
+    the home's mock state directory), whoever started it: finds orphans no session accounts for."""
+    state_dir = str(home / "agents")
+    found: set[int] = set()
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if "daemon.agents.mock" not in " ".join(proc.info["cmdline"] or []):
+                continue
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if (proc.environ().get("KANDEV_MOCK_STATE_DIR") or "").startswith(state_dir):
+                found.add(proc.pid)
+        except psutil.Error:
+            continue
+    return found
+
+
 def db_row(k: Kandev, sql: str, *params: Any) -> dict[str, Any] | None:
     """One row of this home's SQLite store, read-only (None if the query returns nothing)."""
     con = sqlite3.connect(f"file:{k.home / 'kandev.db'}?mode=ro", uri=True)
