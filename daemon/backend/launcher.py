@@ -141,12 +141,15 @@ class Launcher:
                 handle.pid = handle.process.pid
             handle.pid_start_time = _start_time(handle.pid)
             await self._wait_ready(handle)
-        except BaseException:
+        except BaseException as exc:
             # A start that failed leaves nothing behind: no process of ours, no credential, no launch file.
             if handle.process is not None and handle.process.poll() is None:
                 handle.process.kill()
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     handle.process.wait(timeout=5)
+            if handle.pid is not None and self.mode == "unit" and not isinstance(exc, asyncio.CancelledError):
+                with contextlib.suppress(Exception):
+                    await self._systemctl_state("stop", AGENTCTL_UNIT)  # the unit runs a server we cannot use
             self.remove_files(handle)
             raise
         return handle, credential

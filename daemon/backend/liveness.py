@@ -80,7 +80,19 @@ def classify(
     return LIVE if instance_id in scope.enumeration else DEAD
 
 
-def stop_leftover_group(pid: int | None, start_time: float | None) -> str:
+def live_groups() -> set[int]:
+    """Every process-group id with at least one process that is not a zombie (one pass over /proc)."""
+    groups: set[int] = set()
+    for proc in psutil.process_iter():
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                groups.add(os.getpgid(proc.pid))
+        except (OSError, psutil.Error):
+            continue
+    return groups
+
+
+def stop_leftover_group(pid: int | None, start_time: float | None, groups: set[int] | None = None) -> str:
     """After its control server died: make sure nothing of an agent's process group remains.
 
     Returns ``gone`` (nothing of it left), ``killed`` (SIGKILL sent to its group) or ``unknown``
@@ -89,6 +101,7 @@ def stop_leftover_group(pid: int | None, start_time: float | None) -> str:
     its start time matches; the leader gone, Linux never hands out a pid that is still in use as a
     process-group id, so a group with that id is the agent's, unless another process now owns the
     pid (then the agent's group is empty). The same rule the control server applies to its agents.
+    ``groups``: ``live_groups()`` taken once for many agents (else taken here).
     """
     if not pid:
         return "gone"
@@ -102,7 +115,7 @@ def stop_leftover_group(pid: int | None, start_time: float | None) -> str:
         pass
     except psutil.Error:
         return "unknown"
-    if not _group_has_live_members(pid):
+    if pid not in (live_groups() if groups is None else groups):
         return "gone"  # at most zombies left (the leader killed with its server, not yet reaped)
     try:
         os.killpg(pid, signal.SIGKILL)
@@ -112,12 +125,3 @@ def stop_leftover_group(pid: int | None, start_time: float | None) -> str:
         return "unknown"
     return "killed"
 
-
-def _group_has_live_members(pgid: int) -> bool:
-    for proc in psutil.process_iter():
-        try:
-            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
-                return True
-        except (OSError, psutil.Error):
-            continue
-    return False

@@ -37,7 +37,7 @@ from daemon.agentctl.client import AgentctlClient
 from daemon.backend.adoption import Adopter, Adoption
 from daemon.backend.events import _ensure_turn, apply_turn_outcome, mark_running
 from daemon.backend.executions import Execution, ExecutionStore
-from daemon.backend.liveness import DEAD, Scope, classify, stop_leftover_group
+from daemon.backend.liveness import DEAD, Scope, classify, live_groups, stop_leftover_group
 from daemon.journal import log_event
 from daemon.store import transitions
 from daemon.store.db import Store
@@ -566,8 +566,9 @@ def repair_lost_server(
                                                row.last_event_seq or 0)
     interruption = {"cause": "control_server_lost", "reason": reason, "at": _iso(now)}
     repaired: list[str] = []
+    groups = live_groups() if agents else set()
     for session_id, agent in sorted(agents.items()):
-        leftover = stop_leftover_group(agent.pid, agent.start_time)
+        leftover = stop_leftover_group(agent.pid, agent.start_time, groups)
         if leftover != "gone":
             log_event("agent_group_leftover", f"session {session_id}: agent pid {agent.pid} outlived its control"
                       f" server: {'its process group was killed' if leftover == 'killed' else 'identity unknown, left alone'}",
