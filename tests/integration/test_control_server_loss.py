@@ -103,7 +103,7 @@ def test_scenarios_a_and_c_killed_control_server_is_replaced_and_sessions_are_tr
         show = k.show(sid)
         assert show["state"] == "WAITING_FOR_INPUT" and not show["live"]
         assert show["turns"][-1]["state"] == "abandoned" and show["turns"][-1]["stop_reason"] == "interrupted"
-        assert show["resume_token"] == before[sid]["resume_token"]  # resumable: the token is kept
+        assert show["resume_token"] == before[sid]["resume_token"]  # resumable: the token is pt_sid
         why = show["interruption"]
         assert why["cause"] == "control_server_lost" and why["reason"] == "killed by signal SIGKILL"
         notes = [m for m in show["transcript"] if m["kind"] == "control_server_lost"]
@@ -223,3 +223,32 @@ def test_scenario_d_server_dying_at_start_gives_up_then_kandev_up_brings_one_bac
     _, fresh = k.start_session("after the fault")
     assert k.show(fresh)["live"]
     assert k.cli("resume", sid)["state"] == "WAITING_FOR_INPUT"
+
+
+def test_passthrough_server_loss_is_handled_likewise_and_leaves_the_other_server_alone(kandev_factory):
+    """Issue 11 build item 3 ("the passthrough server likewise"): the backend's own child server of
+    passthrough sessions is watched, its sessions made truthful and it is restarted; the survival
+    server and its session are untouched."""
+    k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="true")
+    st = k.up()
+    _, pt_sid = k.start_session("passthrough", "--passthrough")
+    k.cli("prompt", pt_sid, f"/slow {N}")
+    task = k.cli("task", "create", "--title", "survival session")["task_id"]
+    other = k.cli("session", "start", task)["session_id"]
+    k.cli("prompt", other, f"/slow {N}")
+    wait_until(lambda: len(agent_chunks(k.show(pt_sid))) >= 2 and len(agent_chunks(k.show(other))) >= 2, timeout=30)
+    passthrough = k.status()["control_server"]["passthrough"]
+    assert passthrough["state"] == "running" and passthrough["pid"]
+    os.kill(passthrough["pid"], signal.SIGKILL)
+    wait_until(lambda: _truthful_in_store(k, [pt_sid]), timeout=5.0)
+    st2 = wait_until(lambda: s if (s := k.status())["control_server"]["passthrough"]["pid"] not in
+                     (None, passthrough["pid"]) else None, timeout=60)
+    k.server_pids.add(int(st2["control_server"]["passthrough"]["pid"]))
+    assert st2["control_server"]["passthrough"]["state"] == "running"
+    assert st2["control_server"]["passthrough"]["last_loss"]["reason"] == "killed by signal SIGKILL"
+    assert st2["control_server"]["pid"] == st["control_server"]["pid"] and st2["control_server"]["restarts"] == 0
+    show = k.show(pt_sid)
+    assert not show["live"] and show["interruption"]["cause"] == "control_server_lost"
+    assert k.show(other)["state"] == "RUNNING" and k.show(other)["live"]  # the other server's session
+    assert k.cli("resume", pt_sid)["state"] == "WAITING_FOR_INPUT"
+    assert k.show(pt_sid)["live"] and k.show(pt_sid)["passthrough"]
