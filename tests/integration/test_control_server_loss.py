@@ -103,7 +103,7 @@ def test_scenarios_a_and_c_killed_control_server_is_replaced_and_sessions_are_tr
         show = k.show(sid)
         assert show["state"] == "WAITING_FOR_INPUT" and not show["live"]
         assert show["turns"][-1]["state"] == "abandoned" and show["turns"][-1]["stop_reason"] == "interrupted"
-        assert show["resume_token"] == before[sid]["resume_token"]  # resumable: the token is pt_sid
+        assert show["resume_token"] == before[sid]["resume_token"]  # resumable: the token is kept
         why = show["interruption"]
         assert why["cause"] == "control_server_lost" and why["reason"] == "killed by signal SIGKILL"
         notes = [m for m in show["transcript"] if m["kind"] == "control_server_lost"]
