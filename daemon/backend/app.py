@@ -114,6 +114,7 @@ class Backend:
             "passthrough", start=self._start_passthrough_server, on_restarted=self._resume_interrupted,
             on_lost=lambda attached, loss: self._server_lost(attached, loss, passthrough=True))
         self.resume_service: resume_api.ResumeService | None = None  # set by resume_api.handlers
+        self._first_failure: str | None = None  # why startup could not start a control server
 
     # ------------------------------------------------------------ lifecycle
     def _client_for(self, ex: Execution) -> AgentctlClient | None:
@@ -274,7 +275,7 @@ class Backend:
             boot_id=self.boot_id,
         )
         report, client = await recovery.recover(
-            enabled=self.enabled, start_own_server=self.start_own_server, publish=self._publish
+            enabled=self.enabled, start_own_server=self._first_server, publish=self._publish
         )
         self.client = client
         if client is not None:
@@ -300,6 +301,8 @@ class Backend:
                 self.consumer.start(ex)
         if client is not None and self.handle is not None:
             self.link.attach(self._attached(self.handle, client))
+        elif self._first_failure is not None:
+            self.link.start_failed(self._first_failure)  # the backend stays up; its link keeps trying
         self.state = "ready"
 
     def _publish(self, ex: Execution) -> None:
@@ -355,6 +358,16 @@ class Backend:
             await attached.client.close()
         self.launcher.remove_files(handle)
         return repaired
+
+    async def _first_server(self) -> AgentctlClient | None:
+        """Startup recovery's start: a server that cannot be started does not stop the backend."""
+        try:
+            return await self.start_own_server()
+        except Exception as exc:
+            self._first_failure = f"start failed: {exc}" if str(exc) else f"start failed: {type(exc).__name__}"
+            log_event("control_server_start_failed", f"could not start a control server: {exc}; the backend"
+                      " keeps trying (kandev status)", priority=3, REASON=self._first_failure)
+            return None
 
     async def _restart_own_server(self) -> Attached:
         """The survival link's restart: a fresh server the way startup starts one (unit, detached or child;

@@ -169,6 +169,16 @@ class ControlServerLink:
         self._set(LinkState.RUNNING)
         self._task = asyncio.get_running_loop().create_task(self._supervise(attached), name=f"link-{self.name}")
 
+    def start_failed(self, reason: str) -> None:
+        """The very first start (at backend startup) failed: count it as a loss and keep trying as
+        after one, so that the backend stays up and says why."""
+        if self._closed or self.state != LinkState.NONE:
+            return
+        self.last_loss = Loss(self.wall(), reason, at_start=True)
+        delay = self.policy.record()
+        self._set(LinkState.RESTARTING)
+        self._task = asyncio.get_running_loop().create_task(self._restart(delay), name=f"link-{self.name}")
+
     def release(self, state: LinkState = LinkState.SUPERSEDED) -> None:
         """Stop watching without counting a loss (the server is not ours any more)."""
         self._stop_task()

@@ -158,9 +158,11 @@ class Recovery:
         self,
         *,
         enabled: bool,
-        start_own_server: Callable[[], Awaitable[AgentctlClient]],
+        start_own_server: Callable[[], Awaitable[AgentctlClient | None]],
         publish: Callable[[Execution], None],
-    ) -> tuple[RecoveryReport, AgentctlClient]:
+    ) -> tuple[RecoveryReport, AgentctlClient | None]:
+        """Run it; the client is None when no server could be started (the backend then keeps
+        trying through its control-server link, and every inherited row is settled meanwhile)."""
         report = RecoveryReport()
         record = self.read_server_record()
         if not enabled:

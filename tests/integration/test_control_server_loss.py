@@ -252,3 +252,31 @@ def test_passthrough_server_loss_is_handled_likewise_and_leaves_the_other_server
     assert k.show(other)["state"] == "RUNNING" and k.show(other)["live"]  # the other server's session
     assert k.cli("resume", pt_sid)["state"] == "WAITING_FOR_INPUT"
     assert k.show(pt_sid)["live"] and k.show(pt_sid)["passthrough"]
+
+
+def test_backend_started_while_the_server_dies_at_start_stays_up_and_keeps_trying(kandev_factory, short_tmp):
+    """Issue 11 scenario D, at backend start: a control server that cannot be started does not stop
+    the backend (startup recovery completes, the backend answers); status says why, and the link's
+    next attempt once the fault is gone brings a server."""
+    faults = short_tmp / "faults"
+    faults.write_text("agentctl_dies_at_start\n")
+    k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="false", KANDEV_FAULT_FILE=str(faults))
+    st = k.up()
+    server = st["control_server"]
+    assert st["backend"]["state"] == "ready" and server["state"] in ("restarting", "gave_up")
+    assert server["pid"] is None and server["last_loss"]["at_start"]
+    assert "exited with code -9 before it was ready" in server["last_loss"]["reason"]
+    assert " control_server_start_failed " in _backend_log(k)
+    with pytest.raises(CliError) as refused:
+        k.start_session("no server yet")
+    assert "control_server_unavailable" in refused.value.stderr
+    faults.unlink()
+    st2 = wait_until(lambda: s if (s := k.status())["control_server"]["state"] in ("running", "gave_up") else None,
+                     timeout=60)
+    if st2["control_server"]["state"] == "gave_up":  # a slow machine used up the attempts first
+        st2 = k.cli("up")["status"]
+    assert st2["control_server"]["state"] == "running"
+    k.server_pids.add(int(st2["control_server"]["pid"]))
+    assert st2["backend"]["pid"] == st["backend"]["pid"]
+    _, sid = k.start_session("server at last")
+    assert k.show(sid)["live"]
