@@ -210,3 +210,17 @@ def test_closed_link_does_not_treat_the_shutdown_as_a_loss():
 
     h = asyncio.run(run())
     assert h.lost == [] and h.link.state == LinkState.RUNNING and h.link._task is None
+
+
+def test_a_failed_first_start_counts_as_a_loss_and_the_link_keeps_trying():
+    """Issue 11 scenario D at backend start: no server could be started by startup recovery."""
+    async def run() -> Harness:
+        h = Harness()
+        h.link.start_failed("start failed: control server exited with code -9 before it was ready")
+        assert h.link.state == LinkState.RESTARTING and h.link.last_loss.at_start
+        await h.settle(lambda: h.link.state == LinkState.RUNNING)
+        await h.link.close()
+        return h
+
+    h = asyncio.run(run())
+    assert h.sleeps == [1.0] and len(h.started) == 1 and h.lost == []
