@@ -250,3 +250,26 @@ def test_cli_agents_lists_builtin_agents(capsys: pytest.CaptureFixture[str]) -> 
     lines = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
     assert lines == [[a["name"], a["package"], a["version"]] for a in agents]  # one line per agent, same order
     assert ["mock", "daemon.agents.mock", "0.1.0"] in lines
+
+
+def _with_server(**server: Any) -> Any:
+    status = {"backend": {"state": "ready", "pid": 42, "version": "0.1.0"},
+              "control_server": {"pid": 7, "crash_loop": {"limit": 5, "window_s": 300.0}, "restarts": 0,
+                                 "passthrough": {"state": "none"}, **server}}
+    return lambda sock: status
+
+
+def test_control_server_states_from_the_backend(home: Paths) -> None:
+    """Issue 11: doctor says when the backend gave up restarting its control server, and why."""
+    loss = {"at": "2025-01-31T12:00:00Z", "reason": "restart failed: exited with code -9", "at_start": True}
+    running = by_name(run_doctor(home, env={}, probes=probes(backend_status=_with_server(state="running"))))
+    assert running["control_server"].ok and "pid 7" in running["control_server"].detail
+    assert "control_server.passthrough" not in running  # never started: nothing to say
+    gave_up = by_name(run_doctor(home, env={}, probes=probes(
+        backend_status=_with_server(state="gave_up", pid=None, gave_up=loss, last_loss=loss))))["control_server"]
+    assert not gave_up.ok
+    assert "gave up restarting it after 5 losses within 300.0 s" in gave_up.detail
+    assert "exited with code -9" in gave_up.detail and "kandev up" in gave_up.hint
+    restarting = by_name(run_doctor(home, env={}, probes=probes(
+        backend_status=_with_server(state="restarting", pid=None, last_loss=loss))))["control_server"]
+    assert not restarting.ok and "restarting" in restarting.detail
