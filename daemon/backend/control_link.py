@@ -233,7 +233,12 @@ class ControlServerLink:
             except Exception:  # a probe that fails is not a loss; look again next time
                 log.exception("control server link %s: watching failed", self.name)
             await self.sleep(self.watch_interval)
-        reason = await attached.watch.reason()
+        try:
+            reason = await attached.watch.reason()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the loss stands; only its reason is unknown
+            reason = f"its process is gone; the reason could not be read ({type(exc).__name__}: {exc})"
         self._set(LinkState.LOST)
         self.attached = None
         loss = Loss(self.wall(), reason, at_start=False)
