@@ -3,6 +3,9 @@
 ``Backend`` owns the store handle, the execution store, the client of the
 control server it uses and the recovery report; ``daemon.backend.main``
 builds it in the startup order and serves ``api.TABLE`` with ``handlers()``.
+Each control server it uses has a ``ControlServerLink`` (``daemon.backend.control_link``)
+that watches it and, when it dies, has the backend make its sessions truthful and
+start a fresh one.
 """
 
 from __future__ import annotations
