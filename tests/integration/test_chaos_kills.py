@@ -28,7 +28,7 @@ from tests.helpers import wait_until
 from tests.integration.conftest import REPO, Kandev, agent_chunks, alive, db_row, mock_agents
 
 pytestmark = pytest.mark.timeout(300)
-PROMPTS = ("/slow 300", "/slow 300", "/flood 4000")  # (session show must stay under the 8 MiB frame)
+PROMPTS = ("/slow 300", "/slow 300", "/flood 4000")
 
 
 def _stream(k: Kandev, sids: list[str]) -> None:
