@@ -449,10 +449,13 @@ def render(args: argparse.Namespace, result: Any, out: Any = None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["__complete"]:  # for bash completion: ids from the backend, quietly
+    if "__complete" in argv[:3]:  # for bash completion: ids from the backend, quietly
         from daemon.human.complete import complete
 
-        return complete(argv[1:], sys.stdout)
+        at = argv.index("__complete")
+        before = argv[:at]
+        home = before[before.index("--home") + 1] if "--home" in before[:-1] else None
+        return complete((["--home", home] if home else []) + argv[at + 1:], sys.stdout)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

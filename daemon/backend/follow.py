@@ -40,6 +40,7 @@ import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from enum import Enum
 from typing import Any
 
@@ -112,7 +113,7 @@ def _outcome(db: Session, turn_id: str) -> dict[str, Any] | None:
     if turn is None or turn.state == "open":
         return None
     return {"turn_id": turn.id, "ordinal": turn.ordinal, "state": turn.state, "stop_reason": turn.stop_reason,
-            "error": turn.error}
+            "error": turn.error, "ended_at": turn.ended_at.isoformat() if turn.ended_at else None}
 
 
 def _first_cursor_of(db: Session, session_id: str, turn_id: str) -> int:
@@ -168,7 +169,9 @@ def read_round(
     turn_at_read = pos.turn_id
     # The turn's state first, then the entries: if the turn is over now, all its entries are in.
     ended = _outcome(db, pos.turn_id) if pos.turn_id is not None and not pos.turn_end_sent else None
-    columns = (Message.id, Message.role, Message.kind, Message.text, Message.turn_id, Message.event_seq)
+    ended_at = _parse(ended.get("ended_at")) if ended is not None else None
+    columns = (Message.id, Message.role, Message.kind, Message.text, Message.turn_id, Message.event_seq,
+               Message.created_at)
     rows = db.execute(select(*columns).where(Message.session_id == pos.session_id, Message.id > pos.cursor)
                       .order_by(Message.id).limit(limit)).all()
     full = len(rows) == limit
@@ -180,6 +183,13 @@ def read_round(
             full = True
             break
         budget -= cost
+        if (ended is not None and ended_at is not None and row.turn_id != pos.turn_id
+                and row.created_at is not None and row.created_at > ended_at):
+            # Written after the followed turn ended (e.g. a resume note): its end line comes first.
+            out.events.append(StreamEvent(pos.cursor, FollowEvent.TURN_ENDED, ended))
+            pos.turn_end_sent, ended = True, None
+            if not pos.follow_all:
+                return _end(out, pos, EndReason.TURN_ENDED)
         if row.kind == "prompt" and row.turn_id and row.turn_id != pos.turn_id:
             # A new turn began, so the one followed is over.
             if pos.turn_id is not None:
@@ -190,7 +200,7 @@ def read_round(
                     pos.turn_end_sent = True
                 if not pos.follow_all:
                     return _end(out, pos, EndReason.TURN_ENDED)
-            pos.turn_id, pos.turn_end_sent = row.turn_id, False
+            pos.turn_id, pos.turn_end_sent, ended = row.turn_id, False, None
         if not pos.follow_all and row.turn_id and row.turn_id != pos.turn_id:
             pos.cursor = row.id  # a late entry of another turn: not this stream's
             continue
@@ -204,7 +214,7 @@ def read_round(
     if full or pos.turn_id != turn_at_read:
         out.more = True  # more stored, or a turn began whose state is not read yet
         return out
-    if ended is not None:
+    if ended is not None and not pos.turn_end_sent:
         out.events.append(StreamEvent(pos.cursor, FollowEvent.TURN_ENDED, ended))
         pos.turn_end_sent = True
         if not pos.follow_all:
@@ -214,6 +224,10 @@ def read_round(
         if session is None or session.state not in ("CREATED", "STARTING"):
             return _end(out, pos, EndReason.NO_AGENT)
     return out
+
+
+def _parse(when: str | None) -> datetime | None:
+    return datetime.fromisoformat(when) if when else None
 
 
 def _request_id(text: str) -> str | None:

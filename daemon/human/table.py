@@ -1,5 +1,6 @@
 """Aligned tables like ``docker ps`` and ``kubectl get``: an upper-case header, two spaces between
-columns, and on a terminal one flexible column (e.g. a title) cut so that a row fits the width."""
+columns, and on a terminal one flexible column (e.g. a title) cut so that a row fits the width;
+if it still does not fit, the row is cut at the terminal's edge (as ``systemctl`` does)."""
 
 from __future__ import annotations
 
@@ -42,10 +43,22 @@ def render_table(term: Term, headers: Sequence[str], rows: Sequence[Sequence[Cel
 
 
 def _join(term: Term, row: Sequence[Cell], widths: Sequence[int]) -> str:
+    """One row; on a terminal still too narrow for it, the row is cut at the width (with an ellipsis)."""
     parts = []
     last = len(row) - 1
+    used = 0
     for i, c in enumerate(row):
-        text = term.cut(c.text, widths[i])
-        pad = "" if i == last else " " * (widths[i] - len(text))
+        width = widths[i]
+        if term.width is not None:
+            room = term.width - used - (len(GAP) if parts else 0)
+            if room <= 0:
+                break
+            if width > room:
+                width, last = room, i
+        text = term.cut(c.text, width)
+        pad = "" if i == last else " " * (width - len(text))
         parts.append(term.paint(text, *c.styles) + pad)
+        used += width + (len(GAP) if len(parts) > 1 else 0)
+        if i == last:
+            break
     return GAP.join(parts).rstrip()

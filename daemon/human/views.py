@@ -210,8 +210,11 @@ def session_list_lines(result: dict[str, Any], term: Term, show_all: bool) -> li
         for s in shown:
             state = s.get("state")
             retracked = "yes" if s.get("retracked") else "no"
+            state_cell = cell(state, *state_styles(state))
+            if state in ("RUNNING", "WAITING_FOR_INPUT") and not s.get("live"):
+                state_cell = cell(f"{state} (no agent)", Colour.YELLOW)  # e.g. not re-tracked after a restart
             rows.append([short(s["session_id"], n), f"{short(s.get('task_id'))} {s.get('task_title') or ''}".rstrip(),
-                         s.get("agent") or "-", cell(state, *state_styles(state)), retracked,
+                         s.get("agent") or "-", state_cell, retracked,
                          age(s.get("created_at")), _last_turn(s.get("last_turn"))])
         lines = render_table(term, ["SESSION", "TASK", "AGENT", "STATE", "RETRACKED", "AGE", "LAST TURN"], rows,
                              flex=1)
