@@ -21,6 +21,7 @@ _HINTS: dict[str, str] = {
     " (`adduser $USER kandev`, then log in again)",
     ErrorCode.TIMEOUT: "the backend did not answer in time; `kandev status` shows what it is doing",
     ErrorCode.BUFFERS_FULL: "the backend is busy; try again in a moment",
+    "backend_exited": "`kandev doctor` checks the installation; the backend's log is <home>/logs/backend.log",
 }
 
 

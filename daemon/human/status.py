@@ -18,7 +18,7 @@ LABEL = 15  # label column width (right-aligned, as systemctl does)
 _KNOWN = {
     "backend": {"pid", "version", "socket", "home", "state"},
     "capability": {"state", "reason", "detail", "supervisor"},
-    "control_server": {"state", "pid", "server_identity", "endpoint", "mode", "log_path"},
+    "control_server": {"state", "pid", "version", "server_identity", "endpoint", "mode", "log_path"},
     "recovery": {"retracked", "not_retracked", "reasons", "stopped_orphans", "duration_ms"},
     "adoption": {"outcome", "reason"},
 }
@@ -116,6 +116,8 @@ def _server_lines(term: Term, server: dict[str, Any]) -> list[str]:
         head += f", {server['mode']} mode"
     if server.get("pid"):
         head += f", pid {server['pid']}"
+    if server.get("version"):
+        head += f", version {server['version']}"
     lines = [head]
     for key, label in (("server_identity", "identity"), ("endpoint", "endpoint"), ("log_path", "log")):
         if server.get(key):

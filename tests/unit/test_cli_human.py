@@ -67,7 +67,7 @@ def test_status_shows_warnings_first_and_every_field_it_does_not_know() -> None:
     text = "\n".join(lines)
     assert lines[0].startswith("\u25cf kandev-backend: ready (pid 10, version 0.2.0)")
     assert "control server is gave_up" in lines[1] and "could not be re-tracked" in lines[2]
-    for shown in ("version: 0.1.9", "last_loss.at: 2026-01-01T00:00:00+00:00", "last_loss.reason: exited 9",
+    for shown in ("gave_up, unit mode, version 0.1.9", "last_loss.at: 2026-01-01T00:00:00+00:00", "last_loss.reason: exited 9",
                   "Sandbox: mode: required", "available: yes", "session abababab not re-tracked: instance_missing",
                   "took 1.2 s"):
         assert shown in text, shown
