@@ -7,6 +7,8 @@ service group); there is no further authentication on this socket.
 
 from __future__ import annotations
 
+from enum import Enum
+
 from ipc.schema import Op, OpTable
 
 PROTOCOL = "kandev-backend"
@@ -148,6 +150,21 @@ RESUME_OPS: list[Op] = [
         " reset blocks the prompt -> {task_id, step, position, session_id, reset, prompt}",
     ),
 ]
+
+class FollowEvent(str, Enum):
+    """The kinds of event frames a ``follow`` stream sends (daemon/backend/follow.py)."""
+
+    ENTRY = "entry"  # seq = the entry's cursor; data = the transcript entry
+    TURN_ENDED = "turn_ended"  # data = {turn_id, ordinal, state, stop_reason, error, ended_at}
+    END = "end"  # data = {reason: FollowEnd}; the backend then closes the stream
+
+
+class FollowEnd(str, Enum):
+    """Why a ``follow`` stream ended."""
+
+    TURN_ENDED = "turn_ended"
+    NO_AGENT = "no_agent"  # no turn to follow and no running agent
+
 
 # Views for people and the follow stream (issue 14; daemon/backend/views.py, daemon/backend/follow.py).
 # Every op that takes a task_id, session_id (or permission request_id) also accepts a unique prefix

@@ -41,12 +41,12 @@ import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
-from enum import Enum
 from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from daemon.backend.api import FollowEnd, FollowEvent
 from daemon.backend.executions import ExecutionStore
 from daemon.backend.session_view import PAGE_TEXT_BYTES, permissions, transcript_entry
 from daemon.backend.transcript_hub import TranscriptHub
@@ -65,19 +65,6 @@ RECHECK_S = 30.0
 _ENTRY_OVERHEAD = 128
 
 Handler = Callable[[ConnectionContext, dict[str, Any]], Awaitable[Any]]
-
-
-class FollowEvent(str, Enum):
-    """The kinds of event frames a ``follow`` stream sends."""
-
-    ENTRY = "entry"
-    TURN_ENDED = "turn_ended"
-    END = "end"
-
-
-class EndReason(str, Enum):
-    TURN_ENDED = "turn_ended"
-    NO_AGENT = "no_agent"
 
 
 @dataclass(frozen=True)
@@ -189,7 +176,7 @@ def read_round(
             out.events.append(StreamEvent(pos.cursor, FollowEvent.TURN_ENDED, ended))
             pos.turn_end_sent, ended = True, None
             if not pos.follow_all:
-                return _end(out, pos, EndReason.TURN_ENDED)
+                return _end(out, pos, FollowEnd.TURN_ENDED)
         if row.kind == "prompt" and row.turn_id and row.turn_id != pos.turn_id:
             # A new turn began, so the one followed is over.
             if pos.turn_id is not None:
@@ -199,7 +186,7 @@ def read_round(
                     out.events.append(StreamEvent(pos.cursor, FollowEvent.TURN_ENDED, outcome))
                     pos.turn_end_sent = True
                 if not pos.follow_all:
-                    return _end(out, pos, EndReason.TURN_ENDED)
+                    return _end(out, pos, FollowEnd.TURN_ENDED)
             pos.turn_id, pos.turn_end_sent, ended = row.turn_id, False, None
         if not pos.follow_all and row.turn_id and row.turn_id != pos.turn_id:
             pos.cursor = row.id  # a late entry of another turn: not this stream's
@@ -218,11 +205,11 @@ def read_round(
         out.events.append(StreamEvent(pos.cursor, FollowEvent.TURN_ENDED, ended))
         pos.turn_end_sent = True
         if not pos.follow_all:
-            return _end(out, pos, EndReason.TURN_ENDED)
+            return _end(out, pos, FollowEnd.TURN_ENDED)
     if not pos.follow_all and pos.turn_id is None and not live:
         session = db.get(TaskSession, pos.session_id)
         if session is None or session.state not in ("CREATED", "STARTING"):
-            return _end(out, pos, EndReason.NO_AGENT)
+            return _end(out, pos, FollowEnd.NO_AGENT)
     return out
 
 
@@ -238,7 +225,7 @@ def _request_id(text: str) -> str | None:
     return str(data.get("request_id")) if isinstance(data, dict) else None
 
 
-def _end(out: Round, pos: Position, reason: EndReason) -> Round:
+def _end(out: Round, pos: Position, reason: FollowEnd) -> Round:
     out.events.append(StreamEvent(pos.cursor, FollowEvent.END, {"reason": reason.value}))
     out.done = True
     return out

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import IO, Any
 
+from daemon.backend.api import FollowEnd, FollowEvent
 from daemon.human.fmt import short, stop_reason_ok
 from daemon.human.term import Term
 from daemon.human.transcript import ConversationWriter
@@ -130,7 +131,7 @@ class Follower:
         """Print one event; the end reason when the stream is over."""
         writer = self.writer
         assert writer is not None
-        if kind == "entry":
+        if kind == FollowEvent.ENTRY:
             if self.cursor is not None and seq <= self.cursor:
                 return None  # already printed before a reconnection
             if self.follow_all and data.get("kind") == "prompt" and data.get("turn_id"):
@@ -141,7 +142,7 @@ class Follower:
                 writer.entry(data)
             self.cursor = seq
             return None
-        if kind == "turn_ended":
+        if kind == FollowEvent.TURN_ENDED:
             turn = str(data.get("turn_id"))
             if turn not in self.ended_turns:
                 self.ended_turns.add(turn)
@@ -151,9 +152,9 @@ class Follower:
                     writer.turn_ended(data)
             if not self.follow_all:
                 self.outcome = data
-                return "turn_ended"
+                return FollowEnd.TURN_ENDED.value
             return None
-        if kind == "end":
+        if kind == FollowEvent.END:
             return str(data.get("reason") or "end")
         return None
 
@@ -187,15 +188,15 @@ class Follower:
             if reason is not None:
                 return self._finish(reason)
             if self.outcome is not None:
-                return self._finish("turn_ended")
+                return self._finish(FollowEnd.TURN_ENDED.value)
             stream = await self._reopen(lost)
 
     def _finish(self, reason: str) -> FollowResult:
-        if reason == "turn_ended" and self.outcome is not None:
+        if reason == FollowEnd.TURN_ENDED and self.outcome is not None:
             o = self.outcome
             ok = stop_reason_ok(o.get("state"), o.get("stop_reason"), o.get("error"))
             return FollowResult(EXIT_OK if ok else EXIT_FAILED, reason)
-        if reason == "no_agent":
+        if reason == FollowEnd.NO_AGENT:
             self._say(f"session {short(self.session)} has no running agent and no turn to follow")
             self.err.write(f"hint: `kandev resume {short(self.session)}` gives it an agent again\n")
         return FollowResult(EXIT_FAILED, reason)

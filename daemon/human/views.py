@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import IO, Any
 
 from daemon.human.fmt import age, short, state_styles, stop_reason_ok, unique_length, yes_no
+from daemon.human.status import warnings
 from daemon.human.table import Cell, cell, render_table
 from daemon.human.term import Colour, Term
 from daemon.human.transcript import ConversationWriter, turn_end_line
@@ -34,8 +35,6 @@ def _runtime(config: dict[str, Any] | None) -> list[str]:
 # -- backend lifecycle -----------------------------------------------------------------------
 
 def up_lines(result: dict[str, Any], term: Term) -> list[str]:
-    from daemon.human.status import warnings
-
     status = result.get("status") or {}
     cap = status.get("capability") or {}
     verb = "started" if result.get("started") else "already running"

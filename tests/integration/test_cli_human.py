@@ -213,8 +213,10 @@ def _pty_run(k: Kandev, *args: str, columns: int = 200, **env: str) -> str:
     """Run the CLI with stdout on a pseudo-terminal of ``columns`` columns; what it wrote."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
+    # COLUMNS (pytest-xdist workers export it) would override the terminal's own size, as it should
+    base = {key: v for key, v in k.env.items() if key not in ("COLUMNS", "LINES")}
     proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "--home", str(k.home), *args],
-                            stdout=slave, stderr=subprocess.PIPE, env={**k.env, "TERM": "xterm", **env}, cwd=REPO)
+                            stdout=slave, stderr=subprocess.PIPE, env={**base, "TERM": "xterm", **env}, cwd=REPO)
     os.close(slave)
     chunks = []
     try:
@@ -293,8 +295,9 @@ def test_bash_completion_offers_live_ids_and_nothing_when_the_backend_is_down(
 
 def test_scenario_d_follow_survives_backend_restarts(kandev_factory) -> None:
     """Issue 14 scenario D (survival on): a follow started before the backend is SIGKILLed and
-    started again prints all 20 chunks exactly once, in order, says it reconnected, exits 0; the
-    same across `kandev down` / `kandev up`; a backend that stays away: exit 3 after the bounded wait."""
+    started again (and later stopped with `kandev down` and started with `kandev up`, in the same
+    turn) prints all 20 chunks exactly once, in order, says it reconnected, exits 0; a backend that
+    stays away ends a follow with exit status 3 after the bounded wait."""
     k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="true")
     k.up()
     _, sid = k.start_session("follow me")
@@ -306,24 +309,19 @@ def test_scenario_d_follow_survives_backend_restarts(kandev_factory) -> None:
     os.kill(backend, signal.SIGKILL)
     wait_until(lambda: not alive(backend), timeout=10)
     k.up()
-    assert proc.wait(timeout=90) == 0, err.text
-    assert re.findall(r"\d+/20 ", out.text) == [f"{i}/20 " for i in range(1, 21)]
-    assert "lost the connection to the backend" in err.text and "reconnected to the backend" in err.text
-    assert "[turn ended: end_turn]" in out.text
-
-    k.cli("prompt", sid, "/slow 6")
-    proc = k.popen("follow", sid[:8])
-    out, err = TimedOutput(proc.stdout), TimedOutput(proc.stderr)
-    out.wait_for("2/6 ", timeout=60)
+    wait_until(lambda: "reconnected to the backend" in err.text, timeout=60)
+    out.wait_for("9/20 ", timeout=60)  # 11 chunks (>= 10 s of the agent's time) still to come
     k.cli("down")
     k.up()
     assert proc.wait(timeout=90) == 0, err.text
-    assert re.findall(r"\d+/6 ", out.text) == [f"{i}/6 " for i in range(1, 7)]
-    assert "reconnected" in err.text
+    assert re.findall(r"\d+/20 ", out.text) == [f"{i}/20 " for i in range(1, 21)]
+    assert err.text.count("lost the connection to the backend") == 2
+    assert err.text.count("reconnected to the backend") == 2
+    assert out.text.rstrip().endswith("[turn ended: end_turn]")
 
     proc = k.popen("follow", sid[:8], "--all", "--reconnect-timeout", "2")  # --all: it stays
     out, err = TimedOutput(proc.stdout), TimedOutput(proc.stderr)
-    out.wait_for("6/6 ", timeout=60)  # the last turn, replayed: the stream is open
+    out.wait_for("20/20 ", timeout=60)  # the last turn, replayed: the stream is open
     k.cli("down")
     started = time.monotonic()
     assert proc.wait(timeout=60) == 3
