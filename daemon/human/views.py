@@ -66,7 +66,7 @@ def task_create_lines(result: dict[str, Any], term: Term) -> list[str]:
 
 def task_proceed_lines(result: dict[str, Any], term: Term) -> list[str]:
     lines = [f"Task {short(result.get('task_id'))} entered step {result.get('step')!r}"
-             f" (position {result.get('position')})"]
+             f" (step {int(result.get('position') or 0) + 1})"]
     reset = result.get("reset")
     if isinstance(reset, dict):
         lines.append(f"  context reset: new provider session ({reset.get('path')})")
@@ -90,7 +90,7 @@ def task_workflow_lines(result: dict[str, Any], term: Term) -> list[str]:
     rows = []
     for s in steps:
         mark = ">" if s.get("name") == result.get("current") else " "
-        rows.append([f"{mark}{s.get('position')}", cell(s.get("name"), Colour.BOLD) if mark == ">" else s.get("name"),
+        rows.append([f"{mark}{int(s.get('position') or 0) + 1}", cell(s.get("name"), Colour.BOLD) if mark == ">" else s.get("name"),
                      _step_status(term, s.get("status")), yes_no(s.get("reset")), s.get("prompt") or "-",
                      s.get("detail") or "-"])
     return [f"Task {short(result.get('task_id'))}: step {result.get('current') or '-'}"] + render_table(
@@ -238,7 +238,8 @@ def session_header_lines(show: dict[str, Any], term: Term, task_title: str | Non
         liveness += ", re-tracked after a backend restart"
     field("State", f"{term.paint(state, *state_styles(state))} ({liveness})")
     pid = show.get("agent_pid")
-    field("Agent", f"{show.get('agent')}" + (f", pid {pid}" if pid else "")
+    pid_text = (f", pid {pid}" if show.get("live") else f" (last pid {pid})") if pid else ""
+    field("Agent", f"{show.get('agent')}" + pid_text
           + (", passthrough" if show.get("passthrough") else ""))
     runtime = show.get("runtime_config") or {}
     options = runtime.get("options") or {}
@@ -330,7 +331,7 @@ def prompt_lines(result: dict[str, Any], term: Term, session: str) -> list[str]:
 
 
 def cancel_lines(session: str) -> list[str]:
-    return [f"Cancel requested: the turn of session {session} ends with stop reason cancelled."]
+    return [f"Cancel sent to session {session}: a running turn ends with stop reason cancelled."]
 
 
 def permission_lines(session: str, request: str, option: str | None) -> list[str]:
