@@ -246,3 +246,42 @@ def test_the_hub_wakes_followers_on_commits_from_any_thread_not_on_rollbacks(sto
         assert hub._watches == {}  # nobody follows: nothing kept
 
     asyncio.run(go())
+
+
+def test_a_client_that_does_not_read_holds_the_stream_back(store: Store, tmp_path: Path) -> None:
+    """Backpressure: the stream's frames wait for the client (send_event awaits the socket's
+    drain), so a client that stops reading leaves the backend holding a bounded buffer, not the
+    transcript; once it reads again it gets every entry, in order (a real server on a real socket)."""
+    from daemon.backend import api
+    from daemon.backend.executions import ExecutionStore
+    from daemon.backend.follow import FollowService
+    from ipc.client import AsyncClient
+    from ipc.schema import OpTable
+    from ipc.server import IpcServer
+
+    t1 = _turn(store, 1, "/flood")
+    big = "x" * (16 * 1024)
+    _say(store, t1, *[f"{i:04d}{big}" for i in range(500)])  # 8 MiB of text
+    _end(store, t1)
+    hub = TranscriptHub()
+    hub.observe(store)
+    service = FollowService(store, hub, ExecutionStore())
+    table = OpTable("follow-test", (1, 0), [api.TABLE.get("follow")])
+    sock = tmp_path / "f.sock"
+
+    async def go() -> list[str]:
+        async with IpcServer(sock, table, service.handlers()) as server:
+            client = await AsyncClient.connect(sock)
+            stream = await client.stream("follow", {"session_id": SID})
+            await asyncio.sleep(1.0)  # the client reads nothing meanwhile
+            (ctx,) = server.connections
+            held = ctx._transport.get_write_buffer_size()
+            assert held < 1024 * 1024, held  # bounded: not the 4 MiB a round holds, nor the 8 MiB stored
+            texts = []
+            async for ev in stream:
+                if ev.kind == "entry":
+                    texts.append(ev.data["text"][:4])
+            return texts
+
+    texts = asyncio.run(go())
+    assert texts == ["/flo"] + [f"{i:04d}" for i in range(500)]
