@@ -25,10 +25,9 @@ from typing import Any
 from daemon import doctor
 from daemon.agents.registry import BUILTIN_AGENTS
 from daemon.backend import api
-from daemon.human import views
 from daemon.human.errors import error_lines
 from daemon.human.follow import RECONNECT_TIMEOUT_S, follow
-from daemon.human.status import render_status
+from daemon.human.render import render, watch_board
 from daemon.human.term import Term
 from daemon.paths import Paths, resolve_home
 from daemon.platform import Check
@@ -352,35 +351,14 @@ def _follow(args: argparse.Namespace, sock: Path, turn_id: str | None = None) ->
                   reconnect_timeout=args.reconnect_timeout, protocol_major=api.VERSION[0], json_lines=args.json)
 
 
-def _watch_board(sock: Path, interval: float) -> int:
-    """``board --watch``: look every ``interval`` seconds and redraw when the board changed."""
-    term = Term.for_stream(sys.stdout)
-    shown: list[str] | None = None
-    try:
-        while True:
-            try:
-                lines = views.board_lines(_call(sock, "task_list"), term)
-            except IpcError as exc:
-                if shown is None:
-                    raise  # never reached: fail like any other command
-                lines = error_lines(exc)
-            if lines != shown:
-                stamp = time.strftime("%H:%M:%S")
-                if term.width is not None:  # a terminal: redraw in place
-                    sys.stdout.write("\x1b[H\x1b[2J")
-                header = term.dim(f"kandev board, every {interval:g}s (Ctrl-C to stop)   {stamp}")
-                sys.stdout.write("\n".join([header, *lines]) + "\n" + ("" if term.width is not None else "\n"))
-                sys.stdout.flush()
-                shown = lines
-            time.sleep(interval)
-    except KeyboardInterrupt:
-        return EXIT_OK
+def sock_of(args: argparse.Namespace) -> Path:
+    return Paths.for_home(resolve_home(args.home)).backend_socket
 
 
 def run_live(args: argparse.Namespace) -> int | None:
     """Commands that print as things happen (follow, prompt --follow, board --watch): their exit
     status; None for every other command."""
-    sock = Paths.for_home(resolve_home(args.home)).backend_socket
+    sock = sock_of(args)
     if args.command == "follow":
         return _follow(args, sock)
     if args.command == "prompt" and args.follow:
@@ -389,62 +367,8 @@ def run_live(args: argparse.Namespace) -> int | None:
             print(json.dumps(started, sort_keys=True), flush=True)
         return _follow(args, sock, turn_id=started["turn_id"])
     if args.command == "board" and args.watch and not args.json:
-        return _watch_board(sock, args.interval)
+        return watch_board(lambda op, a: _call(sock, op, a), args.interval, sys.stdout)
     return None
-
-
-def render(args: argparse.Namespace, result: Any, out: Any = None) -> None:
-    """Print ``result`` for people (``daemon.human``)."""
-    out = out or sys.stdout
-    term = Term.for_stream(out)
-    cmd = args.command
-    lines: list[str]
-    if cmd == "status":
-        lines = render_status(result, term)
-    elif cmd == "up":
-        lines = views.up_lines(result, term)
-    elif cmd == "down":
-        lines = views.down_lines(result, term)
-    elif cmd == "board":
-        lines = views.board_lines(result, term)
-    elif cmd == "task":
-        sub = args.task_cmd
-        lines = {"create": views.task_create_lines, "proceed": views.task_proceed_lines,
-                 "workflow": views.task_workflow_lines, "list": views.task_list_lines,
-                 "show": views.task_show_lines}[sub](result, term)
-    elif cmd == "session" and args.session_cmd == "show":
-        title = None
-        try:
-            title = _call(Paths.for_home(resolve_home(args.home)).backend_socket, "task_show",
-                          {"task_id": result["task_id"]}, timeout=10.0).get("title")
-        except (IpcError, KeyError):
-            pass  # the header then goes without the task's title
-        views.session_show(result, term, out, title)
-        return
-    elif cmd == "session":
-        sub = args.session_cmd
-        if sub == "start":
-            lines = views.session_start_lines(result, term, args.agent)
-        elif sub == "list":
-            lines = views.session_list_lines(result, term, args.all)
-        elif sub == "configure":
-            lines = views.session_configure_lines(result, term)
-        else:
-            lines = views.session_reset_lines(result, term)
-    elif cmd == "resume":
-        lines = views.resume_lines(result, term)
-    elif cmd == "prompt":
-        lines = views.prompt_lines(result, term, args.session_id)
-    elif cmd == "cancel":
-        lines = views.cancel_lines(args.session_id)
-    elif cmd == "permission":
-        lines = views.permission_lines(args.session_id, args.request_id, args.option)
-    elif cmd == "runtime":
-        lines = views.runtime_lines(result, term)
-    else:  # nothing else returns a result; never print a raw object for people
-        lines = [str(result)]
-    for line in lines:
-        out.write(line + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -488,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         _print(result)
     else:
-        render(args, result)
+        render(args, result, sys.stdout, lambda op, a: _call(sock_of(args), op, a, timeout=10.0))
     if args.command == "runtime" and result.get("state") != "succeeded":
         return EXIT_REFUSED
     return EXIT_OK
