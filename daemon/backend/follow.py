@@ -28,6 +28,11 @@ A turn's end is known from its ``turns`` row, not from an entry. So each round r
 state *first* and the entries *second*: once a turn is seen over, every entry written before its
 end is already committed and read in the same round, and ``turn_ended`` comes after all of them.
 
+Cursors only grow along the transcript: entries are written by the backend's event loop alone, one
+transaction at a time, so they are committed in cursor order and a stream never passes over an
+entry that is committed later with a smaller cursor. (A writer in a worker thread would break
+that on PostgreSQL, where ids are handed out at insert, not at commit.)
+
 After a backend restart (SIGKILL, ``kandev down``/``up``, ``systemctl restart``) the client
 reconnects with ``after_seq`` = the last cursor it printed and the same ``turn_id``: the
 transcript is in the store, re-tracked sessions keep appending to it, so the client gets the rest
