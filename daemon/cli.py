@@ -1,11 +1,16 @@
 """``kandev``: the command-line client of the backend socket (design.md §8).
 
 ``kandev [--home DIR] [--json] COMMAND``. With ``--json`` every command prints
-one JSON object on stdout. Exit codes: 0 ok, 1 refused by the backend (typed
-error on stderr, or in the JSON as ``error``), 2 usage, 3 backend unreachable.
-The CLI owns nothing: ``up`` only starts a backend process when no service
-manager runs one; when the backend runs but gave up restarting a control server
-that kept dying, ``up`` asks it to try again.
+one JSON object on stdout (``follow`` and ``prompt --follow``: one per event).
+Without it, output is written for people (``daemon.human``): tables, a
+``systemctl status``-like summary, transcripts as conversations, errors as
+``kandev: <what went wrong>`` plus a hint; colour only on a terminal without
+``NO_COLOR``. Ids may be given as any unique prefix of 4 or more characters.
+Exit codes: 0 ok, 1 refused by the backend (typed error on stderr, or in the
+JSON as ``error``), 2 usage, 3 backend unreachable. The CLI owns nothing:
+``up`` only starts a backend process when no service manager runs one; when the
+backend runs but gave up restarting a control server that kept dying, ``up`` asks
+it to try again.
 """
 
 from __future__ import annotations
@@ -22,6 +27,10 @@ from typing import Any
 from daemon import doctor
 from daemon.agents.registry import BUILTIN_AGENTS
 from daemon.backend import api
+from daemon.human.errors import error_lines
+from daemon.human.follow import RECONNECT_TIMEOUT_S, follow
+from daemon.human.render import render, watch_board
+from daemon.human.term import Term
 from daemon.paths import Paths, resolve_home
 from daemon.platform import Check
 from ipc.client import SyncClient
@@ -57,6 +66,16 @@ def _cursor(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value <= 3600:
+        raise argparse.ArgumentTypeError(f"{text!r} is not in (0, 3600] seconds")
+    return value
+
+
 def _whole(text: str) -> int:
     try:
         return int(text)
@@ -87,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("task_id")
     tw = task.add_parser("workflow", help="the task's workflow steps and where it is")
     tw.add_argument("task_id")
+    task.add_parser("list", help="every task: title, bucket, sessions, agent, workflow step")
+    tsh = task.add_parser("show", help="one task: title, workspace, executor, bucket, workflow, its sessions")
+    tsh.add_argument("task_id")
 
     session = sub.add_parser("session", help="sessions").add_subparsers(
         dest="session_cmd", required=True, parser_class=_Parser
@@ -104,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--after-seq", type=_cursor, metavar="S",
                        help="the entries after cursor S (a page's next_cursor; 0: from the start)")
     sh.add_argument("--limit", type=_page_size, metavar="N", help="with --after-seq: at most N entries (default 10000)")
-    session.add_parser("list", help="every session")
+    sl = session.add_parser("list", help="sessions, newest first (finished ones with --all; --json: every session)")
+    sl.add_argument("--all", action="store_true", help="also COMPLETED and CANCELLED sessions")
     sc = session.add_parser("configure", help="set the agent's model, mode and options (applied through the agent)")
     sc.add_argument("session_id")
     sc.add_argument("--model")
@@ -122,7 +145,17 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("prompt", help="send a prompt to a session")
     pr.add_argument("session_id")
     pr.add_argument("text")
-    pr.add_argument("--wait", action="store_true", help="wait for the turn to end")
+    how = pr.add_mutually_exclusive_group()
+    how.add_argument("--wait", action="store_true", help="wait for the turn to end")
+    how.add_argument("--follow", action="store_true",
+                     help="print the agent's output as it arrives until the turn ends (exit 1 if it ends badly)")
+    pr.add_argument("--reconnect-timeout", type=_seconds, default=RECONNECT_TIMEOUT_S, metavar="S",
+                    help=f"with --follow: how long to wait for a lost backend (default {RECONNECT_TIMEOUT_S:g})")
+    fo = sub.add_parser("follow", help="print a session's current (or last) turn as the agent writes it")
+    fo.add_argument("session_id")
+    fo.add_argument("--all", action="store_true", help="keep following every later turn until Ctrl-C")
+    fo.add_argument("--reconnect-timeout", type=_seconds, default=RECONNECT_TIMEOUT_S, metavar="S",
+                    help=f"how long to wait for a lost backend before exit status 3 (default {RECONNECT_TIMEOUT_S:g})")
     pe = sub.add_parser("permission", help="answer an agent's open permission request")
     pe.add_argument("session_id")
     pe.add_argument("request_id")
@@ -131,7 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     choice.add_argument("--cancel", action="store_true", help="answer the request as cancelled")
     ca = sub.add_parser("cancel", help="cancel the current turn")
     ca.add_argument("session_id")
-    sub.add_parser("board", help="tasks by bucket")
+    bo = sub.add_parser("board", help="tasks by bucket")
+    bo.add_argument("--watch", action="store_true", help="redraw when the board changes, until Ctrl-C")
+    bo.add_argument("--interval", type=_seconds, default=1.0, metavar="S", help="with --watch: seconds between looks")
     doc = sub.add_parser("doctor", help="check this installation (no backend needed); exit 1 if a check fails")
     doc.add_argument("--config", help="config file to check (default: $KANDEV_CONFIG, /etc/kandev/kandev.toml)")
     sub.add_parser("agents", help="the built-in agents with package and pinned version")
@@ -162,18 +197,8 @@ def _call(socket: Path, op: str, args: dict[str, Any] | None = None, timeout: fl
         return client.call(op, args or {}, timeout=timeout)
 
 
-def _print(result: Any, as_json: bool) -> None:
-    if as_json:
-        print(json.dumps(result, sort_keys=True, default=str))
-        return
-    if isinstance(result, dict):
-        for key, value in result.items():
-            if isinstance(value, (dict, list)):
-                print(f"{key}: {json.dumps(value, default=str)}")
-            else:
-                print(f"{key}: {value}")
-    else:
-        print(result)
+def _print(result: Any) -> None:
+    print(json.dumps(result, sort_keys=True, default=str))
 
 
 def _reachable(socket: Path) -> dict[str, Any] | None:
@@ -278,6 +303,10 @@ def run(args: argparse.Namespace) -> Any:
             return _call(sock, "task_proceed", {"task_id": args.task_id}, timeout=180.0)
         if args.task_cmd == "workflow":
             return _call(sock, "task_workflow", {"task_id": args.task_id})
+        if args.task_cmd == "list":
+            return _call(sock, "task_list")
+        if args.task_cmd == "show":
+            return _call(sock, "task_show", {"task_id": args.task_id})
         call_args = {"title": args.title, "executor": args.executor}
         if args.workspace:
             call_args["workspace"] = str(Path(args.workspace).resolve())
@@ -316,7 +345,8 @@ def run(args: argparse.Namespace) -> Any:
         if args.session_cmd == "reset-context":
             return _call(sock, "session_reset_context", {"session_id": args.session_id, "restart": args.restart},
                          timeout=180.0)
-        return _call(sock, "session_list")
+        # People get the table's columns (newest first); --json stays {sessions: [...]} as it was.
+        return _call(sock, "session_list", {} if args.json else {"detail": True})
     if cmd == "prompt":
         return _call(
             sock,
@@ -332,7 +362,7 @@ def run(args: argparse.Namespace) -> Any:
             call_args["option_id"] = args.option
         return _call(sock, "permission_respond", call_args)
     if cmd == "board":
-        return _call(sock, "board")
+        return _call(sock, "board") if args.json else _call(sock, "task_list")
     if cmd == "doctor":
         return doctor.as_json(doctor.run_doctor(paths, config_path=args.config))
     if cmd == "runtime":
@@ -346,10 +376,47 @@ def run(args: argparse.Namespace) -> Any:
     raise Usage(f"unknown command {cmd}")
 
 
+def _follow(args: argparse.Namespace, sock: Path, turn_id: str | None = None) -> int:
+    return follow(str(sock), args.session_id, out=sys.stdout, err=sys.stderr, term=Term.for_stream(sys.stdout),
+                  turn_id=turn_id, follow_all=bool(getattr(args, "all", False)),
+                  reconnect_timeout=args.reconnect_timeout, protocol_major=api.VERSION[0], json_lines=args.json)
+
+
+def sock_of(args: argparse.Namespace) -> Path:
+    return Paths.for_home(resolve_home(args.home)).backend_socket
+
+
+def run_live(args: argparse.Namespace) -> int | None:
+    """Commands that print as things happen (follow, prompt --follow, board --watch): their exit
+    status; None for every other command."""
+    sock = sock_of(args)
+    if args.command == "follow":
+        return _follow(args, sock)
+    if args.command == "prompt" and args.follow:
+        started = _call(sock, "prompt", {"session_id": args.session_id, "text": args.text, "wait": False})
+        if args.json:
+            print(json.dumps(started, sort_keys=True), flush=True)
+        return _follow(args, sock, turn_id=started["turn_id"])
+    if args.command == "board" and args.watch and not args.json:
+        return watch_board(lambda op, a: _call(sock, op, a), args.interval, sys.stdout)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "__complete" in argv[:3]:  # for bash completion: ids from the backend, quietly
+        from daemon.human.complete import complete
+
+        at = argv.index("__complete")
+        before = argv[:at]
+        home = before[before.index("--home") + 1] if "--home" in before[:-1] else None
+        return complete((["--home", home] if home else []) + argv[at + 1:], sys.stdout)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        status = run_live(args)
+        if status is not None:
+            return status
         result = run(args)
     except Usage as exc:
         print(f"kandev: {exc}", file=sys.stderr)
@@ -358,8 +425,13 @@ def main(argv: list[str] | None = None) -> int:
         code = EXIT_UNREACHABLE if exc.code == ErrorCode.UNAVAILABLE else EXIT_REFUSED
         if args.json:
             print(json.dumps({"error": exc.to_wire()}, sort_keys=True))
-        print(f"kandev: {exc.code}: {exc.message}", file=sys.stderr)
+            print(f"kandev: {exc.code}: {exc.message}", file=sys.stderr)
+        else:
+            for line in error_lines(exc, args.command, getattr(args, "session_id", None)):
+                print(line, file=sys.stderr)
         return code
+    except KeyboardInterrupt:
+        return 130
     if args.command == "doctor":  # exit 1 when a check fails; text: one line per check
         checks = [Check(c["name"], c["ok"], c["detail"], c["hint"]) for c in result["checks"]]
         print(json.dumps(result, sort_keys=True) if args.json else doctor.as_text(checks))
@@ -368,7 +440,10 @@ def main(argv: list[str] | None = None) -> int:
         for a in result["agents"]:
             print(f"{a['name']}\t{a['package']}\t{a['version']}")
         return EXIT_OK
-    _print(result, args.json)
+    if args.json:
+        _print(result)
+    else:
+        render(args, result, sys.stdout, lambda op, a: _call(sock_of(args), op, a, timeout=10.0))
     if args.command == "runtime" and result.get("state") != "succeeded":
         return EXIT_REFUSED
     return EXIT_OK

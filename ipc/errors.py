@@ -2,7 +2,10 @@
 
 Every refusal a kandev socket sends is an ``IpcError`` with a stable string
 ``code`` (never renamed: backend N talks to control server N-1), a human
-message, and whether retrying the same request later may succeed.
+message, and whether retrying the same request later may succeed. A few codes
+also carry ``details``, a map for programs (e.g. the ``candidates`` of an
+``ambiguous_id``); it is on the wire only when set, and readers that do not
+know it ignore it.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class ErrorCode:
     INTERNAL = "internal"
     BUFFERS_FULL = "buffers_full"  # the server's receive buffers (all connections together) are at their cap
     IDLE_TIMEOUT = "idle_timeout"  # the server closed a connection that sent no request for too long
+    AMBIGUOUS_ID = "ambiguous_id"  # an id prefix matches more than one object (details: candidates)
 
 
 _RETRYABLE_BY_DEFAULT = frozenset(
@@ -48,26 +52,34 @@ _RETRYABLE_BY_DEFAULT = frozenset(
 class IpcError(Exception):
     """An error with a stable code, safe to send to a peer."""
 
-    def __init__(self, code: str, message: str, retryable: bool | None = None) -> None:
+    def __init__(
+        self, code: str, message: str, retryable: bool | None = None, details: dict[str, Any] | None = None
+    ) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
         self.retryable = code in _RETRYABLE_BY_DEFAULT if retryable is None else retryable
+        self.details = details
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Exception's default reduce replays self.args (the formatted text),
         # which does not fit __init__: keep copy/pickle working.
-        return (type(self), (self.code, self.message, self.retryable))
+        return (type(self), (self.code, self.message, self.retryable, self.details))
 
     def to_wire(self) -> dict[str, Any]:
-        return {"code": self.code, "message": self.message, "retryable": self.retryable}
+        wire: dict[str, Any] = {"code": self.code, "message": self.message, "retryable": self.retryable}
+        if self.details is not None:
+            wire["details"] = self.details
+        return wire
 
     @classmethod
     def from_wire(cls, error: Any) -> IpcError:
         if not isinstance(error, dict):
             return cls(ErrorCode.INVALID_FRAME, f"malformed error object: {error!r:.200}")
+        details = error.get("details")
         return cls(
             str(error.get("code", ErrorCode.INTERNAL)),
             str(error.get("message", "")),
             bool(error.get("retryable", False)),
+            details if isinstance(details, dict) else None,
         )

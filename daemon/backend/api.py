@@ -7,6 +7,8 @@ service group); there is no further authentication on this socket.
 
 from __future__ import annotations
 
+from enum import Enum
+
 from ipc.schema import Op, OpTable
 
 PROTOCOL = "kandev-backend"
@@ -53,7 +55,15 @@ OPS = [
         " `limit` entries after the cursor `after_seq`; `page` carries next_cursor, more_before/after"
         " (daemon/backend/session_view.py)",
     ),
-    Op("session_list", auth=False, doc="-> {sessions: [...]}"),
+    Op(
+        "session_list",
+        optional={"detail": bool},
+        auth=False,
+        doc="-> {sessions: [{session_id, task_id, state, retracked}]} in creation order; with detail (for"
+        " kandev session list's table) newest first, each also with agent, task_title, live, created_at,"
+        " passthrough, last_error and last_turn{ordinal, state, stop_reason, started_at, ended_at}"
+        " (daemon/backend/views.py)",
+    ),
     Op("board", auth=False, doc="-> {backlog, running, turn_finished, needs_attention, done}"),
     Op(
         "control_server_retry",
@@ -147,6 +157,50 @@ RESUME_OPS: list[Op] = [
     ),
 ]
 
-OPS = OPS + RUNTIME_OPS + CREDENTIAL_OPS + RESUME_OPS
+class FollowEvent(str, Enum):
+    """The kinds of event frames a ``follow`` stream sends (daemon/backend/follow.py)."""
+
+    ENTRY = "entry"  # seq = the entry's cursor; data = the transcript entry
+    TURN_ENDED = "turn_ended"  # data = {turn_id, ordinal, state, stop_reason, error, ended_at}
+    END = "end"  # data = {reason: FollowEnd}; the backend then closes the stream
+
+
+class FollowEnd(str, Enum):
+    """Why a ``follow`` stream ended."""
+
+    TURN_ENDED = "turn_ended"
+    NO_AGENT = "no_agent"  # no turn to follow and no running agent
+
+
+# Views for people and the follow stream (issue 14; daemon/backend/views.py, daemon/backend/follow.py).
+# Every op that takes a task_id, session_id (or permission request_id) also accepts a unique prefix
+# of at least 4 characters (daemon/backend/ids.py).
+VIEW_OPS: list[Op] = [
+    Op(
+        "task_list",
+        auth=False,
+        doc="-> {tasks: [{task_id, title, workspace, executor, state, bucket, created_at, sessions,"
+        " latest_session{session_id, agent, state, last_error, live, retracked, ...}|None,"
+        " workflow{step, position, status, steps}|None}]} in creation order",
+    ),
+    Op(
+        "task_show",
+        required={"task_id": str},
+        auth=False,
+        doc="one task as in task_list, plus session_list (newest first) and steps (its workflow)",
+    ),
+    Op(
+        "follow",
+        required={"session_id": str},
+        optional={"after_seq": int, "turn_id": str, "all": bool},
+        auth=False,
+        stream=True,
+        doc="stream a session's transcript from cursor after_seq (default: the start of the followed turn):"
+        " entry events (seq = cursor), turn_ended, end; ends after the followed turn (turn_id, default the"
+        " latest) unless all (daemon/backend/follow.py)",
+    ),
+]
+
+OPS = OPS + RUNTIME_OPS + CREDENTIAL_OPS + RESUME_OPS + VIEW_OPS
 
 TABLE = OpTable(PROTOCOL, VERSION, OPS)

@@ -24,18 +24,23 @@ from typing import Any
 from sqlalchemy import select
 
 import daemon.backend.credentials_api as credentials_api
+import daemon.backend.ids as ids
 import daemon.backend.resume_api as resume_api
 import daemon.backend.runtimes_api as runtimes_api
 from daemon.agentctl.client import AgentctlClient, OwnershipRefused, identify
 from daemon.agents.registry import get_agent
 from daemon.backend.adoption import Adopter
+from daemon.backend.api import TABLE
 from daemon.backend.control_link import Attached, ControlServerLink, LinkState, Loss
 from daemon.backend.events import _ensure_turn
 from daemon.backend.executions import EventConsumer, Execution, ExecutionStore
+from daemon.backend.follow import FollowService
 from daemon.backend.launcher import ControlServerHandle, Launcher, UnitBusy
 from daemon.backend.recovery import LostAgent, Recovery, RecoveryReport, repair_lost_server
 from daemon.backend.server_watch import ServerWatch
 from daemon.backend.session_view import PageRequest, StoredSession, read_session
+from daemon.backend.transcript_hub import TranscriptHub
+from daemon.backend.views import Views
 from daemon.backend.worktree import add_worktree
 from daemon.config import Config
 from daemon.credentials import (
@@ -103,6 +108,9 @@ class Backend:
         self.passthrough_client: AgentctlClient | None = None
         self.passthrough_handle: ControlServerHandle | None = None
         self.consumer = EventConsumer(store, self._client_for, self._on_gone)
+        self.transcripts = TranscriptHub()  # wakes follow streams on store commits
+        self.transcripts.observe(store)
+        self.views = Views(store, self.executions)
         self.report = RecoveryReport()
         self.credential: bytes | None = None  # current ownership credential (memory + 0600 file only)
         self.claim_tasks: dict[str, asyncio.Task[None]] = {}  # endpoint -> its renewal loop
@@ -450,7 +458,8 @@ class Backend:
 
     # ------------------------------------------------------------ handlers
     def handlers(self) -> dict[str, Callable[[ConnectionContext, dict[str, Any]], Awaitable[Any]]]:
-        return {
+        # Every op that takes a task or session id also takes a unique prefix of it (daemon.backend.ids).
+        return ids.resolving(TABLE, self.store, {
             "status": self.op_status,
             "shutdown": self.op_shutdown,
             "task_create": self.op_task_create,
@@ -466,7 +475,9 @@ class Backend:
             **credentials_api.handlers(self),
             **resume_api.handlers(self),
             **runtimes_api.handlers(self),
-        }
+            **self.views.handlers(),
+            **FollowService(self.store, self.transcripts, self.executions).handlers(),
+        })
 
     async def op_status(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         handle = self.handle
@@ -814,6 +825,8 @@ class Backend:
             )]
 
     async def op_session_list(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        if args.get("detail"):
+            return await self.views.session_rows()
         rows = await asyncio.to_thread(self._read_sessions)  # off the loop: every session of the store
         executions = self.executions.executions
         return {

@@ -82,7 +82,8 @@ def _cut(text: str) -> tuple[str, bool]:
     return (text[:ENTRY_TEXT_MAX], True) if len(text) > ENTRY_TEXT_MAX else (text, False)
 
 
-def _entry(row: Any) -> dict[str, Any]:
+def transcript_entry(row: Any) -> dict[str, Any]:
+    """One transcript entry as `session show` and `follow` send it (its text cut at ENTRY_TEXT_MAX)."""
     text, cut = _cut(row.text)
     entry = {"role": row.role, "kind": row.kind, "text": text, "turn_id": row.turn_id, "seq": row.event_seq,
              "cursor": row.id}
@@ -102,7 +103,7 @@ def transcript_page(db: Session, session_id: str, request: PageRequest) -> tuple
     entries: list[dict[str, Any]] = []
     budget = PAGE_TEXT_BYTES
     for row in db.execute(query.limit(request.size)):
-        entry = _entry(row)
+        entry = transcript_entry(row)
         cost = len(entry["text"]) + ENTRY_OVERHEAD
         if entries and cost > budget:
             break  # the page is full: the rest is on the next one

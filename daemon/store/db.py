@@ -114,6 +114,11 @@ class Store:
             raise
         return cls(engine)
 
+    @property
+    def session_factory(self) -> sessionmaker[Session]:
+        """What ``session()`` makes its sessions with (for SQLAlchemy session event listeners)."""
+        return self._sessions
+
     @contextmanager
     def session(self) -> Iterator[Session]:
         """A session that commits when the block succeeds and rolls back when it raises."""

@@ -4,6 +4,9 @@
 (``python -m daemon.cli``) with a chosen environment, remembers every backend,
 control server and agent pid it saw, and on teardown stops what it started:
 ``kandev down``, then SIGTERM/SIGKILL of exactly those pids and process groups.
+``cli``/``run`` add ``--json``; ``human`` runs a command as a person would (no
+``--json``); ``popen`` starts one that keeps running (``follow``), whose output
+``TimedOutput`` collects with the time each piece arrived.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,6 +51,7 @@ class Kandev:
         self.backend_pids: set[int] = set()
         self.server_pids: set[int] = set()
         self.agent_pids: set[int] = set()
+        self.procs: list[subprocess.Popen[bytes]] = []
 
     def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         try:
@@ -60,6 +66,24 @@ class Kandev:
         except subprocess.TimeoutExpired:
             self.print_task_dumps()  # shown with the failure: what each daemon was waiting on
             raise
+
+    def human(self, *args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
+        """The CLI as a person runs it (no --json), stdout a pipe; ``env`` adds variables."""
+        return subprocess.run(
+            [sys.executable, "-m", "daemon.cli", "--home", str(self.home), *args],
+            capture_output=True, text=True, env={**self.env, **env}, timeout=timeout, cwd=REPO,
+        )
+
+    def popen(self, *args: str, json_output: bool = False, **env: str) -> subprocess.Popen[bytes]:
+        """A CLI command that keeps running (e.g. ``follow``), stdout and stderr pipes; stopped at
+        teardown if still running."""
+        argv = [sys.executable, "-m", "daemon.cli", "--home", str(self.home)]
+        proc = subprocess.Popen(
+            [*argv, *(["--json"] if json_output else []), *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**self.env, **env}, cwd=REPO,
+        )
+        self.procs.append(proc)
+        return proc
 
     def print_task_dumps(self) -> None:
         """SIGUSR1 to each daemon this home started; print the task dump each one logged."""
@@ -112,12 +136,53 @@ class Kandev:
         return int(self.status()["backend"]["pid"])
 
     def cleanup(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
         with contextlib.suppress(Exception):
             self.run("down", timeout=60)
         for pid in sorted(self.backend_pids | self.server_pids):
             _terminate(pid)
         for pid in sorted(self.agent_pids):
             _terminate(pid, group=True)
+
+
+class TimedOutput:
+    """Collects what a process writes to one pipe, with the monotonic time each piece arrived."""
+
+    def __init__(self, pipe: Any) -> None:
+        self.pieces: list[tuple[float, bytes]] = []
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._read, args=(pipe,), daemon=True)
+        self._thread.start()
+
+    def _read(self, pipe: Any) -> None:
+        fd = pipe.fileno()
+        while data := os.read(fd, 65536):
+            with self._lock:
+                self.pieces.append((time.monotonic(), data))
+
+    @property
+    def text(self) -> str:
+        with self._lock:
+            return b"".join(d for _, d in self.pieces).decode(errors="replace")
+
+    def arrival(self, needle: str) -> float | None:
+        """When ``needle`` was first complete in the output (None: not yet)."""
+        with self._lock:
+            buf = b""
+            for at, data in self.pieces:
+                buf += data
+                if needle.encode() in buf:
+                    return at
+        return None
+
+    def wait_for(self, needle: str, timeout: float) -> float:
+        return wait_until(lambda: self.arrival(needle), timeout=timeout, message=f"output shows {needle!r}")
+
+    def join(self, timeout: float = 10) -> None:
+        self._thread.join(timeout)
 
 
 def _terminate(pid: int, group: bool = False) -> None:

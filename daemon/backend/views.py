@@ -1,0 +1,150 @@
+"""Read-only views for people: ``task_list``, ``task_show`` and ``session_list`` with ``detail``.
+
+``kandev task list``, ``kandev task show TASK``, the human ``kandev board`` and ``kandev session
+list`` need more than ids: titles, buckets, agents, the last turn, the workflow step. These ops
+return that in one answer each. Every read here is a plain blocking query: the handlers run them
+in a worker thread with their own store session, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from daemon.backend import workflow as wf
+from daemon.backend.executions import ExecutionStore
+from daemon.store.board import bucket_for
+from daemon.store.db import Store
+from daemon.store.models import Task, TaskSession, Turn, WorkflowStep
+from ipc.errors import ErrorCode, IpcError
+from ipc.server import ConnectionContext
+
+Handler = Callable[[ConnectionContext, dict[str, Any]], Awaitable[Any]]
+
+
+def _iso(when: datetime | None) -> str | None:
+    return when.isoformat() if when is not None else None
+
+
+def _latest_sessions(db: Session, task_ids: list[str] | None = None) -> dict[str, TaskSession]:
+    """Each task's latest session (by creation, ties by id), as the board ranks them."""
+    ranked = select(
+        TaskSession.id,
+        func.row_number()
+        .over(partition_by=TaskSession.task_id, order_by=(TaskSession.created_at.desc(), TaskSession.id.desc()))
+        .label("rank"),
+    )
+    if task_ids is not None:
+        ranked = ranked.where(TaskSession.task_id.in_(task_ids))
+    sub = ranked.subquery()
+    latest = db.scalars(select(TaskSession).join(sub, sub.c.id == TaskSession.id).where(sub.c.rank == 1))
+    return {s.task_id: s for s in latest}
+
+
+def _workflow_summary(steps: list[WorkflowStep]) -> dict[str, Any] | None:
+    if not steps:
+        return None
+    here = wf.current(steps)
+    return {"step": here.name if here else None, "position": here.position if here else None,
+            "status": here.status if here else None, "steps": len(steps)}
+
+
+class Views:
+    """The handlers of ``api.VIEW_OPS`` (and the detail of ``session_list``)."""
+
+    def __init__(self, store: Store, executions: ExecutionStore) -> None:
+        self.store = store
+        self.executions = executions
+
+    def tracked(self) -> dict[str, bool]:
+        """Session id -> re-tracked, of every execution this backend tracks (read on the loop)."""
+        return {sid: bool(ex.retracked) for sid, ex in self.executions.executions.items()}
+
+    @staticmethod
+    def _session_summary(s: TaskSession, tracked: dict[str, bool]) -> dict[str, Any]:
+        return {"session_id": s.id, "agent": s.agent, "state": s.state, "last_error": s.last_error,
+                "created_at": _iso(s.created_at), "passthrough": bool(s.passthrough),
+                "live": s.id in tracked, "retracked": tracked.get(s.id, False)}
+
+    def _task_row(self, task: Task, latest: TaskSession | None, sessions: int,
+                  steps: list[WorkflowStep], tracked: dict[str, bool]) -> dict[str, Any]:
+        return {
+            "task_id": task.id,
+            "title": task.title,
+            "workspace": task.workspace,
+            "executor": task.executor,
+            "state": task.state,
+            "bucket": bucket_for(task.state, latest.state if latest is not None else None),
+            "created_at": _iso(task.created_at),
+            "sessions": sessions,
+            "latest_session": self._session_summary(latest, tracked) if latest is not None else None,
+            "workflow": _workflow_summary(steps),
+        }
+
+    # -- reads (worker thread) ---------------------------------------------------
+
+    def read_tasks(self, tracked: dict[str, bool]) -> dict[str, Any]:
+        with self.store.session() as db:
+            tasks = list(db.scalars(select(Task).order_by(Task.created_at, Task.id)))
+            latest = _latest_sessions(db)
+            counts = dict(db.execute(select(TaskSession.task_id, func.count()).group_by(TaskSession.task_id)).all())
+            steps: dict[str, list[WorkflowStep]] = {}
+            for step in db.scalars(select(WorkflowStep).order_by(WorkflowStep.task_id, WorkflowStep.position)):
+                steps.setdefault(step.task_id, []).append(step)
+            return {"tasks": [self._task_row(t, latest.get(t.id), int(counts.get(t.id, 0)), steps.get(t.id, []),
+                                             tracked) for t in tasks]}
+
+    def read_task(self, task_id: str, tracked: dict[str, bool]) -> dict[str, Any]:
+        with self.store.session() as db:
+            task = db.get(Task, task_id)
+            if task is None:
+                raise IpcError(ErrorCode.NOT_FOUND, f"no task with id {task_id!r}")
+            sessions = list(db.scalars(select(TaskSession).where(TaskSession.task_id == task_id)
+                                       .order_by(TaskSession.created_at.desc(), TaskSession.id.desc())))
+            steps = wf.load_steps(db, task_id)
+            row = self._task_row(task, sessions[0] if sessions else None, len(sessions), steps, tracked)
+            row["session_list"] = [self._session_summary(s, tracked) for s in sessions]
+            row["steps"] = wf.describe(steps)
+            return row
+
+    def read_session_rows(self, tracked: dict[str, bool]) -> dict[str, Any]:
+        with self.store.session() as db:
+            ranked = select(
+                Turn.session_id, Turn.ordinal, Turn.state, Turn.stop_reason, Turn.started_at, Turn.ended_at,
+                func.row_number().over(partition_by=Turn.session_id, order_by=Turn.ordinal.desc()).label("rank"),
+            ).subquery()
+            last_turns = {
+                r.session_id: {"ordinal": r.ordinal, "state": r.state, "stop_reason": r.stop_reason,
+                               "started_at": _iso(r.started_at), "ended_at": _iso(r.ended_at)}
+                for r in db.execute(select(ranked).where(ranked.c.rank == 1))
+            }
+            rows = db.execute(
+                select(TaskSession, Task.title).join(Task, Task.id == TaskSession.task_id)
+                .order_by(TaskSession.created_at.desc(), TaskSession.id.desc())
+            ).all()
+            sessions = []
+            for session, title in rows:
+                row = self._session_summary(session, tracked)
+                row.update(task_id=session.task_id, task_title=title, last_turn=last_turns.get(session.id))
+                sessions.append(row)
+            return {"sessions": sessions}
+
+    # -- handlers --------------------------------------------------------------
+
+    async def op_task_list(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        return await asyncio.to_thread(self.read_tasks, self.tracked())
+
+    async def op_task_show(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        return await asyncio.to_thread(self.read_task, args["task_id"], self.tracked())
+
+    async def session_rows(self) -> dict[str, Any]:
+        """``session_list`` with ``detail``: newest first, with agent, task title and last turn."""
+        return await asyncio.to_thread(self.read_session_rows, self.tracked())
+
+    def handlers(self) -> dict[str, Handler]:
+        return {"task_list": self.op_task_list, "task_show": self.op_task_show}

@@ -1,0 +1,172 @@
+"""``kandev status`` for people, in the manner of ``systemctl status``.
+
+A headline (state, pid, version), then warnings, then one labelled block per part: survival
+capability, control server, adoption, recovery. The backend adds fields over time (and other
+features add sections): every field this module does not know is still shown, under its part,
+as ``name: value``; a part it does not know gets a block of its own. Nothing is dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from daemon.human.fmt import duration_ms, short
+from daemon.human.term import Term
+
+LABEL = 15  # label column width (right-aligned, as systemctl does)
+
+_KNOWN = {
+    "backend": {"pid", "version", "socket", "home", "state"},
+    "capability": {"state", "reason", "detail", "supervisor"},
+    "control_server": {"state", "pid", "version", "server_identity", "endpoint", "mode", "log_path"},
+    "recovery": {"retracked", "not_retracked", "reasons", "stopped_orphans", "duration_ms"},
+    "adoption": {"outcome", "reason"},
+}
+_ORDER = ("backend", "capability", "control_server", "adoption", "recovery")
+_HEALTHY_SERVER = {"running", "none"}
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, list):
+        return ", ".join(_value(v) for v in value) if value else "-"
+    return str(value)
+
+
+def _flatten(prefix: str, value: Any) -> list[tuple[str, str]]:
+    if isinstance(value, dict):
+        pairs: list[tuple[str, str]] = []
+        for key, inner in value.items():
+            pairs += _flatten(f"{prefix}.{key}" if prefix else str(key), inner)
+        return pairs
+    if value is None:
+        return []
+    return [(prefix, _value(value))]
+
+
+def _extras(section: dict[str, Any], known: set[str]) -> list[str]:
+    """``name: value`` for every field of ``section`` not in ``known`` (nested maps flattened)."""
+    pairs: list[tuple[str, str]] = []
+    for key, value in section.items():
+        if key not in known:
+            pairs += _flatten(str(key), value)
+    return [f"{name}: {text}" for name, text in pairs]
+
+
+def warnings(status: dict[str, Any]) -> list[str]:
+    """What needs a person's attention, most important first."""
+    out: list[str] = []
+    backend = status.get("backend") or {}
+    if backend.get("state") not in (None, "ready"):
+        out.append(f"the backend is {backend.get('state')}, not ready yet")
+    cap = status.get("capability") or {}
+    if cap.get("state") == "unavailable":
+        out.append(f"agent survival is unavailable ({cap.get('reason')}): {cap.get('detail')}")
+    server = status.get("control_server") or {}
+    state = server.get("state")
+    if state is not None and state not in _HEALTHY_SERVER:
+        out.append(f"the control server is {state}")
+    recovery = status.get("recovery") or {}
+    missed = int(recovery.get("not_retracked") or 0)
+    if missed:
+        out.append(f"{missed} session{'s' if missed != 1 else ''} could not be re-tracked at the last start"
+                   " (`kandev resume SESSION` gives one an agent again)")
+    adoption = status.get("adoption") or {}
+    if adoption.get("outcome") == "refused":
+        out.append(f"the control server could not be adopted: {adoption.get('reason')}")
+    return out
+
+
+def _block(term: Term, label: str, lines: list[str]) -> list[str]:
+    lines = [line for line in lines if line]
+    if not lines:
+        return []
+    head = term.bold(f"{label}:".rjust(LABEL))
+    pad = " " * (LABEL + 1)
+    return [f"{head} {lines[0]}"] + [f"{pad}{line}" for line in lines[1:]]
+
+
+def _backend_lines(backend: dict[str, Any]) -> list[str]:
+    lines = []
+    if backend.get("home"):
+        lines.append(f"home {backend['home']}")
+    if backend.get("socket"):
+        lines.append(f"socket {backend['socket']}")
+    return lines + _extras(backend, _KNOWN["backend"])
+
+
+def _capability_lines(term: Term, cap: dict[str, Any]) -> list[str]:
+    state = str(cap.get("state") or "unknown")
+    paint = {"enabled": term.green, "unavailable": term.red}.get(state, term.yellow)
+    head = paint(state) + (f" ({cap['reason']})" if cap.get("reason") else "")
+    if cap.get("supervisor"):
+        head += f", supervisor {cap['supervisor']}"
+    lines = [head]
+    if cap.get("detail"):
+        lines.append(str(cap["detail"]))
+    return lines + _extras(cap, _KNOWN["capability"])
+
+
+def _server_lines(term: Term, server: dict[str, Any]) -> list[str]:
+    state = str(server.get("state") or "unknown")
+    paint = term.green if state == "running" else (term.dim if state == "none" else term.red)
+    head = paint(state)
+    if server.get("mode"):
+        head += f", {server['mode']} mode"
+    if server.get("pid"):
+        head += f", pid {server['pid']}"
+    if server.get("version"):
+        head += f", version {server['version']}"
+    lines = [head]
+    for key, label in (("server_identity", "identity"), ("endpoint", "endpoint"), ("log_path", "log")):
+        if server.get(key):
+            lines.append(f"{label} {server[key]}")
+    return lines + _extras(server, _KNOWN["control_server"])
+
+
+def _recovery_lines(term: Term, recovery: dict[str, Any]) -> list[str]:
+    missed = int(recovery.get("not_retracked") or 0)
+    head = (f"{recovery.get('retracked', 0)} re-tracked, "
+            + (term.yellow(f"{missed} not re-tracked") if missed else "0 not re-tracked")
+            + f", {recovery.get('stopped_orphans', 0)} orphans stopped"
+            + f", took {duration_ms(recovery.get('duration_ms'))}")
+    lines = [head]
+    reasons = recovery.get("reasons") or {}
+    if isinstance(reasons, dict):
+        for sid, reason in sorted(reasons.items()):
+            lines.append(f"session {short(str(sid))} not re-tracked: {reason}")
+    return lines + _extras(recovery, _KNOWN["recovery"])
+
+
+def _adoption_lines(adoption: dict[str, Any]) -> list[str]:
+    head = str(adoption.get("outcome") or "unknown")
+    if adoption.get("reason"):
+        head += f" ({adoption['reason']})"
+    return [head] + _extras(adoption, _KNOWN["adoption"])
+
+
+def render_status(status: dict[str, Any], term: Term) -> list[str]:
+    backend = status.get("backend") or {}
+    state = str(backend.get("state") or "unknown")
+    found = warnings(status)
+    dot_paint = term.green if state == "ready" and not found else (term.yellow if state == "ready" else term.red)
+    head = (f"{dot_paint(term.bullet)} {term.bold('kandev-backend')}: {dot_paint(state)}"
+            f" (pid {backend.get('pid', '-')}, version {backend.get('version', '-')})")
+    lines = [head]
+    for warning in found:
+        lines.append(term.yellow(f"{'Warning:'.rjust(LABEL)} {warning}"))
+    lines += _block(term, "Backend", _backend_lines(backend))
+    lines += _block(term, "Survival", _capability_lines(term, status.get("capability") or {}))
+    lines += _block(term, "Control server", _server_lines(term, status.get("control_server") or {}))
+    lines += _block(term, "Adoption", _adoption_lines(status.get("adoption") or {}))
+    lines += _block(term, "Recovery", _recovery_lines(term, status.get("recovery") or {}))
+    for key, value in status.items():
+        if key in _ORDER:
+            continue
+        label = str(key).replace("_", " ").capitalize()
+        if isinstance(value, dict):
+            lines += _block(term, label, _extras(value, set()) or ["-"])
+        elif value is not None:
+            lines += _block(term, label, [_value(value)])
+    return lines

@@ -1,0 +1,158 @@
+"""daemon.human: colour and width rules, tables, the status summary (tolerant of fields other
+features add), errors with hints, and transcripts as conversations. The real CLI against a real
+backend is in tests/integration/test_cli_human.py (Issue 14 scenarios A-E)."""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Any
+
+from daemon.human.errors import error_lines
+from daemon.human.fmt import age, unique_length
+from daemon.human.status import render_status
+from daemon.human.table import render_table
+from daemon.human.term import Term
+from daemon.human.transcript import ConversationWriter
+from daemon.human.views import session_list_lines, session_show
+from ipc.errors import ErrorCode, IpcError
+
+
+class _Tty(io.StringIO):
+    encoding = "utf-8"
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_colour_only_on_a_terminal_without_no_color() -> None:
+    """Issue 14 scenario E (rules): a pipe, NO_COLOR (any value) or TERM=dumb: no colour."""
+    assert Term.for_stream(_Tty(), {"TERM": "xterm"}).colour is True
+    assert Term.for_stream(_Tty(), {"TERM": "xterm", "NO_COLOR": "1"}).colour is False
+    assert Term.for_stream(_Tty(), {"NO_COLOR": ""}).colour is False
+    assert Term.for_stream(_Tty(), {"TERM": "dumb"}).colour is False
+    piped = Term.for_stream(io.StringIO(), {"TERM": "xterm"})
+    assert piped.colour is False and piped.width is None  # into a pipe lines are never cut
+    assert Term(colour=False).red("x") == "x" and Term(colour=True).red("x") == "\x1b[31mx\x1b[0m"
+
+
+def test_tables_align_and_give_way_on_narrow_terminals() -> None:
+    rows = [["1a2b3c4d", "a rather long title that does not fit", "RUNNING"], ["5e6f", "short", "FAILED"]]
+    wide = render_table(Term(), ["TASK", "TITLE", "STATE"], rows, flex=1)
+    assert wide[0].split() == ["TASK", "TITLE", "STATE"]
+    assert wide[1].index("RUNNING") == wide[2].index("FAILED") == wide[0].index("STATE")
+    narrow = render_table(Term(width=40), ["TASK", "TITLE", "STATE"], rows, flex=1)
+    assert all(len(line) <= 40 for line in narrow) and "\u2026" in narrow[1]
+
+
+def test_ids_are_shown_long_enough_to_tell_apart() -> None:
+    assert unique_length(["1a2b3c4d00", "99"]) == 8
+    assert unique_length(["1a2b3c4d00", "1a2b3c4d11"]) == 9
+
+
+def test_status_shows_warnings_first_and_every_field_it_does_not_know() -> None:
+    """Other features add fields (control_server.state may be any string, last-loss details, new
+    sections): they are shown, nothing breaks."""
+    status: dict[str, Any] = {
+        "backend": {"pid": 10, "version": "0.2.0", "socket": "/h/run/backend.sock", "home": "/h", "state": "ready"},
+        "capability": {"state": "enabled", "reason": None, "detail": "on", "supervisor": "systemd"},
+        "control_server": {"state": "gave_up", "pid": None, "mode": "unit", "version": "0.1.9",
+                           "last_loss": {"at": "2026-01-01T00:00:00+00:00", "reason": "exited 9"}},
+        "recovery": {"retracked": 2, "not_retracked": 1, "reasons": {"ab" * 16: "instance_missing"},
+                     "stopped_orphans": 0, "duration_ms": 1234.5},
+        "adoption": {"outcome": "adopted", "reason": None},
+        "sandbox": {"mode": "required", "available": True},
+    }
+    lines = render_status(status, Term())
+    text = "\n".join(lines)
+    assert lines[0].startswith("\u25cf kandev-backend: ready (pid 10, version 0.2.0)")
+    assert "control server is gave_up" in lines[1] and "could not be re-tracked" in lines[2]
+    for shown in ("gave_up, unit mode, version 0.1.9", "last_loss.at: 2026-01-01T00:00:00+00:00", "last_loss.reason: exited 9",
+                  "Sandbox: mode: required", "available: yes", "session abababab not re-tracked: instance_missing",
+                  "took 1.2 s"):
+        assert shown in text, shown
+    assert not any(line.lstrip().startswith(("{", "[")) for line in lines)
+
+
+def test_an_ambiguous_id_error_lists_the_candidates_and_a_hint() -> None:
+    err = IpcError(ErrorCode.AMBIGUOUS_ID, "x", False,
+                   {"kind": "task", "given": "abcd", "candidates": ["abcd1", "abcd2"], "total": 2})
+    assert error_lines(err) == ["kandev: task id 'abcd' is ambiguous; it is the start of 2 tasks:",
+                                "  abcd1", "  abcd2", "hint: give more characters of the id"]
+    down = error_lines(IpcError(ErrorCode.UNAVAILABLE, "cannot connect to /h/run/backend.sock"))
+    assert down[0] == "kandev: cannot connect to /h/run/backend.sock" and "kandev up" in down[1]
+    missing = error_lines(IpcError(ErrorCode.CONFLICT, "session 1 has no running agent (state FAILED)"), "prompt",
+                          "1a2b")
+    assert missing[-1] == "hint: `kandev resume 1a2b` gives the session an agent again"
+
+
+def _entry(kind: str, text: str, turn: str | None = "t:1", role: str = "agent") -> dict[str, Any]:
+    return {"kind": kind, "text": text, "turn_id": turn, "role": role}
+
+
+def test_the_conversation_joins_chunks_and_puts_events_on_lines_of_their_own() -> None:
+    out = io.StringIO()
+    w = ConversationWriter(out, Term(), "5e55" + "0" * 28, live=True)
+    w.entry(_entry("prompt", "/permission", role="user"))
+    w.entry(_entry("agent_message_chunk", "thinking about "))
+    w.entry(_entry("agent_message_chunk", "it"))
+    w.entry(_entry("tool_call", json.dumps({"sessionUpdate": "tool_call", "title": "Read file", "kind": "read",
+                                            "status": "pending"})))
+    w.entry(_entry("permission_request", json.dumps({"request_id": "77aa" * 8, "tool_call": {"title": "Run ls"},
+                                                     "options": [{"optionId": "allow"}, {"optionId": "reject"}]}),
+                   role="system"))
+    w.entry(_entry("available_commands_update", "{}"))
+    w.turn_ended({"state": "finished", "stop_reason": "end_turn"})
+    assert out.getvalue().splitlines() == [
+        "> /permission",
+        "thinking about it",
+        "[tool] Read file (read, pending)",
+        "[permission 77aa77aa] Run ls - options: allow, reject",
+        "  answer: kandev permission 5e550000 77aa77aa --option allow (or --cancel)",
+        "[turn ended: end_turn]",
+    ]
+
+
+def test_session_show_reads_as_a_conversation_turn_by_turn() -> None:
+    show = {
+        "session_id": "5e55" + "0" * 28, "task_id": "7a5c" + "0" * 28, "state": "WAITING_FOR_INPUT", "agent": "mock",
+        "agent_pid": 42, "live": True, "retracked": True, "runtime_config": {"model": "m1", "mode": "code",
+                                                                             "options": {}},
+        "turns": [{"turn_id": "t:1", "state": "finished", "stop_reason": "end_turn"},
+                  {"turn_id": "t:2", "state": "finished", "stop_reason": "cancelled"}],
+        "turns_total": 2, "permissions": [], "page": {"more_before": False, "more_after": False, "count": 5,
+                                                       "total": 5},
+        "transcript": [_entry("prompt", "hello", "t:1", "user"), _entry("agent_message_chunk", "echo: hello", "t:1"),
+                       _entry("prompt", "/slow 3", "t:2", "user"), _entry("agent_message_chunk", "1/3 ", "t:2"),
+                       _entry("agent_message_chunk", "2/3 ", "t:2")],
+    }
+    out = io.StringIO()
+    session_show(show, Term(), out, "fix the bug")
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "\u25cf Session 5e550000 of task 7a5c0000 'fix the bug'"
+    assert any("re-tracked" in line and "WAITING_FOR_INPUT" in line for line in lines)
+    assert "Model/mode: m1 / code" in out.getvalue() and "mock, pid 42" in out.getvalue()
+    body = lines[lines.index("-- turn 1 --"):]
+    assert body == ["-- turn 1 --", "> hello", "echo: hello", "[turn ended: end_turn]", "",
+                    "-- turn 2 --", "> /slow 3", "1/3 2/3 ", "[turn cancelled]"]
+
+
+def test_session_list_hides_finished_sessions_unless_all() -> None:
+    rows = [{"session_id": f"{c}" * 32, "task_id": "7" * 32, "task_title": "t", "agent": "mock", "state": state,
+             "retracked": False, "live": state == "RUNNING", "created_at": None, "last_turn": None}
+            for c, state in (("1", "RUNNING"), ("2", "COMPLETED"), ("3", "FAILED"))]
+    lines = session_list_lines({"sessions": rows}, Term(), show_all=False)
+    assert lines[0].split() == ["SESSION", "TASK", "AGENT", "STATE", "RETRACKED", "AGE", "LAST", "TURN"]
+    assert [line.split()[0] for line in lines[1:3]] == ["11111111", "33333333"]
+    assert "1 finished session not shown" in lines[-1]
+    assert len(session_list_lines({"sessions": rows}, Term(), show_all=True)) == 4
+
+
+def test_ages_read_like_kubectl() -> None:
+    from datetime import UTC, datetime
+
+    now = datetime(2026, 1, 2, tzinfo=UTC)
+    assert age("2026-01-01T23:59:15+00:00", now) == "45s"
+    assert age("2026-01-01T23:00:00+00:00", now) == "60m"
+    assert age("2026-01-01T00:00:00+00:00", now) == "24h"
+    assert age(None, now) == "-"
