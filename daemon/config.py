@@ -5,8 +5,8 @@ The file is ``--config FILE``, else ``$KANDEV_CONFIG``, else
 every key has its default). Each key ``<section>.<key>`` is overridden by the
 environment variable ``KANDEV_<SECTION>_<KEY>`` in upper case, e.g.
 ``KANDEV_AGENTCTL_RECOVERY_READ_RETRIES=3``. Every variable starting with
-``KANDEV_FEATURES_``, ``KANDEV_AGENTCTL_``, ``KANDEV_DATABASE_`` or
-``KANDEV_CREDENTIALS_`` is taken as a setting, so a misspelt one is refused like a misspelt file key.
+``KANDEV_FEATURES_``, ``KANDEV_AGENTCTL_``, ``KANDEV_DATABASE_``, ``KANDEV_CREDENTIALS_`` or
+``KANDEV_AGENTS_`` is taken as a setting, so a misspelt one is refused like a misspelt file key.
 
 Durations are written with a unit: ``ms``, ``s``, ``min`` or ``h`` (``500ms``,
 ``30s``, ``10min``, ``1h``, decimals allowed); bare numbers are refused, except
@@ -101,12 +101,24 @@ class CredentialsConfig:
     lease_ttl: float = HOUR
 
 
+SANDBOX_POLICIES = ("required", "off")
+
+
+@dataclass(frozen=True)
+class AgentsConfig:
+    """How agents run. ``sandbox``: ``required`` (every agent in its bubblewrap sandbox; a launch
+    where none can be made fails with ``sandbox_unavailable``) or ``off`` (unsandboxed, warned)."""
+
+    sandbox: str = "required"
+
+
 @dataclass(frozen=True)
 class Config:
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
     agentctl: AgentctlConfig = field(default_factory=AgentctlConfig)
     database: DatabaseConfig = field(default_factory=DatabaseConfig)
     credentials: CredentialsConfig = field(default_factory=CredentialsConfig)
+    agents: AgentsConfig = field(default_factory=AgentsConfig)
     source: str | None = None  # the file read, None if none was
     # dotted key -> where a non-default value came from: the file path or "env NAME".
     origins: Mapping[str, str] = field(default_factory=dict, compare=False)
@@ -136,6 +148,7 @@ _KINDS: dict[str, dict[str, str]] = {
     },
     "database": {"url": "str"},
     "credentials": {"github_token_file": "str", "lease_ttl": "duration"},
+    "agents": {"sandbox": "sandbox_policy"},
 }
 
 
@@ -153,6 +166,7 @@ _ACCEPTED = {
     "credentials.github_token_file": "an absolute path to a 0600 file holding the upstream GitHub token"
     " (never the token itself); unset: no git credential leases",
     "credentials.lease_ttl": "1min..24h (inclusive)",
+    "agents.sandbox": '"required" (every agent in its bubblewrap sandbox) or "off" (agents unsandboxed)',
 }
 
 
@@ -247,6 +261,10 @@ def _convert(kind: str, value: Any, where: _Where, *, text: bool) -> Any:
             except ValueError as e:
                 raise where.error(given, str(e)) from None
         raise where.error(given, 'is not a duration (write a string with a unit: ms, s, min or h, "30s")')
+    if kind == "sandbox_policy":
+        if isinstance(value, str) and value.strip() in SANDBOX_POLICIES:
+            return value.strip()
+        raise where.error(given, "is not a sandbox policy")
     if isinstance(value, str) and value.strip():
         return value.strip()
     raise where.error(given, "is not a non-empty string")
@@ -317,6 +335,7 @@ def load_config(config_file: str | None, env: Mapping[str, str] | None = None) -
         agentctl=AgentctlConfig(**values["agentctl"]),
         database=DatabaseConfig(**values["database"]),
         credentials=CredentialsConfig(**values["credentials"]),
+        agents=AgentsConfig(**values["agents"]),
         source=source,
         origins=origins,
         given=given,

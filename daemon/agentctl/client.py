@@ -327,10 +327,12 @@ class AgentctlClient:
         agent: str | None = None,
         resume_session_id: str | None = None,
         workspace_roots: list[str] | None = None,
+        sandbox: dict[str, Any] | None = None,
         timeout: float = CREATE_TIMEOUT,
     ) -> dict[str, Any]:
         """Spawn an agent -> ``{instance_id, pid, pid_start_time, acp_session_id, modes, config_options,
-        handshake_seq}`` (the last three from servers that know them)."""
+        handshake_seq, sandboxed}`` (the last four from servers that know them). ``sandbox``: the
+        wire form of ``daemon.agentctl.sandbox.SandboxRequest``."""
         args: dict[str, Any] = {"session_id": session_id, "task_id": task_id, "command": command, "cwd": cwd}
         if env is not None:
             args["env"] = env
@@ -340,7 +342,14 @@ class AgentctlClient:
             args["resume_session_id"] = resume_session_id
         if workspace_roots is not None:
             args["workspace_roots"] = workspace_roots
+        if sandbox is not None:
+            args["sandbox"] = sandbox
         return await self.call("create_instance", args, timeout=timeout)
+
+    async def sandbox_status(self, *, refresh: bool = False) -> dict[str, Any]:
+        """Whether the server can sandbox agents -> ``{available, reason, mechanism, bwrap, version}``;
+        a server older than the sandbox answers ``unknown_op``."""
+        return await self.call("sandbox_status", {"refresh": refresh} if refresh else {}, timeout=CREATE_TIMEOUT)
 
     async def set_mode(self, instance_id: str, mode_id: str) -> dict[str, Any]:
         """ACP session/set_mode -> ``{acp_session_id, mode_id, last_seq}`` (refused: agent_error)."""

@@ -20,6 +20,9 @@ an agent never outlives its control server. Its identity is (pid, process
 start time) from psutil; the group is signalled only while that identity
 still holds (see ``_signal_group``). ``stop()`` sends SIGTERM to the group,
 waits up to ``KILL_GRACE`` seconds, then SIGKILL; it never blocks for ever.
+A sandboxed agent (``spec.launch_argv``, built by ``daemon.agentctl.sandbox``)
+is spawned the same way: its sandbox's ``bwrap`` is the process that gets all
+of the above, and everything inside stays in its process group.
 
 ACP: the agent's pipes are wrapped in ``AgentPipeTransport`` (newline-
 delimited JSON, the SDK's framing) and handed to ``acp.connect_to_agent``.
@@ -187,12 +190,16 @@ def _load_prctl() -> Any:
 _PRCTL = _load_prctl()  # resolved in the parent: the child only calls it
 
 
-def _child_setup(parent_pid: int) -> Callable[[], None]:
-    """``preexec_fn``: die with the control server (SIGKILL), even if it died before this ran."""
+def _child_setup(parent_pid: int, *, ignore_sigterm: bool = False) -> Callable[[], None]:
+    """``preexec_fn``: die with the control server (SIGKILL), even if it died before this ran.
+    ``ignore_sigterm``: for a sandbox's bwrap, which must not end before the agent it runs does
+    (the agent gets the default action back: ``daemon.agentctl.sandbox``)."""
 
     def setup() -> None:
         if _PRCTL is not None:
             _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if ignore_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if os.getppid() != parent_pid:
             os._exit(125)
 
@@ -346,6 +353,10 @@ class InstanceSpec:
     agent: str | None = None
     resume_session_id: str | None = None
     workspace_roots: list[str] = field(default_factory=list)
+    # The argv actually executed when it is not ``command``: the agent wrapped in its sandbox
+    # (``daemon.agentctl.sandbox.wrap_command``); the sandbox's bwrap is then the group leader.
+    launch_argv: list[str] | None = None
+    sandboxed: bool = False
 
 
 class Instance:
@@ -418,6 +429,7 @@ class Instance:
             "attached": self.log.attached,
             "paused": self.log.paused,
             "detached_event_limit": self.detached_event_limit,
+            "sandboxed": self.spec.sandboxed,
             # What the agent reported about its current ACP session (seed 004).
             "modes": self.session_info.get("modes"),
             "config_options": list(self.session_info.get("config_options") or []),
@@ -453,14 +465,14 @@ class Instance:
         )
         try:
             self._proc = await asyncio.create_subprocess_exec(
-                *spec.command,
+                *(spec.launch_argv or spec.command),
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=stderr_fd,
                 cwd=spec.cwd,
                 env=agent_environment(spec.env),
                 start_new_session=True,
-                preexec_fn=_child_setup(os.getpid()),
+                preexec_fn=_child_setup(os.getpid(), ignore_sigterm=spec.sandboxed),
                 limit=AGENT_STDOUT_LIMIT,
             )
         except (OSError, ValueError, subprocess.SubprocessError) as exc:

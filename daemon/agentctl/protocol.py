@@ -93,9 +93,14 @@ OPS = [
             "agent": str,  # agent name, for diagnostics
             "resume_session_id": str,  # ACP session/load instead of session/new
             "workspace_roots": list,  # file-operation reach; defaults to [cwd]
+            # {policy: "required"|"off", writable: [path], readonly: [path], hidden: [path]}
+            # (daemon.agentctl.sandbox.SandboxRequest); absent: required, with nothing beyond cwd
+            "sandbox": dict,
         },
-        doc="spawn the agent in its own process group, ACP initialize + session/new|load"
-        " -> {instance_id, pid, pid_start_time, acp_session_id, modes, config_options, handshake_seq};"
+        doc="spawn the agent in its own process group (in its sandbox unless the policy is off; a"
+        " required sandbox this server cannot make: sandbox_unavailable), ACP initialize +"
+        " session/new|load -> {instance_id, pid, pid_start_time, acp_session_id, modes, config_options,"
+        " handshake_seq, sandboxed}; pid: the sandbox's bwrap process, the group leader;"
         " handshake_seq: the last seq appended before the answer (e.g. the history a session/load"
         " replays), so a backend that already stores the transcript attaches after it",
     ),
@@ -118,6 +123,14 @@ OPS = [
         required={"instance_id": str},
         doc="a new ACP session (session/new) on the same agent process; prompts go to it from now on;"
         " refused or failed: the current session stays -> {acp_session_id, modes, config_options, last_seq}",
+    ),
+    # Added with the agent sandbox (no capability: a backend meeting an older server gets unknown_op
+    # and reports the sandbox unavailable there). Authenticated: identify names no path (OWN-001.11).
+    Op(
+        "sandbox_status",
+        optional={"refresh": bool},
+        doc="whether this server can sandbox agents (daemon.agentctl.sandbox), probed again with refresh"
+        " -> {available, reason|None, mechanism, bwrap, version}",
     ),
     Op("prompt", required={"instance_id": str, "text": str}, doc="start a turn -> {turn_id}"),
     Op("cancel", required={"instance_id": str}, doc="ACP session/cancel for the current turn -> {}"),

@@ -43,11 +43,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from daemon.agentctl import agent_logs, auth
+from daemon.agentctl import agent_logs, auth, sandbox
 from daemon.agentctl.instance import Instance, InstanceSpec, TurnIds
 from daemon.agentctl.launch import LaunchConfig
 from daemon.agentctl.ownership import Ownership
 from daemon.agentctl.protocol import TABLE
+from daemon.agentctl.sandbox import SandboxPolicy, SandboxRequest, SandboxSupport
 from daemon.config import ResolvedAgentctl
 from daemon.faults import fault_delay, fault_fails
 from daemon.journal import log_event
@@ -127,6 +128,10 @@ class AgentctlServer:
         self._handshake_timeout = handshake_timeout
         self._conn_counter = 0
         self._background: set[asyncio.Task[Any]] = set()
+        # Whether agents can be sandboxed here (probed off the loop at start, again before a launch
+        # while it says no, and after a sandboxed agent died of bwrap's own error).
+        self.sandbox_support: SandboxSupport | None = None
+        self._sandbox_lock = asyncio.Lock()
         handlers = {name: self._logged(name, getattr(self, f"op_{name}")) for name in TABLE.names}
         self.ipc = IpcServer(
             config.socket_path, TABLE, handlers, authorize=self._authorize, max_connections=connection_limit(),
@@ -146,9 +151,52 @@ class AgentctlServer:
         return self.ownership.last_renewal
 
     async def start(self) -> None:
+        await self.probe_sandbox()
         await self.ipc.start()
         self._spawn_background(self.run_unowned_timer())
         self._spawn_background(self.run_agent_log_bounds())
+
+    async def probe_sandbox(self) -> SandboxSupport:
+        """Probe (off the event loop) whether an agent sandbox can be made here; log a change."""
+        async with self._sandbox_lock:
+            support = await asyncio.to_thread(sandbox.probe)
+            previous, self.sandbox_support = self.sandbox_support, support
+            if previous is None or previous.available != support.available:
+                log_event(
+                    "sandbox_probe",
+                    f"agent sandbox ({support.mechanism} {support.version or '?'}): "
+                    + ("available" if support.available else f"unavailable: {support.reason}"),
+                    priority=6 if support.available else 4,
+                    AVAILABLE=int(support.available),
+                    REASON=support.reason,
+                    BWRAP=support.bwrap,
+                )
+            return support
+
+    def _own_paths(self) -> list[str]:
+        """What of this server no agent may see, even where it lies inside something bound: the
+        socket directory, the logs (agents' stderr included), the credential and its directory."""
+        paths = [os.path.dirname(self.config.socket_path), os.path.dirname(self.config.log_path),
+                 self.config.agent_log_dir]
+        if self.config.credential_file:
+            paths.append(os.path.dirname(self.config.credential_file))
+        if os.environ.get("CREDENTIALS_DIRECTORY"):
+            paths.append(os.environ["CREDENTIALS_DIRECTORY"])
+        return [p for p in paths if p and os.path.isabs(p)]
+
+    async def _sandboxed_argv(self, request: SandboxRequest, command: list[str], cwd: str) -> list[str]:
+        """The agent's argv inside its sandbox; ``sandbox_unavailable`` when none can be made."""
+        support = self.sandbox_support
+        if support is None or not support.available:
+            support = await self.probe_sandbox()  # the host may have been fixed meanwhile
+        if not support.available or support.bwrap is None:
+            raise sandbox.unavailable(support.reason or "unknown")
+        sandbox.hidden_ok(request, cwd, self._own_paths())
+        try:
+            return await asyncio.to_thread(sandbox.wrap_command, request, command, cwd, bwrap=support.bwrap,
+                                           extra_hidden=self._own_paths())
+        except ValueError as exc:
+            raise _bad(f"create_instance: {exc}") from None
 
     async def run_agent_log_bounds(self) -> None:
         """Keep the agents' stderr files bounded (``agent_logs``): old files of instances this
@@ -431,6 +479,21 @@ class AgentctlServer:
             resume_session_id=_check_str("resume_session_id", resume) if resume is not None else None,
             workspace_roots=_check_str_list("workspace_roots", args.get("workspace_roots", []), allow_empty=True),
         )
+        request = SandboxRequest.from_wire(args.get("sandbox"))
+        if request.policy is SandboxPolicy.REQUIRED:
+            spec.launch_argv = await self._sandboxed_argv(request, spec.command, cwd)
+            spec.sandboxed = True
+        else:
+            log_event(
+                "agent_unsandboxed",
+                f"instance {spec.instance_id} of session {spec.session_id}: agent started WITHOUT a sandbox"
+                " (agents.sandbox = \"off\"): it can reach everything this server's user can",
+                priority=4,
+                INSTANCE_ID=spec.instance_id,
+                SESSION_ID=spec.session_id,
+                TASK_ID=spec.task_id,
+                AGENT=spec.agent,
+            )
         kwargs: dict[str, Any] = {}
         if self._handshake_timeout is not None:
             kwargs["handshake_timeout"] = self._handshake_timeout
@@ -446,10 +509,15 @@ class AgentctlServer:
         self._changed()
         try:
             await inst.start()
-        except BaseException:
+        except BaseException as exc:
             await inst.stop()
             self.instances.pop(spec.instance_id, None)
             self._changed()
+            if spec.sandboxed and isinstance(exc, IpcError) and "bwrap: " in inst.stderr_tail(1024):
+                # bwrap's own error: a host that no longer admits the sandbox says so in its type
+                support = await self.probe_sandbox()
+                if not support.available:
+                    raise sandbox.unavailable(support.reason or "unknown") from None
             raise
         if self.shutting_down:  # shut down while the agent was starting
             await inst.stop()
@@ -457,12 +525,14 @@ class AgentctlServer:
             raise IpcError(ErrorCode.SHUTTING_DOWN, "create_instance: the control server is shutting down")
         log_event(
             "instance_started",
-            f"instance {spec.instance_id} started: agent {spec.agent or spec.command[0]} pid {inst.pid}",
+            f"instance {spec.instance_id} started: agent {spec.agent or spec.command[0]} pid {inst.pid}"
+            f" ({'sandboxed' if spec.sandboxed else 'NOT sandboxed'})",
             INSTANCE_ID=spec.instance_id,
             SESSION_ID=spec.session_id,
             TASK_ID=spec.task_id,
             PID=inst.pid,
             AGENT=spec.agent,
+            SANDBOXED=int(spec.sandboxed),
         )
         return {
             "instance_id": spec.instance_id,
@@ -472,7 +542,14 @@ class AgentctlServer:
             "modes": inst.session_info.get("modes"),
             "config_options": list(inst.session_info.get("config_options") or []),
             "handshake_seq": inst.handshake_seq,
+            "sandboxed": spec.sandboxed,
         }
+
+    async def op_sandbox_status(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        support = self.sandbox_support
+        if support is None or args.get("refresh"):
+            support = await self.probe_sandbox()
+        return support.to_wire()
 
     async def op_set_mode(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         return await self._get(args["instance_id"]).set_mode(_check_str("mode_id", args["mode_id"]))

@@ -23,6 +23,10 @@ Prompt scripts (on the text of the prompt)::
                  a push; one chunk "git-credential: ok username=U password-sha256=H"
                  (first 12 hex of the password's SHA-256, never the password) or
                  "git-credential: failed (exit C): <git's first error line>"
+    /sh CMD      runs ``sh -c CMD`` as a child of the agent in the session's cwd (the way an
+                 agent's terminal tool does); one chunk "sh: exit=<code>" followed by a
+                 newline and the first 4 KiB of its combined stdout and stderr; a cancel
+                 ends the command (SIGTERM, then SIGKILL)
     /other       treated as plain text (echo)
 
 ``session/cancel`` stops /slow and /flood between chunks; the prompt then
@@ -288,6 +292,10 @@ class MockAgent:
         if command == "/git-credential" and not args:
             await self._say(rec, await _git_credential(rec.cwd))
             return "end_turn"
+        if command == "/sh" and args:
+            said, cancelled = await _shell(text.strip()[len("/sh"):].strip(), rec.cwd, cancel)
+            await self._say(rec, said)
+            return "cancelled" if cancelled else "end_turn"
         await self._say(rec, f"echo: {text}")
         return "end_turn"
 
@@ -349,6 +357,43 @@ async def _git(cwd: str, env: dict[str, str], *args: str, stdin: str = "") -> tu
         await proc.wait()
         return -1, "", "git did not finish within 30 s"
     return proc.returncode or 0, out.decode(errors="replace"), err.decode(errors="replace")
+
+
+SH_OUTPUT_LIMIT = 4096
+
+
+async def _shell(command: str, cwd: str, cancel: asyncio.Event) -> tuple[str, bool]:
+    """``sh -c command`` in ``cwd``: ``("sh: exit=<code>\n<first 4 KiB of stdout+stderr>", cancelled)``.
+    The rest of the output is read and dropped, so the command never blocks on a full pipe."""
+    proc = await asyncio.create_subprocess_exec(
+        "sh", "-c", command, cwd=cwd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    assert proc.stdout is not None
+    kept = bytearray()
+
+    async def read_all() -> None:
+        assert proc.stdout is not None
+        while chunk := await proc.stdout.read(65536):
+            if len(kept) < SH_OUTPUT_LIMIT:
+                kept.extend(chunk[: SH_OUTPUT_LIMIT - len(kept)])
+        await proc.wait()
+
+    reader = asyncio.ensure_future(read_all())
+    cancelled = asyncio.ensure_future(cancel.wait())
+    try:
+        await asyncio.wait([reader, cancelled], return_when=asyncio.FIRST_COMPLETED)
+        if not reader.done():
+            proc.terminate()
+            try:
+                await within(asyncio.shield(reader), 2.0)
+            except TimeoutError:
+                proc.kill()
+                await reader
+    finally:
+        cancelled.cancel()
+    output = kept.decode("utf-8", errors="replace")
+    return f"sh: exit={proc.returncode}\n{output}", cancel.is_set()
 
 
 def _first_line(text: str) -> str:

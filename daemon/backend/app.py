@@ -23,6 +23,7 @@ from typing import Any
 
 from sqlalchemy import select
 
+import daemon.backend.agent_launch as agent_launch
 import daemon.backend.credentials_api as credentials_api
 import daemon.backend.ids as ids
 import daemon.backend.resume_api as resume_api
@@ -32,6 +33,7 @@ from daemon.agents.registry import get_agent
 from daemon.backend.adoption import Adopter
 from daemon.backend.api import TABLE
 from daemon.backend.control_link import Attached, ControlServerLink, LinkState, Loss
+from daemon.backend.credential_endpoints import CredentialEndpoints
 from daemon.backend.events import _ensure_turn
 from daemon.backend.executions import EventConsumer, Execution, ExecutionStore
 from daemon.backend.follow import FollowService
@@ -126,6 +128,8 @@ class Backend:
             on_lost=lambda attached, loss: self._server_lost(attached, loss, passthrough=True))
         self.resume_service: resume_api.ResumeService | None = None  # set by resume_api.handlers
         self._first_failure: str | None = None  # why startup could not start a control server
+        # Each live session's git credential endpoint: all an agent can reach of the backend.
+        self.endpoints = CredentialEndpoints(store, paths.home, config.credentials)
 
     # ------------------------------------------------------------ lifecycle
     def _client_for(self, ex: Execution) -> AgentctlClient | None:
@@ -133,6 +137,7 @@ class Backend:
 
     def _on_gone(self, ex: Execution) -> None:
         self.executions.executions.pop(ex.session_id, None)
+        self.endpoints.close_soon(ex.session_id)
 
     def _superseded(self, client: AgentctlClient) -> None:
         """An operation was refused for a superseded credential: another holder of this
@@ -314,6 +319,8 @@ class Backend:
             self.link.attach(self._attached(self.handle, client))
         elif self._first_failure is not None:
             self.link.start_failed(self._first_failure)  # the backend stays up; its link keeps trying
+        # A re-tracked agent's sandbox still has its endpoint's directory: serve a new socket there.
+        await self.endpoints.reopen_for(list(self.executions.executions))
         self.state = "ready"
 
     def _publish(self, ex: Execution) -> None:
@@ -333,6 +340,7 @@ class Backend:
             await Launcher.terminate(self.handle)
         if self.passthrough_handle is not None:
             await Launcher.terminate(self.passthrough_handle)
+        await self.endpoints.close_all()
         log_event(
             "backend_stopped",
             "backend stopped; " + ("agents left running (survival enabled)" if self.enabled else "agents stopped"),
@@ -520,6 +528,7 @@ class Backend:
                 "duration_ms": round(report.duration_ms, 1),
             },
             "adoption": {"outcome": report.adoption.outcome, "reason": report.adoption.reason},
+            "sandbox": await agent_launch.sandbox_status(self),
         }
 
     async def op_shutdown(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
@@ -565,19 +574,14 @@ class Backend:
             raise IpcError(ErrorCode.UNAVAILABLE, "the backend has no control server yet; retry shortly", True)
         return self.client
 
-    def agent_base_env(self) -> dict[str, str]:
-        """The environment every agent launch adds to the control server's (the mock's state dir)."""
-        mock_state = self.paths.home / "agents" / "mock-state"
-        mock_state.mkdir(parents=True, exist_ok=True)
-        return {"KANDEV_MOCK_STATE_DIR": str(mock_state)}
-
-    def git_credentials(self, session_id: str, env: dict[str, str]) -> GitCredentials:
+    def git_credentials(self, session_id: str, env: dict[str, str], socket: Path) -> GitCredentials:
         """Issue the session's git credential lease and store the non-secret snapshot, for a launch
         of a session that is already durably STARTING (RESUME-5, RESUME-6, RESUME-9): policy
-        ``none`` when the workspace is not GitHub-backed or no upstream token is configured."""
+        ``none`` when the workspace is not GitHub-backed or no upstream token is configured.
+        ``socket``: the session's credential endpoint, where the agent's helper redeems it."""
         with self.store.session() as db:
             creds = prepare_git_credentials(db, session_id, paths=self.paths, config=self.config.credentials,
-                                            base_env=env)
+                                            base_env=env, socket=socket)
             record_credential_snapshot(db, session_id, creds.snapshot)
             return creds
 
@@ -608,12 +612,12 @@ class Backend:
             )
             db.flush()
             transitions.transition_session(db, session_id, "STARTING", expected_from={"CREATED"}, reason="start")
-        env = self.agent_base_env()
         stage = "git credentials"
         try:
             # A GitHub-backed workspace gets its scoped lease now that STARTING is durable (as a resume does).
-            creds = await asyncio.to_thread(self.git_credentials, session_id, env)
-            env.update(creds.env)
+            prep = await agent_launch.prepare(self, session_id)
+            assert prep.credentials is not None
+            creds = prep.credentials
             stage = "control server"
             client = await self._server_for(passthrough)
             handle = self.passthrough_handle if passthrough else self.handle
@@ -624,11 +628,13 @@ class Backend:
                 task_id=task_id,
                 command=list(agent.argv()),
                 cwd=workspace,
-                env=env,
+                env=prep.env,
                 agent=agent_name,
+                sandbox=prep.sandbox,
             )
         except BaseException as exc:
             # Whatever failed after STARTING, the session does not stay STARTING.
+            self.endpoints.close_soon(session_id)
             error = exc.to_ipc() if isinstance(exc, CredentialError) else exc
             message = error.message if isinstance(error, IpcError) else (str(error) or type(error).__name__)
             with self.store.session() as db, contextlib.suppress(transitions.TransitionConflict):
@@ -636,7 +642,7 @@ class Backend:
                     db, session_id, "FAILED", expected_from={"STARTING"}, reason=f"start failed ({stage})",
                     last_error=f"{stage}: {message}",
                 )
-            if stage == "launch" and isinstance(error, IpcError):
+            if stage == "launch" and isinstance(error, IpcError) and error.code != agent_launch.SANDBOX_UNAVAILABLE:
                 raise IpcError(ErrorCode.AGENT_ERROR, f"agent failed to start: {message}") from None
             if error is not exc:
                 raise error from None

@@ -69,11 +69,11 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import select
 
 from daemon.agents.registry import get_agent
+from daemon.backend import agent_launch
 from daemon.backend import runtime_config as rc
 from daemon.backend import workflow as wf
 from daemon.backend.executions import Execution
 from daemon.credentials import CredentialError
-from daemon.credentials.agent_env import agent_git_env, lease_file_path
 from daemon.credentials.broker import POLICY_GITHUB_LEASE, SNAPSHOT_KEY
 from daemon.journal import log_event
 from daemon.store import transitions
@@ -144,6 +144,7 @@ class _Request:
     env: dict[str, str]
     snapshot: dict[str, Any] | None = None
     credential_policy: str | None = None
+    sandbox: dict[str, Any] | None = None  # the wire form of daemon.agentctl.sandbox.SandboxRequest
 
 
 class _InstanceAgent:
@@ -289,6 +290,7 @@ class ResumeService:
                 # 6. back to the prior recoverable state; the tokens are left as they are
                 if info is not None:
                     await self._stop_quietly(begun.passthrough, info.get("instance_id"))
+                self.backend.endpoints.close_soon(session_id)
                 state = self._back_to_prior(begun, exc)
                 if isinstance(exc, CredentialError):
                     exc = exc.to_ipc()
@@ -363,13 +365,12 @@ class ResumeService:
             raise IpcError(ErrorCode.INVALID_ARGUMENT, str(exc.args[0] if exc.args else exc)) from None
         if not begun.workspace or not os.path.isdir(begun.workspace):
             raise IpcError(ErrorCode.INVALID_ARGUMENT, f"the workspace {begun.workspace!r} no longer exists")
-        env = self.backend.agent_base_env()
         # The broker refuses terminal sessions (RESUME-9): it is asked only once STARTING is durable.
         self._require_starting(begun.session_id)
-        creds = await asyncio.to_thread(self.backend.git_credentials, begun.session_id, env)
-        env.update(creds.env)
-        return _Request(command=list(agent.argv()), env=env, snapshot=creds.snapshot,
-                        credential_policy=creds.policy)
+        prep = await agent_launch.prepare(self.backend, begun.session_id)
+        assert prep.credentials is not None
+        return _Request(command=list(agent.argv()), env=prep.env, snapshot=prep.credentials.snapshot,
+                        credential_policy=prep.credentials.policy, sandbox=prep.sandbox)
 
     async def _launch(self, begun: _Begun, request: _Request) -> dict[str, Any]:
         b = self.backend
@@ -377,7 +378,7 @@ class ResumeService:
         handle = b.passthrough_handle if begun.passthrough else b.handle
         info = await client.create_instance(
             session_id=begun.session_id, task_id=begun.task_id, command=request.command, cwd=begun.workspace,
-            env=request.env, agent=begun.agent, resume_session_id=begun.token,
+            env=request.env, agent=begun.agent, resume_session_id=begun.token, sandbox=request.sandbox,
         )
         info = dict(info)
         info["endpoint"] = handle.endpoint if handle is not None else ""
@@ -675,12 +676,11 @@ class ResumeService:
             workspace = task.workspace if task is not None else None
         if not workspace or not os.path.isdir(workspace):
             raise IpcError(ErrorCode.INVALID_ARGUMENT, f"the workspace {workspace!r} no longer exists")
-        env = self.backend.agent_base_env()
         snapshot = meta.get(SNAPSHOT_KEY) or {}
-        lease_file = lease_file_path(self.backend.paths, sid)
-        if snapshot.get("policy") == POLICY_GITHUB_LEASE and lease_file.exists():
-            # Credentials are untouched by a reset (RESETCFG-13): the same lease file, the same routing.
-            env.update(agent_git_env(lease_file, self.backend.paths.backend_socket, base_env=env))
+        # Credentials are untouched by a reset (RESETCFG-13): the same lease file, the same routing,
+        # the same sandbox.
+        prep = await agent_launch.prepare_relaunch(self.backend, sid,
+                                                   with_lease=snapshot.get("policy") == POLICY_GITHUB_LEASE)
         with contextlib.suppress(IpcError):
             for inst in await client.list_instances():
                 if inst.get("instance_id") == ex.instance_id:
@@ -689,7 +689,7 @@ class ResumeService:
         await client.stop_instance(ex.instance_id)
         info = dict(await client.create_instance(
             session_id=sid, task_id=ex.task_id, command=list(get_agent(agent_name).argv()), cwd=workspace,
-            env=env, agent=agent_name,
+            env=prep.env, agent=agent_name, sandbox=prep.sandbox,
         ))
         handle = self.backend.passthrough_handle if passthrough else self.backend.handle
         info["endpoint"] = handle.endpoint if handle is not None else ""

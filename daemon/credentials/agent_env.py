@@ -1,8 +1,11 @@
 """What an agent gets so that its ``git`` authenticates to github.com through the broker.
 
-The lease token (and the reissue capability) live in a 0600 **lease file**; the agent's
-environment names only its path (``KANDEV_GIT_LEASE_FILE``) and the backend socket
-(``KANDEV_BACKEND_SOCKET``), neither of which is a secret. ``agent_git_env`` adds git's
+The lease token (and the reissue capability) live in a 0600 **lease file**
+(``<home>/sessions/<session id>/git/lease.json``, inside the agent's sandbox view); the agent's
+environment names only its path (``KANDEV_GIT_LEASE_FILE``) and the socket that redeems it
+(``KANDEV_BACKEND_SOCKET``): for agents the backend launches, the session's own credential
+endpoint (``daemon.backend.credential_endpoints``), which serves that session's lease and nothing
+else; neither is a secret. ``agent_git_env`` adds git's
 environment-borne configuration (``GIT_CONFIG_COUNT`` / ``GIT_CONFIG_KEY_n`` /
 ``GIT_CONFIG_VALUE_n``, read by git >= 2.31 as command-line configuration) so that for
 ``https://github.com`` git's credential helper list is reset (no system or user helper, e.g.
@@ -22,13 +25,13 @@ from pathlib import Path
 # The lease file's format belongs to the (deliberately light) helper that reads it.
 from daemon.git_credential_helper import LEASE_FILE_ENV, SOCKET_ENV, read_lease_file, write_lease_file
 from daemon.paths import Paths
+from daemon.session_dirs import SessionDirs
 
 __all__ = ["LEASE_FILE_ENV", "SOCKET_ENV", "agent_git_env", "helper_command", "lease_file_path",
            "read_lease_file", "write_lease_file"]
 
 HELPER_MODULE = "daemon.git_credential_helper"
 GITHUB_URL = "https://github.com"
-LEASE_DIR_NAME = "git-leases"
 
 
 def helper_command(python: str | None = None) -> str:
@@ -73,5 +76,5 @@ def agent_git_env(
 
 
 def lease_file_path(paths: Paths, session_id: str) -> Path:
-    """``<home>/secrets/git-leases/<session id>.json``: one lease file per session, replaced on resume."""
-    return paths.secrets_dir / LEASE_DIR_NAME / f"{session_id}.json"
+    """``<home>/sessions/<session id>/git/lease.json``: one lease file per session, replaced on resume."""
+    return SessionDirs.for_session(paths.home, session_id).lease_file

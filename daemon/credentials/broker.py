@@ -39,6 +39,7 @@ from sqlalchemy.orm import Session
 from daemon.config import CredentialsConfig
 from daemon.journal import log_event
 from daemon.paths import Paths, SecretFileError, read_secret_file
+from daemon.session_dirs import SessionDirs
 from daemon.store.models import CredentialLease, Task, TaskSession, new_id
 
 from .agent_env import agent_git_env, lease_file_path, write_lease_file
@@ -439,11 +440,13 @@ def prepare_git_credentials(
     config: CredentialsConfig,
     scope: LeaseScope | None = None,
     base_env: dict[str, str] | None = None,
+    socket: Path | None = None,
     now: datetime | None = None,
 ) -> GitCredentials:
     """Issue a lease (with a reissue capability), write the session's lease file and build the
     agent env; or policy ``none`` when the session is not GitHub-backed or no upstream token is
-    configured. Either way the leases of the session's earlier attempts are revoked first. Call it with the session already STARTING (RESUME-5/9); then store
+    configured. ``socket``: where the agent's helper redeems it; the backend passes the session's
+    own credential endpoint; default the backend socket (whose ops serve any lease). Either way the leases of the session's earlier attempts are revoked first. Call it with the session already STARTING (RESUME-5/9); then store
     ``result.snapshot`` with ``record_credential_snapshot`` before launch (RESUME-6).
 
     ``SessionTerminal`` and the other ``CredentialError``s propagate (e.g. a configured but
@@ -463,6 +466,7 @@ def prepare_git_credentials(
     except NotGitHubBacked as exc:
         return GitCredentials(POLICY_NONE, no_credential_snapshot(exc.message), {})
     capability = reissue_capability(db, token, now=now)
+    SessionDirs.for_session(paths.home, session_id).ensure()
     lease_file = write_lease_file(lease_file_path(paths, session_id), token, capability)
-    env = agent_git_env(lease_file, paths.backend_socket, base_env=base_env)
+    env = agent_git_env(lease_file, socket or paths.backend_socket, base_env=base_env)
     return GitCredentials(POLICY_GITHUB_LEASE, credential_snapshot(token), env, lease_id, lease_file)

@@ -118,6 +118,8 @@ class Server:
         kw.setdefault("cwd", str(self.workspace))
         kw.setdefault("env", {"KANDEV_MOCK_STATE_DIR": str(self.mock_state), "PYTHONPATH": str(REPO)})
         kw.setdefault("agent", "mock")
+        # The agent runs in its sandbox (the server's default); the mock keeps its sessions here.
+        kw.setdefault("sandbox", {"policy": "required", "writable": [str(self.mock_state)]})
         created = await client.create_instance(**kw)
         self.agent_groups.add(created["pid"])
         return created
@@ -154,6 +156,7 @@ def _write_launch(root: Path, **overrides: Any) -> Server:
     config = launch.from_json({**config.to_json(), **overrides})
     launch_file = home / "agentctl" / "launch.json"
     launch.dump(config, launch_file)
+    (root / "mock-state").mkdir(mode=0o700)  # bound read-write into the agents' sandboxes
     return Server(
         root=root,
         home=home,

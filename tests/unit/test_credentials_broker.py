@@ -446,7 +446,7 @@ def test_prepare_git_credentials_writes_a_private_lease_file_and_a_token_free_en
     with store.session() as db:
         creds = prepare_git_credentials(db, sid, paths=paths, config=config)
     assert creds.policy == POLICY_GITHUB_LEASE and creds.snapshot["lease_id"] == creds.lease_id
-    assert creds.lease_file == paths.secrets_dir / "git-leases" / f"{sid}.json"
+    assert creds.lease_file == paths.home / "sessions" / sid / "git" / "lease.json"
     assert stat.S_IMODE(os.stat(creds.lease_file).st_mode) == 0o600
     assert stat.S_IMODE(os.stat(creds.lease_file.parent).st_mode) == 0o700
     token, cap = read_lease_file(creds.lease_file)

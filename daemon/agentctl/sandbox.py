@@ -1,0 +1,484 @@
+"""The agent sandbox: bubblewrap around every agent the control server spawns.
+
+An agent runs arbitrary tool calls, so it is a guest: it sees the files it works on and nothing of
+kandev's. The control server wraps the agent's argv in ``bwrap`` (Debian ``bubblewrap``, the
+sandbox of Flatpak and of Claude Code on Linux) with a new user and pid namespace (and the mount
+namespace bwrap always makes); the network is shared. The view (``build_argv``):
+
+- a fresh root (tmpfs) where every directory exists only because something was bound into it;
+- read-only: the system (``/usr``, ``/etc``, ``/opt``, the ``/bin``, ``/lib*``, ``/sbin`` symlinks of
+  a merged-usr system or those directories), the Python interpreter's prefixes and kandev's own code
+  (the mock agent and the git credential helper run from them), the ``node`` prefix, plus what the
+  backend names for this agent (its credential endpoint, a prepared npm runtime);
+- read-write: the workspace (and, for a git worktree, the repository's git directory), the
+  agent's own state directories, a private ``/tmp`` and ``/var/tmp``;
+- ``/proc`` of the new pid namespace (the agent's own process tree only) and a minimal ``/dev``;
+- absent: everything else. Paths the backend or the server name as *hidden* (the kandev home,
+  the token file, the server's own sockets, logs and secrets) are masked (an empty tmpfs, or
+  ``/dev/null`` for a file) wherever they lie inside something bound, and stay absent otherwise;
+  a path bound *inside* a hidden one (the workspace under ``<home>/worktrees``) stays visible.
+
+The agent is never root inside: it runs as the server's own uid, or, when the server runs as root
+(a development machine), as the ``kandev`` user's uid, else 1000. It keeps no capability. Since
+its kuid outside stays the server's, a server running as root also masks what in ``/etc`` only
+root may read (``/etc/shadow``, host keys...).
+
+Process handling is unchanged: the ``bwrap`` process is the agent's process-group leader (its pid
+and start time are the agent's identity), ``--die-with-parent`` ties the sandbox to it and our
+``PR_SET_PDEATHSIG`` ties it to the server, and every process inside stays in that process group,
+so stop-kills-the-group kills the whole sandbox (and the pid namespace dies with its init).
+``--new-session`` is deliberately not used: it would move the agent out of the group (the agent has
+no controlling terminal, so ``TIOCSTI`` is no threat). ``bwrap`` itself ends at once on SIGTERM and
+would take the agent down with it, so it is started with SIGTERM ignored and the agent is run
+through ``env --default-signal=TERM``: the agent still gets SIGTERM first and ``KILL_GRACE`` to
+exit, then SIGKILL reaches every process of the group.
+
+``probe`` checks, off the event loop, that a sandbox can be made here (bwrap on the PATH, user
+namespaces allowed, a /proc mount admitted) and says why not.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import pwd
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ipc.errors import IpcError
+
+BWRAP = "bwrap"
+SANDBOX_UNAVAILABLE = "sandbox_unavailable"
+"""The error code of a launch refused because the sandbox cannot be made (``agents.sandbox = required``)."""
+FALLBACK_UID = 1000
+SERVICE_USER = "kandev"
+PROBE_TIMEOUT_S = 10.0
+SYSTEM_DIRS = ("/usr", "/etc", "/opt")
+SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+PRIVATE_TMP = ("/tmp", "/var/tmp")
+RESOLV_CONF = "/etc/resolv.conf"
+_MAX_PATHS = 64
+
+
+class SandboxPolicy(str, enum.Enum):
+    """``agents.sandbox``: ``required`` (default) or ``off``."""
+
+    REQUIRED = "required"
+    OFF = "off"
+
+
+def unavailable(reason: str) -> IpcError:
+    """The typed refusal of a launch that needs a sandbox this host cannot make."""
+    return IpcError(
+        SANDBOX_UNAVAILABLE,
+        f"the agent sandbox cannot be made: {reason}; agents.sandbox = \"required\" refuses to start"
+        " an agent without it (install bubblewrap and allow user namespaces, or set"
+        " agents.sandbox = \"off\" to run agents unsandboxed)",
+        retryable=False,
+    )
+
+
+# ---------------------------------------------------------------- what the backend asks for
+
+
+def _bad(message: str) -> IpcError:
+    return IpcError("invalid_argument", f"create_instance: sandbox: {message}")
+
+
+def _paths(doc: Mapping[str, Any], key: str) -> tuple[str, ...]:
+    value = doc.get(key, [])
+    if not isinstance(value, list) or len(value) > _MAX_PATHS:
+        raise _bad(f"'{key}' must be a list of at most {_MAX_PATHS} absolute paths")
+    for item in value:
+        if not isinstance(item, str) or not item or "\0" in item or not os.path.isabs(item):
+            raise _bad(f"'{key}' must hold absolute paths without NUL (got {item!r:.100})")
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class SandboxRequest:
+    """What one launch asks for: the policy, and the paths of this agent beyond the system view.
+
+    ``writable``: read-write binds (the workspace and git directory are added from ``cwd``);
+    ``readonly``: read-only binds; ``hidden``: paths that must stay invisible even where they lie
+    inside a bound directory. A missing path is skipped (a hidden one is then absent anyway)."""
+
+    policy: SandboxPolicy = SandboxPolicy.REQUIRED
+    writable: tuple[str, ...] = ()
+    readonly: tuple[str, ...] = ()
+    hidden: tuple[str, ...] = ()
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"policy": self.policy.value, "writable": list(self.writable), "readonly": list(self.readonly),
+                "hidden": list(self.hidden)}
+
+    @classmethod
+    def from_wire(cls, doc: Any) -> SandboxRequest:
+        """Parse ``create_instance``'s ``sandbox`` field; absent means ``required`` with nothing extra."""
+        if doc is None:
+            return cls()
+        if not isinstance(doc, dict):
+            raise _bad("must be a map")
+        unknown = sorted(set(doc) - {"policy", "writable", "readonly", "hidden"})
+        if unknown:
+            raise _bad(f"unknown field(s) {unknown}")
+        try:
+            policy = SandboxPolicy(doc.get("policy", SandboxPolicy.REQUIRED.value))
+        except ValueError:
+            raise _bad(f"'policy' must be 'required' or 'off' (got {doc.get('policy')!r:.50})") from None
+        return cls(policy, _paths(doc, "writable"), _paths(doc, "readonly"), _paths(doc, "hidden"))
+
+
+# ---------------------------------------------------------------- can a sandbox be made here?
+
+
+@dataclass(frozen=True)
+class SandboxSupport:
+    """Whether this process can sandbox agents, and why not."""
+
+    available: bool
+    reason: str | None = None
+    bwrap: str | None = None
+    version: str | None = None
+    mechanism: str = "bubblewrap"
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"available": self.available, "reason": self.reason, "mechanism": self.mechanism,
+                "bwrap": self.bwrap, "version": self.version}
+
+
+def find_bwrap(env: Mapping[str, str] | None = None) -> str | None:
+    """``bwrap`` on the PATH (ours, as the unit sets it), resolved to an absolute path."""
+    path = (os.environ if env is None else env).get("PATH", os.defpath)
+    found = shutil.which(BWRAP, path=path)
+    return os.path.abspath(found) if found else None
+
+
+def _first_line(text: str) -> str:
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")[:300]
+
+
+def probe(env: Mapping[str, str] | None = None) -> SandboxSupport:
+    """Make a real sandbox with this process's rights (the flags agents get, a /proc mount, the
+    SIGTERM reset) and run ``true`` in it. Blocking (up to ``PROBE_TIMEOUT_S``): call it off the
+    event loop."""
+    bwrap = find_bwrap(env)
+    if bwrap is None:
+        return SandboxSupport(False, f"{BWRAP} (bubblewrap) is not on the PATH"
+                              f" ({(os.environ if env is None else env).get('PATH', os.defpath)})")
+    version = None
+    try:
+        done = subprocess.run([bwrap, "--version"], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S,
+                              stdin=subprocess.DEVNULL, check=False)
+        version = _first_line(done.stdout).removeprefix("bubblewrap ").strip() or None
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return SandboxSupport(False, f"{bwrap} --version failed: {exc}", bwrap)
+    env_tool = shutil.which("env", path="/usr/bin:/bin") or "/usr/bin/env"
+    uid, gid = sandbox_ids()
+    view = SandboxView(bwrap=bwrap, uid=uid, gid=gid, binds=system_binds(), cwd="/", env_tool=env_tool,
+                       links=system_links())
+    argv = build_argv(view, ["true"])
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                start_new_session=True, preexec_fn=ignore_sigterm)
+    except OSError as exc:
+        return SandboxSupport(False, f"cannot run {bwrap}: {exc.strerror or exc}", bwrap, version)
+    try:
+        _, err = proc.communicate(timeout=PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        # A system-call filter that denies what bwrap needs can leave it waiting for ever.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.communicate()
+        return SandboxSupport(False, f"{bwrap} did not finish a trial sandbox within {PROBE_TIMEOUT_S:g} s"
+                              " (a system-call filter denying capset or mount?)", bwrap, version)
+    if proc.returncode != 0:
+        why = _first_line(err.decode(errors="replace")) or f"exit code {proc.returncode}"
+        return SandboxSupport(False, f"{bwrap} cannot make a sandbox here: {why}"
+                              " (user namespaces forbidden, or a unit's RestrictNamespaces=/SystemCallFilter=?)",
+                              bwrap, version)
+    return SandboxSupport(True, None, bwrap, version)
+
+
+def ignore_sigterm() -> None:
+    """``preexec_fn`` part: bwrap (and its init in the new pid namespace) ignore SIGTERM; the agent
+    gets the default action back from ``env --default-signal=TERM``."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+# ---------------------------------------------------------------- the view
+
+
+class BindMode(str, enum.Enum):
+    READONLY = "ro"
+    WRITABLE = "rw"
+
+
+@dataclass(frozen=True)
+class Bind:
+    path: str  # absolute and resolved (bound at the same path inside)
+    mode: BindMode
+
+
+@dataclass(frozen=True)
+class SandboxView:
+    """Everything ``build_argv`` needs: pure data, built from the host by ``host_view``."""
+
+    bwrap: str
+    uid: int
+    gid: int
+    binds: tuple[Bind, ...]
+    cwd: str
+    env_tool: str = "/usr/bin/env"
+    links: tuple[tuple[str, str], ...] = ()  # (target, path): a symlink of the system, e.g. usr/bin -> /bin
+    hidden: tuple[str, ...] = ()  # resolved paths to mask where a bind reveals them
+    hidden_files: frozenset[str] = field(default_factory=frozenset)  # which of ``hidden`` are not directories
+
+
+def sandbox_ids(euid: int | None = None) -> tuple[int, int]:
+    """The uid/gid the agent has inside: ours, but never 0 (then ``kandev``'s, else 1000)."""
+    uid = os.geteuid() if euid is None else euid
+    if uid != 0:
+        return uid, os.getegid()
+    try:
+        pw = pwd.getpwnam(SERVICE_USER)
+    except KeyError:
+        return FALLBACK_UID, FALLBACK_UID
+    if pw.pw_uid == 0:
+        return FALLBACK_UID, FALLBACK_UID
+    return pw.pw_uid, pw.pw_gid
+
+
+def _covered(path: str, roots: Iterable[str]) -> bool:
+    return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
+
+
+def _inside(path: str, root: str) -> bool:
+    """``path`` equals ``root`` or lies below it (both absolute and normalised)."""
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def system_binds() -> tuple[Bind, ...]:
+    """The read-only system directories that exist here (symlinked ones are ``system_links``)."""
+    out = []
+    for d in SYSTEM_DIRS + SYSTEM_LINKS:
+        if os.path.isdir(d) and not os.path.islink(d):
+            out.append(Bind(os.path.realpath(d), BindMode.READONLY))
+    return tuple(out)
+
+
+def system_links() -> tuple[tuple[str, str], ...]:
+    """The ``/bin -> usr/bin`` style symlinks of a merged-usr system, recreated inside."""
+    return tuple((os.readlink(d), d) for d in SYSTEM_LINKS if os.path.islink(d))
+
+
+def runtime_paths(env: Mapping[str, str] | None = None) -> list[str]:
+    """What the agents' runtimes need read-only besides the system: this interpreter's prefixes and
+    import path (the mock agent and the git helper run with it, kandev's own code included) and the
+    prefix of ``node`` on the PATH."""
+    import daemon
+
+    paths = {sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix,
+             str(Path(daemon.__file__).resolve().parent.parent)}
+    paths.update(p for p in sys.path if p and os.path.isabs(p))
+    node = shutil.which("node", path=(os.environ if env is None else env).get("PATH", os.defpath))
+    if node:
+        paths.add(str(Path(node).resolve().parent.parent))
+    return sorted(paths)
+
+
+def git_dirs(workspace: str) -> list[str]:
+    """The git directories a workspace needs besides itself: for a worktree (``.git`` is a file
+    ``gitdir: ...``) the repository's common git directory, which holds its objects and refs."""
+    dotgit = os.path.join(workspace, ".git")
+    if not os.path.isfile(dotgit) or os.path.islink(dotgit):
+        return []
+    try:
+        with open(dotgit, encoding="utf-8", errors="replace") as fh:
+            first = fh.read(4096).splitlines()[0] if fh else ""
+    except (OSError, IndexError):
+        return []
+    if not first.startswith("gitdir:"):
+        return []
+    gitdir = first.split(":", 1)[1].strip()
+    if not os.path.isabs(gitdir):
+        gitdir = os.path.join(workspace, gitdir)
+    gitdir = os.path.realpath(gitdir)
+    common = gitdir
+    try:
+        with open(os.path.join(gitdir, "commondir"), encoding="utf-8", errors="replace") as fh:
+            rel = fh.read(4096).strip()
+        if rel:
+            common = os.path.realpath(os.path.join(gitdir, rel))
+    except OSError:
+        pass
+    return [p for p in {gitdir, common} if os.path.isdir(p)]
+
+
+def _root_only_in_etc(limit: int = 20000) -> list[str]:
+    """Entries under /etc that others may not read (only meaningful for a server running as root,
+    whose agents keep kuid 0 outside their namespace and so pass owner checks)."""
+    found: list[str] = []
+    seen = 0
+    for dirpath, dirnames, filenames in os.walk("/etc"):
+        for name in dirnames + filenames:
+            seen += 1
+            if seen > limit:
+                return found
+            p = os.path.join(dirpath, name)
+            try:
+                st = os.lstat(p)
+            except OSError:
+                continue
+            if stat.S_ISLNK(st.st_mode):
+                continue
+            if not st.st_mode & stat.S_IROTH:
+                found.append(p)
+        dirnames[:] = [d for d in dirnames if os.path.join(dirpath, d) not in found]
+    return found
+
+
+_ROOT_ONLY_CACHE: list[str] | None = None
+
+
+def root_only_system_paths() -> list[str]:
+    global _ROOT_ONLY_CACHE
+    if _ROOT_ONLY_CACHE is None:
+        _ROOT_ONLY_CACHE = _root_only_in_etc()
+    return list(_ROOT_ONLY_CACHE)
+
+
+def host_view(
+    request: SandboxRequest,
+    cwd: str,
+    *,
+    bwrap: str,
+    extra_hidden: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> SandboxView:
+    """The view of one agent on this host (reads the file system: call it off the event loop).
+
+    Every path is resolved (symlinks followed) and bound at its resolved path; missing ones are
+    skipped. ``cwd`` (the workspace) and its git directories are writable."""
+    binds: dict[str, BindMode] = {b.path: b.mode for b in system_binds()}
+    resolv = os.path.realpath(RESOLV_CONF)
+    if os.path.exists(resolv) and not _covered(resolv, binds):
+        binds[resolv] = BindMode.READONLY  # e.g. /run/systemd/resolve/stub-resolv.conf
+    for p in runtime_paths(env):
+        rp = os.path.realpath(p)
+        if os.path.exists(rp) and not _covered(rp, [b for b, m in binds.items() if m is BindMode.READONLY]):
+            binds[rp] = BindMode.READONLY
+    for p in request.readonly:
+        rp = os.path.realpath(p)
+        if os.path.exists(rp):
+            binds.setdefault(rp, BindMode.READONLY)
+    workspace = os.path.realpath(cwd)
+    for p in (workspace, *git_dirs(workspace), *request.writable):
+        rp = os.path.realpath(p)
+        if os.path.exists(rp):
+            binds[rp] = BindMode.WRITABLE
+    hidden_in = [*request.hidden, *extra_hidden]
+    if os.geteuid() == 0:
+        hidden_in += root_only_system_paths()
+    hidden: list[str] = []
+    files: set[str] = set()
+    for p in hidden_in:
+        rp = os.path.realpath(p)
+        if not os.path.lexists(rp) or rp in hidden:
+            continue
+        hidden.append(rp)
+        if not os.path.isdir(rp):
+            files.add(rp)
+    uid, gid = sandbox_ids()
+    return SandboxView(
+        bwrap=bwrap, uid=uid, gid=gid, cwd=workspace,
+        binds=tuple(Bind(p, m) for p, m in sorted(binds.items())),
+        env_tool=shutil.which("env", path="/usr/bin:/bin") or "/usr/bin/env",
+        links=system_links(), hidden=tuple(hidden), hidden_files=frozenset(files),
+    )
+
+
+def _revealed(path: str, bound: Sequence[str], hidden: Sequence[str]) -> bool:
+    """Whether ``path`` would be visible without its own mask: the deepest bind at or above it is
+    deeper than every other hidden path above it (a mask at the same path as a bind wins)."""
+    binds = [b for b in bound if _inside(path, b)]
+    if not binds:
+        return False
+    masks = [h for h in hidden if h != path and _inside(path, h)]
+    return not masks or max(map(len, binds)) > max(map(len, masks))
+
+
+def _depth(path: str) -> int:
+    return 0 if path == "/" else path.rstrip("/").count("/")
+
+
+def build_argv(view: SandboxView, command: Sequence[str]) -> list[str]:
+    """The ``bwrap`` command line that runs ``command`` in ``view`` (pure; see the module docstring).
+
+    Mount operations run in order of path depth, so a bind inside another one and a mask inside a
+    bind both come after it; at the same path a mask comes after the bind (the mask wins). A hidden
+    path is masked only where a bind reveals it (it is absent from the fresh root otherwise)."""
+    if not command:
+        raise ValueError("an empty command")
+    if "=" in command[0]:
+        raise ValueError(f"the agent's command {command[0]!r} contains '=' (env would take it for a variable)")
+    argv = [
+        view.bwrap,
+        "--unshare-user", "--unshare-pid",
+        "--uid", str(view.uid), "--gid", str(view.gid),
+        "--die-with-parent",
+        "--cap-drop", "ALL",
+    ]
+    for target, path in view.links:
+        argv += ["--symlink", target, path]
+    ops: list[tuple[int, int, str, list[str]]] = []  # (depth, order at equal depth, path, args)
+    for tmp in PRIVATE_TMP:  # before any bind below them (a workspace under /var/tmp)
+        ops.append((_depth(tmp), -1, tmp, ["--tmpfs", tmp]))
+    for bind in view.binds:
+        flag = "--bind" if bind.mode is BindMode.WRITABLE else "--ro-bind"
+        ops.append((_depth(bind.path), 0, bind.path, [flag, bind.path, bind.path]))
+    bound = [b.path for b in view.binds]
+    for h in view.hidden:
+        if not _revealed(h, bound, view.hidden):
+            continue  # absent already (nothing binds it, or a mask above it hides it)
+        mask = ["--ro-bind", "/dev/null", h] if h in view.hidden_files else ["--tmpfs", h]
+        ops.append((_depth(h), 1, h, mask))
+    for depth, order, _path, args in sorted(ops, key=lambda op: (op[0], op[1], op[2])):
+        del depth, order
+        argv += args
+    argv += ["--proc", "/proc", "--dev", "/dev"]
+    argv += ["--chdir", view.cwd, "--", view.env_tool, "--default-signal=TERM", *command]
+    return argv
+
+
+def wrap_command(
+    request: SandboxRequest,
+    command: Sequence[str],
+    cwd: str,
+    *,
+    bwrap: str,
+    extra_hidden: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> list[str]:
+    """``build_argv(host_view(...), command)``: blocking, call it off the event loop."""
+    hidden_ok(request, cwd, extra_hidden)
+    return build_argv(host_view(request, cwd, bwrap=bwrap, extra_hidden=extra_hidden, env=env), command)
+
+
+def hidden_ok(request: SandboxRequest, cwd: str, extra_hidden: Sequence[str] = ()) -> None:
+    """Refuse a workspace that is itself a hidden path (the agent would see it emptied). A workspace
+    that *contains* a hidden path is fine: that path is masked inside it."""
+    workspace = os.path.realpath(cwd)
+    for h in (*request.hidden, *extra_hidden):
+        if os.path.realpath(h) == workspace:
+            raise IpcError("invalid_argument", f"create_instance: the workspace {cwd} is a path agents may"
+                           " not see (the kandev home, a secret); give the task its own directory")

@@ -1,0 +1,118 @@
+"""What every agent launch of the backend carries besides the agent's command line.
+
+- The session's private directories (``daemon.session_dirs``), created 0700 before the launch.
+- The environment: the agent's state directory (the mock agent's ``KANDEV_MOCK_STATE_DIR``) and,
+  for a GitHub-backed workspace, the git credential routing to the session's own credential
+  endpoint (``daemon.backend.credential_endpoints``), opened here.
+- The sandbox request (``daemon.agentctl.sandbox.SandboxRequest``): the policy from
+  ``agents.sandbox``; read-write the agent's state and lease directories (the workspace is added
+  by the control server from the cwd); read-only the endpoint's directory; hidden the kandev home,
+  the configured token file and the configuration file, wherever they lie.
+
+``prepare`` is for a launch that gets a new lease (start, resume: the session is already durably
+STARTING); ``prepare_relaunch`` for one that keeps its lease (a context reset that restarts the
+agent changes nothing else: the same environment, the same sandbox).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from daemon.agentctl.sandbox import SANDBOX_UNAVAILABLE, SandboxPolicy, SandboxRequest
+from daemon.agents.mock_store import STATE_DIR_ENV
+from daemon.config import Config
+from daemon.credentials import GitCredentials
+from daemon.credentials.agent_env import agent_git_env
+from daemon.credentials.broker import POLICY_GITHUB_LEASE
+from daemon.paths import Paths
+from daemon.session_dirs import SessionDirs
+from ipc.errors import ErrorCode, IpcError
+
+if TYPE_CHECKING:
+    from daemon.backend.app import Backend
+
+__all__ = ["SANDBOX_UNAVAILABLE", "LaunchPrep", "prepare", "prepare_relaunch", "sandbox_request", "sandbox_status"]
+
+STATUS_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class LaunchPrep:
+    env: dict[str, str]
+    sandbox: dict[str, Any]  # the wire form of the SandboxRequest
+    credentials: GitCredentials | None = None
+
+
+def sandbox_request(config: Config, paths: Paths, dirs: SessionDirs) -> SandboxRequest:
+    hidden = [str(paths.home)]
+    if config.credentials.github_token_file:
+        hidden.append(config.credentials.github_token_file)
+    if config.source:
+        hidden.append(config.source)
+    return SandboxRequest(
+        policy=SandboxPolicy(config.agents.sandbox),
+        writable=(str(dirs.agent_state), str(dirs.git)),
+        readonly=(str(dirs.endpoint),),
+        hidden=tuple(hidden),
+    )
+
+
+def _base_env(dirs: SessionDirs) -> dict[str, str]:
+    return {STATE_DIR_ENV: str(dirs.mock_state)}
+
+
+async def _dirs(backend: Backend, session_id: str) -> SessionDirs:
+    return await asyncio.to_thread(SessionDirs.for_session(backend.paths.home, session_id).ensure)
+
+
+async def prepare(backend: Backend, session_id: str) -> LaunchPrep:
+    """Directories, a new git lease (policy ``none`` without a GitHub origin or token) with its
+    endpoint, the environment and the sandbox request. The session must be durably STARTING."""
+    dirs = await _dirs(backend, session_id)
+    env = _base_env(dirs)
+    creds = await asyncio.to_thread(backend.git_credentials, session_id, env, dirs.endpoint_socket)
+    if creds.policy == POLICY_GITHUB_LEASE:
+        await backend.endpoints.open(session_id)
+    env.update(creds.env)
+    return LaunchPrep(env, sandbox_request(backend.config, backend.paths, dirs).to_wire(), creds)
+
+
+async def prepare_relaunch(backend: Backend, session_id: str, *, with_lease: bool) -> LaunchPrep:
+    """The same environment and sandbox as the session's running agent had, with its current lease
+    file (``with_lease``: the session's policy is a GitHub lease) and no new lease."""
+    dirs = await _dirs(backend, session_id)
+    env = _base_env(dirs)
+    if with_lease and await asyncio.to_thread(dirs.lease_file.exists):
+        await backend.endpoints.open(session_id)
+        env.update(agent_git_env(dirs.lease_file, dirs.endpoint_socket, base_env=env))
+    return LaunchPrep(env, sandbox_request(backend.config, backend.paths, dirs).to_wire())
+
+
+async def sandbox_status(backend: Backend) -> dict[str, Any]:
+    """``kandev status``'s ``sandbox``: the policy, and whether agents started now are sandboxed
+    (as the control server in use reports it) and why not."""
+    policy = backend.config.agents.sandbox
+    out: dict[str, Any] = {"policy": policy, "sandboxed": False, "available": None, "reason": None,
+                           "mechanism": "bubblewrap", "version": None}
+    client = backend.client
+    if client is not None and not client.closed:
+        try:
+            support = await client.call("sandbox_status", {}, timeout=STATUS_TIMEOUT_S)
+            out.update(available=bool(support.get("available")), reason=support.get("reason"),
+                       version=support.get("version"))
+        except IpcError as exc:
+            out["reason"] = ("the control server predates the agent sandbox (restart it with the backend)"
+                             if exc.code == ErrorCode.UNKNOWN_OP else f"the control server did not say: {exc.message}")
+        except (OSError, TimeoutError) as exc:
+            out["reason"] = f"the control server did not say: {exc}"
+    else:
+        out["reason"] = "no control server yet"
+    if policy == SandboxPolicy.OFF.value:
+        out["reason"] = 'agents.sandbox = "off": agents run unsandboxed'
+    else:
+        out["sandboxed"] = out["available"] is True
+        if out["available"] is False:
+            out["reason"] = f"{out['reason']}; agent starts fail with {SANDBOX_UNAVAILABLE} (agents.sandbox = \"required\")"
+    return out

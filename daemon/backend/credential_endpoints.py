@@ -1,0 +1,142 @@
+"""Per-session git credential endpoints: the only thing of the backend an agent can reach.
+
+An agent's ``git`` asks the shipped helper (``daemon.git_credential_helper``), which reads the
+session's lease file and calls ``credential_redeem`` (and once ``credential_reissue``) on the socket
+named by ``$KANDEV_BACKEND_SOCKET``. For agents this backend launches that socket is the session's
+own endpoint, ``<home>/sessions/<sid>/endpoint/git.sock`` (``daemon.session_dirs``), whose
+directory is bound read-only into the agent's sandbox. Each endpoint is a small ``IpcServer`` with
+exactly those two ops, and serves exactly one session: a lease or capability of any other session
+is refused (``scope_denied``) before the broker is asked. The broker (``daemon.credentials``)
+still checks everything else (signature, expiry, revocation, scope, live session state).
+
+Lifetime: an endpoint is opened before an agent of its session is launched (start, resume,
+context-reset restart), re-opened for every session re-tracked after a backend restart (the
+directory stays bound in the surviving agent's sandbox, the new backend binds a new socket in
+it), and closed when the session's agent is gone and when the backend stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from daemon.config import CredentialsConfig
+from daemon.credentials import CredentialError, ScopeDenied, redeem_lease, reissue_lease
+from daemon.credentials.errors import CapabilityInvalid
+from daemon.credentials.signing import decode_capability, existing_signing_key, lease_claims_unverified
+from daemon.session_dirs import SessionDirs
+from daemon.store.db import Store
+from ipc.connection import ConnectionContext
+from ipc.schema import Op, OpTable
+from ipc.server import IpcServer
+
+log = logging.getLogger(__name__)
+
+PROTOCOL = "kandev-git-credential"
+VERSION = (1, 0)  # the helper checks the major version, like on the backend socket
+TABLE = OpTable(PROTOCOL, VERSION, [
+    Op("credential_redeem", required={"lease_token": str, "host": str, "path": str}, optional={"protocol": str},
+       auth=False, doc="this session's lease -> {username, password, lease_id, host, repository, expires_at}"),
+    Op("credential_reissue", required={"capability": str}, auth=False,
+       doc="a new lease for this session's capability -> {lease_token, lease_id}"),
+])
+MAX_CONNECTIONS = 16  # one git process at a time is the rule; a few in parallel are fine
+
+
+class CredentialEndpoints:
+    """The open endpoints of this backend, by session id."""
+
+    def __init__(self, store: Store, home: Path, config: CredentialsConfig) -> None:
+        self.store = store
+        self.home = home
+        self.config = config
+        self._servers: dict[str, IpcServer] = {}
+        self._lock = asyncio.Lock()
+
+    def socket_path(self, session_id: str) -> Path:
+        return SessionDirs.for_session(self.home, session_id).endpoint_socket
+
+    @property
+    def open_sessions(self) -> set[str]:
+        return set(self._servers)
+
+    async def open(self, session_id: str) -> Path:
+        """Serve ``session_id``'s endpoint (idempotent); its directories are created if missing."""
+        async with self._lock:
+            if session_id not in self._servers:
+                dirs = await asyncio.to_thread(SessionDirs.for_session(self.home, session_id).ensure)
+                server = IpcServer(dirs.endpoint_socket, TABLE, self._handlers(session_id), socket_mode=0o600,
+                                   max_connections=MAX_CONNECTIONS)
+                await server.start()
+                self._servers[session_id] = server
+            return Path(self._servers[session_id].path)
+
+    async def close(self, session_id: str) -> None:
+        async with self._lock:
+            server = self._servers.pop(session_id, None)
+        if server is not None:
+            await server.close()
+
+    async def close_all(self) -> None:
+        for session_id in list(self._servers):
+            await self.close(session_id)
+
+    def close_soon(self, session_id: str) -> None:
+        """``close`` from synchronous code (an execution that just went away)."""
+        if session_id in self._servers:
+            asyncio.get_running_loop().create_task(self.close(session_id), name=f"endpoint-close-{session_id}")
+
+    async def reopen_for(self, session_ids: list[str]) -> None:
+        """After recovery: an endpoint for every tracked session that has a lease file."""
+        for sid in session_ids:
+            lease = SessionDirs.for_session(self.home, sid).lease_file
+            if await asyncio.to_thread(lease.exists):
+                try:
+                    await self.open(sid)
+                except (OSError, ValueError) as exc:
+                    log.error("session %s: cannot serve its credential endpoint: %s", sid, exc)
+
+    # ------------------------------------------------------------ the two ops
+
+    def _handlers(self, session_id: str) -> dict[str, Callable[[ConnectionContext, dict[str, Any]], Awaitable[Any]]]:
+        store, config = self.store, self.config
+
+        def redeem(args: dict[str, Any]) -> dict[str, Any]:
+            claims = lease_claims_unverified(args["lease_token"])  # LeaseInvalid when malformed
+            if claims.session_id != session_id:
+                raise ScopeDenied(f"this endpoint serves session {session_id} only; the lease is another session's")
+            with store.session() as db:
+                r = redeem_lease(db, args["lease_token"], args["host"], args["path"], config=config,
+                                 protocol=args.get("protocol") or "https")
+                if r.session_id != session_id:  # cannot differ from the verified claims; never serve it
+                    raise ScopeDenied(f"this endpoint serves session {session_id} only")
+                return {"username": r.username, "password": r.password, "lease_id": r.lease_id,
+                        "host": r.host, "repository": r.repository, "expires_at": r.expires_at}
+
+        def reissue(args: dict[str, Any]) -> dict[str, Any]:
+            with store.session() as db:
+                key = existing_signing_key(db)
+                if key is None:
+                    raise CapabilityInvalid("no capability was ever issued by this installation")
+                if decode_capability(key, args["capability"]).session_id != session_id:
+                    raise ScopeDenied(f"this endpoint serves session {session_id} only;"
+                                      " the capability is another session's")
+                token, lease_id = reissue_lease(db, args["capability"], config=config)
+                return {"lease_token": token, "lease_id": lease_id}
+
+        async def op_redeem(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+            try:
+                return await asyncio.to_thread(redeem, args)
+            except CredentialError as exc:
+                raise exc.to_ipc() from None
+
+        async def op_reissue(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+            try:
+                return await asyncio.to_thread(reissue, args)
+            except CredentialError as exc:
+                raise exc.to_ipc() from None
+
+        return {"credential_redeem": op_redeem, "credential_reissue": op_reissue}

@@ -1,0 +1,95 @@
+"""The private directories of one session under the Kandev home: what its sandboxed agent may use.
+
+::
+
+    <home>/sessions/<session id>/        0700, the session's own
+        agent/                           the agent's own state, read-write in its sandbox (kept across
+                                         agent restarts, so a resume finds it: e.g. the mock agent's
+                                         persisted sessions; the place for the agent's HOME)
+        git/lease.json                   the session's git credential lease (0600), read-write in the
+                                         sandbox: the git helper writes a reissued lease back
+        endpoint/git.sock                the session's credential endpoint (served by the backend),
+                                         read-only in the sandbox: the directory is bound, not the
+                                         socket, so a restarted backend can re-create the socket
+
+Everything is bound at its own path, so an agent sees the same paths with the sandbox on or off;
+the rest of the home (store, secrets, sockets, logs, other sessions) stays out of its view.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+SESSIONS_DIR = "sessions"
+AGENT_STATE_DIR = "agent"
+GIT_DIR = "git"
+ENDPOINT_DIR = "endpoint"
+LEASE_FILE = "lease.json"
+ENDPOINT_SOCKET = "git.sock"
+MOCK_STATE_DIR = "mock-sessions"
+_SESSION_ID = re.compile(r"^[0-9A-Za-z_-]{1,64}$")
+
+
+def _private_dir(path: Path) -> None:
+    """Create ``path`` 0700 (parents too); an existing one must be a real directory of ours, and
+    its mode is set back to 0700."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise OSError(f"{path} exists and is not a directory (a symlink is refused)")
+    if st.st_uid != os.geteuid():
+        raise OSError(f"{path} is owned by uid {st.st_uid}, not by us ({os.geteuid()})")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700, follow_symlinks=False)
+
+
+@dataclass(frozen=True)
+class SessionDirs:
+    """The directories of one session (see the module docstring)."""
+
+    root: Path
+
+    @classmethod
+    def for_session(cls, home: str | os.PathLike[str], session_id: str) -> SessionDirs:
+        if not _SESSION_ID.match(session_id):
+            raise ValueError(f"not a session id: {session_id!r:.80}")
+        return cls(Path(home) / SESSIONS_DIR / session_id)
+
+    @property
+    def agent_state(self) -> Path:
+        return self.root / AGENT_STATE_DIR
+
+    @property
+    def git(self) -> Path:
+        return self.root / GIT_DIR
+
+    @property
+    def endpoint(self) -> Path:
+        return self.root / ENDPOINT_DIR
+
+    @property
+    def lease_file(self) -> Path:
+        return self.git / LEASE_FILE
+
+    @property
+    def endpoint_socket(self) -> Path:
+        return self.endpoint / ENDPOINT_SOCKET
+
+    @property
+    def mock_state(self) -> Path:
+        """Where the mock agent persists its sessions (``KANDEV_MOCK_STATE_DIR``)."""
+        return self.agent_state / MOCK_STATE_DIR
+
+    def ensure(self) -> SessionDirs:
+        """Create every directory 0700 (blocking: call it off the event loop)."""
+        _private_dir(self.root.parent)
+        for d in (self.root, self.agent_state, self.git, self.endpoint):
+            _private_dir(d)
+        return self

@@ -1,0 +1,173 @@
+"""The agent sandbox's command line (daemon.agentctl.sandbox.build_argv) and its request parsing.
+
+Issue 10 scenario A depends on these rules: what a bind reveals is masked when it must stay hidden
+(the kandev home under a bound checkout, the token file under /etc, a hidden path under the
+workspace), and what is bound inside a hidden path (the workspace under <home>/worktrees) stays
+visible. The order of bwrap's mount operations decides all of that, so the tests read the order.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from daemon.agentctl.sandbox import (
+    Bind,
+    BindMode,
+    SandboxPolicy,
+    SandboxRequest,
+    SandboxView,
+    build_argv,
+    hidden_ok,
+    sandbox_ids,
+)
+from ipc.errors import IpcError
+
+RO, RW = BindMode.READONLY, BindMode.WRITABLE
+
+
+def view(binds: list[tuple[str, BindMode]], hidden: tuple[str, ...] = (), files: frozenset[str] = frozenset(),
+         cwd: str = "/ws") -> SandboxView:
+    return SandboxView(bwrap="/usr/bin/bwrap", uid=1000, gid=1000, binds=tuple(Bind(p, m) for p, m in binds),
+                       cwd=cwd, links=(("usr/bin", "/bin"),), hidden=hidden, hidden_files=files)
+
+
+def mounts(argv: list[str]) -> list[tuple[str, ...]]:
+    """The mount operations in order: (flag, dest) for binds and masks, (flag, dest) for tmpfs."""
+    out: list[tuple[str, ...]] = []
+    i = 0
+    while i < len(argv) and argv[i] != "--":
+        a = argv[i]
+        if a in ("--bind", "--ro-bind"):
+            out.append((a, argv[i + 1], argv[i + 2]))
+            i += 3
+        elif a in ("--tmpfs", "--proc", "--dev", "--chdir"):
+            out.append((a, argv[i + 1]))
+            i += 2
+        elif a in ("--uid", "--gid", "--cap-drop"):
+            i += 2
+        elif a == "--symlink":
+            out.append((a, argv[i + 1], argv[i + 2]))
+            i += 3
+        else:
+            i += 1
+    return out
+
+
+def index(ops: list[tuple[str, ...]], op: tuple[str, ...]) -> int:
+    assert op in ops, (op, ops)
+    return ops.index(op)
+
+
+def test_namespaces_identity_and_the_command() -> None:
+    """Issue 10 scenario A: user and pid namespaces (mount is implied), a non-root uid, no
+    capabilities, tied to its parent, never --new-session (the agent must stay in the process group
+    the control server kills); the agent gets SIGTERM's default action back through env."""
+    argv = build_argv(view([("/usr", RO), ("/ws", RW)]), ["/usr/bin/python3", "-m", "daemon.agents.mock"])
+    assert argv[0] == "/usr/bin/bwrap"
+    for flag in ("--unshare-user", "--unshare-pid", "--die-with-parent"):
+        assert flag in argv
+    assert "--new-session" not in argv and "--unshare-net" not in argv and "--share-net" not in argv
+    assert argv[argv.index("--uid") + 1] == "1000" and argv[argv.index("--cap-drop") + 1] == "ALL"
+    tail = argv[argv.index("--") + 1:]
+    assert tail == ["/usr/bin/env", "--default-signal=TERM", "/usr/bin/python3", "-m", "daemon.agents.mock"]
+    ops = mounts(argv)
+    assert ("--proc", "/proc") in ops and ("--dev", "/dev") in ops and ops[-1] == ("--chdir", "/ws")
+    assert ("--bind", "/ws", "/ws") in ops and ("--ro-bind", "/usr", "/usr") in ops
+    assert ("--tmpfs", "/tmp") in ops and ("--tmpfs", "/var/tmp") in ops
+
+
+def test_a_home_inside_a_bound_checkout_is_masked_after_the_bind() -> None:
+    """Issue 10 scenario A: a development checkout bound read-only that holds the kandev home (and a
+    workspace inside that home): the home is masked after the checkout is bound, and the workspace
+    bound after the mask, so the agent sees its workspace and nothing else of the home."""
+    argv = build_argv(view([("/src/kandev", RO), ("/src/kandev/.home/worktrees/t1", RW)],
+                           hidden=("/src/kandev/.home",), cwd="/src/kandev/.home/worktrees/t1"), ["agent"])
+    ops = mounts(argv)
+    checkout = index(ops, ("--ro-bind", "/src/kandev", "/src/kandev"))
+    mask = index(ops, ("--tmpfs", "/src/kandev/.home"))
+    workspace = index(ops, ("--bind", "/src/kandev/.home/worktrees/t1", "/src/kandev/.home/worktrees/t1"))
+    assert checkout < mask < workspace
+
+
+def test_a_workspace_holding_the_home_gets_the_home_masked() -> None:
+    """Issue 10 scenario A: a workspace that contains the kandev home (e.g. --workspace /srv with the
+    home at /srv/kandev) is writable, and the home inside it is masked after it."""
+    ops = mounts(build_argv(view([("/srv", RW)], hidden=("/srv/kandev",), cwd="/srv"), ["agent"]))
+    assert index(ops, ("--bind", "/srv", "/srv")) < index(ops, ("--tmpfs", "/srv/kandev"))
+
+
+def test_a_hidden_file_inside_a_bind_is_covered_with_dev_null() -> None:
+    """Issue 10 scenario A: the configured token file under the read-only /etc is replaced by
+    /dev/null (a directory would get an empty tmpfs)."""
+    ops = mounts(build_argv(view([("/etc", RO), ("/ws", RW)], hidden=("/etc/kandev/github-token",),
+                                 files=frozenset({"/etc/kandev/github-token"})), ["agent"]))
+    assert index(ops, ("--ro-bind", "/etc", "/etc")) < index(
+        ops, ("--ro-bind", "/dev/null", "/etc/kandev/github-token"))
+
+
+def test_hidden_paths_nothing_reveals_are_not_mounted_at_all() -> None:
+    """A hidden path outside every bind is absent from the fresh root already: no mount for it (so
+    it cannot appear as an empty directory either); one under another mask needs no mask of its own."""
+    ops = mounts(build_argv(view([("/usr", RO), ("/ws", RW)], hidden=("/var/lib/kandev", "/root/token"),
+                                 files=frozenset({"/root/token"})), ["agent"]))
+    assert not [op for op in ops if "/var/lib/kandev" in op or "/root/token" in op]
+    ops = mounts(build_argv(view([("/src", RO)], hidden=("/src/home", "/src/home/secrets/x"),
+                                 files=frozenset({"/src/home/secrets/x"})), ["agent"]))
+    assert ("--tmpfs", "/src/home") in ops
+    assert not [op for op in ops if "/src/home/secrets/x" in op]
+
+
+def test_a_mask_at_the_same_path_as_a_bind_wins() -> None:
+    """A path that is both bound and hidden ends up masked (the mask comes after the bind)."""
+    ops = mounts(build_argv(view([("/data", RO)], hidden=("/data",)), ["agent"]))
+    assert index(ops, ("--ro-bind", "/data", "/data")) < index(ops, ("--tmpfs", "/data"))
+
+
+def test_a_workspace_under_var_tmp_is_bound_after_the_private_tmp() -> None:
+    """The private /var/tmp must not cover a workspace below it (the tests' homes live there)."""
+    ops = mounts(build_argv(view([("/var/tmp/kd-1/home/worktrees/t", RW)], cwd="/var/tmp/kd-1/home/worktrees/t"),
+                            ["agent"]))
+    assert index(ops, ("--tmpfs", "/var/tmp")) < index(
+        ops, ("--bind", "/var/tmp/kd-1/home/worktrees/t", "/var/tmp/kd-1/home/worktrees/t"))
+
+
+def test_readonly_inside_writable_and_writable_inside_readonly_follow_depth() -> None:
+    ops = mounts(build_argv(view([("/ws", RW), ("/ws/.venv", RO), ("/opt", RO), ("/opt/cache/x", RW)]), ["agent"]))
+    assert index(ops, ("--bind", "/ws", "/ws")) < index(ops, ("--ro-bind", "/ws/.venv", "/ws/.venv"))
+    assert index(ops, ("--ro-bind", "/opt", "/opt")) < index(ops, ("--bind", "/opt/cache/x", "/opt/cache/x"))
+
+
+def test_a_command_env_would_misread_is_refused() -> None:
+    with pytest.raises(ValueError):
+        build_argv(view([("/ws", RW)]), ["A=B"])
+    with pytest.raises(ValueError):
+        build_argv(view([("/ws", RW)]), [])
+
+
+def test_the_workspace_may_not_be_a_hidden_path(tmp_path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    with pytest.raises(IpcError) as info:
+        hidden_ok(SandboxRequest(hidden=(str(home),)), str(home))
+    assert info.value.code == "invalid_argument"
+    hidden_ok(SandboxRequest(hidden=(str(home),)), str(tmp_path))  # containing it is fine: it is masked
+
+
+def test_request_parsing() -> None:
+    assert SandboxRequest.from_wire(None) == SandboxRequest(SandboxPolicy.REQUIRED)
+    req = SandboxRequest.from_wire({"policy": "off", "writable": ["/a"], "readonly": ["/b"], "hidden": ["/c"]})
+    assert req == SandboxRequest(SandboxPolicy.OFF, ("/a",), ("/b",), ("/c",))
+    assert SandboxRequest.from_wire(req.to_wire()) == req
+    for bad in ({"policy": "maybe"}, {"writable": ["relative"]}, {"hidden": "/x"}, {"other": 1}, [],
+                {"readonly": ["/a\0b"]}, {"writable": ["/x"] * 65}):
+        with pytest.raises(IpcError) as info:
+            SandboxRequest.from_wire(bad)
+        assert info.value.code == "invalid_argument"
+
+
+def test_the_agent_is_never_root_inside() -> None:
+    """Issue 10 (and issue 12 relies on it): our uid when we are not root; as root, the kandev
+    user's uid if it exists, else 1000 - never 0."""
+    assert sandbox_ids(4242)[0] == 4242
+    uid, gid = sandbox_ids(0)
+    assert uid != 0 and gid != 0
