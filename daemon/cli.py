@@ -246,7 +246,11 @@ def cmd_up(paths: Paths, args: argparse.Namespace) -> dict[str, Any]:
         argv = [sys.executable, "-m", "daemon.backend.main", "--home", str(paths.home)]
         if args.config:
             argv += ["--config", args.config]
-        with open(log_path, "ab") as log:
+        # private like everything under the home (it may hold session ids, paths, errors)
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        if os.fstat(fd).st_uid == os.geteuid():
+            os.fchmod(fd, 0o600)
+        with open(fd, "ab") as log:
             proc = subprocess.Popen(
                 argv,
                 stdin=subprocess.DEVNULL,

@@ -16,6 +16,8 @@ Works without a running backend. Every check is a ``daemon.platform.Check``
   lost/restarting after a crash, or given up after too many crashes (with the last reason).
 - ``store``: the database opens read-only and its alembic revision is known.
 - ``node``, ``npm``: present on the PATH the backend uses (npm-based agents need them).
+- ``sandbox``: whether agents are sandboxed (``agents.sandbox``) and, if they cannot be, why: as the
+  running control server reports it through the backend, else probed by this command.
 
 Each probe of the host is a field of ``DoctorProbes`` so tests inject them.
 """
@@ -110,6 +112,13 @@ class DoctorProbes:
     service_gid: Callable[[], int | None] = _service_gid
     user_ids: Callable[[str], tuple[int, int] | None] = _user_ids
     head_revision: Callable[[], str | None] = lambda: _head_revision()
+    sandbox_probe: Callable[[Mapping[str, str]], Any] = lambda env: _sandbox_probe(env)
+
+
+def _sandbox_probe(env: Mapping[str, str]) -> Any:
+    from daemon.agentctl import sandbox
+
+    return sandbox.probe(env)
 
 
 def _head_revision() -> str | None:
@@ -431,6 +440,36 @@ def _tools(r: _Report, path: str | None, probes: DoctorProbes) -> None:
             r.add(tool, True, f"{exe} {probes.version(exe) or '(version unknown)'}")
 
 
+SANDBOX_HINT = ("apt-get install bubblewrap; allow unprivileged user namespaces (sysctl"
+                " user.max_user_namespaces > 0); under systemd keep the units' RestrictNamespaces=user mnt pid"
+                " and SystemCallFilter=@mount; or set agents.sandbox = \"off\" to run agents unsandboxed")
+
+
+def _sandbox(r: _Report, config: Config | None, status: dict[str, Any] | None, path: str | None,
+             env: Mapping[str, str], probes: DoctorProbes) -> None:
+    policy = (config or Config()).agents.sandbox
+    if policy == "off":
+        r.add("sandbox", True, 'agents.sandbox = "off": agents run WITHOUT a sandbox; they can reach everything'
+              " the service user can (a warning is logged at every agent start)")
+        return
+    reported = (status or {}).get("sandbox")
+    if isinstance(reported, dict) and reported.get("available") is not None:
+        if reported.get("sandboxed"):
+            r.add("sandbox", True, f"agents are sandboxed (bubblewrap {reported.get('version') or '?'}), as the"
+                  " running control server reports")
+        else:
+            r.add("sandbox", False, f"agents cannot be sandboxed: {reported.get('reason')}", SANDBOX_HINT)
+        return
+    support = probes.sandbox_probe({**env, "PATH": path or env.get("PATH", "")})
+    where = "probed by this command, not inside the units (no backend answered)"
+    if support.available:
+        r.add("sandbox", True, f"agents can be sandboxed (bubblewrap {support.version or '?'} at {support.bwrap};"
+              f" {where})")
+    else:
+        r.add("sandbox", False, f"agents cannot be sandboxed: {support.reason} ({where}); agents.sandbox ="
+              ' "required": every agent start fails with sandbox_unavailable', SANDBOX_HINT)
+
+
 def run_doctor(
     paths: Paths,
     *,
@@ -449,6 +488,7 @@ def run_doctor(
     _control_server(r, status)
     _store(r, config, paths, p)
     _tools(r, path, p)
+    _sandbox(r, config, status, path, environ, p)
     return r.checks
 
 

@@ -398,6 +398,7 @@ class Instance:
         self._handshake_timeout = handshake_timeout
         self._proc: asyncio.subprocess.Process | None = None
         self._psproc: psutil.Process | None = None
+        self._sandbox_init: psutil.Process | None = None  # bwrap's init of a sandboxed agent
         self._transport: AgentPipeTransport | None = None
         self._conn: acp.ClientSideConnection | None = None
         self._exit_task: asyncio.Task[None] | None = None
@@ -541,6 +542,7 @@ class Instance:
             raise IpcError(ErrorCode.AGENT_ERROR, await self._handshake_failure(step, None), retryable=False)
         self.handshake_seq = self.log.last_seq
         self.log.set_limit(self.detached_event_limit)  # the detached bound applies from now on
+        self._find_sandbox_init()
         self._set_state(InstanceState.RUNNING)
 
     async def _handshake_failure(self, step: str, exc: BaseException | None) -> str:
@@ -868,9 +870,33 @@ class Instance:
         except (ProcessLookupError, PermissionError):
             return False
 
+    def _find_sandbox_init(self) -> None:
+        """A sandboxed agent: remember bwrap's init in the new pid namespace (the leader's child)."""
+        if not self.spec.sandboxed or self._sandbox_init is not None or self._psproc is None:
+            return
+        try:
+            children = self._psproc.children()
+        except psutil.Error:
+            return
+        if children:
+            self._sandbox_init = children[0]
+
     def group_alive(self) -> bool:
-        """Whether any process of the agent's group remains."""
-        return self._signal_group(0)
+        """Whether any process of the agent's group remains.
+
+        A sandbox whose leader (bwrap) was reaped is gone once bwrap's init in the agent's pid
+        namespace has exited: the namespace, the rest of the group, dies with it. That init then
+        waits, a zombie of the group, for whoever inherited it to reap it, which some inits do late.
+        """
+        if not self._signal_group(0):
+            return False
+        init = self._sandbox_init
+        if init is not None and self._proc is not None and self._proc.returncode is not None:
+            try:
+                return init.is_running() and init.status() != psutil.STATUS_ZOMBIE
+            except psutil.Error:
+                return False
+        return True
 
     async def stop(self) -> bool:
         """Kill the group and forget everything; True if this call did it, False if it was
@@ -931,6 +957,7 @@ class Instance:
         """SIGTERM to the group, up to ``KILL_GRACE`` s, then SIGKILL to whatever is left."""
         if self._proc is None:
             return
+        self._find_sandbox_init()
         if self._proc.returncode is None or self.group_alive():
             self._signal_group(signal.SIGTERM)
             if await self._wait_group_gone(KILL_GRACE):

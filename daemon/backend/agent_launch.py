@@ -9,43 +9,74 @@
   by the control server from the cwd); read-only the endpoint's directory; hidden the kandev home,
   the configured token file and the configuration file, wherever they lie.
 
-``prepare`` is for a launch that gets a new lease (start, resume: the session is already durably
-STARTING); ``prepare_relaunch`` for one that keeps its lease (a context reset that restarts the
-agent changes nothing else: the same environment, the same sandbox).
+``agent_command`` is the agent's command line: the built-in one, or for a managed npm runtime in a
+sandbox its prepared entry (``daemon.runtimes.launch``). ``prepare`` is for a launch that gets a
+new lease (start, resume: the session is already durably STARTING); ``prepare_relaunch`` for one
+that keeps its lease (a context reset that restarts the agent changes nothing else: the same
+command, environment and sandbox).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from daemon.agentctl.sandbox import SANDBOX_UNAVAILABLE, SandboxPolicy, SandboxRequest
 from daemon.agents.mock_store import STATE_DIR_ENV
+from daemon.agents.registry import BuiltinAgent
 from daemon.config import Config
 from daemon.credentials import GitCredentials
 from daemon.credentials.agent_env import agent_git_env
 from daemon.credentials.broker import POLICY_GITHUB_LEASE
 from daemon.paths import Paths
+from daemon.runtimes.launch import RUNTIME_NOT_PREPARED, RuntimeNotPrepared, npm_cache_root, prepared_runtime
 from daemon.session_dirs import SessionDirs
 from ipc.errors import ErrorCode, IpcError
 
 if TYPE_CHECKING:
     from daemon.backend.app import Backend
 
-__all__ = ["SANDBOX_UNAVAILABLE", "LaunchPrep", "prepare", "prepare_relaunch", "sandbox_request", "sandbox_status"]
+__all__ = ["RUNTIME_NOT_PREPARED", "SANDBOX_UNAVAILABLE", "AgentCommand", "LaunchPrep", "agent_command", "prepare",
+           "prepare_relaunch", "sandbox_request", "sandbox_status"]
 
 STATUS_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
+class AgentCommand:
+    """What starts the agent: its argv, what its sandbox must show read-only for it, and what goes
+    first on its PATH."""
+
+    argv: list[str]
+    readonly: tuple[str, ...] = ()
+    path_first: str | None = None
+
+
+@dataclass(frozen=True)
 class LaunchPrep:
+    command: list[str]
     env: dict[str, str]
     sandbox: dict[str, Any]  # the wire form of the SandboxRequest
     credentials: GitCredentials | None = None
 
 
-def sandbox_request(config: Config, paths: Paths, dirs: SessionDirs) -> SandboxRequest:
+async def agent_command(backend: Backend, agent: BuiltinAgent) -> AgentCommand:
+    """The built-in argv; for a managed npm runtime in a sandbox its prepared entry instead
+    (``daemon.runtimes.launch``): ``runtime_not_prepared`` when ``kandev runtime update`` never
+    prepared it."""
+    if agent.runtime != "npm" or backend.config.agents.sandbox == SandboxPolicy.OFF.value:
+        return AgentCommand(list(agent.argv()))
+    try:
+        root = await asyncio.to_thread(npm_cache_root)
+        prepared = await asyncio.to_thread(prepared_runtime, agent, root)
+    except RuntimeNotPrepared as exc:
+        raise IpcError(RUNTIME_NOT_PREPARED, str(exc)) from None
+    return AgentCommand(prepared.command, (str(prepared.tree),), str(prepared.bin_dir))
+
+
+def sandbox_request(config: Config, paths: Paths, dirs: SessionDirs, readonly: tuple[str, ...] = ()) -> SandboxRequest:
     hidden = [str(paths.home)]
     if config.credentials.github_token_file:
         hidden.append(config.credentials.github_token_file)
@@ -54,40 +85,46 @@ def sandbox_request(config: Config, paths: Paths, dirs: SessionDirs) -> SandboxR
     return SandboxRequest(
         policy=SandboxPolicy(config.agents.sandbox),
         writable=(str(dirs.agent_state), str(dirs.git)),
-        readonly=(str(dirs.endpoint),),
+        readonly=(str(dirs.endpoint), *readonly),
         hidden=tuple(hidden),
     )
 
 
-def _base_env(dirs: SessionDirs) -> dict[str, str]:
-    return {STATE_DIR_ENV: str(dirs.mock_state)}
+def _base_env(dirs: SessionDirs, command: AgentCommand) -> dict[str, str]:
+    env = {STATE_DIR_ENV: str(dirs.mock_state)}
+    if command.path_first:
+        env["PATH"] = os.pathsep.join([command.path_first, os.environ.get("PATH", os.defpath)])
+    return env
 
 
 async def _dirs(backend: Backend, session_id: str) -> SessionDirs:
     return await asyncio.to_thread(SessionDirs.for_session(backend.paths.home, session_id).ensure)
 
 
-async def prepare(backend: Backend, session_id: str) -> LaunchPrep:
+async def prepare(backend: Backend, session_id: str, command: AgentCommand) -> LaunchPrep:
     """Directories, a new git lease (policy ``none`` without a GitHub origin or token) with its
     endpoint, the environment and the sandbox request. The session must be durably STARTING."""
     dirs = await _dirs(backend, session_id)
-    env = _base_env(dirs)
+    env = _base_env(dirs, command)
     creds = await asyncio.to_thread(backend.git_credentials, session_id, env, dirs.endpoint_socket)
     if creds.policy == POLICY_GITHUB_LEASE:
         await backend.endpoints.open(session_id)
     env.update(creds.env)
-    return LaunchPrep(env, sandbox_request(backend.config, backend.paths, dirs).to_wire(), creds)
+    request = sandbox_request(backend.config, backend.paths, dirs, command.readonly)
+    return LaunchPrep(command.argv, env, request.to_wire(), creds)
 
 
-async def prepare_relaunch(backend: Backend, session_id: str, *, with_lease: bool) -> LaunchPrep:
-    """The same environment and sandbox as the session's running agent had, with its current lease
-    file (``with_lease``: the session's policy is a GitHub lease) and no new lease."""
+async def prepare_relaunch(backend: Backend, session_id: str, agent: BuiltinAgent, *, with_lease: bool) -> LaunchPrep:
+    """The same command, environment and sandbox as the session's running agent had, with its
+    current lease file (``with_lease``: the session's policy is a GitHub lease) and no new lease."""
+    command = await agent_command(backend, agent)
     dirs = await _dirs(backend, session_id)
-    env = _base_env(dirs)
+    env = _base_env(dirs, command)
     if with_lease and await asyncio.to_thread(dirs.lease_file.exists):
         await backend.endpoints.open(session_id)
         env.update(agent_git_env(dirs.lease_file, dirs.endpoint_socket, base_env=env))
-    return LaunchPrep(env, sandbox_request(backend.config, backend.paths, dirs).to_wire())
+    request = sandbox_request(backend.config, backend.paths, dirs, command.readonly)
+    return LaunchPrep(command.argv, env, request.to_wire())
 
 
 async def sandbox_status(backend: Backend) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from sqlalchemy import select
 
 import daemon.backend.agent_launch as agent_launch
 import daemon.backend.credentials_api as credentials_api
+import daemon.backend.hygiene as hygiene
 import daemon.backend.ids as ids
 import daemon.backend.resume_api as resume_api
 import daemon.backend.runtimes_api as runtimes_api
@@ -321,6 +322,7 @@ class Backend:
             self.link.start_failed(self._first_failure)  # the backend stays up; its link keeps trying
         # A re-tracked agent's sandbox still has its endpoint's directory: serve a new socket there.
         await self.endpoints.reopen_for(list(self.executions.executions))
+        await hygiene.tidy_home_async(self)
         self.state = "ready"
 
     def _publish(self, ex: Execution) -> None:
@@ -612,10 +614,12 @@ class Backend:
             )
             db.flush()
             transitions.transition_session(db, session_id, "STARTING", expected_from={"CREATED"}, reason="start")
-        stage = "git credentials"
+        stage = "agent runtime"
         try:
+            command = await agent_launch.agent_command(self, agent)
+            stage = "git credentials"
             # A GitHub-backed workspace gets its scoped lease now that STARTING is durable (as a resume does).
-            prep = await agent_launch.prepare(self, session_id)
+            prep = await agent_launch.prepare(self, session_id, command)
             assert prep.credentials is not None
             creds = prep.credentials
             stage = "control server"
@@ -626,7 +630,7 @@ class Backend:
             info = await client.create_instance(
                 session_id=session_id,
                 task_id=task_id,
-                command=list(agent.argv()),
+                command=prep.command,
                 cwd=workspace,
                 env=prep.env,
                 agent=agent_name,

@@ -152,6 +152,11 @@ class Launcher:
                     await self._systemctl_state("stop", AGENTCTL_UNIT)  # the unit runs a server we cannot use
             self.remove_files(handle)
             raise
+        if self.mode == "unit":
+            # systemd copied it into the unit's credentials when it started the unit, and the server
+            # read it from there before it answered: nothing needs the file any more (every start
+            # writes a new one; a restart by anyone else fails, as intended).
+            (self.paths.secrets_dir / BOOTSTRAP_CREDENTIAL).unlink(missing_ok=True)
         return handle, credential
 
     def remove_files(self, handle: ControlServerHandle) -> None:

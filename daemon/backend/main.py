@@ -145,6 +145,7 @@ async def _run(paths: Paths, backend: Backend, notifier: sdnotify.SystemdNotifie
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    os.umask(0o077)  # everything under the home is private; the run dir and CLI socket are set explicitly
     raise_open_file_limit()  # one event stream per tracked session
     paths = Paths.for_home(resolve_home(args.home))
     paths.ensure()

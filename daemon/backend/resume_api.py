@@ -367,9 +367,10 @@ class ResumeService:
             raise IpcError(ErrorCode.INVALID_ARGUMENT, f"the workspace {begun.workspace!r} no longer exists")
         # The broker refuses terminal sessions (RESUME-9): it is asked only once STARTING is durable.
         self._require_starting(begun.session_id)
-        prep = await agent_launch.prepare(self.backend, begun.session_id)
+        command = await agent_launch.agent_command(self.backend, agent)
+        prep = await agent_launch.prepare(self.backend, begun.session_id, command)
         assert prep.credentials is not None
-        return _Request(command=list(agent.argv()), env=prep.env, snapshot=prep.credentials.snapshot,
+        return _Request(command=prep.command, env=prep.env, snapshot=prep.credentials.snapshot,
                         credential_policy=prep.credentials.policy, sandbox=prep.sandbox)
 
     async def _launch(self, begun: _Begun, request: _Request) -> dict[str, Any]:
@@ -679,7 +680,7 @@ class ResumeService:
         snapshot = meta.get(SNAPSHOT_KEY) or {}
         # Credentials are untouched by a reset (RESETCFG-13): the same lease file, the same routing,
         # the same sandbox.
-        prep = await agent_launch.prepare_relaunch(self.backend, sid,
+        prep = await agent_launch.prepare_relaunch(self.backend, sid, get_agent(agent_name),
                                                    with_lease=snapshot.get("policy") == POLICY_GITHUB_LEASE)
         with contextlib.suppress(IpcError):
             for inst in await client.list_instances():
@@ -688,7 +689,7 @@ class ResumeService:
         await self._untrack(ex)
         await client.stop_instance(ex.instance_id)
         info = dict(await client.create_instance(
-            session_id=sid, task_id=ex.task_id, command=list(get_agent(agent_name).argv()), cwd=workspace,
+            session_id=sid, task_id=ex.task_id, command=prep.command, cwd=workspace,
             env=prep.env, agent=agent_name, sandbox=prep.sandbox,
         ))
         handle = self.backend.passthrough_handle if passthrough else self.backend.handle

@@ -17,6 +17,8 @@ die() { printf 'setup: ERROR: %s\n' "$*"; exit 1; }
 # ---- 1. system packages --------------------------------------------------------------------
 APT_PKGS=(python3 python3-venv python3-dev gcc pkg-config libsystemd-dev systemd-container
           util-linux iproute2)
+# every agent runs in a bubblewrap sandbox (daemon/agentctl/sandbox.py; the package depends on it)
+APT_PKGS+=(bubblewrap)
 # the store tests also run against a throwaway PostgreSQL server (tests/postgres.py)
 APT_PKGS+=(postgresql)
 # tests/systemd/test_package*.py build the .deb (dpkg-buildpackage, lintian) and install it inside a

@@ -253,6 +253,14 @@ def db_row(k: Kandev, sql: str, *params: Any) -> dict[str, Any] | None:
         con.close()
 
 
+def mock_state_file(k: Kandev, name: str) -> Path:
+    """A file the mock agent persisted (``<acp session>.json`` / ``.history.jsonl``): the mock keeps
+    its state in its session's own state directory, ``<home>/sessions/<sid>/agent/mock-sessions``."""
+    found = sorted(k.home.glob(f"sessions/*/agent/mock-sessions/{name}"))
+    assert len(found) <= 1, found
+    return found[0] if found else k.home / "sessions" / "?" / "agent" / "mock-sessions" / name
+
+
 def agent_chunks(show: dict[str, Any]) -> list[str]:
     return [m["text"] for m in show["transcript"] if m["kind"] == "agent_message_chunk"]
 

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import wait_until
-from tests.integration.conftest import REPO, Kandev, agent_chunks, alive, db_row
+from tests.integration.conftest import REPO, Kandev, agent_chunks, alive, db_row, mock_state_file
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -170,7 +170,7 @@ def test_scenario_a_failed_start_keeps_token_then_same_session_loads(kandev_fact
     # the transcript continues: the replayed history is not stored twice, the new turn follows
     assert k.cli("prompt", sid, "again", "--wait")["stop_reason"] == "end_turn"
     assert agent_chunks(k.show(sid)) == ["echo: hello", "exiting 5", "echo: again"]
-    history = k.home / "agents" / "mock-state" / f"{token}.history.jsonl"
+    history = mock_state_file(k, f"{token}.history.jsonl")
     texts = [json.loads(line)["text"] for line in history.read_text().splitlines()]
     assert texts == ["hello", "echo: hello", "/exit 5", "exiting 5", "again", "echo: again"]
 
@@ -216,7 +216,7 @@ def test_scenario_b_fresh_replaces_the_token(kandev_factory):
     assert "session/new" in log and "session/load" not in log
     k.cli("prompt", sid, "after", "--wait")
     assert agent_chunks(k.show(sid)) == ["echo: before", "echo: after"]
-    history = k.home / "agents" / "mock-state" / f"{new}.history.jsonl"
+    history = mock_state_file(k, f"{new}.history.jsonl")
     assert [json.loads(line)["text"] for line in history.read_text().splitlines()] == ["after", "echo: after"]
 
 

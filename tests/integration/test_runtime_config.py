@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import wait_until
-from tests.integration.conftest import Kandev, agent_chunks
+from tests.integration.conftest import Kandev, agent_chunks, mock_state_file
 from tests.integration.test_resume import (
     agent_log,
     identities,
@@ -52,7 +52,7 @@ def config_calls(log: str, acp_session: str) -> list[str]:
 
 def provider_state(k: Kandev, acp_session: str) -> dict[str, Any]:
     """What the mock agent itself holds for a provider session (its persisted state file)."""
-    state = json.loads((k.home / "agents" / "mock-state" / f"{acp_session}.json").read_text())
+    state = json.loads(mock_state_file(k, f"{acp_session}.json").read_text())
     return {"model": state["config"]["model"], "mode": state["mode"],
             "options": {k_: v for k_, v in state["config"].items() if k_ != "model"}}
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import acp
+import psutil
 import pytest
 
 from daemon.agents.registry import BUILTIN_AGENTS
@@ -200,3 +201,41 @@ def test_runtime_update_repairs_only_its_own_npx_tree(kandev_factory: Any, npm_c
     again = json.loads(k.run("runtime", "update", "claude-code", timeout=170).stdout)
     assert again["state"] == "succeeded" and again["attempts"] == 1 and again["repaired"] is False
     assert again["job_id"] != result["job_id"] and (entry / MARKER).exists()
+
+
+def test_issue_10_a_managed_runtime_runs_in_its_sandbox_from_its_prepared_tree(
+        kandev_factory: Any, npm_cache: dict[str, Any], short_tmp: Path) -> None:
+    """Issue 10 (a sandbox for every agent, managed npm runtimes included): the real claude-code
+    runtime prepared in the cache starts in its sandbox straight from ``_npx/<key>`` (npx would
+    write into the cache; the tree is bound read-only), answers the ACP handshake there, and the
+    launch writes nothing under the cache. A runtime never prepared is refused with
+    runtime_not_prepared and the session ends FAILED, naming the fix."""
+    cache: Path = npm_cache["cache"]
+    tree = cache / "_npx" / KEY
+    npm_env = {k: v for k, v in npm_cache["env"].items() if k.startswith("npm_config_")}
+    k = kandev_factory("sandboxed", **npm_env)
+    k.up()
+    before = {p: os.lstat(p).st_mtime_ns for p in cache.rglob("*")}
+    task = k.cli("task", "create", "--title", "npm")["task_id"]
+    sid = k.cli("session", "start", task, "--agent", "claude-code")["session_id"]
+    show = k.show(sid)
+    assert show["state"] == "WAITING_FOR_INPUT" and show["agent_pid"], show
+    argv = psutil.Process(show["agent_pid"]).cmdline()
+    assert argv[0].endswith("bwrap") and ["--ro-bind", str(tree), str(tree)] == argv[argv.index(str(tree)) - 1:
+                                                                                    argv.index(str(tree)) + 2]
+    assert argv[-1] == str(tree / "node_modules" / ".bin" / "claude-code-acp")
+    assert k.status()["sandbox"]["sandboxed"] is True
+    k.cli("down")
+    after = {p: os.lstat(p).st_mtime_ns for p in cache.rglob("*")}
+    assert after == before  # npm never ran: nothing under the cache was added, removed or touched
+
+    empty = short_tmp / "empty-cache"
+    empty.mkdir()
+    k2 = kandev_factory("unprepared", npm_config_cache=str(empty))
+    k2.up()
+    task = k2.cli("task", "create", "--title", "npm")["task_id"]
+    proc = k2.run("session", "start", task, "--agent", "claude-code")
+    assert proc.returncode == 1 and json.loads(proc.stdout)["error"]["code"] == "runtime_not_prepared", proc.stdout
+    (session,) = k2.cli("session", "list")["sessions"]
+    failed = k2.show(session["session_id"])
+    assert failed["state"] == "FAILED" and "kandev runtime update claude-code" in failed["last_error"], failed

@@ -1,5 +1,10 @@
 """The Debian package end to end (issue 6, scenarios A-E), inside a sdbox.
 
+Issue 10 scenario A in the installed package: a GitHub-backed session's agent, re-tracked after the
+backend's SIGKILL, is attacked from inside (``/sh``) and reaches nothing of kandev (the token file
+under /etc/kandev included), while its own work and ``/git-credential`` succeed; the bootstrap
+credential is gone once the control server consumed it, and the home stays private.
+
 The .deb is built once per content of what goes into it (daemon/, ipc/, debian/, packaging/,
 units/, README.md, pyproject.toml), by ``dpkg-buildpackage -us -uc -b`` in a copy of the checkout
 under /var/tmp, together with a rebuild whose debian/changelog carries a higher version (the
@@ -28,6 +33,7 @@ from typing import Any
 
 import pytest
 
+from tests.helpers import attack_script, attack_verdicts, connect_argv
 from tests.systemd.harness import SdBox
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,6 +43,9 @@ BUILD_TIMEOUT = 600
 BACKEND, AGENTCTL = "kandev-backend.service", "kandev-agentctl.service"
 HOME = "/var/lib/kandev"
 EXPOSURE_LIMIT = 2.5
+TOKEN_FILE = "/etc/kandev/github-token"
+UPSTREAM = "ghp_PACKAGEupstreamToken0123456789abcdef"
+GH_REPO = f"{HOME}/repos/repo"
 METRICS = Path("/var/tmp/kandev-package-metrics.json")  # figures for humans (build time, scores)
 pytestmark = pytest.mark.timeout(300)
 
@@ -317,8 +326,11 @@ def test_b_survival_on_demo_flow_as_root_and_group_member(pkg: Box) -> None:
     re-tracked. A user outside the group is refused."""
     b = pkg
     conf = b.box.read_file("/etc/kandev/kandev.toml")
-    assert "#agent_survival = false" in conf
-    b.box.write_file("/etc/kandev/kandev.toml", conf.replace("#agent_survival = false", "agent_survival = true"))
+    assert "#agent_survival = false" in conf and '#github_token_file = ""' in conf
+    b.box.write_file(TOKEN_FILE, UPSTREAM + "\n", mode=0o600)
+    b.box.run("chown", "kandev:kandev", TOKEN_FILE)
+    b.box.write_file("/etc/kandev/kandev.toml", conf.replace("#agent_survival = false", "agent_survival = true")
+                     .replace('#github_token_file = ""', f'github_token_file = "{TOKEN_FILE}"'))
     b.box.systemctl("restart", BACKEND)
     st = b.kandev("status")
     assert st["capability"]["state"] == "enabled", st["capability"]
@@ -345,6 +357,15 @@ def test_b_survival_on_demo_flow_as_root_and_group_member(pkg: Box) -> None:
 
     task = b.kandev("task", "create", "--title", "packaged survival", user="alice")["task_id"]
     sid = b.kandev("session", "start", task, user="alice")["session_id"]
+    # Issue 10: a GitHub-backed workspace of the kandev user (under the home, the units' writable place)
+    for argv in (["mkdir", "-p", GH_REPO], ["git", "init", "-q", GH_REPO],
+                 ["git", "-C", GH_REPO, "remote", "add", "origin", "https://github.com/example/repo.git"]):
+        b.box.run("runuser", "-u", "kandev", "--", *argv)
+    gh_task = b.kandev("task", "create", "--title", "guest", "--workspace", GH_REPO)["task_id"]
+    S["gh_sid"] = b.kandev("session", "start", gh_task)["session_id"]
+    S["gh_agent"] = b.show(S["gh_sid"])["agent_pid"]
+    # consumed by the control server's unit when it started: removed (issue 10 item 9)
+    assert b.box.run("test", "-e", f"{HOME}/secrets/agentctl-bootstrap", check=False).returncode != 0
     b.kandev("prompt", sid, "/slow 300", user="alice")
     show = b.box.wait_for(lambda: s if len(chunks(s := b.show(sid, "alice"))) >= 2 else None, timeout=30)
     assert show and show["state"] == "RUNNING"
@@ -358,6 +379,53 @@ def test_b_survival_on_demo_flow_as_root_and_group_member(pkg: Box) -> None:
     show = retracked_same_agent(b, sid, "alice")
     assert b.prop(AGENTCTL, "MainPID") == S["ctl_pid"]
     assert in_order(chunks(show), 300)
+    gh = b.box.wait_for(lambda: s if (s := b.show(S["gh_sid"]))["retracked"] else None, timeout=60)
+    assert gh and gh["agent_pid"] == S["gh_agent"]
+    _attack_from_inside(b)
+
+
+def _says(b: Box, sid: str, prompt: str) -> str:
+    b.kandev("prompt", sid, prompt, "--wait")
+    return chunks(b.show(sid))[-1]
+
+
+def _attack_from_inside(b: Box) -> None:
+    """Issue 10 scenario A in the installed package (the agent of S["gh_sid"], re-tracked)."""
+    st = b.kandev("status")
+    assert st["sandbox"]["sandboxed"] is True, st["sandbox"]
+    secrets = b.box.run("ls", f"{HOME}/secrets").stdout.split()
+    denied = {
+        "token_file": ["cat", TOKEN_FILE],
+        "store": ["cat", f"{HOME}/kandev.db"],
+        "secrets_dir": ["ls", f"{HOME}/secrets"],
+        **{f"secret_{i}": ["cat", f"{HOME}/secrets/{n}"] for i, n in enumerate(secrets)},
+        "run_dir": ["ls", f"{HOME}/run"],
+        "logs_dir": ["ls", f"{HOME}/logs"],
+        "other_workspace": ["ls", f"{HOME}/worktrees/{S['task']}"],
+        "other_session": ["ls", f"{HOME}/sessions/{S['sid']}"],
+        "backend_environ": ["cat", f"/proc/{st['backend']['pid']}/environ"],
+        "backend_socket": connect_argv(st["backend"]["socket"]),
+        "agentctl_socket": connect_argv(st["control_server"]["endpoint"]),
+        "kill_backend": ["kill", "-0", str(st["backend"]["pid"])],
+        "kill_agentctl": ["kill", "-0", str(st["control_server"]["pid"])],
+        "kill_other_agent": ["kill", "-0", str(S["agent_pid"])],
+        "config": ["cat", "/etc/kandev/kandev.toml"],
+    }
+    allowed = {
+        "write_workspace": ["sh", "-c", "echo hi > probe.txt && test \"$(cat probe.txt)\" = hi"],
+        "git": ["git", "status", "--porcelain"],
+        "python3": ["python3", "-c", "print(6 * 7)"],
+        "kandev_code": ["test", "-r", "/usr/lib/kandev/daemon/agents/mock.py"],
+    }
+    said = _says(b, S["gh_sid"], "/sh " + attack_script(denied, allowed))
+    assert said.startswith("sh: exit=0\n") and not attack_verdicts(said, denied, allowed), said
+    digest = hashlib.sha256(UPSTREAM.encode()).hexdigest()[:12]
+    assert _says(b, S["gh_sid"], "/git-credential") == (
+        f"git-credential: ok username=x-access-token password-sha256={digest}")
+    # workspaces' content is the agents' work (their top directories are what keeps others out)
+    loose = b.box.run("find", HOME, "-mindepth", "1", "(", "-path", f"{HOME}/worktrees/*/*", "-o", "-path",
+                      f"{HOME}/repos/*", ")", "-prune", "-o", "-perm", "/077", "-print").stdout.split()
+    assert sorted(loose) == [f"{HOME}/run", f"{HOME}/run/backend.sock"], loose
 
 
 def test_b_restart_keeps_the_agent(pkg: Box) -> None:

@@ -345,3 +345,24 @@ def test_agentctl_settings_hand_over_and_read_back() -> None:
     assert s == {"detached_event_limit": "100", "unowned_period": "90s", "idle_timeout": "0s"}
     r = validate_agentctl(s["detached_event_limit"], s["unowned_period"], s["idle_timeout"])
     assert (r.detached_event_limit, r.unowned_period, r.idle_timeout, r.notes) == (100, 90.0, 0.0, [])
+
+
+# ---------------------------------------------------------------- agents.sandbox (issue 10)
+
+
+def test_agents_sandbox_defaults_to_required_and_accepts_off(tmp_path: Path) -> None:
+    assert load_config(None, {}).agents.sandbox == "required"
+    assert load_config(_file(tmp_path, '[agents]\nsandbox = "off"\n'), {}).agents.sandbox == "off"
+    assert load_config(None, {"KANDEV_AGENTS_SANDBOX": "off"}).agents.sandbox == "off"
+
+
+@pytest.mark.parametrize("value", ['"maybe"', "true", '"OFF"', '""'])
+def test_agents_sandbox_refuses_anything_else_naming_key_value_and_accepted(tmp_path: Path, value: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(_file(tmp_path, f"[agents]\nsandbox = {value}\n"), {})
+    message = str(info.value)
+    assert "agents.sandbox" in message and value in message and '"required"' in message and '"off"' in message
+    with pytest.raises(ConfigError, match="KANDEV_AGENTS_SANDBOX"):
+        load_config(None, {"KANDEV_AGENTS_SANDBOX": "sometimes"})
+    with pytest.raises(ConfigError, match="unknown setting"):
+        load_config(None, {"KANDEV_AGENTS_SANDBOXED": "off"})

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from daemon import cli, doctor
+from daemon.agentctl.sandbox import SandboxSupport
 from daemon.doctor import DoctorProbes, run_doctor
 from daemon.paths import Paths
 from daemon.platform import Probes
@@ -44,6 +45,7 @@ def probes(**over: Any) -> DoctorProbes:
         service_gid=lambda: None,
         user_ids=lambda name: (999, 999),
         head_revision=lambda: HEAD,
+        sandbox_probe=lambda env: SandboxSupport(True, None, "/usr/bin/bwrap", "0.8.0"),
     )
     return replace(base, **over)
 
@@ -273,3 +275,37 @@ def test_control_server_states_from_the_backend(home: Paths) -> None:
     restarting = by_name(run_doctor(home, env={}, probes=probes(
         backend_status=_with_server(state="restarting", pid=None, last_loss=loss))))["control_server"]
     assert not restarting.ok and "restarting" in restarting.detail
+
+
+def _status_with_sandbox(**sandbox: Any) -> Any:
+    return lambda sock: {"backend": {"state": "ready", "pid": 42, "version": "0.1.0"}, "sandbox": sandbox}
+
+
+def test_sandbox_check_says_whether_agents_are_sandboxed_and_why_not(home: Paths, tmp_path: Path) -> None:
+    """Issue 10 scenario B: doctor says why agents cannot be sandboxed, from what the running control
+    server reports through the backend, else from its own probe (which gets the backend's PATH)."""
+    ok = by_name(run_doctor(home, env={}, probes=probes(backend_status=_status_with_sandbox(
+        policy="required", available=True, sandboxed=True, version="0.8.0", reason=None))))["sandbox"]
+    assert ok.ok and "sandboxed (bubblewrap 0.8.0)" in ok.detail
+
+    reason = "bwrap (bubblewrap) is not on the PATH (/nowhere)"
+    bad = by_name(run_doctor(home, env={}, probes=probes(backend_status=_status_with_sandbox(
+        policy="required", available=False, sandboxed=False, reason=reason))))["sandbox"]
+    assert not bad.ok and reason in bad.detail and "apt-get install bubblewrap" in bad.hint
+
+    seen: list[Any] = []
+
+    def failing_probe(env: Any) -> SandboxSupport:
+        seen.append(env["PATH"])
+        return SandboxSupport(False, "bwrap cannot make a sandbox here: bwrap: No permissions to create new namespace")
+
+    local = by_name(run_doctor(home, env={"PATH": "/usr/bin"}, probes=probes(backend_status=lambda sock: None,
+                                                                            sandbox_probe=failing_probe)))["sandbox"]
+    assert not local.ok and "No permissions to create new namespace" in local.detail
+    assert "sandbox_unavailable" in local.detail and "probed by this command" in local.detail
+    assert seen == ["/usr/bin"]
+
+    conf = tmp_path / "off.toml"
+    conf.write_text('[agents]\nsandbox = "off"\n')
+    off = by_name(run_doctor(home, config_path=str(conf), env={}, probes=probes(sandbox_probe=failing_probe)))
+    assert off["sandbox"].ok and "WITHOUT a sandbox" in off["sandbox"].detail

@@ -1,0 +1,90 @@
+"""How a sandboxed agent of a managed npm runtime is started: its prepared entry, read-only.
+
+``npx --yes --prefer-offline <pkg>@<ver>`` cannot run in an agent's sandbox: npm writes into its
+cache on every run (the packument, and a ``concurrency.lock`` inside ``_npx/<key>``), and a cache
+the agent could write would let one agent rewrite the code every other agent of that runtime runs.
+So a sandboxed launch runs the runtime ``kandev runtime update AGENT`` prepared, directly:
+``<npm cache>/_npx/<key>/node_modules/.bin/<bin>`` with the runtime's ACP arguments, the tree
+``<npm cache>/_npx/<key>`` bound read-only into the sandbox, and its ``node_modules/.bin`` first on
+the PATH (as npx would set it). npm itself stays outside. With ``agents.sandbox = "off"`` agents
+still start through npx (``BuiltinAgent.argv``).
+
+The cache root is what ``npm config get cache`` prints for the backend (the control server runs
+as the same user with the same environment), checked like the repair checks it; the key is
+computed (``npx_cache.npx_key``), the bin read from the package's own ``package.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from daemon.agents.registry import BuiltinAgent
+from daemon.runtimes.npx_cache import NPX_DIR, RepairRefused, check_cache_root, npx_key
+
+RUNTIME_NOT_PREPARED = "runtime_not_prepared"
+"""The error code of a sandboxed launch of a managed runtime that was never prepared."""
+CACHE_TIMEOUT_S = 30.0
+
+
+class RuntimeNotPrepared(Exception):
+    """The runtime's prepared tree is missing or unusable; the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class PreparedRuntime:
+    command: list[str]
+    tree: Path  # <cache>/_npx/<key>, bound read-only
+    bin_dir: Path  # <tree>/node_modules/.bin, first on the PATH
+
+
+def npm_cache_root(env: dict[str, str] | None = None) -> Path:
+    """``npm config get cache``, checked (blocking). Writes nothing under the cache."""
+    try:
+        # --logs-max=0: no debug log file under the cache for this question
+        done = subprocess.run(["npm", "config", "get", "cache", "--logs-max=0"], capture_output=True, text=True,
+                              timeout=CACHE_TIMEOUT_S, env=env, stdin=subprocess.DEVNULL, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise RuntimeNotPrepared(f"cannot ask npm for its cache directory: {exc}") from None
+    if done.returncode != 0:
+        raise RuntimeNotPrepared(f"npm config get cache failed: {done.stderr.strip()[-300:]}")
+    try:
+        return check_cache_root(done.stdout)
+    except RepairRefused as exc:
+        raise RuntimeNotPrepared(f"refusing the npm cache directory: {exc}") from None
+
+
+def _bin_name(package: str, doc: object) -> str:
+    bins = doc.get("bin") if isinstance(doc, dict) else None
+    unscoped = package.rsplit("/", 1)[-1]
+    if isinstance(bins, str):
+        return unscoped
+    if isinstance(bins, dict) and bins:
+        if len(bins) == 1:
+            return str(next(iter(bins)))
+        if unscoped in bins:
+            return unscoped
+    raise RuntimeNotPrepared(f"{package}'s package.json names no single command to run")
+
+
+def prepared_runtime(agent: BuiltinAgent, cache_root: Path) -> PreparedRuntime:
+    """The prepared entry of ``agent`` under ``cache_root`` (blocking; reads its package.json)."""
+    tree = cache_root / NPX_DIR / npx_key(agent.npm_spec)
+    hint = f"run `kandev runtime update {agent.name}` to prepare it"
+    manifest = tree / "node_modules" / agent.package / "package.json"
+    try:
+        doc = json.loads(manifest.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raise RuntimeNotPrepared(f"the runtime {agent.npm_spec} is not prepared ({manifest} is missing or"
+                                 f" unreadable); {hint}") from None
+    if not isinstance(doc, dict) or doc.get("version") != agent.version:
+        raise RuntimeNotPrepared(f"{tree} does not hold {agent.npm_spec}; {hint}")
+    bin_dir = tree / "node_modules" / ".bin"
+    entry = bin_dir / _bin_name(agent.package, doc)
+    real = Path(os.path.realpath(entry))
+    if not str(real).startswith(str(Path(os.path.realpath(tree))) + os.sep) or not os.access(real, os.X_OK):
+        raise RuntimeNotPrepared(f"{entry} is not an executable inside {tree}; {hint}")
+    return PreparedRuntime([str(entry), *agent.acp_args], tree, bin_dir)

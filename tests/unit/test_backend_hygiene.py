@@ -1,0 +1,80 @@
+"""The home's hygiene pass (daemon/backend/hygiene.py), on a real directory tree (issue 10, item 9).
+
+The integration test tests/integration/test_sandbox.py checks the same on a home the real daemons
+made; here every rule gets its own case, loose modes set on purpose."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+from pathlib import Path
+
+from daemon.backend.hygiene import tidy_home
+from daemon.paths import Paths, run_dir_mode
+
+
+def mode(p: Path) -> int:
+    return stat.S_IMODE(os.lstat(p).st_mode)
+
+
+def test_everything_private_but_the_run_dir_and_cli_socket(tmp_path: Path) -> None:
+    paths = Paths.for_home(tmp_path / "home")
+    paths.ensure()
+    files = {
+        paths.db_path: 0o644, paths.home / "installation-id": 0o640, paths.logs_dir / "backend.log": 0o644,
+        paths.logs_dir / "agentctl.log": 0o640, paths.logs_dir / "agents" / "x.stderr.log": 0o644,
+        paths.agentctl_dir / "launch.json": 0o640,
+        paths.home / "sessions" / "s1" / "agent" / "tool": 0o755,  # an agent's executable keeps its x bit
+    }
+    for f, m in files.items():
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text("x")
+        os.chmod(f, m)
+    tree = paths.worktrees_dir / "t1"
+    (tree / "src").mkdir(parents=True)
+    (tree / "src" / "run.sh").write_text("#!/bin/sh\n")
+    os.chmod(tree / "src" / "run.sh", 0o755)
+    for d in (paths.logs_dir, paths.logs_dir / "agents", paths.worktrees_dir, tree, paths.home / "sessions",
+              paths.home / "sessions" / "s1", paths.home / "sessions" / "s1" / "agent"):
+        os.chmod(d, 0o755)
+    os.chmod(paths.run_dir, 0o755)
+    cli = socket.socket(socket.AF_UNIX)
+    cli.bind(str(paths.backend_socket))
+    os.chmod(paths.backend_socket, 0o666)
+    ctl = socket.socket(socket.AF_UNIX)
+    ctl.bind(str(paths.run_dir / "agentctl-1.sock"))
+    os.chmod(paths.run_dir / "agentctl-1.sock", 0o660)
+    outside = tmp_path / "outside"
+    outside.write_text("not ours to change")
+    os.chmod(outside, 0o644)
+    (paths.logs_dir / "link").symlink_to(outside)
+    try:
+        out = tidy_home(paths, keep_credentials=())
+    finally:
+        cli.close()
+        ctl.close()
+    for f, m in files.items():
+        assert mode(f) == m & 0o700, f
+    for d in (paths.logs_dir, paths.logs_dir / "agents", paths.worktrees_dir, tree, paths.home / "sessions",
+              paths.home / "sessions" / "s1", paths.home / "sessions" / "s1" / "agent", paths.secrets_dir,
+              paths.agentctl_dir):
+        assert mode(d) == 0o700, d
+    assert mode(paths.run_dir) == run_dir_mode()
+    assert mode(paths.backend_socket) == 0o660 and mode(paths.run_dir / "agentctl-1.sock") == 0o600
+    assert mode(tree / "src" / "run.sh") == 0o755  # a workspace's content is the agent's work, not walked
+    assert mode(outside) == 0o644  # a symlink is never followed
+    assert out.modes and not out.removed
+
+
+def test_credential_files_of_gone_servers_and_the_bootstrap_are_removed(tmp_path: Path) -> None:
+    paths = Paths.for_home(tmp_path / "home")
+    paths.ensure()
+    for name in ("agentctl-cred-aaaa", "agentctl-cred-bbbb", "agentctl-cred-cccc", "agentctl-bootstrap",
+                 "github-token-of-someone"):
+        (paths.secrets_dir / name).write_text("x")
+    out = tidy_home(paths, keep_credentials={"agentctl-cred-bbbb"})
+    left = sorted(os.listdir(paths.secrets_dir))
+    assert left == ["agentctl-cred-bbbb", "github-token-of-someone"]
+    assert sorted(Path(p).name for p in out.removed) == ["agentctl-bootstrap", "agentctl-cred-aaaa",
+                                                         "agentctl-cred-cccc"]
