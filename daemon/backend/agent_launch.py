@@ -7,7 +7,7 @@
 - The sandbox request (``daemon.agentctl.sandbox.SandboxRequest``): the policy from
   ``agents.sandbox``; read-write the agent's state and lease directories (the workspace is added
   by the control server from the cwd); read-only the endpoint's directory; hidden the kandev home,
-  the configured token file and the configuration file, wherever they lie.
+  ``/etc/kandev``, the configured token file and the configuration file, wherever they lie.
 
 ``agent_command`` is the agent's command line: the built-in one, or for a managed npm runtime in a
 sandbox its prepared entry (``daemon.runtimes.launch``). ``prepare`` is for a launch that gets a
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from daemon.agentctl.sandbox import SANDBOX_UNAVAILABLE, SandboxPolicy, SandboxRequest
 from daemon.agents.mock_store import STATE_DIR_ENV
 from daemon.agents.registry import BuiltinAgent
-from daemon.config import Config
+from daemon.config import DEFAULT_CONFIG_FILE, Config
 from daemon.credentials import GitCredentials
 from daemon.credentials.agent_env import agent_git_env
 from daemon.credentials.broker import POLICY_GITHUB_LEASE
@@ -77,7 +77,7 @@ async def agent_command(backend: Backend, agent: BuiltinAgent) -> AgentCommand:
 
 
 def sandbox_request(config: Config, paths: Paths, dirs: SessionDirs, readonly: tuple[str, ...] = ()) -> SandboxRequest:
-    hidden = [str(paths.home)]
+    hidden = [str(paths.home), str(DEFAULT_CONFIG_FILE.parent)]  # kandev's own config directory, /etc/kandev
     if config.credentials.github_token_file:
         hidden.append(config.credentials.github_token_file)
     if config.source:

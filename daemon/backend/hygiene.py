@@ -13,8 +13,12 @@ Rules (run by the backend once its startup recovery is done, off the event loop)
   ``sessions`` and, of ``worktrees``, the directory and each worktree's top directory (a
   workspace's own content is the agent's work: with its top directory 0700 nobody else reaches it).
   Symlinks are never followed, files of other owners never touched.
-- ``secrets/agentctl-cred-*`` of control servers that are gone are removed: only the credential of
-  the recorded server and of the servers this backend runs are kept. The bootstrap credential
+- A secret file (``secrets/``) whose mode is loose is left as it is: it may have been read, kandev
+  refuses to use it (``daemon.paths.read_secret_file``), and making it private would launder it.
+- ``secrets/agentctl-cred-*`` of control servers that are gone are removed. Kept: the recorded
+  server's credential, those of the servers this backend runs, and every credential a control
+  server still answering in ``run/`` proves it holds (a survivor this backend did not adopt keeps
+  running until its unowned shutdown, and its credential is not thrown away). The bootstrap credential
   (``secrets/agentctl-bootstrap``, read by systemd when it starts ``kandev-agentctl.service``) is
   removed by the launcher once the server answered; a leftover (a backend that died between
   writing it and starting the unit) is removed here.
@@ -30,9 +34,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from daemon.agentctl import auth
+from daemon.agentctl.launch import LaunchError, read_credential_file
 from daemon.journal import log_event
 from daemon.paths import Paths, run_dir_mode
 from daemon.store.models import ControlServerRecord
+from ipc.client import AsyncClient
+from ipc.errors import IpcError
 
 if TYPE_CHECKING:
     from daemon.backend.app import Backend
@@ -40,6 +48,7 @@ if TYPE_CHECKING:
 CREDENTIAL_PREFIX = "agentctl-cred-"
 BOOTSTRAP = "agentctl-bootstrap"
 PRIVATE_DIRS = ("logs", "secrets", "agentctl", "sessions", "agents")
+PROVE_TIMEOUT_S = 2.0
 MAX_ENTRIES = 200_000  # a bound on the walk (agents' state can be large); the rest waits for the next start
 
 
@@ -86,7 +95,8 @@ def _walk(top: Path, limit: int) -> Iterator[tuple[Path, bool]]:
 
 
 def tidy_home(paths: Paths, keep_credentials: Collection[str]) -> Tidied:
-    """One pass of the rules above; ``keep_credentials``: the ``agentctl-cred-*`` names in use."""
+    """One pass of the rules above (blocking); ``keep_credentials``: the ``agentctl-cred-*`` names
+    in use."""
     out = Tidied()
     home = paths.home
     try:
@@ -113,6 +123,8 @@ def tidy_home(paths: Paths, keep_credentials: Collection[str]) -> Tidied:
             _fix(path, 0o700, out)
             if entry.name in PRIVATE_DIRS:
                 for sub, _is_dir in _walk(path, MAX_ENTRIES):
+                    if sub.parent == paths.secrets_dir and not _is_dir:
+                        continue  # a loose secret stays refused, never laundered (see above)
                     _fix(sub, None, out)
         else:
             _fix(path, 0o600, out)
@@ -132,14 +144,66 @@ def tidy_home(paths: Paths, keep_credentials: Collection[str]) -> Tidied:
     return out
 
 
-async def tidy_home_async(backend: Backend) -> Tidied:
-    """``tidy_home`` for a backend whose startup recovery is done: the credentials kept are the
-    recorded server's and those of the servers it runs; the pass runs off the event loop."""
+def _candidates(paths: Paths) -> dict[str, bytes | None]:
+    """Every ``agentctl-cred-*`` file, with its credential (None when it cannot be read safely)."""
+    out: dict[str, bytes | None] = {}
+    try:
+        names = os.listdir(paths.secrets_dir)
+    except OSError:
+        return out
+    for name in names:
+        if name.startswith(CREDENTIAL_PREFIX):
+            try:
+                out[name] = read_credential_file(paths.secrets_dir / name)
+            except LaunchError:
+                out[name] = None
+    return out
+
+
+async def _proven(socket_path: Path, candidates: dict[str, bytes], installation_id: str) -> set[str]:
+    """The candidates the server at ``socket_path`` proves it holds (nothing if it does not answer)."""
+    try:
+        conn = await AsyncClient.connect(socket_path, timeout=PROVE_TIMEOUT_S, hello=False)
+    except (IpcError, OSError):
+        return set()
+    try:
+        info = await conn.call("identify", timeout=PROVE_TIMEOUT_S)
+        identity = info.get("server_identity") if isinstance(info, dict) else None
+        if not isinstance(identity, str) or not identity:
+            return set()
+        challenge = auth.new_challenge()
+        answer = await conn.call("prove", {"challenge": challenge}, timeout=PROVE_TIMEOUT_S)
+    except (IpcError, OSError):
+        return set()
+    finally:
+        await conn.close()
+    proofs = answer.get("proofs") if isinstance(answer, dict) else None
+    if not isinstance(proofs, list):
+        return set()
+    return {name for name, cred in candidates.items()
+            if any(auth.verify(auth.server_proof(cred, challenge, identity, installation_id), p) for p in proofs[:2])}
+
+
+async def credentials_in_use(backend: Backend) -> set[str]:
+    """The ``agentctl-cred-*`` names that must stay (see the module docstring)."""
     keep = {h.credential_ref for h in (backend.handle, backend.passthrough_handle) if h is not None}
     with backend.store.session() as db:
         rec = db.get(ControlServerRecord, 1)
         if rec is not None and rec.credential_ref:
             keep.add(rec.credential_ref)
+    candidates = await asyncio.to_thread(_candidates, backend.paths)
+    keep |= {name for name, cred in candidates.items() if cred is None}  # unreadable: not ours to judge
+    readable = {name: cred for name, cred in candidates.items() if cred is not None and name not in keep}
+    if readable:
+        sockets = await asyncio.to_thread(lambda: sorted(backend.paths.run_dir.glob("agentctl-*.sock")))
+        for sock in sockets:
+            keep |= await _proven(sock, readable, backend.installation_id)
+    return keep
+
+
+async def tidy_home_async(backend: Backend) -> Tidied:
+    """``tidy_home`` for a backend whose startup recovery is done (the pass runs off the event loop)."""
+    keep = await credentials_in_use(backend)
     out = await asyncio.to_thread(tidy_home, backend.paths, keep)
     if out.modes or out.removed:
         log_event("home_tidied", f"home {backend.paths.home}: {len(out.modes)} mode(s) made private"

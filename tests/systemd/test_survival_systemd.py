@@ -161,7 +161,13 @@ def test_scenario_d_survives_kill_and_restart_then_stop_control_server(booted: S
     gh_task = cli("task", "create", "--title", "github", "--workspace", REPO)["task_id"]
     gh_sid = cli("session", "start", gh_task)["session_id"]
     gh = cli.show(gh_sid)
+    old = _main_pid(box, "kandev-backend.service")
     box.systemctl("kill", "-s", "KILL", "kandev-backend.service")
+    assert box.wait_for(
+        lambda: _main_pid(box, "kandev-backend.service") not in ("0", old)
+        and box.prop("kandev-backend.service", "ActiveState") == "active",
+        timeout=60,
+    ), "backend was not restarted after SIGKILL"
     assert box.wait_for(lambda: cli.show(gh_sid)["retracked"], timeout=60)
     assert (cli.show(gh_sid)["agent_pid"], cli.show(gh_sid)["agent_pid_start_time"]) == (
         gh["agent_pid"], gh["agent_pid_start_time"])

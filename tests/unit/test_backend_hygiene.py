@@ -45,12 +45,15 @@ def test_everything_private_but_the_run_dir_and_cli_socket(tmp_path: Path) -> No
     ctl = socket.socket(socket.AF_UNIX)
     ctl.bind(str(paths.run_dir / "agentctl-1.sock"))
     os.chmod(paths.run_dir / "agentctl-1.sock", 0o660)
+    exposed = paths.secrets_dir / "agentctl-cred-exposed"
+    exposed.write_text("x")
+    os.chmod(exposed, 0o644)  # refused by kandev's readers; must not be made trustworthy again
     outside = tmp_path / "outside"
     outside.write_text("not ours to change")
     os.chmod(outside, 0o644)
     (paths.logs_dir / "link").symlink_to(outside)
     try:
-        out = tidy_home(paths, keep_credentials=())
+        out = tidy_home(paths, keep_credentials={"agentctl-cred-exposed"})
     finally:
         cli.close()
         ctl.close()
@@ -64,6 +67,7 @@ def test_everything_private_but_the_run_dir_and_cli_socket(tmp_path: Path) -> No
     assert mode(paths.backend_socket) == 0o660 and mode(paths.run_dir / "agentctl-1.sock") == 0o600
     assert mode(tree / "src" / "run.sh") == 0o755  # a workspace's content is the agent's work, not walked
     assert mode(outside) == 0o644  # a symlink is never followed
+    assert mode(exposed) == 0o644  # a loose secret is left loose (and refused), never laundered
     assert out.modes and not out.removed
 
 
