@@ -54,11 +54,13 @@ import contextlib
 import hashlib
 import logging
 import os
+import signal
 import sys
 import uuid
 from typing import Any
 
 import acp
+import psutil
 from acp import RequestError, update_agent_message_text, update_user_message_text
 from acp.core import DEFAULT_STDIO_BUFFER_LIMIT_BYTES
 from acp.interfaces import Client
@@ -384,16 +386,34 @@ async def _shell(command: str, cwd: str, cancel: asyncio.Event) -> tuple[str, bo
     try:
         await asyncio.wait([reader, cancelled], return_when=asyncio.FIRST_COMPLETED)
         if not reader.done():
-            proc.terminate()
-            try:
-                await within(asyncio.shield(reader), 2.0)
-            except TimeoutError:
-                proc.kill()
-                await reader
+            # sh and everything it started (they share the agent's process group, so the agent's
+            # own stop still reaches them): SIGTERM, then SIGKILL what is left.
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                _signal_tree(proc.pid, sig)
+                with contextlib.suppress(TimeoutError):
+                    await within(asyncio.shield(reader), 2.0)
+                if reader.done():
+                    break
+            if not reader.done():
+                reader.cancel()  # something escaped and holds the pipe: stop reading it
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reader
     finally:
         cancelled.cancel()
     output = kept.decode("utf-8", errors="replace")
     return f"sh: exit={proc.returncode}\n{output}", cancel.is_set()
+
+
+def _signal_tree(pid: int, sig: int) -> None:
+    """Signal ``pid`` and all its descendants (children first found, then the parent)."""
+    try:
+        parent = psutil.Process(pid)
+        family = [*parent.children(recursive=True), parent]
+    except psutil.Error:
+        return
+    for p in family:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(sig)
 
 
 def _first_line(text: str) -> str:

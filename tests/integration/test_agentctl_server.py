@@ -457,6 +457,47 @@ def test_instance_runs_in_its_own_process_group_and_is_enumerated(server: Server
     assert (server.home / "logs" / "agents" / f"{created['instance_id']}.stderr.log").exists()
 
 
+def test_issue_10_agents_run_in_their_sandbox_unless_the_policy_is_off(server: Server):
+    """Issue 10 scenario A at the control server: ``sandbox_status`` (authenticated; identify stays
+    pathless) says a sandbox can be made; a required sandbox (the default) runs the agent under
+    bwrap as its group leader, in its own pid namespace (it sees only its own tree), unable to
+    see the server's home; ``policy: off`` runs it as before. Both are enumerated with
+    ``sandboxed``."""
+
+    async def scenario() -> tuple[dict[str, Any], list[dict[str, Any]], list[Event], list[Event]]:
+        async with await server.connect() as client:
+            status = await client.sandbox_status(refresh=True)
+            boxed = await server.create(client, session_id="boxed")
+            plain = await server.create(client, session_id="plain", sandbox={"policy": "off"})
+            listed = await client.list_instances()
+            out = []
+            for created in (boxed, plain):
+                iid = created["instance_id"]
+                probe = f"/sh ls /proc | grep -c '^[0-9]'; ls {server.home}/agentctl"
+                turn = await client.prompt(iid, probe)
+                await wait_outcome(client, iid, turn)
+                stream = await client.attach(iid, 0)
+                try:
+                    out.append(await collect_until(stream, turn_ended(turn)))
+                finally:
+                    await stream.close()
+            return status, listed, out[0], out[1]
+
+    status, listed, boxed_events, plain_events = run(scenario())
+    assert status["available"] is True and status["mechanism"] == "bubblewrap" and status["reason"] is None
+    by_session = {e["session_id"]: e for e in listed}
+    assert by_session["boxed"]["sandboxed"] is True and by_session["plain"]["sandboxed"] is False
+    leader = psutil.Process(by_session["boxed"]["pid"])
+    assert os.path.basename(leader.cmdline()[0]) == "bwrap" and leader.pid == os.getpgid(leader.pid)
+    assert os.path.basename(psutil.Process(by_session["plain"]["pid"]).cmdline()[0]).startswith("python")
+    boxed_said, plain_said = chunks(boxed_events)[-1], chunks(plain_events)[-1]
+    processes = int(boxed_said.splitlines()[1])
+    assert processes <= 8, boxed_said  # its own tree: bwrap's init, env/mock, sh, ls, grep
+    assert "credential" not in boxed_said and not boxed_said.startswith("sh: exit=0\n"), boxed_said
+    # what a guest must not see: the host's processes, the server's credential
+    assert int(plain_said.splitlines()[1]) > processes and "credential" in plain_said, plain_said
+
+
 def test_slow_prompt_streams_chunks_in_order_then_turn_ended(server: Server):
     """design.md §1: seq follows arrival order; turn_ended comes after every update of its turn."""
 

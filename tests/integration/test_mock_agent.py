@@ -286,6 +286,41 @@ def test_permission_reports_the_answer(spawn, workspace, answer, text, stop_reas
 
 
 @pytest.mark.timeout(60)
+def test_sh_runs_in_the_session_cwd_and_reports_exit_code_and_the_first_4_kib(spawn, workspace):
+    """Issue 10 item 4: ``/sh CMD`` is ``sh -c CMD`` as the agent's child in the session's cwd;
+    one chunk ``sh: exit=<code>``, a newline, the first 4 KiB of stdout and stderr combined."""
+    async def scenario() -> None:
+        async with spawn(workspace) as agent:
+            await agent.initialize()
+            sid = (await agent.new_session(workspace)).session_id
+            assert await agent.prompt(sid, "/sh pwd; echo oops >&2; echo $PPID; exit 3") == "end_turn"
+            head, cwd, err, ppid = agent.client.agent_texts()[-1].splitlines()
+            assert (head, cwd, err) == ("sh: exit=3", str(workspace), "oops") and int(ppid) == agent.proc.pid
+            await agent.prompt(sid, "/sh yes kandev | head -c 100000")
+            said = agent.client.agent_texts()[-1]
+            assert said.startswith("sh: exit=0\n") and len(said) == len("sh: exit=0\n") + 4096
+            assert await agent.prompt(sid, "/sh") == "end_turn"  # no command: plain text, echoed
+            assert agent.client.agent_texts()[-1] == "echo: /sh"
+
+    run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_sh_is_ended_by_a_cancel(spawn, workspace):
+    async def scenario() -> None:
+        async with spawn(workspace) as agent:
+            await agent.initialize()
+            sid = (await agent.new_session(workspace)).session_id
+            turn = asyncio.ensure_future(agent.prompt(sid, "/sh sleep 300"))
+            await asyncio.sleep(0.5)
+            await agent.conn.cancel(session_id=sid)
+            assert await turn == "cancelled"
+            assert agent.client.agent_texts()[-1].startswith("sh: exit=-15")
+
+    run(scenario())
+
+
+@pytest.mark.timeout(60)
 def test_fail_answers_the_prompt_with_an_error(spawn, workspace):
     async def scenario() -> None:
         async with spawn(workspace) as agent:

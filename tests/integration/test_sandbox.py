@@ -268,3 +268,27 @@ def test_scenario_b_no_sandbox_no_agent_then_off_runs_unsandboxed_and_warns(kand
     assert "agent_unsandboxed" in log and sid in log and "WARNING" in log
     sandbox = k.status()["sandbox"]
     assert sandbox["policy"] == "off" and sandbox["sandboxed"] is False and "off" in sandbox["reason"]
+
+
+def test_scenario_a_a_worktree_agent_commits_through_the_repository_git_dir(kandev_factory: Any,
+                                                                          short_tmp: Path) -> None:
+    """Issue 10 scenario A for the worktree executor: the worktree's ``.git`` file names a git
+    directory inside the repository's ``.git``; the sandbox binds that repository git directory
+    (not the repository's working tree), so git in the agent commits, and the commit is in the
+    repository, while the repository's own files stay out of view."""
+    repo = _repo(short_tmp / "wt-repo", "https://example.invalid/x.git")
+    (repo / "secret-of-the-main-tree.txt").write_text("not the agent's\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "root"], cwd=repo, check=True, timeout=30)
+    k = kandev_factory()
+    k.up()
+    task = k.cli("task", "create", "--title", "wt", "--executor", "worktree", "--workspace", str(repo))["task_id"]
+    sid = k.cli("session", "start", task)["session_id"]
+    denied = {"main_tree": ["cat", str(repo / "secret-of-the-main-tree.txt")]}
+    allowed = {"commit": [*git, "commit", "-q", "--allow-empty", "-m", "from the sandbox"],
+               "status": ["git", "status", "--porcelain"]}
+    said = says(k, sid, "/sh " + attack_script(denied, allowed))
+    assert not attack_verdicts(said, denied, allowed), said
+    log = subprocess.run(["git", "log", "--format=%s", f"kandev/{task}"], cwd=repo, capture_output=True,
+                         text=True, check=True, timeout=30).stdout.split("\n")
+    assert log[0] == "from the sandbox"
