@@ -30,6 +30,7 @@ from daemon.credentials.signing import decode_capability, existing_signing_key, 
 from daemon.session_dirs import SessionDirs
 from daemon.store.db import Store
 from ipc.connection import ConnectionContext
+from ipc.errors import ErrorCode, IpcError
 from ipc.schema import Op, OpTable
 from ipc.server import IpcServer
 
@@ -67,10 +68,14 @@ class CredentialEndpoints:
         """Serve ``session_id``'s endpoint (idempotent); its directories are created if missing."""
         async with self._lock:
             if session_id not in self._servers:
-                dirs = await asyncio.to_thread(SessionDirs.for_session(self.home, session_id).ensure)
-                server = IpcServer(dirs.endpoint_socket, TABLE, self._handlers(session_id), socket_mode=0o600,
-                                   max_connections=MAX_CONNECTIONS)
-                await server.start()
+                try:
+                    dirs = await asyncio.to_thread(SessionDirs.for_session(self.home, session_id).ensure)
+                    server = IpcServer(dirs.endpoint_socket, TABLE, self._handlers(session_id), socket_mode=0o600,
+                                       max_connections=MAX_CONNECTIONS)
+                    await server.start()
+                except (OSError, ValueError) as exc:  # e.g. a home whose socket paths are too long
+                    raise IpcError(ErrorCode.INVALID_ARGUMENT,
+                                   f"cannot serve session {session_id}'s git credential endpoint: {exc}") from None
                 self._servers[session_id] = server
             return Path(self._servers[session_id].path)
 
@@ -96,7 +101,7 @@ class CredentialEndpoints:
             if await asyncio.to_thread(lease.exists):
                 try:
                     await self.open(sid)
-                except (OSError, ValueError) as exc:
+                except IpcError as exc:
                     log.error("session %s: cannot serve its credential endpoint: %s", sid, exc)
 
     # ------------------------------------------------------------ the two ops
