@@ -36,6 +36,8 @@ class ErrorCode:
     BUFFERS_FULL = "buffers_full"  # the server's receive buffers (all connections together) are at their cap
     IDLE_TIMEOUT = "idle_timeout"  # the server closed a connection that sent no request for too long
     AMBIGUOUS_ID = "ambiguous_id"  # an id prefix matches more than one object (details: candidates)
+    SANDBOX_UNAVAILABLE = "sandbox_unavailable"  # agents.sandbox = required, and no agent sandbox can be made
+    RUNTIME_NOT_PREPARED = "runtime_not_prepared"  # a sandboxed npm agent whose runtime was never prepared
 
 
 _RETRYABLE_BY_DEFAULT = frozenset(

@@ -52,10 +52,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ipc.errors import IpcError
+from ipc.errors import ErrorCode, IpcError
 
 BWRAP = "bwrap"
-SANDBOX_UNAVAILABLE = "sandbox_unavailable"
+SANDBOX_UNAVAILABLE = ErrorCode.SANDBOX_UNAVAILABLE
 """The error code of a launch refused because the sandbox cannot be made (``agents.sandbox = required``)."""
 FALLBACK_UID = 1000
 SERVICE_USER = "kandev"
@@ -89,7 +89,7 @@ def unavailable(reason: str) -> IpcError:
 
 
 def _bad(message: str) -> IpcError:
-    return IpcError("invalid_argument", f"create_instance: sandbox: {message}")
+    return IpcError(ErrorCode.INVALID_ARGUMENT, f"create_instance: sandbox: {message}")
 
 
 def _paths(doc: Mapping[str, Any], key: str) -> tuple[str, ...]:
@@ -480,5 +480,5 @@ def hidden_ok(request: SandboxRequest, cwd: str, extra_hidden: Sequence[str] = (
     workspace = os.path.realpath(cwd)
     for h in (*request.hidden, *extra_hidden):
         if os.path.realpath(h) == workspace:
-            raise IpcError("invalid_argument", f"create_instance: the workspace {cwd} is a path agents may"
+            raise IpcError(ErrorCode.INVALID_ARGUMENT, f"create_instance: the workspace {cwd} is a path agents may"
                            " not see (the kandev home, a secret); give the task its own directory")

@@ -27,6 +27,7 @@ from daemon.config import CredentialsConfig
 from daemon.credentials import CredentialError, ScopeDenied, redeem_lease, reissue_lease
 from daemon.credentials.errors import CapabilityInvalid
 from daemon.credentials.signing import decode_capability, existing_signing_key, lease_claims_unverified
+from daemon.limits import IDLE_CONNECTION_TIMEOUT_S
 from daemon.session_dirs import SessionDirs
 from daemon.store.db import Store
 from ipc.connection import ConnectionContext
@@ -44,7 +45,12 @@ TABLE = OpTable(PROTOCOL, VERSION, [
     Op("credential_reissue", required={"capability": str}, auth=False,
        doc="a new lease for this session's capability -> {lease_token, lease_id}"),
 ])
-MAX_CONNECTIONS = 16  # one git process at a time is the rule; a few in parallel are fine
+# The one socket an agent (untrusted) can reach: small bounds everywhere. A request is a few hundred
+# bytes; git asks once per remote operation.
+MAX_CONNECTIONS = 16
+MAX_FRAME = 64 * 1024
+MAX_INFLIGHT = 4
+BUFFER_LIMIT = 1024 * 1024
 
 
 class CredentialEndpoints:
@@ -71,7 +77,9 @@ class CredentialEndpoints:
                 try:
                     dirs = await asyncio.to_thread(SessionDirs.for_session(self.home, session_id).ensure)
                     server = IpcServer(dirs.endpoint_socket, TABLE, self._handlers(session_id), socket_mode=0o600,
-                                       max_connections=MAX_CONNECTIONS)
+                                       max_connections=MAX_CONNECTIONS, max_frame=MAX_FRAME,
+                                       max_inflight_per_connection=MAX_INFLIGHT,
+                                       idle_timeout=IDLE_CONNECTION_TIMEOUT_S, buffer_limit=BUFFER_LIMIT)
                     await server.start()
                 except (OSError, ValueError) as exc:  # e.g. a home whose socket paths are too long
                     raise IpcError(ErrorCode.INVALID_ARGUMENT,

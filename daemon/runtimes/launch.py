@@ -24,8 +24,9 @@ from pathlib import Path
 
 from daemon.agents.registry import BuiltinAgent
 from daemon.runtimes.npx_cache import NPX_DIR, RepairRefused, check_cache_root, npx_key
+from ipc.errors import ErrorCode
 
-RUNTIME_NOT_PREPARED = "runtime_not_prepared"
+RUNTIME_NOT_PREPARED = ErrorCode.RUNTIME_NOT_PREPARED
 """The error code of a sandboxed launch of a managed runtime that was never prepared."""
 CACHE_TIMEOUT_S = 30.0
 
