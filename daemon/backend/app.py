@@ -371,6 +371,8 @@ class Backend:
         if claims is not None:
             await cancel_and_wait(claims)
         dropped = await self.executions.drop(lambda ex: ex.passthrough == passthrough, "interrupted")
+        for ex in dropped:  # their agents died with the server: nobody left to serve
+            self.endpoints.close_soon(ex.session_id)
         tracked = [LostAgent(ex.session_id, ex.agent_pid, ex.agent_pid_start_time, ex.last_seq) for ex in dropped]
         with self.store.session() as db:
             repaired = repair_lost_server(db, endpoint=handle.endpoint, tracked=tracked, reason=loss.reason,
