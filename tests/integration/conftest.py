@@ -225,19 +225,21 @@ def group_alive(pgid: int) -> bool:
 
 
 def mock_agents(home: Path) -> set[int]:
-    """Pids of every live mock-agent process started for this Kandev home (its environment names
-    the home's mock state directory), whoever started it: finds orphans no session accounts for."""
-    state_dir = str(home / "agents")
+    """Pids of every live mock agent started for this Kandev home (its environment names the mock
+    state directory of one of the home's sessions), whoever started it: finds orphans no session
+    accounts for. An agent is counted by its process-group leader, the pid a session shows: the
+    sandbox's bwrap (whose argv and environment are the mock's too), or the mock itself."""
+    state_dir = str(home / "sessions") + os.sep
     found: set[int] = set()
     for proc in psutil.process_iter(["pid", "cmdline"]):
         try:
             if "daemon.agents.mock" not in " ".join(proc.info["cmdline"] or []):
                 continue
-            if proc.status() == psutil.STATUS_ZOMBIE:
+            if proc.status() == psutil.STATUS_ZOMBIE or os.getpgid(proc.pid) != proc.pid:
                 continue
             if (proc.environ().get("KANDEV_MOCK_STATE_DIR") or "").startswith(state_dir):
                 found.add(proc.pid)
-        except psutil.Error:
+        except (psutil.Error, ProcessLookupError):
             continue
     return found
 
