@@ -75,6 +75,9 @@ def warnings(status: dict[str, Any]) -> list[str]:
     adoption = status.get("adoption") or {}
     if adoption.get("outcome") == "refused":
         out.append(f"the control server could not be adopted: {adoption.get('reason')}")
+    sandbox = status.get("sandbox") or {}
+    if sandbox.get("sandboxed") is False:
+        out.append(f"agents are not sandboxed: {sandbox.get('reason') or 'unknown'}")
     return out
 
 

@@ -74,6 +74,15 @@ def test_status_shows_warnings_first_and_every_field_it_does_not_know() -> None:
     assert not any(line.lstrip().startswith(("{", "[")) for line in lines)
 
 
+def test_status_warns_when_agents_are_not_sandboxed() -> None:
+    """Issue 10: an unsandboxed agent is something to see first (off, or a sandbox that cannot be made)."""
+    base: dict[str, Any] = {"backend": {"pid": 1, "version": "0.1.0", "state": "ready"}}
+    ok = {**base, "sandbox": {"policy": "required", "sandboxed": True, "available": True, "reason": None}}
+    assert not any("Warning" in line for line in render_status(ok, Term()))
+    off = {**base, "sandbox": {"policy": "off", "sandboxed": False, "reason": 'agents.sandbox = "off"'}}
+    assert 'agents are not sandboxed: agents.sandbox = "off"' in render_status(off, Term())[1]
+
+
 def test_an_ambiguous_id_error_lists_the_candidates_and_a_hint() -> None:
     err = IpcError(ErrorCode.AMBIGUOUS_ID, "x", False,
                    {"kind": "task", "given": "abcd", "candidates": ["abcd1", "abcd2"], "total": 2})
