@@ -128,10 +128,11 @@ async def drain(stream: EventStream, seen: list[Any]) -> str:
 
 
 def term_ignoring_agent() -> list[str]:
-    """The mock agent with a TERM-ignoring member in its process group: stopping the group then takes
-    the 3 s grace and a SIGKILL, which holds the server in its shutdown long enough to be observed."""
-    sleeper = "(trap '' TERM; exec sleep 120 </dev/null >/dev/null 2>&1) &"
-    return ["/bin/sh", "-c", f"{sleeper} exec {shlex.quote(sys.executable)} -m daemon.agents.mock"]
+    """The mock agent ignoring TERM itself (a stubborn agent): stopping its group then takes the 3 s
+    grace and a SIGKILL, which holds the server in its shutdown long enough to be observed. (A
+    TERM-ignoring child of a mock that dies on TERM no longer does: in its sandbox, the agent's exit
+    ends the pid namespace and every process in it at once.)"""
+    return ["/bin/sh", "-c", f"trap '' TERM; exec {shlex.quote(sys.executable)} -m daemon.agents.mock"]
 
 
 # ---------------------------------------------------------------- rotation
