@@ -108,6 +108,7 @@ from acp.schema import (
 from daemon.agentctl.events import EventLog, Subscription
 from daemon.agentctl.protocol import EventKind
 from daemon.journal import log_event
+from daemon.version import VERSION
 from ipc.aio import within
 from ipc.errors import ErrorCode, IpcError
 
@@ -130,7 +131,7 @@ DEFAULT_DETACHED_EVENT_LIMIT = 100
 """The ``agentctl.detached_event_limit`` default; the server passes the validated setting."""
 INHERITED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TERM", "USER", "LOGNAME")
 CLIENT_NAME = "kandev-agentctl"
-CLIENT_VERSION = "0.1.0"
+CLIENT_VERSION = VERSION
 
 _PR_SET_PDEATHSIG = 1
 

@@ -44,6 +44,7 @@ from daemon.platform import CapabilityStatus
 from daemon.store import transitions
 from daemon.store.board import board
 from daemon.store.db import Store
+from daemon.version import VERSION as KANDEV_VERSION
 from daemon.store.models import ControlServerRecord, ExecutorRunning, Message, Task, TaskSession, Turn
 from ipc.aio import cancel_and_wait
 from ipc.errors import ErrorCode, IpcError
@@ -51,7 +52,7 @@ from ipc.server import ConnectionContext
 
 log = logging.getLogger(__name__)
 
-VERSION = "0.1.0"
+VERSION = KANDEV_VERSION
 EXECUTORS = ("local", "worktree")
 
 

@@ -17,6 +17,7 @@ from daemon import cli, doctor
 from daemon.doctor import DoctorProbes, run_doctor
 from daemon.paths import Paths
 from daemon.platform import Probes
+from daemon.version import VERSION
 
 HEAD = "0001"
 
@@ -36,7 +37,7 @@ def probes(**over: Any) -> DoctorProbes:
             cgroup=lambda: "0::/user.slice/user-1000.slice/session-1.scope\n",
         ),
         systemctl_show=lambda unit, props: None,
-        backend_status=lambda sock: {"backend": {"state": "ready", "pid": 42, "version": "0.1.0"}},
+        backend_status=lambda sock: {"backend": {"state": "ready", "pid": 42, "version": VERSION}},
         which=lambda name, path: f"/usr/bin/{name}",
         version=lambda exe: "v20.0.0",
         euid=os.geteuid,
@@ -245,8 +246,8 @@ def test_cli_doctor_exit_code_and_json(tmp_path: Path, capsys: pytest.CaptureFix
 def test_cli_agents_lists_builtin_agents(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["--json", "agents"]) == 0
     agents = json.loads(capsys.readouterr().out)["agents"]
-    assert {"name": "mock", "package": "daemon.agents.mock", "version": "0.1.0"} in agents
+    assert {"name": "mock", "package": "daemon.agents.mock", "version": VERSION} in agents
     assert cli.main(["agents"]) == 0
     lines = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
     assert lines == [[a["name"], a["package"], a["version"]] for a in agents]  # one line per agent, same order
-    assert ["mock", "daemon.agents.mock", "0.1.0"] in lines
+    assert ["mock", "daemon.agents.mock", VERSION] in lines
