@@ -44,8 +44,8 @@ from daemon.platform import CapabilityStatus
 from daemon.store import transitions
 from daemon.store.board import board
 from daemon.store.db import Store
-from daemon.version import VERSION as KANDEV_VERSION
 from daemon.store.models import ControlServerRecord, ExecutorRunning, Message, Task, TaskSession, Turn
+from daemon.version import VERSION as KANDEV_VERSION
 from ipc.aio import cancel_and_wait
 from ipc.errors import ErrorCode, IpcError
 from ipc.server import ConnectionContext
