@@ -30,10 +30,11 @@ class ErrorCode:
     TIMEOUT = "timeout"
     AGENT_ERROR = "agent_error"  # the agent refused or failed the request
     INTERNAL = "internal"
+    RELOADING = "reloading"  # the server is re-executing (hand-over): the request was never run; send it again
 
 
 _RETRYABLE_BY_DEFAULT = frozenset(
-    {ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.SESSION_GUARDED}
+    {ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.SESSION_GUARDED, ErrorCode.RELOADING}
 )
 
 

@@ -28,6 +28,12 @@ Ownership (design.md §5; the state machine is ``daemon.agentctl.ownership``):
 Instances (design.md §6): see ``daemon.agentctl.instance``. Unknown instance
 ids are ``not_found``, except for ``stop_instance``, where an absent instance
 counts as stopped (``already_absent``).
+
+Reload (issue 15): ``reload`` (authenticated) starts a re-exec of the installed
+code with this state handed over (``daemon.agentctl.reexec``); ``identify``
+reports the running version, the pid and the reload history, so anyone can
+follow a reload to its end. ``capture_handover`` / ``from_handover`` are the
+server's side of the hand-over.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.agentctl import agent_logs, auth
+from daemon.agentctl.handover import HANDOVER_FORMAT, ReloadHistory, ServerHandover, to_plain
 from daemon.agentctl.instance import Instance, InstanceSpec, TurnIds
 from daemon.agentctl.launch import LaunchConfig
 from daemon.agentctl.ownership import Ownership
@@ -52,6 +59,7 @@ from daemon.config import ResolvedAgentctl
 from daemon.faults import fault_delay, fault_fails
 from daemon.journal import log_event
 from daemon.limits import MAX_CONNECTIONS
+from daemon.version import VERSION
 from ipc.aio import within
 from ipc.connection import ConnectionContext
 from ipc.errors import ErrorCode, IpcError
@@ -123,6 +131,11 @@ class AgentctlServer:
         self._handshake_timeout = handshake_timeout
         self._conn_counter = 0
         self._background: set[asyncio.Task[Any]] = set()
+        self.reload_history = ReloadHistory(started_at=time.time())
+        self.reloader: Any = None  # daemon.agentctl.reexec.Reloader, set by main (None: reload refused)
+        # Held around work done in threads (agent log bounds): a re-exec takes it, so no thread is
+        # half way through a file when the process image is replaced.
+        self.background_io = asyncio.Lock()
         handlers = {name: self._logged(name, getattr(self, f"op_{name}")) for name in TABLE.names}
         self.ipc = IpcServer(
             config.socket_path, TABLE, handlers, authorize=self._authorize, max_connections=MAX_CONNECTIONS
@@ -154,13 +167,15 @@ class AgentctlServer:
             if last_prune is None or time.monotonic() - last_prune >= agent_logs.PRUNE_EVERY_S:
                 last_prune = time.monotonic()
                 keep = {inst.stderr_path for inst in self.instances.values()}
-                removed = await asyncio.to_thread(agent_logs.prune, directory, keep)
+                async with self.background_io:
+                    removed = await asyncio.to_thread(agent_logs.prune, directory, keep)
                 if removed:
                     log_event("agent_logs_pruned", f"removed {len(removed)} agent stderr file(s) of instances"
                               f" not running here and not written for {agent_logs.MAX_AGE_S // 86400} days",
                               COUNT=len(removed))
             for inst in list(self.instances.values()):
-                dropped = await asyncio.to_thread(agent_logs.cap, inst.stderr_path)
+                async with self.background_io:
+                    dropped = await asyncio.to_thread(agent_logs.cap, inst.stderr_path)
                 if dropped:
                     log_event("agent_log_truncated", f"instance {inst.instance_id}: cut {dropped} bytes of agent"
                               f" stderr (kept under {agent_logs.MAX_BYTES} bytes)", INSTANCE_ID=inst.instance_id,
@@ -293,7 +308,82 @@ class AgentctlServer:
                              if not (c == "turns.v1" and fault_fails("agentctl_lacks_turns"))],
             "protocol_version": list(TABLE.version),
             "unowned_period_s": self.unowned_period_s,
+            # Added in protocol 1.1 (issue 15): what runs, and what reloads did.
+            "version": VERSION,
+            "pid": os.getpid(),
+            "reload": self.reload_status(),
         }
+
+    def reload_status(self) -> dict[str, Any]:
+        status = to_plain(self.reload_history)
+        status["in_progress"] = self.reloader is not None and self.reloader.in_progress
+        return status
+
+    # -- reload (issue 15; daemon.agentctl.reexec) -----------------------------
+
+    async def op_reload(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        self._refuse_if_shutting_down("reload")
+        if self.reloader is None:
+            raise IpcError(ErrorCode.CONFLICT, "reload: this server was started without re-exec support")
+        attempt = self.reloader.request(f"reload op from pid {ctx.peer.pid}")
+        return {"attempt": attempt, "version": VERSION, "pid": os.getpid()}
+
+    def capture_handover(self, *, listen_fd: int, quiesced_at: float, attempt: int) -> ServerHandover:
+        """The whole server, for the next process image (synchronous: nothing moves meanwhile)."""
+        identity = self.ipc.identity
+        history = ReloadHistory(**to_plain(self.reload_history))
+        history.last_attempt = attempt
+        return ServerHandover(
+            format=HANDOVER_FORMAT,
+            from_version=VERSION,
+            pid=os.getpid(),
+            server_identity=self.server_identity,
+            launch=to_plain(self.config),
+            unowned_period_s=self.unowned_period_s,
+            detached_event_limit=self.detached_event_limit,
+            turn_counter=self.turn_ids.counter,
+            listen_fd=listen_fd,
+            socket_path=self.ipc.path,
+            socket_identity=list(identity) if identity is not None else [],
+            ownership=self.ownership.snapshot(),
+            reload=history,
+            instances=[inst.handover_state() for inst in self.instances.values()],
+            quiesced_at=quiesced_at,
+        )
+
+    @classmethod
+    def from_handover(
+        cls,
+        state: ServerHandover,
+        config: LaunchConfig,
+        resolved: ResolvedAgentctl,
+        *,
+        on_instances_changed: Callable[[int], None] | None = None,
+    ) -> AgentctlServer:
+        """The server of the previous process image, instances included (pipes not yet taken
+        back: ``start_handed_over``)."""
+        ownership = Ownership.from_snapshot(state.ownership, clock=time.monotonic)
+        server = cls(config, resolved, ownership._credentials[ownership.highest],
+                     on_instances_changed=on_instances_changed)
+        server.server_identity = state.server_identity
+        server.ownership = ownership
+        server.turn_ids = TurnIds(state.server_identity, state.turn_counter)
+        server.reload_history = state.reload
+        for h in state.instances:
+            inst = Instance.from_handover(h, agent_log_dir=Path(config.agent_log_dir), turn_ids=server.turn_ids,
+                                          on_change=server._changed)
+            server.instances[inst.instance_id] = inst
+        return server
+
+    async def start_handed_over(self, state: ServerHandover, listener: Any) -> None:
+        """Take the agents' pipes back, then serve on the inherited listening socket."""
+        for inst, h in zip(list(self.instances.values()), state.instances, strict=True):
+            await inst.resume_pipes(h)
+        identity = state.socket_identity
+        await self.ipc.start_on(listener, (identity[0], identity[1]) if len(identity) == 2 else None)
+        self._spawn_background(self.run_unowned_timer())
+        self._spawn_background(self.run_agent_log_bounds())
+        self._changed()
 
     async def op_prove(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         challenge = args["challenge"]

@@ -35,7 +35,7 @@ from typing import Any
 
 from daemon.agentctl import launch as launch_file
 from daemon.agentctl.client import AgentctlClient, OwnershipRefused, identify
-from daemon.agentctl.protocol import CAPABILITIES as REQUIRED_CAPABILITIES
+from daemon.agentctl.protocol import REQUIRED_CAPABILITIES
 from daemon.faults import fault_point
 from daemon.paths import Paths
 from daemon.store.db import Store
