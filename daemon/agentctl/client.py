@@ -40,10 +40,20 @@ by the server.
 
 ``identify(socket_path)`` is the standalone, unauthenticated probe: None when
 nothing answers (no socket, connection refused, timeout).
+
+Reconnection (issue 15). The server closes every connection when it
+re-executes (``reload``): a request it refused with ``reloading``, or that was
+pending when the connection ended with a last ``reloading`` frame, never ran.
+``call`` then connects again (the same handshake: same identity, this client's
+credential) and sends it again, patiently, for up to ``RELOAD_WINDOW_S``, since
+the new process image takes a moment to serve. A connection found closed for
+any other reason is re-established once before a call; if that fails, the call
+fails as before.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Callable
 from typing import Any
@@ -69,6 +79,9 @@ STOP_TIMEOUT = 30.0
 """Seconds ``stop_instance`` may take (SIGTERM, 3 s grace, SIGKILL, reaping)."""
 SHUTDOWN_TIMEOUT = 60.0
 """Seconds ``ownership_shutdown`` may take (every instance stopped in parallel)."""
+RELOAD_WINDOW_S = 90.0
+"""How long a call keeps connecting and sending again while the server re-executes."""
+_RETRY_PAUSE_S = 0.05
 
 
 class OwnershipRefused(Exception):
@@ -199,6 +212,7 @@ class AgentctlClient:
         self._conn = conn
         self._credential = credential
         self._installation_id = installation_id
+        self._closed_by_us = False
 
     @classmethod
     async def connect(
@@ -243,6 +257,7 @@ class AgentctlClient:
         return cls(path, conn, info, credential=credential, installation_id=installation_id, timeout=timeout)
 
     async def close(self) -> None:
+        self._closed_by_us = True
         await self._conn.close()
 
     async def __aenter__(self) -> AgentctlClient:
@@ -256,13 +271,54 @@ class AgentctlClient:
         return self._conn.closed
 
     async def call(self, op: str, args: dict[str, Any] | None = None, *, timeout: float | None = None) -> Any:
-        """Any op of ``protocol.TABLE`` on the authenticated connection."""
-        try:
-            return await self._conn.call(op, args, timeout=self.timeout if timeout is None else timeout)
-        except IpcError as exc:
-            if exc.code == ErrorCode.SUPERSEDED_CREDENTIAL and self.on_superseded is not None:
-                self.on_superseded(self)
-            raise
+        """Any op of ``protocol.TABLE`` on the authenticated connection (re-established if the
+        server re-executed: see the module doc)."""
+        loop = asyncio.get_running_loop()
+        reload_deadline: float | None = None  # set once the server said it is re-executing
+        while True:
+            try:
+                if self._conn.closed and not self._closed_by_us:
+                    await self._reconnect(reload_deadline)
+                return await self._conn.call(op, args, timeout=self.timeout if timeout is None else timeout)
+            except IpcError as exc:
+                if exc.code == ErrorCode.SUPERSEDED_CREDENTIAL and self.on_superseded is not None:
+                    self.on_superseded(self)
+                if exc.code != ErrorCode.RELOADING:
+                    raise
+                if reload_deadline is None:
+                    reload_deadline = loop.time() + RELOAD_WINDOW_S
+                elif loop.time() >= reload_deadline:
+                    raise
+                await asyncio.sleep(_RETRY_PAUSE_S)  # it never ran: send it again
+
+    async def _reconnect(self, patient_until: float | None) -> None:
+        """A new authenticated connection to the same server (identity checked) with this client's
+        credential; retried until ``patient_until`` (loop time) while nothing answers yet."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn = await AsyncClient.connect(self.socket_path, timeout=self.timeout, hello=False)
+                try:
+                    info = await _handshake(conn, credential=self._credential, installation_id=self._installation_id,
+                                            expected_identity=self.identity, timeout=self.timeout)
+                except BaseException:
+                    await conn.close()
+                    raise
+            except IpcError as exc:
+                retry = exc.code in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.RELOADING)
+                if not retry or patient_until is None or loop.time() >= patient_until:
+                    raise
+                await asyncio.sleep(_RETRY_PAUSE_S * 2)
+                continue
+            role = info.get("credential_role")
+            if role == "superseded":
+                await conn.close()
+                raise IpcError(ErrorCode.SUPERSEDED_CREDENTIAL, "the credential was superseded by a rotation")
+            self._conn = conn
+            self.credential_role = role
+            self.capabilities = frozenset(info["capabilities"])
+            self.protocol_version = tuple(info.get("protocol_version") or ())
+            return
 
     # -- ownership ----------------------------------------------------------
 
@@ -389,6 +445,15 @@ class AgentctlClient:
     async def turn_status(self, instance_id: str) -> dict[str, Any]:
         """Pure read -> ``{current_turn_id, outcomes: [{turn_id, stop_reason, error}]}``."""
         return await self.call("turn_status", {"instance_id": instance_id})
+
+    async def server_info(self, *, timeout: float | None = None) -> dict[str, Any]:
+        """Protocol 1.1 (``reload.v1``): ``{version, pid, reload: {...}}``; ``unknown_op`` from 1.0."""
+        return await self.call("server_info", timeout=timeout)
+
+    async def reload(self) -> dict[str, Any]:
+        """Start (or join) a re-exec of the installed code -> ``{attempt, version, pid}``; follow
+        ``server_info()['reload']`` for its outcome."""
+        return await self.call("reload")
 
     async def ack_turn(self, turn_id: str) -> dict[str, Any]:
         """Drop a retained outcome; an unknown id is accepted and changes nothing -> ``{acked}``."""

@@ -21,7 +21,7 @@ stderr may be ``/dev/null`` or gone; a failed log write is never fatal.
 Other modes of the same entry point: ``--reload`` asks the running server to
 reload and waits for the outcome (``daemon.agentctl.reload_client``, the unit's
 ``ExecReload=``); ``--resume-state-fd N`` is the new image of a reload
-(``daemon.agentctl.resume``); ``--preflight-state-fd N`` is a reload's preflight
+(``daemon.agentctl.resume``); ``--preflight`` is a reload's preflight
 (``daemon.agentctl.preflight``). Agents are spawned by the event loop in the
 main thread and children are watched through pidfds (no watcher thread): the
 thread that spawned them is the one that execs, so their parent-death signal
@@ -80,7 +80,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         " predates reload")
     parser.add_argument("--pid", type=int, help="with --reload: the pid the server must have ($MAINPID)")
     parser.add_argument("--resume-state-fd", type=int, help=argparse.SUPPRESS)  # a reload's new image
-    parser.add_argument("--preflight-state-fd", type=int, help=argparse.SUPPRESS)  # a reload's preflight
+    parser.add_argument("--preflight", action="store_true", help=argparse.SUPPRESS)  # a reload's preflight
     return parser.parse_args(argv)
 
 
@@ -254,8 +254,8 @@ async def _serve(
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
-    if args.preflight_state_fd is not None:
-        return preflight.run(args.preflight_state_fd)
+    if args.preflight:
+        return preflight.run()
     _ensure_std_fds()
     os.umask(0o077)
     raise_open_file_limit()  # three pipes per agent, one stream per instance
@@ -265,13 +265,18 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.launch_file:
         launch_path = Path(args.launch_file)
-    elif args.resume_state_fd is None:
+    else:
         launch_path = launch.default_launch_file(resolve_home(args.home))
     if args.reload:
         return reload_client.run(launch_path, pid=args.pid)
     # No mixed code: everything this server will run is imported now, before it serves.
     preload.import_everything()
-    reexec_args = ("--verbose",) if args.verbose else ()
+    # The next image gets the same options (--launch-file/--home are not needed, but show in ps).
+    reexec_args = tuple(a for a in (
+        *(("--verbose",) if args.verbose else ()),
+        *(("--launch-file", args.launch_file) if args.launch_file else ()),
+        *(("--home", args.home) if args.home else ()),
+    ))
     if args.resume_state_fd is not None:
         return _resume(args.resume_state_fd, args.verbose, reexec_args)
     try:

@@ -4,9 +4,11 @@ The backend (client) and ``kandev-agentctl`` (server) both import ``TABLE``;
 nothing else defines what a request looks like. Evolution rule: fields and
 ops are only ever added (backend N must talk to control server N-1), and the
 minor version rises with each addition: 1.0 is what release 0.1.0 speaks; 1.1
-(release 0.2.0) added ``reload``, the ``reload.v1`` capability, the ``version``,
-``pid`` and ``reload`` fields of ``identify``, the ``not_taken_over`` field of
-``list_instances`` and the ``reloading`` error code.
+(release 0.2.0) added ``reload`` and ``server_info``, the ``reload.v1``
+capability, the ``not_taken_over`` field of ``list_instances`` and the
+``reloading`` error code. ``identify`` never grows: unauthenticated, it answers
+the identity, the capability set and the unowned period (and the protocol
+version), nothing else (AC-EXECUTORS-CONTROL-OWNERSHIP-001.11).
 
 Adoption needs ``REQUIRED_CAPABILITIES`` only, never a capability added later:
 a backend adopts a server one release older and learns from ``identify`` what
@@ -61,13 +63,7 @@ class EventKind:
 
 OPS = [
     # --- unauthenticated -------------------------------------------------
-    Op(
-        "identify",
-        auth=False,
-        doc="-> {server_identity, capabilities, protocol_version, unowned_period_s}; since 1.1 also"
-        " {version, pid, reload: {started_at, reexec_count, last_reexec_at, last_from_version,"
-        " last_pause_ms, attempts, last_attempt, last_outcome, last_reason, last_outcome_at, in_progress}}",
-    ),
+    Op("identify", auth=False, doc="-> {server_identity, capabilities, protocol_version, unowned_period_s}"),
     Op(
         "prove",
         required={"challenge": bytes},
@@ -175,9 +171,14 @@ OPS = [
     Op(
         "reload",
         doc="re-execute the installed code with this server's state handed over; answers at once ->"
-        " {attempt, version, pid}; follow identify's reload.last_attempt / last_outcome ('reexecuted' |"
+        " {attempt, version, pid}; follow server_info's reload.last_attempt / last_outcome ('reexecuted' |"
         " 'refused', last_reason) for the outcome. Every connection is closed during the re-exec: a"
         " request refused with 'reloading' never ran and may be sent again",
+    ),
+    Op(
+        "server_info",
+        doc="-> {version, pid, reload: {started_at, reexec_count, last_reexec_at, last_from_version,"
+        " last_pause_ms, attempts, last_attempt, last_outcome, last_reason, last_outcome_at, in_progress}}",
     ),
 ]
 

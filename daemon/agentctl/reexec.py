@@ -19,11 +19,12 @@ backend). One reload at a time; a request during one joins it.
    requests nobody answered yet (``Instance.handover_blocker``). No agent-log
    thread work is in flight (``server.background_io``).
 3. Capture (``AgentctlServer.capture_handover``) into a sealed memfd, and
-   **preflight**: run the installed code (``python -m daemon.agentctl.main
-   --preflight-state-fd N``) in a subprocess that imports everything the server
-   runs and parses the state. Only if it succeeds, and loads its code from where
-   this process does, does the reload go on. Whatever changed meanwhile (an
-   agent exited) is captured again and preflighted again.
+   **preflight**: the installed code (``python -m daemon.agentctl.main
+   --preflight``, ``daemon.agentctl.preflight``) runs in a subprocess, started
+   before step 1 so that importing everything the server runs costs no pause; it
+   is then given the captured state and parses it. Only if it succeeds, and loads
+   its code from where this process does, does the reload go on. Whatever
+   changed meanwhile (an agent exited) is captured again and preflighted again.
 4. Exec: the listening socket, the agents' pipes and the memfd are made
    inheritable, SIGTERM/SIGINT/SIGHUP are blocked (a stop that arrives now stays
    pending across the exec and is handled by the new image), and ``execv`` runs
@@ -34,7 +35,8 @@ backend). One reload at a time; a request during one joins it.
 A refusal at any step (a request that does not finish, an agent that does not
 read its stdin, a failed preflight, an exec error) undoes the quiesce: the old
 code goes on serving, the journal says why (``KANDEV_EVENT=reload_refused``,
-``REASON=``) and ``identify`` reports it (``reload.last_outcome = "refused"``).
+``REASON=``) and ``server_info`` and the status file beside the socket report it
+(``reload.last_outcome = "refused"``).
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ _REFUSAL_TEXT_LIMIT = 600
 
 
 class ReloadRefused(Exception):
-    """The reload does not happen; ``reason`` says why (journal, identify)."""
+    """The reload does not happen; ``reason`` says why (journal, server_info)."""
 
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
@@ -120,13 +122,13 @@ class Reloader:
         notify: Callable[[str], None],
         stop_requested: Callable[[], bool],
         extra_args: tuple[str, ...] = (),
-        preflight_argv: Callable[[int], list[str]] | None = None,
+        preflight_argv: Callable[[], list[str]] | None = None,
     ) -> None:
         self.server = server
         self._notify = notify
         self._stop_requested = stop_requested
         self._extra_args = extra_args
-        self._preflight_argv = preflight_argv or (lambda fd: entry_argv("--preflight-state-fd", str(fd)))
+        self._preflight_argv = preflight_argv or (lambda: entry_argv("--preflight"))
         self._task: asyncio.Task[None] | None = None
         self.idle = asyncio.Event()
         self.idle.set()
@@ -146,6 +148,7 @@ class Reloader:
         attempt = history.attempts
         self.idle.clear()
         self._task = asyncio.get_running_loop().create_task(self._run(attempt, origin), name="agentctl.reload")
+        self.server.write_reload_status()  # in progress
         return attempt
 
     async def _run(self, attempt: int, origin: str) -> None:
@@ -165,6 +168,7 @@ class Reloader:
         history.last_outcome = "refused"
         history.last_reason = reason[:_REFUSAL_TEXT_LIMIT]
         history.last_outcome_at = time.time()
+        self.server.write_reload_status()
         installed = installed_version()
         log_event(
             "reload_refused",
@@ -190,6 +194,7 @@ class Reloader:
         log_event("agentctl_reloading", f"reload {attempt} ({origin}): quiescing {len(server.instances)}"
                   f" instance(s) to re-execute the installed code", ATTEMPT=attempt, VERSION=VERSION,
                   INSTANCES=len(server.instances))
+        preflight: _Preflight | None = await _Preflight.start(self._preflight_argv())  # the slow part, unquiesced
         quiesced_at = time.monotonic()
         deadline = quiesced_at + QUIESCE_TIMEOUT_S
         listener = None
@@ -214,7 +219,10 @@ class Reloader:
                 data = await self._settled_capture(listener, quiesced_at, attempt, deadline)
                 for _ in range(CAPTURE_ATTEMPTS):
                     memfd = write_memfd(data)
-                    report = await self._preflight(memfd)
+                    if preflight is None:
+                        preflight = await _Preflight.start(self._preflight_argv())
+                    report = await preflight.check(data)
+                    preflight = None
                     again = await self._final_capture(listener, quiesced_at, attempt, deadline)
                     if again == data:
                         self._exec(memfd, listener, report)  # returns only by raising
@@ -230,6 +238,8 @@ class Reloader:
             raise ReloadRefused(f"the server did not quiesce within {QUIESCE_TIMEOUT_S:g} s") from None
         except BaseException:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+            if preflight is not None:
+                await preflight.abandon()
             for inst in paused:
                 inst.resume_after_refusal()
             if io_held:
@@ -283,43 +293,6 @@ class Reloader:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
             raise
 
-    async def _preflight(self, memfd: int) -> dict[str, Any]:
-        """Run the installed code on the captured state; its report, or ReloadRefused with why."""
-        argv = self._preflight_argv(memfd)
-        env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "LISTEN_FDS", "LISTEN_PID")}
-        started = time.monotonic()
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                pass_fds=(memfd,), env=env,
-            )
-        except OSError as exc:
-            raise ReloadRefused(f"cannot run the installed code's preflight: {exc}") from None
-        try:
-            out, err = await within(proc.communicate(), PREFLIGHT_TIMEOUT_S)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
-            raise ReloadRefused(
-                f"the installed code's preflight did not finish within {PREFLIGHT_TIMEOUT_S:g} s") from None
-        if proc.returncode != 0:
-            lines = [line for line in err.decode("utf-8", "replace").strip().splitlines() if line.strip()]
-            why = lines[-1] if lines else "no message"
-            raise ReloadRefused(f"the installed code failed its preflight (exit {proc.returncode}): {why}")
-        try:
-            report = json.loads(out.decode("utf-8"))
-        except ValueError:
-            raise ReloadRefused("the installed code's preflight printed no report") from None
-        if not isinstance(report, dict) or report.get("ok") is not True:
-            raise ReloadRefused(f"the installed code's preflight did not pass: {str(report)[:300]}")
-        if report.get("code_root") != code_root():
-            raise ReloadRefused(f"the next exec would load code from {report.get('code_root')!r}, not from"
-                                f" {code_root()!r}")
-        log.info("preflight of version %s passed in %.0f ms", report.get("version"),
-                 (time.monotonic() - started) * 1000)
-        return report
-
     def _exec(self, memfd: int, listener: Any, report: dict[str, Any]) -> None:
         """Replace this process image (stop signals are blocked by ``_final_capture``). Returns
         only by raising ReloadRefused, after undoing what it did."""
@@ -362,3 +335,97 @@ def _reaped_unseen(inst: Any) -> str | None:
     except ChildProcessError:
         return f"instance {inst.instance_id}: its agent's exit is being applied"
     return None
+
+
+class _Preflight:
+    """One run of the installed code's preflight (``daemon.agentctl.preflight``): ``start`` waits
+    until it has imported everything; ``check`` gives it the captured state and reads its report."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, stderr_task: asyncio.Task[bytes]) -> None:
+        self._proc = proc
+        self._stderr = stderr_task
+        self._started = time.monotonic()
+
+    @classmethod
+    async def start(cls, argv: list[str]) -> _Preflight:
+        env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "LISTEN_FDS", "LISTEN_PID")}
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+            )
+        except OSError as exc:
+            raise ReloadRefused(f"cannot run the installed code's preflight: {exc}") from None
+        assert proc.stdout is not None and proc.stderr is not None
+        preflight = cls(proc, asyncio.get_running_loop().create_task(_tail(proc.stderr)))
+        try:
+            line = await within(proc.stdout.readline(), PREFLIGHT_TIMEOUT_S)
+        except TimeoutError:
+            await preflight.abandon()
+            raise ReloadRefused(
+                f"the installed code's preflight did not import within {PREFLIGHT_TIMEOUT_S:g} s") from None
+        if not line.startswith(b"imported "):  # preflight.IMPORTED
+            raise await preflight._failure()
+        return preflight
+
+    async def _failure(self) -> ReloadRefused:
+        with contextlib.suppress(TimeoutError):
+            await within(self._proc.wait(), 10.0)
+        await self.abandon()
+        err = self._stderr.result() if self._stderr.done() and not self._stderr.cancelled() else b""
+        lines = [line for line in err.decode("utf-8", "replace").strip().splitlines() if line.strip()]
+        why = lines[-1] if lines else "no message"
+        return ReloadRefused(f"the installed code failed its preflight (exit {self._proc.returncode}): {why}")
+
+    async def check(self, state: bytes) -> dict[str, Any]:
+        """Hand it the state; its report, or ReloadRefused with why."""
+        try:
+            out = await within(self._exchange(state), PREFLIGHT_TIMEOUT_S)
+        except TimeoutError:
+            await self.abandon()
+            raise ReloadRefused(
+                f"the installed code's preflight did not finish within {PREFLIGHT_TIMEOUT_S:g} s") from None
+        if self._proc.returncode != 0:
+            raise await self._failure()
+        await self.abandon()
+        try:
+            report = json.loads(out.decode("utf-8"))
+        except ValueError:
+            raise ReloadRefused("the installed code's preflight printed no report") from None
+        if not isinstance(report, dict) or report.get("ok") is not True:
+            raise ReloadRefused(f"the installed code's preflight did not pass: {str(report)[:300]}")
+        if report.get("code_root") != code_root():
+            raise ReloadRefused(f"the next exec would load code from {report.get('code_root')!r}, not from"
+                                f" {code_root()!r}")
+        log.info("preflight of version %s passed (%.0f ms from its start)", report.get("version"),
+                 (time.monotonic() - self._started) * 1000)
+        return report
+
+    async def _exchange(self, state: bytes) -> bytes:
+        proc = self._proc
+        assert proc.stdin is not None and proc.stdout is not None
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # it died: its exit says why
+            proc.stdin.write(state)
+            await proc.stdin.drain()
+        proc.stdin.close()
+        out = await proc.stdout.read()
+        await proc.wait()
+        return out
+
+    async def abandon(self) -> None:
+        """Make sure the process is gone and reaped (idempotent)."""
+        if self._proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.kill()
+            await self._proc.wait()
+        with contextlib.suppress(TimeoutError):
+            await within(asyncio.shield(self._stderr), 2.0)
+        if not self._stderr.done():
+            self._stderr.cancel()
+
+
+async def _tail(stream: asyncio.StreamReader, keep: int = 4096) -> bytes:
+    """Read ``stream`` to its end, keeping its last ``keep`` bytes."""
+    kept = b""
+    while chunk := await stream.read(65536):
+        kept = (kept + chunk)[-keep:]
+    return kept

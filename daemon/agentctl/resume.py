@@ -6,10 +6,11 @@ credentials and agents' environments it holds exist nowhere else but in memory)
 and rebuilds the launch settings; ``main`` then builds the server with
 ``AgentctlServer.from_handover``, takes every agent's pipes back and serves on
 the inherited listening socket (``AgentctlServer.start_handed_over``) before it
-reports ready. ``reexecuted`` records the reload in the history ``identify``
-reports and writes the journal entries: one ``agentctl_reexecuted`` entry, and
-one ``handover_incomplete`` entry (priority warning) per instance with something
-the new code could not take over, which ``list_instances`` also shows.
+reports ready. ``reexecuted`` records the reload in the history that
+``server_info`` and the status file report, and writes the journal entries: one
+``agentctl_reexecuted`` entry, and one ``handover_incomplete`` entry (priority
+warning) per instance with something the new code could not take over, which
+``list_instances`` also shows.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ def reexecuted(server: object, resumed: Resumed) -> None:
     history.last_outcome = "reexecuted"
     history.last_reason = None
     history.last_outcome_at = history.last_reexec_at
+    server.write_reload_status()  # type: ignore[attr-defined]
     log_event(
         "agentctl_reexecuted",
         f"control server {state.server_identity} re-executed in place: version {state.from_version} -> {VERSION},"

@@ -31,8 +31,10 @@ counts as stopped (``already_absent``).
 
 Reload (issue 15): ``reload`` (authenticated) starts a re-exec of the installed
 code with this state handed over (``daemon.agentctl.reexec``); ``identify``
-reports the running version, the pid and the reload history, so anyone can
-follow a reload to its end. ``capture_handover`` / ``from_handover`` are the
+reports nothing new (OWN-001.11: three things and no path); the authenticated
+``server_info`` reports the running version, the pid and the reload history,
+and so does a 0600 status file beside the socket, which the unit's reload helper
+(no credential) follows to the reload's end. ``capture_handover`` / ``from_handover`` are the
 server's side of the hand-over.
 """
 
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import secrets
@@ -154,6 +157,7 @@ class AgentctlServer:
 
     async def start(self) -> None:
         await self.ipc.start()
+        self.write_reload_status()
         self._spawn_background(self.run_unowned_timer())
         self._spawn_background(self.run_agent_log_bounds())
 
@@ -229,6 +233,8 @@ class AgentctlServer:
         while self._shutdown_calls and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         await self.ipc.close()
+        with contextlib.suppress(OSError):
+            self.reload_status_path.unlink()
         for task in list(self._background):
             task.cancel()
         return stopped
@@ -308,16 +314,37 @@ class AgentctlServer:
                              if not (c == "turns.v1" and fault_fails("agentctl_lacks_turns"))],
             "protocol_version": list(TABLE.version),
             "unowned_period_s": self.unowned_period_s,
-            # Added in protocol 1.1 (issue 15): what runs, and what reloads did.
-            "version": VERSION,
-            "pid": os.getpid(),
-            "reload": self.reload_status(),
         }
 
     def reload_status(self) -> dict[str, Any]:
+        """``{version, pid, reload: {...history, in_progress}}``: ``server_info`` and the status file."""
         status = to_plain(self.reload_history)
         status["in_progress"] = self.reloader is not None and self.reloader.in_progress
-        return status
+        return {"version": VERSION, "pid": os.getpid(), "reload": status}
+
+    @property
+    def reload_status_path(self) -> Path:
+        """Where the reload status is written for ``kandev-agentctl --reload`` (which holds no
+        credential): beside the socket, in the server's private run directory."""
+        return Path(self.config.socket_path + ".reload.json")  # reload_client.STATUS_SUFFIX
+
+    def write_reload_status(self) -> None:
+        """Rewrite the status file (small, atomic); a failure is logged, never fatal."""
+        path = self.reload_status_path
+        data = json.dumps(self.reload_status(), sort_keys=True).encode("utf-8") + b"\n"
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("cannot write the reload status file %s: %s", path, exc)
+
+    async def op_server_info(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        return self.reload_status()
 
     # -- reload (issue 15; daemon.agentctl.reexec) -----------------------------
 

@@ -31,6 +31,7 @@ from daemon.backend.events import _ensure_turn
 from daemon.backend.executions import EventConsumer, Execution, ExecutionStore
 from daemon.backend.launcher import ControlServerHandle, Launcher, UnitBusy
 from daemon.backend.recovery import Recovery, RecoveryReport
+from daemon.backend.server_upgrade import LaunchGate, ServerUpgrade
 from daemon.config import Config
 from daemon.credentials import (
     CredentialError,
@@ -104,6 +105,9 @@ class Backend:
         self.fallback_reason: str | None = None
         self.shutdown_requested = asyncio.Event()
         self.socket_path = str(paths.backend_socket)
+        # Keeping the control server on the installed version (issue 15): reload or replace-when-idle.
+        self.launch_gate = LaunchGate()
+        self.upgrade = ServerUpgrade(self)
 
     # ------------------------------------------------------------ lifecycle
     def _client_for(self, ex: Execution) -> AgentctlClient | None:
@@ -285,6 +289,7 @@ class Backend:
             if ex.consumer is None:
                 self.consumer.start(ex)
         self.state = "ready"
+        self.upgrade.start()
 
     def _publish(self, ex: Execution) -> None:
         self.executions.executions[ex.session_id] = ex
@@ -292,6 +297,7 @@ class Backend:
     async def shutdown(self) -> None:
         """Graceful stop. Enabled: detach, send no stop (AC-EXECUTORS-SURVIVAL-001.1). Disabled: stop it all."""
         self.state = "stopping"
+        await self.upgrade.stop()
         await asyncio.gather(*(cancel_and_wait(task) for task in self.claim_tasks.values()))
         await self.consumer.stop(list(self.executions.executions.values()))
         for client in (self.client, self.passthrough_client):
@@ -349,6 +355,7 @@ class Backend:
         return {
             "status": self.op_status,
             "shutdown": self.op_shutdown,
+            "agentctl_reload": self.op_agentctl_reload,
             "task_create": self.op_task_create,
             "session_start": self.op_session_start,
             "prompt": self.op_prompt,
@@ -368,6 +375,8 @@ class Backend:
         reachable = False
         if handle is not None:
             reachable = await identify(handle.endpoint, timeout=1.0) is not None
+        if reachable:
+            await self.upgrade.refresh()
         report = self.report
         return {
             "backend": {
@@ -390,6 +399,8 @@ class Backend:
                 "endpoint": handle.endpoint if handle else None,
                 "mode": handle.mode if handle else None,
                 "log_path": handle.log_path if handle else None,
+                # running and installed versions, reload ability and history (issue 15)
+                **self.upgrade.status(),
             },
             "recovery": {
                 "retracked": len(report.retracked),
@@ -400,6 +411,17 @@ class Backend:
             },
             "adoption": {"outcome": report.adoption.outcome, "reason": report.adoption.reason},
         }
+
+    async def op_agentctl_reload(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        """``kandev agentctl reload``: the control server re-executes the installed code in place."""
+        if self.state != "ready":
+            raise IpcError(ErrorCode.UNAVAILABLE, f"backend is {self.state}; retry shortly", True)
+        result = await self.upgrade.reload()
+        if result["outcome"] != "reexecuted":
+            raise IpcError("reload_refused", f"the control server refused to reload: {result['reason']};"
+                           f" version {result['version']} keeps serving (see journal KANDEV_EVENT=reload_refused)",
+                           False)
+        return result
 
     async def op_shutdown(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         self.shutdown_requested.set()
@@ -494,18 +516,19 @@ class Backend:
             creds = await asyncio.to_thread(self.git_credentials, session_id, env)
             env.update(creds.env)
             stage = "control server"
-            client = await self._server_for(passthrough)
-            handle = self.passthrough_handle if passthrough else self.handle
-            assert handle is not None
-            stage = "launch"
-            info = await client.create_instance(
-                session_id=session_id,
-                task_id=task_id,
-                command=list(agent.argv()),
-                cwd=workspace,
-                env=env,
-                agent=agent_name,
-            )
+            async with self.launch_gate.launch():  # the server is not replaced under a launch
+                client = await self._server_for(passthrough)
+                handle = self.passthrough_handle if passthrough else self.handle
+                assert handle is not None
+                stage = "launch"
+                info = await client.create_instance(
+                    session_id=session_id,
+                    task_id=task_id,
+                    command=list(agent.argv()),
+                    cwd=workspace,
+                    env=env,
+                    agent=agent_name,
+                )
         except BaseException as exc:
             # Whatever failed after STARTING, the session does not stay STARTING.
             error = exc.to_ipc() if isinstance(exc, CredentialError) else exc

@@ -370,12 +370,13 @@ class ResumeService:
 
     async def _launch(self, begun: _Begun, request: _Request) -> dict[str, Any]:
         b = self.backend
-        client = await b._server_for(begun.passthrough)
-        handle = b.passthrough_handle if begun.passthrough else b.handle
-        info = await client.create_instance(
-            session_id=begun.session_id, task_id=begun.task_id, command=request.command, cwd=begun.workspace,
-            env=request.env, agent=begun.agent, resume_session_id=begun.token,
-        )
+        async with b.launch_gate.launch():  # the server is not replaced under a launch
+            client = await b._server_for(begun.passthrough)
+            handle = b.passthrough_handle if begun.passthrough else b.handle
+            info = await client.create_instance(
+                session_id=begun.session_id, task_id=begun.task_id, command=request.command,
+                cwd=begun.workspace, env=request.env, agent=begun.agent, resume_session_id=begun.token,
+            )
         info = dict(info)
         info["endpoint"] = handle.endpoint if handle is not None else ""
         return info
@@ -668,11 +669,12 @@ class ResumeService:
                 if inst.get("instance_id") == ex.instance_id:
                     await self._converge(ex, int(inst.get("next_seq") or 1) - 1)
         await self._untrack(ex)
-        await client.stop_instance(ex.instance_id)
-        info = dict(await client.create_instance(
-            session_id=sid, task_id=ex.task_id, command=list(get_agent(agent_name).argv()), cwd=workspace,
-            env=env, agent=agent_name,
-        ))
+        async with self.backend.launch_gate.launch():  # no replacement of the server between the two
+            await client.stop_instance(ex.instance_id)
+            info = dict(await client.create_instance(
+                session_id=sid, task_id=ex.task_id, command=list(get_agent(agent_name).argv()), cwd=workspace,
+                env=env, agent=agent_name,
+            ))
         handle = self.backend.passthrough_handle if passthrough else self.backend.handle
         info["endpoint"] = handle.endpoint if handle is not None else ""
         new = Execution(
