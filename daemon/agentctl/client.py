@@ -47,8 +47,9 @@ pending when the connection ended with a last ``reloading`` frame, never ran.
 ``call`` then connects again (the same handshake: same identity, this client's
 credential) and sends it again, patiently, for up to ``RELOAD_WINDOW_S``, since
 the new process image takes a moment to serve. A connection found closed for
-any other reason is re-established once before a call; if that fails, the call
-fails as before.
+any other reason is re-established once before a call (patiently too if a
+server said ``reloading`` within ``RELOAD_WINDOW_S``: ``reload_seen_recently``);
+if that fails, the call fails as before.
 """
 
 from __future__ import annotations
@@ -111,6 +112,8 @@ async def identify(socket_path: str | os.PathLike[str], timeout: float = 2.0) ->
     except IpcError as exc:
         if exc.code in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT):
             return None
+        if exc.code == ErrorCode.RELOADING:  # alive, re-executing: the caller asks again
+            _saw_reload()
         raise
     finally:
         await conn.close()
@@ -129,7 +132,9 @@ async def _handshake(
     try:
         info = await conn.call("identify", timeout=timeout)
     except IpcError as exc:
-        if exc.code in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.INCOMPATIBLE_VERSION):
+        if exc.code in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.INCOMPATIBLE_VERSION, ErrorCode.RELOADING):
+            if exc.code == ErrorCode.RELOADING:
+                _saw_reload()
             raise
         # Something answers, but not with an identity: unreadable counts as a mismatch.
         raise OwnershipRefused(IDENTITY_MISMATCH, f"identify was refused: {exc.message}") from None
@@ -185,6 +190,22 @@ async def _authenticate(conn: AsyncClient, *, credential: bytes, identity: str, 
     return role if isinstance(role, str) else None
 
 
+_last_reload_seen: float | None = None  # loop time a server last answered "reloading"
+
+
+def reload_seen_recently() -> bool:
+    """Whether a control server said it is re-executing within ``RELOAD_WINDOW_S``: a slow
+    answer is then most likely that re-exec, not a dead server (the backend's read budget uses it)."""
+    if _last_reload_seen is None:
+        return False
+    return asyncio.get_running_loop().time() - _last_reload_seen < RELOAD_WINDOW_S
+
+
+def _saw_reload() -> None:
+    global _last_reload_seen
+    _last_reload_seen = asyncio.get_running_loop().time()
+
+
 class AgentctlClient:
     """An authenticated connection to one control server. Build it with ``await connect(...)``."""
 
@@ -197,8 +218,10 @@ class AgentctlClient:
         credential: bytes,
         installation_id: str,
         timeout: float,
+        purpose: str = DRIVE,
     ) -> None:
         self.socket_path = socket_path
+        self.purpose = purpose
         self.identity: str = info["server_identity"]
         self.capabilities: frozenset[str] = frozenset(info["capabilities"])
         self.protocol_version: tuple[int, ...] = tuple(info.get("protocol_version") or ())
@@ -254,7 +277,8 @@ class AgentctlClient:
         except BaseException:
             await conn.close()
             raise
-        return cls(path, conn, info, credential=credential, installation_id=installation_id, timeout=timeout)
+        return cls(path, conn, info, credential=credential, installation_id=installation_id, timeout=timeout,
+                   purpose=purpose)
 
     async def close(self) -> None:
         self._closed_by_us = True
@@ -285,6 +309,7 @@ class AgentctlClient:
                     self.on_superseded(self)
                 if exc.code != ErrorCode.RELOADING:
                     raise
+                _saw_reload()
                 if reload_deadline is None:
                     reload_deadline = loop.time() + RELOAD_WINDOW_S
                 elif loop.time() >= reload_deadline:
@@ -295,6 +320,8 @@ class AgentctlClient:
         """A new authenticated connection to the same server (identity checked) with this client's
         credential; retried until ``patient_until`` (loop time) while nothing answers yet."""
         loop = asyncio.get_running_loop()
+        if patient_until is None and reload_seen_recently():
+            patient_until = loop.time() + RELOAD_WINDOW_S
         while True:
             try:
                 conn = await AsyncClient.connect(self.socket_path, timeout=self.timeout, hello=False)
@@ -311,7 +338,7 @@ class AgentctlClient:
                 await asyncio.sleep(_RETRY_PAUSE_S * 2)
                 continue
             role = info.get("credential_role")
-            if role == "superseded":
+            if role == "superseded" and self.purpose == DRIVE:
                 await conn.close()
                 raise IpcError(ErrorCode.SUPERSEDED_CREDENTIAL, "the credential was superseded by a rotation")
             self._conn = conn

@@ -46,7 +46,6 @@ from daemon.agentctl import launch, preflight, preload, reload_client, resume
 from daemon.agentctl.handover import HandoverError
 from daemon.agentctl.launch import LaunchConfig, LaunchError
 from daemon.agentctl.reexec import Reloader
-from daemon.agentctl.server import AgentctlServer
 from daemon.config import ConfigError, ResolvedAgentctl
 from daemon.journal import log_event, setup_logging
 from daemon.limits import raise_open_file_limit
@@ -184,6 +183,11 @@ async def _serve(
     resumed: resume.Resumed | None = None,
     reexec_args: tuple[str, ...] = (),
 ) -> int:
+    # Imported here, not at the top: ``--reload`` (the unit's ExecReload=, new code too) must run
+    # even when a module only the server needs is broken; the preflight then refuses that version.
+    # preload.import_everything() has imported it already, before anything serves.
+    from daemon.agentctl.server import AgentctlServer
+
     _use_pidfd_child_watcher()
     notifier = _Notifier()
     if resumed is None:

@@ -130,12 +130,13 @@ class Reloader:
         self._extra_args = extra_args
         self._preflight_argv = preflight_argv or (lambda: entry_argv("--preflight"))
         self._task: asyncio.Task[None] | None = None
+        self._busy = False
         self.idle = asyncio.Event()
         self.idle.set()
 
     @property
     def in_progress(self) -> bool:
-        return self._task is not None and not self._task.done()
+        return self._busy
 
     def request(self, origin: str) -> int:
         """Start a reload, or join the one in progress; returns its attempt number."""
@@ -146,6 +147,7 @@ class Reloader:
             raise IpcError(ErrorCode.SHUTTING_DOWN, "reload: the control server is shutting down")
         history.attempts += 1
         attempt = history.attempts
+        self._busy = True
         self.idle.clear()
         self._task = asyncio.get_running_loop().create_task(self._run(attempt, origin), name="agentctl.reload")
         self.server.write_reload_status()  # in progress
@@ -160,7 +162,9 @@ class Reloader:
             log.exception("reload %d failed", attempt)
             self._refused(attempt, f"internal error: {exc}")
         finally:
+            self._busy = False
             self.idle.set()
+            self.server.write_reload_status()
 
     def _refused(self, attempt: int, reason: str) -> None:
         history = self.server.reload_history
@@ -168,7 +172,6 @@ class Reloader:
         history.last_outcome = "refused"
         history.last_reason = reason[:_REFUSAL_TEXT_LIMIT]
         history.last_outcome_at = time.time()
-        self.server.write_reload_status()
         installed = installed_version()
         log_event(
             "reload_refused",

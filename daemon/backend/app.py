@@ -372,10 +372,13 @@ class Backend:
 
     async def op_status(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         handle = self.handle
-        reachable = False
+        server_state = "none"
         if handle is not None:
-            reachable = await identify(handle.endpoint, timeout=1.0) is not None
-        if reachable:
+            try:
+                server_state = "running" if await identify(handle.endpoint, timeout=1.0) is not None else "unreachable"
+            except IpcError as exc:
+                server_state = "reloading" if exc.code == ErrorCode.RELOADING else "unreachable"
+        if server_state == "running":
             await self.upgrade.refresh()
         report = self.report
         return {
@@ -393,7 +396,7 @@ class Backend:
                 "supervisor": self.capability.supervisor,
             },
             "control_server": {
-                "state": ("running" if reachable else "unreachable") if handle is not None else "none",
+                "state": server_state,
                 "pid": handle.pid if handle else None,
                 "server_identity": self.server_identity,
                 "endpoint": handle.endpoint if handle else None,
