@@ -400,12 +400,14 @@ class IpcServer:
         frame = error_frame(None, final)
 
         async def finish(ctx: ConnectionContext) -> None:
-            if not ctx._streaming and ctx._stream_task is None:
-                try:  # after every frame already queued on this connection
-                    await within(ctx._send_frame(frame), timeout)
-                except (ConnectionClosed, TimeoutError):
-                    pass
-            ctx.close()
+            if ctx._streaming or ctx._stream_task is not None:
+                ctx.close()  # a stream peer sends nothing: it reads to a frame boundary, then EOF
+                return
+            try:  # after every frame already queued on this connection
+                await within(ctx._send_frame(frame), timeout)
+            except (ConnectionClosed, TimeoutError):
+                pass
+            ctx.linger()  # the peer reads the final frame and closes; what it sent meanwhile is dropped
 
         for transport in list(self._lingering):
             self._end_linger(transport)

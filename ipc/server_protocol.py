@@ -68,12 +68,13 @@ class ServerProtocol(asyncio.BufferedProtocol):
             self._done = True
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self.ctx is None:  # refused: what the peer still sends while we linger is discarded
+        # refused, or closed by a hand-over: what the peer still sends while we linger is discarded
+        if self.ctx is None or self.ctx._discarding:
             return _DISCARD
         return self._frames.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self.ctx is None:
+        if self.ctx is None or self.ctx._discarding:
             return
         self._frames.buffer_updated(nbytes)
         if not self._done:

@@ -314,12 +314,18 @@ class AgentctlClient:
                     reload_deadline = loop.time() + RELOAD_WINDOW_S
                 elif loop.time() >= reload_deadline:
                     raise
-                await asyncio.sleep(_RETRY_PAUSE_S)  # it never ran: send it again
+                if not self._closed_by_us:
+                    await self._conn.close()  # the server closes it anyway: send again on a new one
+                await asyncio.sleep(_RETRY_PAUSE_S)  # it never ran
 
     async def _reconnect(self, patient_until: float | None) -> None:
         """A new authenticated connection to the same server (identity checked) with this client's
         credential; retried until ``patient_until`` (loop time) while nothing answers yet."""
         loop = asyncio.get_running_loop()
+        cause = self._conn.closed_by
+        if cause is not None and cause.code == ErrorCode.RELOADING:
+            _saw_reload()  # the server closed this connection to re-execute
+        await self._conn.close()  # its reader task ends here, not in the garbage collector
         if patient_until is None and reload_seen_recently():
             patient_until = loop.time() + RELOAD_WINDOW_S
         while True:

@@ -43,6 +43,7 @@ class Kandev:
     def __init__(self, home: Path, env: dict[str, str]) -> None:
         self.home = home
         self.env = env
+        self.cwd = REPO  # where the CLI (and so the backend it starts) runs; `-m` puts it first on sys.path
         self.backend_pids: set[int] = set()
         self.server_pids: set[int] = set()
         self.agent_pids: set[int] = set()
@@ -55,7 +56,7 @@ class Kandev:
                 text=True,
                 env=self.env,
                 timeout=timeout,
-                cwd=REPO,
+                cwd=self.cwd,
             )
         except subprocess.TimeoutExpired:
             self.print_task_dumps()  # shown with the failure: what each daemon was waiting on
