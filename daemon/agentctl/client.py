@@ -236,6 +236,7 @@ class AgentctlClient:
         self._credential = credential
         self._installation_id = installation_id
         self._closed_by_us = False
+        self._reconnect_lock = asyncio.Lock()
 
     @classmethod
     async def connect(
@@ -300,10 +301,11 @@ class AgentctlClient:
         loop = asyncio.get_running_loop()
         reload_deadline: float | None = None  # set once the server said it is re-executing
         while True:
+            conn = self._conn
             try:
-                if self._conn.closed and not self._closed_by_us:
-                    await self._reconnect(reload_deadline)
-                return await self._conn.call(op, args, timeout=self.timeout if timeout is None else timeout)
+                if conn.closed and not self._closed_by_us:
+                    conn = await self._reconnect(reload_deadline)
+                return await conn.call(op, args, timeout=self.timeout if timeout is None else timeout)
             except IpcError as exc:
                 if exc.code == ErrorCode.SUPERSEDED_CREDENTIAL and self.on_superseded is not None:
                     self.on_superseded(self)
@@ -314,13 +316,20 @@ class AgentctlClient:
                     reload_deadline = loop.time() + RELOAD_WINDOW_S
                 elif loop.time() >= reload_deadline:
                     raise
-                if not self._closed_by_us:
-                    await self._conn.close()  # the server closes it anyway: send again on a new one
+                await conn.close()  # the server closes it anyway: send it again on a new one
                 await asyncio.sleep(_RETRY_PAUSE_S)  # it never ran
 
-    async def _reconnect(self, patient_until: float | None) -> None:
-        """A new authenticated connection to the same server (identity checked) with this client's
-        credential; retried until ``patient_until`` (loop time) while nothing answers yet."""
+    async def _reconnect(self, patient_until: float | None) -> AsyncClient:
+        """The connection, re-established if it is closed (one reconnection at a time: concurrent
+        callers share it): same server (identity checked), this client's credential; retried until
+        ``patient_until`` (loop time) while nothing answers yet."""
+        async with self._reconnect_lock:
+            if not self._conn.closed or self._closed_by_us:
+                return self._conn  # another caller reconnected meanwhile (or we were closed)
+            await self._reconnect_locked(patient_until)
+            return self._conn
+
+    async def _reconnect_locked(self, patient_until: float | None) -> None:
         loop = asyncio.get_running_loop()
         cause = self._conn.closed_by
         if cause is not None and cause.code == ErrorCode.RELOADING:

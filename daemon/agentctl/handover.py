@@ -239,7 +239,7 @@ def from_plain(tp: Any, value: Any, where: str, lost: list[str]) -> Any:
             return value
         raise HandoverError(f"{where}: expected a whole number, got {type(value).__name__}")
     if tp in (str, bytes, bool, dict, list):
-        if isinstance(value, tp) and not (tp is not bool and isinstance(value, bool)):
+        if isinstance(value, tp):
             return value
         raise HandoverError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
     raise HandoverError(f"{where}: cannot take over a value of type {_type_name(tp)}")

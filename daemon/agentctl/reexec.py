@@ -192,12 +192,13 @@ class Reloader:
         server = self.server
         ipc = server.ipc
         self._check_still_wanted()
+        log_event("agentctl_reloading", f"reload {attempt} ({origin}): preflight of the installed code, then"
+                  f" quiescing {len(server.instances)} instance(s) to re-execute it", ATTEMPT=attempt,
+                  VERSION=VERSION, INSTANCES=len(server.instances))
+        preflight: _Preflight | None = await _Preflight.start(self._preflight_argv())  # the slow part, unquiesced
+        # From here every refusal sends READY=1 again (systemd waits for it after RELOADING=1).
         self._notify(f"RELOADING=1\nMONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}"
                      "\nSTATUS=re-executing")
-        log_event("agentctl_reloading", f"reload {attempt} ({origin}): quiescing {len(server.instances)}"
-                  f" instance(s) to re-execute the installed code", ATTEMPT=attempt, VERSION=VERSION,
-                  INSTANCES=len(server.instances))
-        preflight: _Preflight | None = await _Preflight.start(self._preflight_argv())  # the slow part, unquiesced
         quiesced_at = time.monotonic()
         deadline = quiesced_at + QUIESCE_TIMEOUT_S
         listener = None

@@ -124,7 +124,7 @@ def build_packages() -> dict[str, Any]:
             finally:
                 shutil.rmtree(work, ignore_errors=True)
             # keep the three newest builds
-            old = sorted((d for d in CACHE.iterdir() if d.is_dir() and not d.name.startswith(".")),
+            old = sorted((d for d in CACHE.iterdir() if d.is_dir() and not d.name.startswith((".", "release-"))),
                          key=lambda d: d.stat().st_mtime, reverse=True)[3:]
             for d in old:
                 shutil.rmtree(d, ignore_errors=True)
