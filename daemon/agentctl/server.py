@@ -405,7 +405,12 @@ class AgentctlServer:
     async def start_handed_over(self, state: ServerHandover, listener: Any) -> None:
         """Take the agents' pipes back, then serve on the inherited listening socket."""
         for inst, h in zip(list(self.instances.values()), state.instances, strict=True):
-            await inst.resume_pipes(h)
+            try:
+                await inst.resume_pipes(h)
+            except Exception as exc:  # one instance's pipes never cost the others theirs
+                log.exception("instance %s: cannot take its agent's pipes back", inst.instance_id)
+                inst.not_taken_over.append(f"the agent's pipes ({type(exc).__name__}: {exc}); the agent still"
+                                           " runs and stop_instance ends it")
         identity = state.socket_identity
         await self.ipc.start_on(listener, (identity[0], identity[1]) if len(identity) == 2 else None)
         self._spawn_background(self.run_unowned_timer())

@@ -171,6 +171,17 @@ def db_row(k: Kandev, sql: str, *params: Any) -> dict[str, Any] | None:
         con.close()
 
 
+def db_rows(k: Kandev, sql: str, *params: Any) -> list[dict[str, Any]]:
+    """Every row of a query on this home's SQLite store, read-only (for what session show would
+    return in one frame too large, e.g. tens of thousands of chunks)."""
+    con = sqlite3.connect(f"file:{k.home / 'kandev.db'}?mode=ro", uri=True)
+    con.row_factory = sqlite3.Row
+    try:
+        return [dict(row) for row in con.execute(sql, params).fetchall()]
+    finally:
+        con.close()
+
+
 def agent_chunks(show: dict[str, Any]) -> list[str]:
     return [m["text"] for m in show["transcript"] if m["kind"] == "agent_message_chunk"]
 
