@@ -93,7 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
                         " gave up restarting a control server that kept dying, make it try again")
     up.add_argument("--config", help="config file for the backend")
     sub.add_parser("down", help="stop the backend gracefully")
-    sub.add_parser("status", help="backend, capability, control server, recovery")
+    sub.add_parser("status", help="backend, capability, control server (running and installed versions), recovery")
+    actl = sub.add_parser("agentctl", help="the control server").add_subparsers(
+        dest="agentctl_cmd", required=True, parser_class=_Parser
+    )
+    actl.add_parser("reload", help="re-execute the control server's installed code in place; its agents keep"
+                    " running (exit 1 if it refuses: the old code keeps serving)")
 
     task = sub.add_parser("task", help="tasks").add_subparsers(dest="task_cmd", required=True, parser_class=_Parser)
     tc = task.add_parser("create", help="create a task")
@@ -302,6 +307,8 @@ def run(args: argparse.Namespace) -> Any:
         return cmd_down(paths)
     if cmd == "status":
         return _call(sock, "status")
+    if cmd == "agentctl":  # reload: quiesce + preflight + exec, followed to its outcome
+        return _call(sock, "agentctl_reload", timeout=200.0)
     if cmd == "task":
         if args.task_cmd == "proceed":
             return _call(sock, "task_proceed", {"task_id": args.task_id}, timeout=180.0)

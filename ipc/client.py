@@ -75,6 +75,7 @@ class AsyncClient:
         self._next_id = 1
         self._write_lock = asyncio.Lock()
         self._failure: IpcError | None = None
+        self.closed_by: IpcError | None = None  # the error that ended the connection, as it came
         self._stream_id: int | None = None
         self._handed_off = False
         self._read_task = asyncio.get_running_loop().create_task(self._read_loop())
@@ -216,6 +217,7 @@ class AsyncClient:
         """Mark the connection unusable: pending calls fail with ``error``, later ones
         with ``unavailable`` (naming the reason)."""
         if self._failure is None:
+            self.closed_by = _copy(error)
             if error.code == ErrorCode.UNAVAILABLE:
                 self._failure = _copy(error)
             else:

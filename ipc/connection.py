@@ -36,6 +36,7 @@ class ConnectionContext:
         self._stream_task: asyncio.Task[None] | None = None
         self._streaming = False
         self._background: set[asyncio.Task[None]] = set()
+        self._discarding = False  # lingering: our side is shut for writing, their input is dropped
 
     def __repr__(self) -> str:
         p = self.peer
@@ -58,6 +59,21 @@ class ConnectionContext:
         self.closed.set()
         self._transport.close()
         self._wake_writers("connection closed")
+
+    def linger(self) -> None:
+        """Close the way a refused peer is closed: shut our side for writing (the peer reads what
+        was written, then EOF), drop whatever it still sends, and let the peer close; ``closed`` is
+        set at once. Used by a hand-over, so a client sending meanwhile never gets a reset."""
+        if self._closing:
+            return
+        self._closing = True
+        self._discarding = True
+        self.closed.set()
+        self._wake_writers("connection closed")
+        if self._transport.can_write_eof():
+            self._transport.write_eof()
+        else:
+            self._transport.close()
 
     def abort(self) -> None:
         """Drop the connection now, discarding unsent frames."""

@@ -38,6 +38,7 @@ class ErrorCode:
     AMBIGUOUS_ID = "ambiguous_id"  # an id prefix matches more than one object (details: candidates)
     SANDBOX_UNAVAILABLE = "sandbox_unavailable"  # agents.sandbox = required, and no agent sandbox can be made
     RUNTIME_NOT_PREPARED = "runtime_not_prepared"  # a sandboxed npm agent whose runtime was never prepared
+    RELOADING = "reloading"  # the server is re-executing (hand-over): the request was never run; send it again
 
 
 _RETRYABLE_BY_DEFAULT = frozenset(
@@ -47,6 +48,7 @@ _RETRYABLE_BY_DEFAULT = frozenset(
         ErrorCode.SESSION_GUARDED,
         ErrorCode.BUFFERS_FULL,
         ErrorCode.IDLE_TIMEOUT,
+        ErrorCode.RELOADING,
     }
 )
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from functools import partial
 from typing import Any
@@ -130,6 +131,8 @@ class IpcServer:
         self._all_gone = asyncio.Event()
         self._handler_tasks: set[asyncio.Task[None]] = set()
         self._closing = False
+        self._listen_sock: socket.socket | None = None
+        self._refusing: IpcError | None = None  # set while quiesced for a hand-over
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -148,14 +151,18 @@ class IpcServer:
         if self._server is not None:
             raise RuntimeError("server already started")
         sock, self.path, self._identity = bind_listener(self.path, self._socket_mode)
-        loop = asyncio.get_running_loop()
-        factory = partial(ServerProtocol, self, self._limits, self._budget)
         try:
-            self._server = await loop.create_unix_server(factory, sock=sock)
+            await self._serve_on(sock)
         except BaseException:
             sock.close()
             unlink_if_ours(self.path, self._identity)
             raise
+
+    async def _serve_on(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        factory = partial(ServerProtocol, self, self._limits, self._budget)
+        self._server = await loop.create_unix_server(factory, sock=sock)
+        self._listen_sock = sock
 
     async def close(self) -> None:
         """Stop accepting, close every connection, cancel handlers, remove the socket."""
@@ -258,6 +265,9 @@ class IpcServer:
     def dispatch(self, conn: ServerProtocol, ctx: ConnectionContext, frame: dict[str, Any]) -> None:
         """Answer a request inline when it can be refused (or is ``hello``), else start its handler."""
         rid = frame.get("id")
+        if self._refusing is not None:  # quiesced for a hand-over: never run, so safe to retry
+            ctx._send_soon(error_frame(rid if _valid_id(rid) else None, self._refusing))
+            return
         try:
             op, args = self._admit_request(ctx, frame, rid)
         except IpcError as exc:
@@ -349,3 +359,81 @@ class IpcServer:
             # Bookkeeping here rather than in a done-callback: one loop iteration less per request.
             self._handler_tasks.discard(asyncio.current_task())  # type: ignore[arg-type]
             conn.task_done()
+
+    # -- hand-over of the listening socket (the control server's re-exec) -----------------
+
+    async def start_on(self, sock: socket.socket, identity: SocketIdentity | None) -> None:
+        """Serve on a listening socket an earlier process image bound and handed over (kept open
+        across exec); ``identity`` is its file's, so ``close`` still removes only that file."""
+        if self._server is not None:
+            raise RuntimeError("server already started")
+        sock.setblocking(False)
+        self._identity = identity
+        await self._serve_on(sock)
+
+    def refuse_new_requests(self, error: IpcError | None) -> None:
+        """From now on answer every new request with ``error`` (None: run them again). A request
+        refused so never ran: the client may send it again."""
+        self._refusing = error
+
+    async def wait_handlers(self, timeout: float) -> bool:
+        """Wait until no request handler runs (stream handlers aside); False after ``timeout`` s."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            busy = [t for t in self._handler_tasks if not t.done() and t not in self._stream_tasks()]
+            if not busy:
+                return True
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            await asyncio.wait(busy, timeout=left)
+
+    def _stream_tasks(self) -> set[asyncio.Task[None]]:
+        return {c._stream_task for c in self._connections if c._stream_task is not None}
+
+    def stop_accepting(self) -> socket.socket:
+        """Stop accepting and return the listening socket, still open (a duplicate of it): peers
+        that connect meanwhile wait in its backlog for whoever serves it next."""
+        if self._server is None or self._listen_sock is None:
+            raise RuntimeError("server not started")
+        kept = self._listen_sock.dup()
+        self._server.close()  # closes our copy only
+        self._server = None
+        self._listen_sock = None
+        return kept
+
+    async def resume_accepting(self, sock: socket.socket) -> None:
+        """Accept again on ``sock`` (from ``stop_accepting``) after a hand-over did not happen."""
+        await self._serve_on(sock)
+
+    @property
+    def identity(self) -> SocketIdentity | None:
+        """(st_dev, st_ino) of the socket file this server bound."""
+        return self._identity
+
+    async def close_connections(self, final: IpcError, timeout: float) -> None:
+        """Close every connection after what was already written to it, ending with ``final`` (a
+        connection-level error frame) so a client's calls still in flight fail with it: they were
+        not run. Connections still open after ``timeout`` s are aborted."""
+        frame = error_frame(None, final)
+
+        async def finish(ctx: ConnectionContext) -> None:
+            if ctx._streaming or ctx._stream_task is not None:
+                ctx.close()  # a stream peer sends nothing: it reads to a frame boundary, then EOF
+                return
+            try:  # after every frame already queued on this connection
+                await within(ctx._send_frame(frame), timeout)
+            except (ConnectionClosed, TimeoutError):
+                pass
+            ctx.linger()  # the peer reads the final frame and closes; what it sent meanwhile is dropped
+
+        for transport in list(self._lingering):
+            self._end_linger(transport)
+        await asyncio.gather(*(finish(ctx) for ctx in list(self._connections)))
+        if self._connections:
+            try:
+                await within(self._all_gone.wait(), timeout)
+            except TimeoutError:
+                for ctx in list(self._connections):
+                    ctx.abort()

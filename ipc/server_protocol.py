@@ -99,8 +99,15 @@ class ServerProtocol(asyncio.BufferedProtocol):
             self._last_active = loop.time()
             self._idle_timer = loop.call_later(self._limits.idle_timeout, self._idle_check)
 
+    @property
+    def _dropping_input(self) -> bool:
+        """Whether what the peer sends is read and dropped: the connection was refused at once,
+        refused mid-frame (``buffers_full``), or is lingering after a hand-over closed it
+        (``ConnectionContext.linger``)."""
+        return self.ctx is None or self._discarding or self.ctx._discarding
+
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self.ctx is None or self._discarding:  # refused: what the peer still sends is discarded
+        if self._dropping_input:  # refused, or closed by a hand-over: what the peer still sends is discarded
             return _DISCARD
         try:
             return self._frames.get_buffer(sizehint)
@@ -109,7 +116,7 @@ class ServerProtocol(asyncio.BufferedProtocol):
             return _DISCARD
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self.ctx is None or self._discarding:
+        if self._dropping_input:
             return
         self._frames.buffer_updated(nbytes)
         if self._idle_timer is not None:
@@ -121,7 +128,7 @@ class ServerProtocol(asyncio.BufferedProtocol):
         self._done = True
         self._stop_frame_timer()
         self._stop_idle_timer()
-        if self._discarding:
+        if self._dropping_input:
             return False
         ctx = self.ctx
         if ctx is None:

@@ -40,10 +40,21 @@ by the server.
 
 ``identify(socket_path)`` is the standalone, unauthenticated probe: None when
 nothing answers (no socket, connection refused, timeout).
+
+Reconnection (issue 15). The server closes every connection when it
+re-executes (``reload``): a request it refused with ``reloading``, or that was
+pending when the connection ended with a last ``reloading`` frame, never ran.
+``call`` then connects again (the same handshake: same identity, this client's
+credential) and sends it again, patiently, for up to ``RELOAD_WINDOW_S``, since
+the new process image takes a moment to serve. A connection found closed for
+any other reason is re-established once before a call (patiently too if a
+server said ``reloading`` within ``RELOAD_WINDOW_S``: ``reload_seen_recently``);
+if that fails, the call fails as before.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Callable
 from typing import Any
@@ -69,6 +80,9 @@ STOP_TIMEOUT = 30.0
 """Seconds ``stop_instance`` may take (SIGTERM, 3 s grace, SIGKILL, reaping)."""
 SHUTDOWN_TIMEOUT = 60.0
 """Seconds ``ownership_shutdown`` may take (every instance stopped in parallel)."""
+RELOAD_WINDOW_S = 90.0
+"""How long a call keeps connecting and sending again while the server re-executes."""
+_RETRY_PAUSE_S = 0.05
 
 
 class OwnershipRefused(Exception):
@@ -98,6 +112,8 @@ async def identify(socket_path: str | os.PathLike[str], timeout: float = 2.0) ->
     except IpcError as exc:
         if exc.code in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT):
             return None
+        if exc.code == ErrorCode.RELOADING:  # alive, re-executing: the caller asks again
+            _saw_reload()
         raise
     finally:
         await conn.close()
@@ -116,7 +132,9 @@ async def _handshake(
     try:
         info = await conn.call("identify", timeout=timeout)
     except IpcError as exc:
-        if exc.code in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.INCOMPATIBLE_VERSION):
+        if exc.code in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.INCOMPATIBLE_VERSION, ErrorCode.RELOADING):
+            if exc.code == ErrorCode.RELOADING:
+                _saw_reload()
             raise
         # Something answers, but not with an identity: unreadable counts as a mismatch.
         raise OwnershipRefused(IDENTITY_MISMATCH, f"identify was refused: {exc.message}") from None
@@ -172,6 +190,22 @@ async def _authenticate(conn: AsyncClient, *, credential: bytes, identity: str, 
     return role if isinstance(role, str) else None
 
 
+_last_reload_seen: float | None = None  # loop time a server last answered "reloading"
+
+
+def reload_seen_recently() -> bool:
+    """Whether a control server said it is re-executing within ``RELOAD_WINDOW_S``: a slow
+    answer is then most likely that re-exec, not a dead server (the backend's read budget uses it)."""
+    if _last_reload_seen is None:
+        return False
+    return asyncio.get_running_loop().time() - _last_reload_seen < RELOAD_WINDOW_S
+
+
+def _saw_reload() -> None:
+    global _last_reload_seen
+    _last_reload_seen = asyncio.get_running_loop().time()
+
+
 class AgentctlClient:
     """An authenticated connection to one control server. Build it with ``await connect(...)``."""
 
@@ -184,8 +218,10 @@ class AgentctlClient:
         credential: bytes,
         installation_id: str,
         timeout: float,
+        purpose: str = DRIVE,
     ) -> None:
         self.socket_path = socket_path
+        self.purpose = purpose
         self.identity: str = info["server_identity"]
         self.capabilities: frozenset[str] = frozenset(info["capabilities"])
         self.protocol_version: tuple[int, ...] = tuple(info.get("protocol_version") or ())
@@ -199,6 +235,8 @@ class AgentctlClient:
         self._conn = conn
         self._credential = credential
         self._installation_id = installation_id
+        self._closed_by_us = False
+        self._reconnect_lock = asyncio.Lock()
 
     @classmethod
     async def connect(
@@ -240,9 +278,11 @@ class AgentctlClient:
         except BaseException:
             await conn.close()
             raise
-        return cls(path, conn, info, credential=credential, installation_id=installation_id, timeout=timeout)
+        return cls(path, conn, info, credential=credential, installation_id=installation_id, timeout=timeout,
+                   purpose=purpose)
 
     async def close(self) -> None:
+        self._closed_by_us = True
         await self._conn.close()
 
     async def __aenter__(self) -> AgentctlClient:
@@ -256,13 +296,71 @@ class AgentctlClient:
         return self._conn.closed
 
     async def call(self, op: str, args: dict[str, Any] | None = None, *, timeout: float | None = None) -> Any:
-        """Any op of ``protocol.TABLE`` on the authenticated connection."""
-        try:
-            return await self._conn.call(op, args, timeout=self.timeout if timeout is None else timeout)
-        except IpcError as exc:
-            if exc.code == ErrorCode.SUPERSEDED_CREDENTIAL and self.on_superseded is not None:
-                self.on_superseded(self)
-            raise
+        """Any op of ``protocol.TABLE`` on the authenticated connection (re-established if the
+        server re-executed: see the module doc)."""
+        loop = asyncio.get_running_loop()
+        reload_deadline: float | None = None  # set once the server said it is re-executing
+        while True:
+            conn = self._conn
+            try:
+                if conn.closed and not self._closed_by_us:
+                    conn = await self._reconnect(reload_deadline)
+                return await conn.call(op, args, timeout=self.timeout if timeout is None else timeout)
+            except IpcError as exc:
+                if exc.code == ErrorCode.SUPERSEDED_CREDENTIAL and self.on_superseded is not None:
+                    self.on_superseded(self)
+                if exc.code != ErrorCode.RELOADING:
+                    raise
+                _saw_reload()
+                if reload_deadline is None:
+                    reload_deadline = loop.time() + RELOAD_WINDOW_S
+                elif loop.time() >= reload_deadline:
+                    raise
+                await conn.close()  # the server closes it anyway: send it again on a new one
+                await asyncio.sleep(_RETRY_PAUSE_S)  # it never ran
+
+    async def _reconnect(self, patient_until: float | None) -> AsyncClient:
+        """The connection, re-established if it is closed (one reconnection at a time: concurrent
+        callers share it): same server (identity checked), this client's credential; retried until
+        ``patient_until`` (loop time) while nothing answers yet."""
+        async with self._reconnect_lock:
+            if not self._conn.closed or self._closed_by_us:
+                return self._conn  # another caller reconnected meanwhile (or we were closed)
+            await self._reconnect_locked(patient_until)
+            return self._conn
+
+    async def _reconnect_locked(self, patient_until: float | None) -> None:
+        loop = asyncio.get_running_loop()
+        cause = self._conn.closed_by
+        if cause is not None and cause.code == ErrorCode.RELOADING:
+            _saw_reload()  # the server closed this connection to re-execute
+        await self._conn.close()  # its reader task ends here, not in the garbage collector
+        if patient_until is None and reload_seen_recently():
+            patient_until = loop.time() + RELOAD_WINDOW_S
+        while True:
+            try:
+                conn = await AsyncClient.connect(self.socket_path, timeout=self.timeout, hello=False)
+                try:
+                    info = await _handshake(conn, credential=self._credential, installation_id=self._installation_id,
+                                            expected_identity=self.identity, timeout=self.timeout)
+                except BaseException:
+                    await conn.close()
+                    raise
+            except IpcError as exc:
+                retry = exc.code in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.RELOADING)
+                if not retry or patient_until is None or loop.time() >= patient_until:
+                    raise
+                await asyncio.sleep(_RETRY_PAUSE_S * 2)
+                continue
+            role = info.get("credential_role")
+            if role == "superseded" and self.purpose == DRIVE:
+                await conn.close()
+                raise IpcError(ErrorCode.SUPERSEDED_CREDENTIAL, "the credential was superseded by a rotation")
+            self._conn = conn
+            self.credential_role = role
+            self.capabilities = frozenset(info["capabilities"])
+            self.protocol_version = tuple(info.get("protocol_version") or ())
+            return
 
     # -- ownership ----------------------------------------------------------
 
@@ -398,6 +496,15 @@ class AgentctlClient:
     async def turn_status(self, instance_id: str) -> dict[str, Any]:
         """Pure read -> ``{current_turn_id, outcomes: [{turn_id, stop_reason, error}]}``."""
         return await self.call("turn_status", {"instance_id": instance_id})
+
+    async def server_info(self, *, timeout: float | None = None) -> dict[str, Any]:
+        """Protocol 1.1 (``reload.v1``): ``{version, pid, reload: {...}}``; ``unknown_op`` from 1.0."""
+        return await self.call("server_info", timeout=timeout)
+
+    async def reload(self) -> dict[str, Any]:
+        """Start (or join) a re-exec of the installed code -> ``{attempt, version, pid}``; follow
+        ``server_info()['reload']`` for its outcome."""
+        return await self.call("reload")
 
     async def ack_turn(self, turn_id: str) -> dict[str, Any]:
         """Drop a retained outcome; an unknown id is accepted and changes nothing -> ``{acked}``."""

@@ -267,6 +267,24 @@ class EventLog:
         self._update_room()
         return event
 
+    def retained(self) -> list[Event]:
+        """Every retained event, oldest first (a re-exec hands them over)."""
+        return list(self._events)
+
+    def restore(self, next_seq: int, events: list[tuple[int, str, dict[str, Any]]]) -> None:
+        """Take over the log of a previous process image: its retained events and its next seq.
+        Only on a fresh log; the events must be consecutive and below ``next_seq``."""
+        if self._events or self._next_seq != 1:
+            raise RuntimeError("restore() needs a fresh log")
+        expected = next_seq - len(events)
+        for seq, kind, data in events:
+            if seq != expected:
+                raise ValueError(f"retained events are not consecutive up to next_seq {next_seq}")
+            self._events.append(Event(seq, kind, data))
+            expected += 1
+        self._next_seq = next_seq
+        self._update_room()
+
     def get(self, seq: int) -> Event | None:
         index = seq - self.first_seq
         if 0 <= index < len(self._events):

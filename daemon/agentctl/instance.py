@@ -105,12 +105,22 @@ from acp.schema import (
     ClientCapabilities,
     DeniedOutcome,
     Implementation,
+    PromptResponse,
     RequestPermissionResponse,
 )
 
+from daemon.agentctl import acp_internals
 from daemon.agentctl.events import EventLog, Subscription
+from daemon.agentctl.handover import (
+    InstanceHandover,
+    PermissionHandover,
+    RequestHandover,
+    from_fields,
+    to_plain,
+)
 from daemon.agentctl.protocol import EventKind
 from daemon.journal import log_event
+from daemon.version import VERSION
 from ipc.aio import within
 from ipc.errors import ErrorCode, IpcError
 
@@ -133,7 +143,7 @@ DEFAULT_DETACHED_EVENT_LIMIT = 100
 """The ``agentctl.detached_event_limit`` default; the server passes the validated setting."""
 INHERITED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TERM", "USER", "LOGNAME")
 CLIENT_NAME = "kandev-agentctl"
-CLIENT_VERSION = "0.1.0"
+CLIENT_VERSION = VERSION
 
 _PR_SET_PDEATHSIG = 1
 
@@ -164,9 +174,13 @@ class TurnIds:
     """Server-wide turn ids ``<server_identity>:<n>``: never repeated in a lifetime, nor across
     lifetimes, since the identity is random per launch (design.md §6)."""
 
-    def __init__(self, server_identity: str) -> None:
+    def __init__(self, server_identity: str, counter: int = 0) -> None:
         self._prefix = server_identity
-        self._counter = 0
+        self._counter = counter  # a re-exec goes on from the previous image's counter
+
+    @property
+    def counter(self) -> int:
+        return self._counter
 
     def __call__(self) -> str:
         self._counter += 1
@@ -237,33 +251,58 @@ class AgentPipeTransport:
         self._writer = writer
         self._on_garbage = on_garbage
         self._gate = gate
-        self._holding = False  # a message read but held back by the gate
+        # A line read but not handed over yet (held back by the gate, or the reading was stopped
+        # for a re-exec) and the pieces of a long line already taken from the reader: both stay
+        # here, never in a local variable, so cancelling receive() at any await loses nothing.
+        self._held: bytes | None = None
+        self._partial: list[bytes] = []
         self._send_lock = asyncio.Lock()
+        self._sending = 0  # send() calls not yet returned
+        self.requests_sent: dict[Any, str] = {}  # JSON-RPC id -> method, until its answer is read
         self.eof = asyncio.Event()
 
     @property
     def drained(self) -> bool:
         """Whether every message the agent wrote was handed over: ``eof``, or nothing is held back
         and the reader holds the end of the pipe and nothing else (also while parked)."""
-        return self.eof.is_set() or (not self._holding and self._reader.at_eof())
+        return self.eof.is_set() or (self._held is None and not self._partial and self._reader.at_eof())
+
+    @property
+    def writes_settled(self) -> bool:
+        """No send in progress and nothing of ours waiting to go into the agent's stdin pipe."""
+        transport = self._writer.transport
+        return self._sending == 0 and (transport.is_closing() or transport.get_write_buffer_size() == 0)
+
+    def unread(self, buffered: bytes) -> bytes:
+        """Everything read from the agent and not handed over, in order, given the reader's buffer."""
+        return (self._held or b"") + b"".join(self._partial) + buffered
 
     async def send(self, message: dict[str, Any]) -> None:
         data = (json.dumps(message, separators=(",", ":")) + "\n").encode("utf-8")
-        async with self._send_lock:
-            if self._writer.is_closing():
-                raise ConnectionResetError("the agent's stdin is closed")
-            self._writer.write(data)
-            await self._writer.drain()
+        self._sending += 1
+        try:
+            async with self._send_lock:
+                if self._writer.is_closing():
+                    raise ConnectionResetError("the agent's stdin is closed")
+                if "method" in message and "id" in message:
+                    self.requests_sent[message["id"]] = str(message["method"])
+                self._writer.write(data)
+                await self._writer.drain()
+        finally:
+            self._sending -= 1
 
     async def receive(self) -> dict[str, Any] | None:
         try:
             while True:
-                line = await self._read_line()
+                if self._held is None:
+                    line = await self._read_line()
+                    if not line:
+                        self.eof.set()
+                        return None
+                    self._held = line
+                line = self._held.strip()
                 if not line:
-                    self.eof.set()
-                    return None
-                line = line.strip()
-                if not line:
+                    self._held = None
                     continue
                 try:
                     message = json.loads(line)
@@ -273,12 +312,11 @@ class AgentPipeTransport:
                     # Parks, holding this one message back, while the detached bound is reached.
                     # Checked after the read (not before it) so that events the server appended
                     # while this read was waiting for the agent count too.
-                    self._holding = True
-                    try:
-                        await self._gate()
-                    finally:
-                        self._holding = False
+                    await self._gate()
+                self._held = None
                 if isinstance(message, dict):
+                    if "method" not in message and "id" in message:
+                        self.requests_sent.pop(message["id"], None)  # the answer to one of ours
                     return message
                 if self._on_garbage is not None:
                     self._on_garbage(line[:200].decode("utf-8", errors="replace"))
@@ -290,17 +328,19 @@ class AgentPipeTransport:
             return None
 
     async def _read_line(self) -> bytes:
-        chunks: list[bytes] = []
         try:
             while True:
                 try:
-                    chunks.append(await self._reader.readuntil(b"\n"))
-                    return b"".join(chunks)
+                    last = await self._reader.readuntil(b"\n")
+                    break
                 except asyncio.LimitOverrunError as exc:
-                    chunks.append(await self._reader.readexactly(exc.consumed))
+                    # exc.consumed bytes are buffered already: this read never waits.
+                    self._partial.append(await self._reader.readexactly(exc.consumed))
         except asyncio.IncompleteReadError as exc:
-            chunks.append(exc.partial)
-            return b"".join(chunks)
+            last = exc.partial
+        line = b"".join(self._partial) + last
+        self._partial.clear()
+        return line
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -317,6 +357,8 @@ class _Permission:
     future: asyncio.Future[str | None]
     rpc_id: str
     turn_id: str | None = None
+    tool_call_id: str = ""
+    message: dict[str, Any] = field(default_factory=dict)  # the agent's raw request (for a hand-over)
 
 
 class _AcpClient:
@@ -407,6 +449,10 @@ class Instance:
         self._exited = asyncio.Event()
         self._permissions: dict[str, _Permission] = {}
         self._permission_fifo: dict[str, deque[str]] = {}
+        self._incoming_open: dict[str, str] = {}  # the agent's requests we have not answered: rpc key -> method
+        self.not_taken_over: list[str] = []  # what a re-exec could not carry over (reported by describe)
+        self._reading_paused_for_handover = False
+        self._pipe_paused_for_handover = False
 
     # -- reporting -----------------------------------------------------------
 
@@ -434,6 +480,9 @@ class Instance:
             # What the agent reported about its current ACP session (seed 004).
             "modes": self.session_info.get("modes"),
             "config_options": list(self.session_info.get("config_options") or []),
+            # What a re-exec of the control server could not carry over for this instance (empty
+            # unless a reload reported something; issue 15).
+            "not_taken_over": list(self.not_taken_over),
         }
 
     @property
@@ -576,32 +625,36 @@ class Instance:
         message = event.message
         if event.direction is StreamDirection.OUTGOING:
             if "method" not in message and "id" in message:
+                self._incoming_open.pop(_rpc_key(message["id"]), None)
                 self._permission_answered(message["id"])
             return
         method = message.get("method")
         params = message.get("params")
         if not isinstance(params, dict):
             params = {}
+        if method is not None and "id" in message:
+            self._incoming_open[_rpc_key(message["id"])] = str(method)
         if method == "session/update" and "id" not in message:
             self.log.append(
                 EventKind.SESSION_UPDATE, {"turn_id": self.current_turn_id, "update": params.get("update")}
             )
         elif method == "session/request_permission" and "id" in message:
-            self._permission_requested(message["id"], params)
+            self._permission_requested(message["id"], params, message)
 
     def _on_garbage(self, line: str) -> None:
         self.log.append(EventKind.AGENT_ERROR, {"message": f"the agent wrote a line that is not JSON-RPC: {line}"})
 
-    def _permission_requested(self, rpc_id: Any, params: dict[str, Any]) -> None:
+    def _permission_requested(self, rpc_id: Any, params: dict[str, Any], message: dict[str, Any]) -> None:
         tool_call = params.get("toolCall") if isinstance(params.get("toolCall"), dict) else {}
         options = params.get("options") if isinstance(params.get("options"), list) else []
         option_ids = [str(o.get("optionId")) for o in options if isinstance(o, dict)]
         request_id = os.urandom(16).hex()
         future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        tool_call_id = str(tool_call.get("toolCallId"))
         self._permissions[request_id] = _Permission(
-            request_id, option_ids, future, _rpc_key(rpc_id), self.current_turn_id
+            request_id, option_ids, future, _rpc_key(rpc_id), self.current_turn_id, tool_call_id, message
         )
-        self._permission_fifo.setdefault(str(tool_call.get("toolCallId")), deque()).append(request_id)
+        self._permission_fifo.setdefault(tool_call_id, deque()).append(request_id)
         self.log.append(
             EventKind.PERMISSION_REQUEST,
             {"request_id": request_id, "turn_id": self.current_turn_id, "tool_call": tool_call, "options": options},
@@ -677,8 +730,12 @@ class Instance:
     async def _run_turn(self, turn_id: str, text: str) -> None:
         conn = self._conn
         assert conn is not None and self.acp_session_id is not None
+        await self._finish_turn(turn_id, conn.prompt(session_id=self.acp_session_id, prompt=[acp.text_block(text)]))
+
+    async def _finish_turn(self, turn_id: str, answer: Awaitable[Any]) -> None:
+        """Await the agent's answer to the turn's session/prompt and end the turn with it."""
         try:
-            response = await conn.prompt(session_id=self.acp_session_id, prompt=[acp.text_block(text)])
+            response = await answer
         except asyncio.CancelledError:
             raise
         except RequestError as exc:
@@ -964,6 +1021,256 @@ class Instance:
                 return
         if self._signal_group(signal.SIGKILL):
             await self._wait_group_gone(REAP_TIMEOUT)
+
+
+    # -- re-exec hand-over (daemon.agentctl.reexec captures, daemon.agentctl.resume restores) ------
+
+    def pause_for_handover(self) -> asyncio.Task[Any] | None:
+        """Stop reading the agent at a message boundary: the connection's receive loop is cancelled
+        (a line being read or held back by the detached bound stays in the transport). Returns the
+        stopped loop's task (await it) or None if nothing was reading."""
+        if self._conn is None or not acp_internals.receiving(self._conn):
+            return None
+        self._reading_paused_for_handover = True
+        if self._proc is not None:  # and the pipe: what the agent writes now waits in the pipe
+            self._pipe_paused_for_handover = acp_internals.pause_pipe(self._proc.stdout)
+        return acp_internals.stop_receiving(self._conn)
+
+    def resume_after_refusal(self) -> None:
+        """A refused reload: read the agent again, from where ``pause_for_handover`` stopped."""
+        if self._reading_paused_for_handover and self._conn is not None and not self.gone:
+            self._reading_paused_for_handover = False
+            if self._pipe_paused_for_handover and self._proc is not None:
+                acp_internals.resume_pipe(self._proc.stdout)
+            self._pipe_paused_for_handover = False
+            if not acp_internals.receiving(self._conn):
+                acp_internals.restart_receiving(self._conn)
+
+    def handover_blocker(self) -> str | None:
+        """None once this instance can be captured as it is; otherwise what is still moving.
+
+        Reading is paused first; then every write to the agent must be on its way (nothing of ours
+        in a send or in the pipe transport's buffer), the open turn's session/prompt must be out
+        and unanswered (or the turn ended), and the only requests of the agent we have not
+        answered must be permission requests nobody answered yet: those travel, answers being
+        written do not.
+        """
+        if self.state in (InstanceState.STARTING, InstanceState.STOPPING):
+            return f"instance {self.instance_id} is {self.state.value}"
+        conn, transport = self._conn, self._transport
+        if self.state is not InstanceState.RUNNING or conn is None or transport is None:
+            return None
+        if acp_internals.receiving(conn):
+            return f"instance {self.instance_id}: still reading the agent"
+        if not transport.writes_settled:
+            return f"instance {self.instance_id}: a write to the agent's stdin is not done (does it read its stdin?)"
+        pending = acp_internals.pending_request_ids(conn)
+        if any(rid not in transport.requests_sent for rid in pending):
+            return f"instance {self.instance_id}: a request to the agent is being sent"
+        turn_task = self._prompt_task
+        turn_in_flight = "session/prompt" in (transport.requests_sent.get(rid) for rid in pending)
+        if self.current_turn_id is not None and turn_task is not None and not turn_task.done() and not turn_in_flight:
+            return f"instance {self.instance_id}: turn {self.current_turn_id} is being sent or ended"
+        waiting = {p.rpc_id for p in self._permissions.values() if not p.future.done()}
+        for key, method in self._incoming_open.items():
+            if key not in waiting:
+                return f"instance {self.instance_id}: the agent's {method} request is being answered"
+        return None
+
+    @property
+    def process(self) -> Any:
+        """The agent's process handle (``asyncio.subprocess.Process`` or ``AdoptedProcess``), or None."""
+        return self._proc
+
+    def handover_fds(self) -> list[int]:
+        """The fds ``handover_state`` names: the agent's stdout and stdin pipes, while it runs."""
+        proc = self._proc
+        if self.state is not InstanceState.RUNNING or self._conn is None or proc is None:
+            return []
+        fds = (acp_internals.reader_fd(proc.stdout), acp_internals.writer_fd(proc.stdin))
+        return [fd for fd in fds if fd is not None]
+
+    def handover_state(self) -> InstanceHandover:
+        """The instance as the next process image needs it (call once ``handover_blocker`` is None;
+        synchronous, so nothing changes while it runs)."""
+        proc, conn, transport = self._proc, self._conn, self._transport
+        live = self.state is InstanceState.RUNNING and conn is not None and transport is not None
+        requests: list[RequestHandover] = []
+        permissions: list[PermissionHandover] = []
+        stdout_fd = stdin_fd = None
+        unread = b""
+        if live:
+            assert conn is not None and transport is not None and proc is not None
+            for rid in acp_internals.pending_request_ids(conn):
+                method = transport.requests_sent.get(rid, "")
+                turn = self.current_turn_id if method == "session/prompt" else None
+                requests.append(RequestHandover(rid, method, turn))
+            permissions = [
+                PermissionHandover(p.request_id, list(p.option_ids), p.turn_id, p.tool_call_id, p.message)
+                for p in self._permissions.values() if not p.future.done()
+            ]
+            stdout_fd = acp_internals.reader_fd(proc.stdout)
+            stdin_fd = acp_internals.writer_fd(proc.stdin)
+            unread = transport.unread(acp_internals.buffered_bytes(proc.stdout))
+        return InstanceHandover(
+            spec=to_plain(self.spec),
+            state=self.state.value,
+            pid=self.pid,
+            pid_start_time=self.pid_start_time,
+            exit_code=self.exit_code,
+            reaped_returncode=proc.returncode if proc is not None else None,
+            acp_session_id=self.acp_session_id,
+            session_info=to_plain(self.session_info),
+            handshake_seq=self.handshake_seq,
+            detached_event_limit=self.detached_event_limit,
+            limit_armed=self.log.limit is not None,
+            current_turn_id=self.current_turn_id,
+            outcomes=[dict(o) for o in self.outcomes.values()],
+            next_seq=self.log.next_seq,
+            events=[[e.seq, e.kind, e.data] for e in self.log.retained()],
+            stdout_fd=stdout_fd,
+            stdin_fd=stdin_fd,
+            unread=unread,
+            next_request_id=acp_internals.next_request_id(conn) if conn is not None else 0,
+            requests=requests,
+            permissions=permissions,
+            stderr_path=str(self.stderr_path),
+            not_taken_over=list(self.not_taken_over),
+        )
+
+    @classmethod
+    def from_handover(
+        cls,
+        h: InstanceHandover,
+        *,
+        agent_log_dir: str | os.PathLike[str],
+        turn_ids: Callable[[], str],
+        on_change: Callable[[Instance], None] | None = None,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+    ) -> Instance:
+        """The instance of a previous process image, without its pipes yet (``resume_pipes``)."""
+        lost: list[str] = []
+        spec = from_fields(InstanceSpec, h.spec, "spec", lost)
+        inst = cls(spec, agent_log_dir=agent_log_dir, turn_ids=turn_ids, handshake_timeout=handshake_timeout,
+                   detached_event_limit=h.detached_event_limit)
+        inst.state = InstanceState(h.state)
+        inst.pid, inst.pid_start_time, inst.exit_code = h.pid, h.pid_start_time, h.exit_code
+        inst.acp_session_id = h.acp_session_id
+        inst.session_info = dict(h.session_info)
+        inst.handshake_seq = h.handshake_seq
+        inst.current_turn_id = h.current_turn_id
+        inst.outcomes = OrderedDict((str(o.get("turn_id")), dict(o)) for o in h.outcomes)
+        inst.log.restore(h.next_seq, [(int(e[0]), str(e[1]), e[2]) for e in h.events])
+        if h.limit_armed:
+            inst.log.set_limit(h.detached_event_limit)
+        inst.stderr_path = Path(h.stderr_path)
+        inst.not_taken_over = list(h.not_taken_over) + lost
+        if inst.state is InstanceState.EXITED:
+            inst._exited.set()
+        inst._on_change = on_change
+        return inst
+
+    async def resume_pipes(self, h: InstanceHandover) -> None:
+        """Take the agent's pipes back and go on exactly where the previous image stopped: unread
+        bytes first, our requests still awaiting answers, the agent's open permission requests
+        (their handlers answer them when a backend does), the open turn."""
+        if self.state is not InstanceState.RUNNING or self.pid is None:
+            return
+        try:
+            psproc = psutil.Process(self.pid)
+            if self.pid_start_time is not None and psproc.create_time() != self.pid_start_time:
+                self.not_taken_over.append("process identity (the start time differs)")
+            else:
+                self._psproc = psproc
+        except psutil.Error:
+            self._psproc = None  # gone already: the exit watcher reports it
+        reader, writer = await acp_internals.adopt_pipes(h.stdout_fd, h.stdin_fd, h.unread, AGENT_STDOUT_LIMIT)
+        self._proc = AdoptedProcess(self.pid, reader, writer, h.reaped_returncode)  # type: ignore[assignment]
+        self._transport = AgentPipeTransport(reader, writer, self._on_garbage, self.log.wait_for_room)
+        self._exit_task = asyncio.create_task(self._watch_exit(), name=f"agentctl.exit.{self.instance_id}")
+        conn = self._conn = acp.connect_to_agent(_AcpClient(self), self._transport, observers=[self._observe])
+        # Synchronous from here on: the connection's receive loop has not run yet.
+        answers = acp_internals.restore_requests(conn, h.next_request_id, [r.rpc_id for r in h.requests])
+        turn_resumed = False
+        for request in h.requests:
+            self._transport.requests_sent[request.rpc_id] = request.method
+            answer = answers[request.rpc_id]
+            if request.method == "session/prompt" and request.turn_id and request.turn_id == self.current_turn_id:
+                self._prompt_task = asyncio.create_task(
+                    self._finish_turn(request.turn_id, _prompt_response(answer)), name=f"agentctl.turn.{request.turn_id}"
+                )
+                turn_resumed = True
+            else:
+                self.not_taken_over.append(f"the answer to {request.method or 'a request'} sent before the re-exec")
+                asyncio.create_task(_discard_answer(self.instance_id, request.method, answer))
+        for p in h.permissions:
+            future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+            rpc = _rpc_key(p.message.get("id"))
+            self._permissions[p.request_id] = _Permission(
+                p.request_id, list(p.option_ids), future, rpc, p.turn_id, p.tool_call_id, p.message
+            )
+            self._permission_fifo.setdefault(p.tool_call_id, deque()).append(p.request_id)
+            self._incoming_open[rpc] = "session/request_permission"
+        for p in h.permissions:
+            acp_internals.replay_request(conn, p.message)
+        if self.current_turn_id is not None and not turn_resumed:
+            self.not_taken_over.append(f"turn {self.current_turn_id} (its prompt request was not in flight)")
+            self._end_turn(self.current_turn_id, "error", "the control server re-executed and could not match"
+                           " this turn's answer")
+
+
+class AdoptedProcess:
+    """An agent the previous process image spawned (our child still): what ``Instance`` needs of an
+    ``asyncio.subprocess.Process``. Its exit is watched through a pidfd, reaped here."""
+
+    def __init__(
+        self, pid: int, stdout: asyncio.StreamReader, stdin: asyncio.StreamWriter, returncode: int | None
+    ) -> None:
+        self.pid = pid
+        self.stdout = stdout
+        self.stdin = stdin
+        self.returncode = returncode
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._exited: asyncio.Future[int] = loop.create_future()
+        self._pidfd: int | None = None
+        if returncode is not None:
+            self._exited.set_result(returncode)
+            return
+        try:
+            self._pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:  # not ours to wait for any more (cannot happen for an unreaped child)
+            self._reap()
+            return
+        loop.add_reader(self._pidfd, self._reap)
+
+    def _reap(self) -> None:
+        if self._pidfd is not None:
+            self._loop.remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            code = os.waitstatus_to_exitcode(status) if pid else 255
+        except ChildProcessError:
+            code = 255  # reaped elsewhere: the status is gone
+        self.returncode = code
+        if not self._exited.done():
+            self._exited.set_result(code)
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self._exited)
+
+
+async def _prompt_response(answer: asyncio.Future[Any]) -> PromptResponse:
+    return PromptResponse.model_validate(await answer)
+
+
+async def _discard_answer(instance_id: str, method: str, answer: asyncio.Future[Any]) -> None:
+    with contextlib.suppress(Exception):
+        await answer
+    log.warning("instance %s: the answer to %s sent before the re-exec arrived; nobody waits for it",
+                instance_id, method or "a request")
 
 
 class _HandshakeRefused(Exception):

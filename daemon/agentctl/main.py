@@ -5,16 +5,27 @@ launch.json`` with the home from ``--home``, ``$KANDEV_HOME`` or
 ``$STATE_DIRECTORY``) -> logging (journald when present, plus the server's
 own bounded file, AC-EXECUTORS-SURVIVAL-001.3) -> validate the settings
 (exit 2 with the reason, before anything is bound; AC-EXECUTORS-SURVIVAL-001.8)
--> read the credential -> bind the socket -> ``READY=1``.
+-> read the credential -> import everything it will ever run (``preload``) ->
+bind the socket -> ``READY=1``.
 
 SIGTERM/SIGINT stop every instance (their process groups are killed), close
 the socket and exit 0; so do ``ownership_shutdown`` and the unowned shutdown
 (no claim, rotation or bootstrap for the resolved unowned period: the server's
 own timer latches, stops every instance and exits 0;
-AC-EXECUTORS-CONTROL-OWNERSHIP-003.1). SIGHUP is ignored: in
-detached mode the server has no terminal and must not die with one. stdin,
-stdout and stderr may be ``/dev/null`` or gone; a failed log write is never
-fatal.
+AC-EXECUTORS-CONTROL-OWNERSHIP-003.1). SIGHUP reloads: the server re-executes
+the installed code in place with its state handed over, every agent keeps
+running (``daemon.agentctl.reexec``); before the handler is installed it is
+ignored, so a detached server never dies of a hang-up. stdin, stdout and
+stderr may be ``/dev/null`` or gone; a failed log write is never fatal.
+
+Other modes of the same entry point: ``--reload`` asks the running server to
+reload and waits for the outcome (``daemon.agentctl.reload_client``, the unit's
+``ExecReload=``); ``--resume-state-fd N`` is the new image of a reload
+(``daemon.agentctl.resume``); ``--preflight`` is a reload's preflight
+(``daemon.agentctl.preflight``). Agents are spawned by the event loop in the
+main thread and children are watched through pidfds (no watcher thread): the
+thread that spawned them is the one that execs, so their parent-death signal
+never fires on a reload.
 
 Exit codes: 0 clean stop, 1 could not serve (e.g. the socket is in use),
 2 refused to start (bad launch file, settings or credential).
@@ -31,14 +42,16 @@ import sys
 from pathlib import Path
 
 from daemon import task_dump
-from daemon.agentctl import launch
+from daemon.agentctl import launch, preflight, preload, reload_client, resume
+from daemon.agentctl.handover import HandoverError
 from daemon.agentctl.launch import LaunchConfig, LaunchError
-from daemon.agentctl.server import AgentctlServer
+from daemon.agentctl.reexec import Reloader
 from daemon.config import ConfigError, ResolvedAgentctl
 from daemon.faults import fault_point
 from daemon.journal import log_event, setup_logging
 from daemon.limits import raise_open_file_limit
 from daemon.paths import resolve_home
+from ipc.errors import IpcError
 
 log = logging.getLogger("kandev.agentctl")
 
@@ -51,6 +64,8 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_REFUSED = 2
 
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
@@ -59,6 +74,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--home", help="Kandev home (default: $KANDEV_HOME, $STATE_DIRECTORY)")
     parser.add_argument("--launch-file", help="launch file (default: <home>/agentctl/launch.json)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--reload", action="store_true",
+                        help="ask the running control server to re-execute the installed code in place (its"
+                        " agents keep running) and wait for the outcome; exit 0 done, 1 refused, 3 the server"
+                        " predates reload")
+    parser.add_argument("--pid", type=int, help="with --reload: the pid the server must have ($MAINPID)")
+    parser.add_argument("--resume-state-fd", type=int, help=argparse.SUPPRESS)  # a reload's new image
+    parser.add_argument("--preflight", action="store_true", help=argparse.SUPPRESS)  # a reload's preflight
     return parser.parse_args(argv)
 
 
@@ -113,6 +135,22 @@ def _ensure_socket_dir(socket_path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(socket_path)), mode=0o700, exist_ok=True)
 
 
+def _use_pidfd_child_watcher() -> None:
+    """Watch children through pidfds from the event loop: no waitpid thread, so reaping happens
+    only in the loop (a re-exec never loses an exit status to a thread) and nothing but the main
+    thread ever forks an agent."""
+    watcher = asyncio.PidfdChildWatcher()
+    asyncio.set_child_watcher(watcher)
+    watcher.attach_loop(asyncio.get_running_loop())
+
+
+def _request_reload(reloader: Reloader) -> None:
+    try:
+        reloader.request("SIGHUP")
+    except IpcError as exc:
+        log.warning("reload signal ignored: %s", exc.message)
+
+
 class _Notifier:
     """sd_notify: READY=1 and STATUS=; a no-op without $NOTIFY_SOCKET."""
 
@@ -138,37 +176,75 @@ class _Notifier:
             self.notify(f"STATUS={text}")
 
 
-async def _serve(config: LaunchConfig, resolved: ResolvedAgentctl, credential: bytes) -> int:
+async def _serve(
+    config: LaunchConfig,
+    resolved: ResolvedAgentctl,
+    credential: bytes | None,
+    *,
+    resumed: resume.Resumed | None = None,
+    reexec_args: tuple[str, ...] = (),
+) -> int:
+    # Imported here, not at the top: ``--reload`` (the unit's ExecReload=, new code too) must run
+    # even when a module only the server needs is broken; the preflight then refuses that version.
+    # preload.import_everything() has imported it already, before anything serves.
+    from daemon.agentctl.server import AgentctlServer
+
+    _use_pidfd_child_watcher()
     notifier = _Notifier()
-    server = AgentctlServer(config, resolved, credential, on_instances_changed=notifier.status)
-    del credential
-    try:
-        _ensure_socket_dir(config.socket_path)
-        await server.start()
-    except (OSError, ValueError) as exc:
-        _say(f"cannot listen on {config.socket_path}: {exc}")
-        log_event("agentctl_failed", f"cannot listen on {config.socket_path}: {exc}", priority=3,
-                  SOCKET=config.socket_path)
-        return EXIT_FAILED
+    if resumed is None:
+        assert credential is not None
+        server = AgentctlServer(config, resolved, credential, on_instances_changed=notifier.status)
+        del credential
+        try:
+            _ensure_socket_dir(config.socket_path)
+            await server.start()
+        except (OSError, ValueError) as exc:
+            _say(f"cannot listen on {config.socket_path}: {exc}")
+            log_event("agentctl_failed", f"cannot listen on {config.socket_path}: {exc}", priority=3,
+                      SOCKET=config.socket_path)
+            return EXIT_FAILED
+    else:
+        try:
+            server = AgentctlServer.from_handover(resumed.state, config, resolved,
+                                                  on_instances_changed=notifier.status)
+            await server.start_handed_over(resumed.state, resume.listener(resumed.state))
+        except Exception as exc:  # the preflight ran this very code on this very state: a bug
+            log.exception("cannot resume from the handed-over state")
+            log_event("agentctl_failed", f"the re-executed control server cannot resume: {exc}", priority=2)
+            resume.close_inherited(resumed.state)
+            return EXIT_FAILED
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGUSR1, task_dump.log_tasks)
-    notifier.notify("READY=1\nSTATUS=serving 0 instances")
-    log_event(
-        "agentctl_started",
-        f"control server {server.server_identity} serving on {config.socket_path} (mode {config.mode},"
-        f" detached_event_limit {server.detached_event_limit}, unowned period {server.unowned_period_s:g} s)",
-        SOCKET=config.socket_path,
-        MODE=config.mode,
-        SERVER_IDENTITY=server.server_identity,
-        PID=os.getpid(),
-    )
+    reloader = Reloader(server, notify=notifier.notify, stop_requested=stop.is_set, extra_args=reexec_args)
+    server.reloader = reloader
+    loop.add_signal_handler(signal.SIGHUP, _request_reload, reloader)
+    # A stop signal that arrived while the previous image was exec'ing waited, blocked, until now.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+    if resumed is not None:
+        resume.reexecuted(server, resumed)
+        count = len(server.instances)
+        notifier.notify(f"READY=1\nSTATUS=serving {count} instance{'' if count == 1 else 's'}")
+    else:
+        notifier.notify("READY=1\nSTATUS=serving 0 instances")
+        log_event(
+            "agentctl_started",
+            f"control server {server.server_identity} serving on {config.socket_path} (mode {config.mode},"
+            f" detached_event_limit {server.detached_event_limit}, unowned period {server.unowned_period_s:g} s)",
+            SOCKET=config.socket_path,
+            MODE=config.mode,
+            SERVER_IDENTITY=server.server_identity,
+            PID=os.getpid(),
+        )
+    # From here on every import is reported: what the server runs was imported before ready.
+    preload.LateImportWatch(loop, preload.report_late_import(log_event, log)).install()
     waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(server.exit_requested.wait())]
     await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
     for waiter in waiters:
         waiter.cancel()
+    await reloader.idle.wait()  # a reload under way ends first (it sees the stop and is refused)
     reason = "signal" if stop.is_set() else (server.exit_reason or "ownership_shutdown")
     notifier.notify("STOPPING=1")
     stopped = await server.shutdown()
@@ -183,6 +259,8 @@ async def _serve(config: LaunchConfig, resolved: ResolvedAgentctl, credential: b
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
+    if args.preflight:
+        return preflight.run()
     _ensure_std_fds()
     os.umask(0o077)
     raise_open_file_limit()  # three pipes per agent, one stream per instance
@@ -194,6 +272,18 @@ def main(argv: list[str] | None = None) -> int:
         launch_path = Path(args.launch_file)
     else:
         launch_path = launch.default_launch_file(resolve_home(args.home))
+    if args.reload:
+        return reload_client.run(launch_path, pid=args.pid)
+    # No mixed code: everything this server will run is imported now, before it serves.
+    preload.import_everything()
+    # The next image gets the same options (--launch-file/--home are not needed, but show in ps).
+    reexec_args = tuple(a for a in (
+        *(("--verbose",) if args.verbose else ()),
+        *(("--launch-file", args.launch_file) if args.launch_file else ()),
+        *(("--home", args.home) if args.home else ()),
+    ))
+    if args.resume_state_fd is not None:
+        return _resume(args.resume_state_fd, args.verbose, reexec_args)
     try:
         config = launch.load(launch_path)
     except LaunchError as exc:
@@ -211,7 +301,25 @@ def main(argv: list[str] | None = None) -> int:
     except LaunchError as exc:
         return _refuse(f"refusing to start: {exc}")
     try:
-        return asyncio.run(_serve(config, resolved, credential))
+        return asyncio.run(_serve(config, resolved, credential, reexec_args=reexec_args))
+    except KeyboardInterrupt:
+        return EXIT_OK
+
+
+def _resume(state_fd: int, verbose: bool, reexec_args: tuple[str, ...]) -> int:
+    """The new image of a reload: same pid, the agents' pipes and the socket inherited."""
+    try:
+        resumed = resume.load(state_fd)
+    except HandoverError as exc:  # the preflight decoded this same state: should never happen
+        return _refuse(f"cannot resume from the handed-over state: {exc}", logged=False)
+    _setup_logging(resumed.config, verbose)
+    try:
+        resolved = launch.validate(resumed.config)
+    except ConfigError as exc:
+        resume.close_inherited(resumed.state)
+        return _refuse(f"cannot resume: {exc}")
+    try:
+        return asyncio.run(_serve(resumed.config, resolved, None, resumed=resumed, reexec_args=reexec_args))
     except KeyboardInterrupt:
         return EXIT_OK
 

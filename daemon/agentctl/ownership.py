@@ -49,6 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from daemon.agentctl import auth
+from daemon.agentctl.handover import OwnershipHandover
 from ipc.errors import ErrorCode, IpcError
 
 CURRENT = "current"
@@ -110,6 +111,46 @@ class Ownership:
         self.last_renewal = self.started_at
         self.shutting_down = False
         self.shutdown_reason: str | None = None
+
+    # -- re-exec hand-over (daemon.agentctl.handover) --------------------------------
+
+    def snapshot(self) -> OwnershipHandover:
+        """Everything of this state, for the next process image (the credentials themselves too:
+        they travel only in the hand-over memfd). Not while shutting down: that latch ends the
+        lifetime, a reload never carries it."""
+        if self.shutting_down:
+            raise RuntimeError("a shutting-down server is not handed over")
+        return OwnershipHandover(
+            credentials=[[cred_id, cred] for cred_id, cred in sorted(self._credentials.items())],
+            highest=self.highest,
+            confirmed=self.confirmed,
+            bootstrapped=self.bootstrapped,
+            started_at=self.started_at,
+            last_renewal=self.last_renewal,
+            period_s=self.period_s,
+        )
+
+    @classmethod
+    def from_snapshot(
+        cls,
+        snap: OwnershipHandover,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        new_credential: Callable[[], bytes] = auth.new_credential,
+    ) -> Ownership:
+        """The ownership state of the previous process image. ``started_at`` and ``last_renewal``
+        are CLOCK_MONOTONIC values: one clock per boot, so the unowned timer goes on unchanged."""
+        credentials = {int(cred_id): bytes(cred) for cred_id, cred in snap.credentials}
+        if snap.highest not in credentials or not 1 <= len(credentials) <= 2:
+            raise ValueError("the handed-over credentials do not include the highest rotation's")
+        owner = cls(credentials[snap.highest], snap.period_s, clock=clock, new_credential=new_credential)
+        owner._credentials = credentials
+        owner.highest = snap.highest
+        owner.confirmed = snap.confirmed
+        owner.bootstrapped = snap.bootstrapped
+        owner.started_at = snap.started_at
+        owner.last_renewal = snap.last_renewal
+        return owner
 
     # -- credentials -----------------------------------------------------------
 

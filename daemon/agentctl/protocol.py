@@ -2,7 +2,17 @@
 
 The backend (client) and ``kandev-agentctl`` (server) both import ``TABLE``;
 nothing else defines what a request looks like. Evolution rule: fields and
-ops are only ever added (backend N must talk to control server N-1).
+ops are only ever added (backend N must talk to control server N-1), and the
+minor version rises with each addition: 1.0 is what release 0.1.0 speaks; 1.1
+(release 0.2.0) added ``reload`` and ``server_info``, the ``reload.v1``
+capability, the ``not_taken_over`` field of ``list_instances`` and the
+``reloading`` error code. ``identify`` never grows: unauthenticated, it answers
+the identity, the capability set and the unowned period (and the protocol
+version), nothing else (AC-EXECUTORS-CONTROL-OWNERSHIP-001.11).
+
+Adoption needs ``REQUIRED_CAPABILITIES`` only, never a capability added later:
+a backend adopts a server one release older and learns from ``identify`` what
+else it can do (``reload.v1``: it can re-execute newer code in place).
 
 Authentication (design.md §5): ``identify``, ``prove``, ``auth_begin`` and
 ``auth_finish`` work on an unauthenticated connection; everything else needs
@@ -20,17 +30,21 @@ from __future__ import annotations
 from ipc.schema import Op, OpTable
 
 PROTOCOL = "kandev-agentctl"
-VERSION = (1, 0)
+VERSION = (1, 1)
 
-# Capability set advertised by identify/hello; adoption requires the backend's
-# required set to be a subset of it (set inclusion, never version ordering).
-CAPABILITIES = (
+# What adoption requires (set inclusion, never version ordering): what release 0.1.0 already had.
+REQUIRED_CAPABILITIES = (
     "instances.v1",  # create/list/stop instances with server-held session identity
     "events.v1",  # attach stream with per-instance seq, after_seq replay, ack_events
     "turns.v1",  # server-assigned turn ids, turn_status + ack_turn
     "ownership.v1",  # prove/auth/claim/ownership_shutdown
     "rotation.v1",  # rotate/confirm_rotation, at most two acceptable credentials, superseded_credential
 )
+RELOAD_CAPABILITY = "reload.v1"
+"""The ``reload`` op: re-execute the installed code in place with the state handed over (issue 15)."""
+
+# Capability set advertised by identify/hello: the required ones and what was added since.
+CAPABILITIES = (*REQUIRED_CAPABILITIES, RELOAD_CAPABILITY)
 
 
 class EventKind:
@@ -144,7 +158,8 @@ OPS = [
         "list_instances",
         doc="-> {instances: [{instance_id, session_id, task_id, pid, ..., next_seq, retained_events,"
         " attached, paused, detached_event_limit}]}; paused: the agent's output is held back because"
-        " retained_events reached detached_event_limit while no stream is attached (SURVIVAL-001.6)",
+        " retained_events reached detached_event_limit while no stream is attached (SURVIVAL-001.6);"
+        " since 1.1 not_taken_over: what a re-exec could not carry over for the instance (usually empty)",
     ),
     Op("stop_instance", required={"instance_id": str}, doc="kill the group -> {stopped, already_absent}"),
     Op(
@@ -165,6 +180,19 @@ OPS = [
         doc="pure read -> {current_turn_id|None, outcomes: [{turn_id, stop_reason, error}]}",
     ),
     Op("ack_turn", required={"turn_id": str}, doc="discard a retained outcome; unknown id is a no-op -> {}"),
+    # --- reload (protocol 1.1, capability reload.v1) -------------------------------------
+    Op(
+        "reload",
+        doc="re-execute the installed code with this server's state handed over; answers at once ->"
+        " {attempt, version, pid}; follow server_info's reload.last_attempt / last_outcome ('reexecuted' |"
+        " 'refused', last_reason) for the outcome. Every connection is closed during the re-exec: a"
+        " request refused with 'reloading' never ran and may be sent again",
+    ),
+    Op(
+        "server_info",
+        doc="-> {version, pid, reload: {started_at, reexec_count, last_reexec_at, last_from_version,"
+        " last_pause_ms, attempts, last_attempt, last_outcome, last_reason, last_outcome_at, in_progress}}",
+    ),
 ]
 
 TABLE = OpTable(PROTOCOL, VERSION, OPS, capabilities=CAPABILITIES)

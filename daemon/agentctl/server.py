@@ -28,12 +28,21 @@ Ownership (design.md §5; the state machine is ``daemon.agentctl.ownership``):
 Instances (design.md §6): see ``daemon.agentctl.instance``. Unknown instance
 ids are ``not_found``, except for ``stop_instance``, where an absent instance
 counts as stopped (``already_absent``).
+
+Reload (issue 15): ``reload`` (authenticated) starts a re-exec of the installed
+code with this state handed over (``daemon.agentctl.reexec``); ``identify``
+reports nothing new (OWN-001.11: three things and no path); the authenticated
+``server_info`` reports the running version, the pid and the reload history,
+and so does a 0600 status file beside the socket, which the unit's reload helper
+(no credential) follows to the reload's end. ``capture_handover`` / ``from_handover`` are the
+server's side of the hand-over.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import secrets
@@ -44,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.agentctl import agent_logs, auth, sandbox
+from daemon.agentctl.handover import HANDOVER_FORMAT, ReloadHistory, ServerHandover, to_plain
 from daemon.agentctl.instance import Instance, InstanceSpec, TurnIds
 from daemon.agentctl.launch import LaunchConfig
 from daemon.agentctl.ownership import Ownership
@@ -53,6 +63,7 @@ from daemon.config import ResolvedAgentctl
 from daemon.faults import fault_delay, fault_fails
 from daemon.journal import log_event
 from daemon.limits import BUFFER_LIMIT, IDLE_CONNECTION_TIMEOUT_S, connection_limit
+from daemon.version import VERSION
 from ipc.aio import within
 from ipc.connection import ConnectionContext
 from ipc.errors import ErrorCode, IpcError
@@ -132,6 +143,11 @@ class AgentctlServer:
         # while it says no, and after a sandboxed agent died of bwrap's own error).
         self.sandbox_support: SandboxSupport | None = None
         self._sandbox_lock = asyncio.Lock()
+        self.reload_history = ReloadHistory(started_at=time.time())
+        self.reloader: Any = None  # daemon.agentctl.reexec.Reloader, set by main (None: reload refused)
+        # Held around work done in threads (agent log bounds): a re-exec takes it, so no thread is
+        # half way through a file when the process image is replaced.
+        self.background_io = asyncio.Lock()
         handlers = {name: self._logged(name, getattr(self, f"op_{name}")) for name in TABLE.names}
         self.ipc = IpcServer(
             config.socket_path, TABLE, handlers, authorize=self._authorize, max_connections=connection_limit(),
@@ -153,6 +169,7 @@ class AgentctlServer:
     async def start(self) -> None:
         await self.probe_sandbox()
         await self.ipc.start()
+        self.write_reload_status()
         self._spawn_background(self.run_unowned_timer())
         self._spawn_background(self.run_agent_log_bounds())
 
@@ -208,13 +225,15 @@ class AgentctlServer:
             if last_prune is None or time.monotonic() - last_prune >= agent_logs.PRUNE_EVERY_S:
                 last_prune = time.monotonic()
                 keep = {inst.stderr_path for inst in self.instances.values()}
-                removed = await asyncio.to_thread(agent_logs.prune, directory, keep)
+                async with self.background_io:
+                    removed = await asyncio.to_thread(agent_logs.prune, directory, keep)
                 if removed:
                     log_event("agent_logs_pruned", f"removed {len(removed)} agent stderr file(s) of instances"
                               f" not running here and not written for {agent_logs.MAX_AGE_S // 86400} days",
                               COUNT=len(removed))
             for inst in list(self.instances.values()):
-                dropped = await asyncio.to_thread(agent_logs.cap, inst.stderr_path)
+                async with self.background_io:
+                    dropped = await asyncio.to_thread(agent_logs.cap, inst.stderr_path)
                 if dropped:
                     log_event("agent_log_truncated", f"instance {inst.instance_id}: cut {dropped} bytes of agent"
                               f" stderr (kept under {agent_logs.MAX_BYTES} bytes)", INSTANCE_ID=inst.instance_id,
@@ -268,6 +287,8 @@ class AgentctlServer:
         while self._shutdown_calls and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         await self.ipc.close()
+        with contextlib.suppress(OSError):
+            self.reload_status_path.unlink()
         for task in list(self._background):
             task.cancel()
         return stopped
@@ -348,6 +369,107 @@ class AgentctlServer:
             "protocol_version": list(TABLE.version),
             "unowned_period_s": self.unowned_period_s,
         }
+
+    def reload_status(self) -> dict[str, Any]:
+        """``{version, pid, reload: {...history, in_progress}}``: ``server_info`` and the status file."""
+        status = to_plain(self.reload_history)
+        status["in_progress"] = self.reloader is not None and self.reloader.in_progress
+        return {"version": VERSION, "pid": os.getpid(), "reload": status}
+
+    @property
+    def reload_status_path(self) -> Path:
+        """Where the reload status is written for ``kandev-agentctl --reload`` (which holds no
+        credential): beside the socket, in the server's private run directory."""
+        return Path(self.config.socket_path + ".reload.json")  # reload_client.STATUS_SUFFIX
+
+    def write_reload_status(self) -> None:
+        """Rewrite the status file (small, atomic); a failure is logged, never fatal."""
+        path = self.reload_status_path
+        data = json.dumps(self.reload_status(), sort_keys=True).encode("utf-8") + b"\n"
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("cannot write the reload status file %s: %s", path, exc)
+
+    async def op_server_info(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        return self.reload_status()
+
+    # -- reload (issue 15; daemon.agentctl.reexec) -----------------------------
+
+    async def op_reload(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        self._refuse_if_shutting_down("reload")
+        if self.reloader is None:
+            raise IpcError(ErrorCode.CONFLICT, "reload: this server was started without re-exec support")
+        attempt = self.reloader.request(f"reload op from pid {ctx.peer.pid}")
+        return {"attempt": attempt, "version": VERSION, "pid": os.getpid()}
+
+    def capture_handover(self, *, listen_fd: int, quiesced_at: float, attempt: int) -> ServerHandover:
+        """The whole server, for the next process image (synchronous: nothing moves meanwhile)."""
+        identity = self.ipc.identity
+        history = ReloadHistory(**to_plain(self.reload_history))
+        history.last_attempt = attempt
+        return ServerHandover(
+            format=HANDOVER_FORMAT,
+            from_version=VERSION,
+            pid=os.getpid(),
+            server_identity=self.server_identity,
+            launch=to_plain(self.config),
+            unowned_period_s=self.unowned_period_s,
+            detached_event_limit=self.detached_event_limit,
+            turn_counter=self.turn_ids.counter,
+            listen_fd=listen_fd,
+            socket_path=self.ipc.path,
+            socket_identity=list(identity) if identity is not None else [],
+            ownership=self.ownership.snapshot(),
+            reload=history,
+            instances=[inst.handover_state() for inst in self.instances.values()],
+            quiesced_at=quiesced_at,
+        )
+
+    @classmethod
+    def from_handover(
+        cls,
+        state: ServerHandover,
+        config: LaunchConfig,
+        resolved: ResolvedAgentctl,
+        *,
+        on_instances_changed: Callable[[int], None] | None = None,
+    ) -> AgentctlServer:
+        """The server of the previous process image, instances included (pipes not yet taken
+        back: ``start_handed_over``)."""
+        ownership = Ownership.from_snapshot(state.ownership, clock=time.monotonic)
+        server = cls(config, resolved, ownership._credentials[ownership.highest],
+                     on_instances_changed=on_instances_changed)
+        server.server_identity = state.server_identity
+        server.ownership = ownership
+        server.turn_ids = TurnIds(state.server_identity, state.turn_counter)
+        server.reload_history = state.reload
+        for h in state.instances:
+            inst = Instance.from_handover(h, agent_log_dir=Path(config.agent_log_dir), turn_ids=server.turn_ids,
+                                          on_change=server._changed)
+            server.instances[inst.instance_id] = inst
+        return server
+
+    async def start_handed_over(self, state: ServerHandover, listener: Any) -> None:
+        """Take the agents' pipes back, then serve on the inherited listening socket."""
+        for inst, h in zip(list(self.instances.values()), state.instances, strict=True):
+            try:
+                await inst.resume_pipes(h)
+            except Exception as exc:  # one instance's pipes never cost the others theirs
+                log.exception("instance %s: cannot take its agent's pipes back", inst.instance_id)
+                inst.not_taken_over.append(f"the agent's pipes ({type(exc).__name__}: {exc}); the agent still"
+                                           " runs and stop_instance ends it")
+        identity = state.socket_identity
+        await self.ipc.start_on(listener, (identity[0], identity[1]) if len(identity) == 2 else None)
+        self._spawn_background(self.run_unowned_timer())
+        self._spawn_background(self.run_agent_log_bounds())
+        self._changed()
 
     async def op_prove(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         challenge = args["challenge"]

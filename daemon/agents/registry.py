@@ -18,6 +18,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from daemon.version import VERSION
+
 
 @dataclass(frozen=True)
 class BuiltinAgent:
@@ -73,7 +75,7 @@ def npm_agent(name: str, package: str, version: str, acp_args: tuple[str, ...] =
 BUILTIN_AGENTS: dict[str, BuiltinAgent] = {
     agent.name: agent
     for agent in (
-        BuiltinAgent(name="mock", package="daemon.agents.mock", version="0.1.0", argv_factory=_mock_argv),
+        BuiltinAgent(name="mock", package="daemon.agents.mock", version=VERSION, argv_factory=_mock_argv),
         # Pinned to releases checked on the npm registry (npm view <pkg> versions).
         npm_agent("claude-code", "@zed-industries/claude-code-acp", "0.16.2"),
         npm_agent("codex", "@agentclientprotocol/codex-acp", "2.6.0"),

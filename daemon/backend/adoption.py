@@ -25,6 +25,7 @@ no adoption (002.9).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import secrets
@@ -34,8 +35,14 @@ from datetime import UTC, datetime
 from typing import Any
 
 from daemon.agentctl import launch as launch_file
-from daemon.agentctl.client import AgentctlClient, OwnershipRefused, identify
-from daemon.agentctl.protocol import CAPABILITIES as REQUIRED_CAPABILITIES
+from daemon.agentctl.client import (
+    RELOAD_WINDOW_S,
+    AgentctlClient,
+    OwnershipRefused,
+    identify,
+    reload_seen_recently,
+)
+from daemon.agentctl.protocol import REQUIRED_CAPABILITIES
 from daemon.faults import fault_point
 from daemon.paths import Paths
 from daemon.store.db import Store
@@ -98,17 +105,28 @@ class Adopter:
             raise ValueError(str(exc)) from None
 
     async def _budget(self, fn: Callable[[], Awaitable[Any]]) -> Any:
-        """Timeout T, R retries, no pause between attempts (AC-EXECUTORS-SURVIVAL-002.13)."""
+        """Timeout T, R retries, no pause between attempts (AC-EXECUTORS-SURVIVAL-002.13).
+
+        An attempt that failed while the server said it is re-executing (``reloading``, within
+        ``RELOAD_WINDOW_S``) is not counted: the server is alive and back in a moment (issue 15)."""
         last: Exception | None = None
-        for _ in range(self.read_retries + 1):
+        attempts = 0
+        loop = asyncio.get_running_loop()
+        reload_deadline: float | None = None
+        while attempts < self.read_retries + 1:
             try:
                 return await within(fn(), timeout=self.read_timeout_s)
             except TimeoutError as exc:
                 last = exc
             except IpcError as exc:
-                if exc.code not in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT):
+                if exc.code not in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.RELOADING):
                     raise
                 last = exc
+            if reload_seen_recently() or (isinstance(last, IpcError) and last.code == ErrorCode.RELOADING):
+                reload_deadline = reload_deadline or loop.time() + RELOAD_WINDOW_S
+                if loop.time() < reload_deadline:
+                    continue
+            attempts += 1
         raise IpcError(ErrorCode.TIMEOUT, f"no answer after {self.read_retries + 1} attempts: {last}")
 
     async def _identify(self, endpoint: str) -> tuple[bool, dict[str, Any] | None]:
@@ -205,13 +223,7 @@ class Adopter:
             return Adoption("refused", "credential_rotation_failure", record=record, answered=True)
         await client.close()
         try:
-            current = await AgentctlClient.connect(
-                record.endpoint,
-                credential=new_credential,
-                installation_id=self.installation_id,
-                expected_identity=record.server_identity,
-                timeout=self.read_timeout_s,
-            )
+            current = await self._connect_to_confirm(record, new_credential)
             await current.confirm_rotation(rotation_id, timeout=ADOPTION_STEP_TIMEOUT_S)
         except (IpcError, OwnershipRefused) as exc:
             log.error("confirming rotation %s failed: %s", rotation_id, exc)
@@ -224,6 +236,26 @@ class Adopter:
                 (self.paths.secrets_dir / old_ref).unlink()
         record.credential_ref = new_ref
         return Adoption("adopted", None, client=current, record=record, answered=True)
+
+    async def _connect_to_confirm(self, record: ControlServerRecord, credential: bytes) -> AgentctlClient:
+        """The connection that confirms the rotation. The server answered the rotate a moment ago, so
+        a connection it accepts but does not answer yet is a re-exec under way (issue 15): retried on
+        timeouts for up to ``RELOAD_WINDOW_S``; a refused connection still fails at once."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + RELOAD_WINDOW_S
+        while True:
+            try:
+                return await AgentctlClient.connect(
+                    record.endpoint,
+                    credential=credential,
+                    installation_id=self.installation_id,
+                    expected_identity=record.server_identity,
+                    timeout=self.read_timeout_s,
+                )
+            except IpcError as exc:
+                if exc.code not in (ErrorCode.TIMEOUT, ErrorCode.RELOADING) or loop.time() >= deadline:
+                    raise
+                log.info("confirming rotation: the control server does not answer yet (%s); retrying", exc.code)
 
     async def _shutdown(self, client: AgentctlClient) -> bool:
         """ownership_shutdown on the read budget; already stopping/absent counts as success (004.7)."""

@@ -12,11 +12,19 @@ from enum import Enum
 from ipc.schema import Op, OpTable
 
 PROTOCOL = "kandev-backend"
-VERSION = (1, 0)
+VERSION = (1, 1)  # 1.1 (release 0.2.0): agentctl_reload; fields are only ever added
 
 OPS = [
     Op("status", auth=False, doc="backend, capability, control_server, recovery, adoption"),
     Op("shutdown", auth=False, doc="graceful stop (kandev down); with survival on, agents keep running"),
+    Op(
+        "agentctl_reload",
+        auth=False,
+        doc="the control server re-executes the installed code in place, every agent keeps running ->"
+        " {attempt, outcome: reexecuted, pid, pid_before, version_before, version, installed_version,"
+        " reexec_count, pause_ms}; refused: reload_refused (the old code keeps serving) or"
+        " reload_unsupported (a server of release 0.1.0: replaced once it runs no instance)",
+    ),
     Op(
         "task_create",
         required={"title": str},

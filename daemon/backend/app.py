@@ -40,6 +40,7 @@ from daemon.backend.executions import EventConsumer, Execution, ExecutionStore
 from daemon.backend.follow import FollowService
 from daemon.backend.launcher import ControlServerHandle, Launcher, UnitBusy
 from daemon.backend.recovery import LostAgent, Recovery, RecoveryReport, repair_lost_server
+from daemon.backend.server_upgrade import LaunchGate, ServerUpgrade
 from daemon.backend.server_watch import ServerWatch
 from daemon.backend.session_view import PageRequest, StoredSession, read_session
 from daemon.backend.transcript_hub import TranscriptHub
@@ -59,13 +60,14 @@ from daemon.store import transitions
 from daemon.store.board import board
 from daemon.store.db import Store
 from daemon.store.models import ControlServerRecord, ExecutorRunning, Message, Task, TaskSession
+from daemon.version import VERSION as KANDEV_VERSION
 from ipc.aio import cancel_and_wait
 from ipc.errors import ErrorCode, IpcError
 from ipc.server import ConnectionContext
 
 log = logging.getLogger(__name__)
 
-VERSION = "0.1.0"
+VERSION = KANDEV_VERSION
 EXECUTORS = ("local", "worktree")
 
 
@@ -131,6 +133,9 @@ class Backend:
         self._first_failure: str | None = None  # why startup could not start a control server
         # Each live session's git credential endpoint: all an agent can reach of the backend.
         self.endpoints = CredentialEndpoints(store, paths.home, config.credentials)
+        # Keeping the control server on the installed version (issue 15): reload or replace-when-idle.
+        self.launch_gate = LaunchGate()
+        self.upgrade = ServerUpgrade(self)
 
     # ------------------------------------------------------------ lifecycle
     def _client_for(self, ex: Execution) -> AgentctlClient | None:
@@ -324,6 +329,7 @@ class Backend:
         await self.endpoints.reopen_for(list(self.executions.executions))
         await hygiene.tidy_home_async(self)
         self.state = "ready"
+        self.upgrade.start()
 
     def _publish(self, ex: Execution) -> None:
         self.executions.executions[ex.session_id] = ex
@@ -331,6 +337,7 @@ class Backend:
     async def shutdown(self) -> None:
         """Graceful stop. Enabled: detach, send no stop (AC-EXECUTORS-SURVIVAL-001.1). Disabled: stop it all."""
         self.state = "stopping"
+        await self.upgrade.stop()  # no replacement of an old server starts or goes on now
         await asyncio.gather(self.link.close(), self.passthrough_link.close())  # what follows is no loss
         await asyncio.gather(*(cancel_and_wait(task) for task in self.claim_tasks.values()))
         await self.consumer.stop(list(self.executions.executions.values()))
@@ -474,6 +481,7 @@ class Backend:
         return ids.resolving(TABLE, self.store, {
             "status": self.op_status,
             "shutdown": self.op_shutdown,
+            "agentctl_reload": self.op_agentctl_reload,
             "task_create": self.op_task_create,
             "session_start": self.op_session_start,
             "control_server_retry": self.op_control_server_retry,
@@ -493,12 +501,16 @@ class Backend:
 
     async def op_status(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         handle = self.handle
-        reachable = False
-        if handle is not None:
-            reachable = await identify(handle.endpoint, timeout=1.0) is not None
         link = self.link.snapshot()
-        if link["state"] == LinkState.RUNNING.value and not reachable:
-            link["state"] = "unreachable"  # running, but it does not answer
+        if handle is not None and link["state"] == LinkState.RUNNING.value:
+            # running as far as its link can tell (its process is there): does it answer?
+            try:
+                if await identify(handle.endpoint, timeout=1.0) is None:
+                    link["state"] = "unreachable"  # running, but it does not answer
+            except IpcError as exc:
+                link["state"] = "reloading" if exc.code == ErrorCode.RELOADING else "unreachable"
+        if link["state"] == LinkState.RUNNING.value:
+            await self.upgrade.refresh()
         report = self.report
         return {
             "backend": {
@@ -521,6 +533,8 @@ class Backend:
                 "endpoint": handle.endpoint if handle else None,
                 "mode": handle.mode if handle else self.launcher.mode,
                 "log_path": handle.log_path if handle else None,
+                # running and installed versions, reload ability and history (issue 15)
+                **self.upgrade.status(),
                 "passthrough": {**self.passthrough_link.snapshot(),
                                 "pid": self.passthrough_handle.pid if self.passthrough_handle else None},
             },
@@ -534,6 +548,17 @@ class Backend:
             "adoption": {"outcome": report.adoption.outcome, "reason": report.adoption.reason},
             "sandbox": await agent_launch.sandbox_status(self),
         }
+
+    async def op_agentctl_reload(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        """``kandev agentctl reload``: the control server re-executes the installed code in place."""
+        if self.state != "ready":
+            raise IpcError(ErrorCode.UNAVAILABLE, f"backend is {self.state}; retry shortly", True)
+        result = await self.upgrade.reload()
+        if result["outcome"] != "reexecuted":
+            raise IpcError("reload_refused", f"the control server refused to reload: {result['reason']};"
+                           f" version {result['version']} keeps serving (see journal KANDEV_EVENT=reload_refused)",
+                           False)
+        return result
 
     async def op_shutdown(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         self.shutdown_requested.set()
@@ -625,19 +650,20 @@ class Backend:
             assert prep.credentials is not None
             creds = prep.credentials
             stage = "control server"
-            client = await self._server_for(passthrough)
-            handle = self.passthrough_handle if passthrough else self.handle
-            assert handle is not None
-            stage = "launch"
-            info = await client.create_instance(
-                session_id=session_id,
-                task_id=task_id,
-                command=prep.command,
-                cwd=workspace,
-                env=prep.env,
-                agent=agent_name,
-                sandbox=prep.sandbox,
-            )
+            async with self.launch_gate.launch():  # the server is not replaced under a launch
+                client = await self._server_for(passthrough)
+                handle = self.passthrough_handle if passthrough else self.handle
+                assert handle is not None
+                stage = "launch"
+                info = await client.create_instance(
+                    session_id=session_id,
+                    task_id=task_id,
+                    command=prep.command,
+                    cwd=workspace,
+                    env=prep.env,
+                    agent=agent_name,
+                    sandbox=prep.sandbox,
+                )
         except BaseException as exc:
             # Whatever failed after STARTING, the session does not stay STARTING.
             self.endpoints.close_soon(session_id)

@@ -375,12 +375,14 @@ class ResumeService:
 
     async def _launch(self, begun: _Begun, request: _Request) -> dict[str, Any]:
         b = self.backend
-        client = await b._server_for(begun.passthrough)
-        handle = b.passthrough_handle if begun.passthrough else b.handle
-        info = await client.create_instance(
-            session_id=begun.session_id, task_id=begun.task_id, command=request.command, cwd=begun.workspace,
-            env=request.env, agent=begun.agent, resume_session_id=begun.token, sandbox=request.sandbox,
-        )
+        async with b.launch_gate.launch():  # the server is not replaced under a launch
+            client = await b._server_for(begun.passthrough)
+            handle = b.passthrough_handle if begun.passthrough else b.handle
+            info = await client.create_instance(
+                session_id=begun.session_id, task_id=begun.task_id, command=request.command,
+                cwd=begun.workspace, env=request.env, agent=begun.agent, resume_session_id=begun.token,
+                sandbox=request.sandbox,
+            )
         info = dict(info)
         info["endpoint"] = handle.endpoint if handle is not None else ""
         return info
@@ -687,11 +689,12 @@ class ResumeService:
                 if inst.get("instance_id") == ex.instance_id:
                     await self._converge(ex, int(inst.get("next_seq") or 1) - 1)
         await self._untrack(ex)
-        await client.stop_instance(ex.instance_id)
-        info = dict(await client.create_instance(
-            session_id=sid, task_id=ex.task_id, command=prep.command, cwd=workspace,
-            env=prep.env, agent=agent_name, sandbox=prep.sandbox,
-        ))
+        async with self.backend.launch_gate.launch():  # no replacement of the server between the two
+            await client.stop_instance(ex.instance_id)
+            info = dict(await client.create_instance(
+                session_id=sid, task_id=ex.task_id, command=prep.command, cwd=workspace,
+                env=prep.env, agent=agent_name, sandbox=prep.sandbox,
+            ))
         handle = self.backend.passthrough_handle if passthrough else self.backend.handle
         info["endpoint"] = handle.endpoint if handle is not None else ""
         new = Execution(

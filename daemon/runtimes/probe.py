@@ -22,10 +22,11 @@ import acp
 from acp.schema import ClientCapabilities, Implementation
 
 from daemon.runtimes.proc import DETAIL_LIMIT, _drain, sanitize, stop_group
+from daemon.version import VERSION
 from ipc.aio import within
 
 CLIENT_NAME = "kandev-runtime-probe"
-CLIENT_VERSION = "0.1.0"
+CLIENT_VERSION = VERSION
 STDOUT_LIMIT = 16 * 1024 * 1024  # one JSON-RPC line may be large
 STDERR_KEEP = 8 * 1024
 

@@ -48,6 +48,7 @@ class Kandev:
     def __init__(self, home: Path, env: dict[str, str]) -> None:
         self.home = home
         self.env = env
+        self.cwd = REPO  # where the CLI (and so the backend it starts) runs; `-m` puts it first on sys.path
         self.backend_pids: set[int] = set()
         self.server_pids: set[int] = set()
         self.agent_pids: set[int] = set()
@@ -61,7 +62,7 @@ class Kandev:
                 text=True,
                 env=self.env,
                 timeout=timeout,
-                cwd=REPO,
+                cwd=self.cwd,
             )
         except subprocess.TimeoutExpired:
             self.print_task_dumps()  # shown with the failure: what each daemon was waiting on
@@ -261,6 +262,17 @@ def mock_state_file(k: Kandev, name: str) -> Path:
     found = sorted(k.home.glob(f"sessions/*/agent/mock-sessions/{name}"))
     assert len(found) <= 1, found
     return found[0] if found else k.home / "sessions" / "?" / "agent" / "mock-sessions" / name
+
+
+def db_rows(k: Kandev, sql: str, *params: Any) -> list[dict[str, Any]]:
+    """Every row of a query on this home's SQLite store, read-only (for what session show would
+    return in one frame too large, e.g. tens of thousands of chunks)."""
+    con = sqlite3.connect(f"file:{k.home / 'kandev.db'}?mode=ro", uri=True)
+    con.row_factory = sqlite3.Row
+    try:
+        return [dict(row) for row in con.execute(sql, params).fetchall()]
+    finally:
+        con.close()
 
 
 def agent_chunks(show: dict[str, Any]) -> list[str]:

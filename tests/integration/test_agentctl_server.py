@@ -34,6 +34,7 @@ import pytest
 from daemon.agentctl import auth, launch
 from daemon.agentctl.client import AgentctlClient, OwnershipRefused, identify
 from daemon.agentctl.protocol import CAPABILITIES, EventKind
+from daemon.agentctl.protocol import VERSION as PROTOCOL_VERSION
 from ipc.client import AsyncClient, Event, EventStream
 from ipc.errors import ErrorCode, IpcError
 
@@ -302,7 +303,7 @@ def test_identify_reports_identity_capabilities_period_and_no_path(server: Serve
     assert set(info) == {"server_identity", "capabilities", "protocol_version", "unowned_period_s"}
     assert re.fullmatch(r"[0-9a-f]{32}", info["server_identity"])
     assert sorted(info["capabilities"]) == sorted(CAPABILITIES)
-    assert info["protocol_version"] == [1, 0]
+    assert info["protocol_version"] == list(PROTOCOL_VERSION)
     assert info["unowned_period_s"] == 600.0
     flat = json.dumps(info)
     assert "/" not in flat and str(server.home) not in flat

@@ -5,10 +5,8 @@ backend's SIGKILL, is attacked from inside (``/sh``) and reaches nothing of kand
 under /etc/kandev included), while its own work and ``/git-credential`` succeed; the bootstrap
 credential is gone once the control server consumed it, and the home stays private.
 
-The .deb is built once per content of what goes into it (daemon/, ipc/, debian/, packaging/,
-units/, README.md, pyproject.toml), by ``dpkg-buildpackage -us -uc -b`` in a copy of the checkout
-under /var/tmp, together with a rebuild whose debian/changelog carries a higher version (the
-upgrade) and the lintian report; the three are cached in /var/tmp/kandev-deb-cache/<hash>/.
+The .deb is built once per content of what goes into it, with a rebuild of a higher version (the
+upgrade) and the lintian report (``tests/systemd/debs.py``, cached in /var/tmp/kandev-deb-cache/).
 
 Inside the box (no network: apt resolves the Depends from what set-up installed on the host) the
 tests run in file order on one box, each step starting from the state the previous one left:
@@ -18,28 +16,20 @@ restart -> upgrade -> journal -> exposure score -> remove -> reinstall -> purge.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
-import os
 import re
 import shutil
-import subprocess
-import tempfile
 import time
-from email.utils import formatdate
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.helpers import attack_script, attack_verdicts, connect_argv
+from tests.systemd.debs import build_packages
 from tests.systemd.harness import SdBox
 
-REPO = Path(__file__).resolve().parents[2]
-CACHE = Path("/var/tmp/kandev-deb-cache")
-SOURCES = ("daemon", "ipc", "debian", "packaging", "units", "README.md", "pyproject.toml")
-BUILD_TIMEOUT = 600
 BACKEND, AGENTCTL = "kandev-backend.service", "kandev-agentctl.service"
 HOME = "/var/lib/kandev"
 EXPOSURE_LIMIT = 2.5
@@ -48,113 +38,6 @@ UPSTREAM = "ghp_PACKAGEupstreamToken0123456789abcdef"
 GH_REPO = f"{HOME}/repos/repo"
 METRICS = Path("/var/tmp/kandev-package-metrics.json")  # figures for humans (build time, scores)
 pytestmark = pytest.mark.timeout(300)
-
-# ---------------------------------------------------------------- building (host side)
-
-
-def _skip(name: str) -> bool:
-    return name in ("__pycache__", ".ruff_cache") or name.endswith((".pyc", ".egg-info"))
-
-
-def source_hash() -> str:
-    """sha256 over path, mode and content of every file the package is built from."""
-    h = hashlib.sha256()
-    for top in SOURCES:
-        root = REPO / top
-        files = [root] if root.is_file() else sorted(
-            p for p in root.rglob("*") if (p.is_file() or p.is_symlink()) and not any(_skip(x) for x in p.parts)
-        )
-        for f in files:
-            rel = f.relative_to(REPO).as_posix()
-            data = os.readlink(f).encode() if f.is_symlink() else f.read_bytes()
-            h.update(f"{rel}\0{f.lstat().st_mode:o}\0{len(data)}\0".encode() + data)
-    return h.hexdigest()[:16]
-
-
-def _version() -> str:
-    first = (REPO / "debian/changelog").read_text().splitlines()[0]
-    m = re.match(r"^kandev \(([^)]+)\)", first)
-    assert m, first
-    return m.group(1)
-
-
-def _arch() -> str:
-    return subprocess.run(["dpkg", "--print-architecture"], capture_output=True, text=True, check=True).stdout.strip()
-
-
-def _dpkg_buildpackage(tree: Path, log: Path) -> float:
-    t0 = time.monotonic()
-    with open(log, "ab") as out:
-        p = subprocess.run(["dpkg-buildpackage", "-us", "-uc", "-b"], cwd=tree, stdout=out, stderr=subprocess.STDOUT,
-                           stdin=subprocess.DEVNULL, timeout=BUILD_TIMEOUT, check=False)
-    if p.returncode:
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
-        pytest.fail(f"dpkg-buildpackage failed ({p.returncode}) in {tree}:\n{tail}", pytrace=False)
-    return time.monotonic() - t0
-
-
-def build_packages() -> dict[str, Any]:
-    """The cached build for the current sources: {deb, upgrade_deb, version, upgrade_version, lintian, ...}."""
-    for tool in ("dpkg-buildpackage", "dh", "dh_python3", "lintian"):
-        if shutil.which(tool) is None:
-            why = f"{tool} not found: run `bash packaging/dev/setup.sh` on Debian 12 (it installs the build tools)"
-            if os.environ.get("CI", "").strip().lower() in ("true", "1", "yes"):
-                pytest.fail(why, pytrace=False)  # CI must never skip the package tests
-            pytest.skip(why)
-    digest, version = source_hash(), _version()
-    upgrade = f"{version}+test1"
-    arch = _arch()
-    CACHE.mkdir(parents=True, exist_ok=True)
-    entry = CACHE / digest
-    with open(CACHE / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one build at a time; a waiting run then finds the cache
-        if not (entry / "meta.json").exists():
-            work = Path(tempfile.mkdtemp(prefix=f"kandev-deb-{digest}-", dir="/var/tmp"))
-            try:
-                tree = work / f"kandev-{version}"
-                tree.mkdir()
-                for top in SOURCES:
-                    src = REPO / top
-                    if src.is_dir():
-                        shutil.copytree(src, tree / top, symlinks=True,
-                                        ignore=lambda d, names: [n for n in names if _skip(n)])
-                    else:
-                        shutil.copy2(src, tree / top)
-                log = work / "build.log"
-                seconds = _dpkg_buildpackage(tree, log)
-                lint = subprocess.run(["lintian", "--pedantic", f"kandev_{version}_{arch}.deb"], cwd=work,
-                                      capture_output=True, text=True, timeout=300, check=False)
-                changelog = tree / "debian/changelog"
-                changelog.write_text(
-                    f"kandev ({upgrade}) bookworm; urgency=medium\n\n"
-                    "  * Rebuild with a higher version (tests/systemd/test_package.py upgrade test).\n\n"
-                    f" -- Kandev maintainers <maintainers@kandev.example>  {formatdate()}\n\n"
-                    + changelog.read_text()
-                )
-                seconds_upgrade = _dpkg_buildpackage(tree, log)
-                staging = Path(tempfile.mkdtemp(prefix=f".{digest}-", dir=CACHE))
-                for v in (version, upgrade):
-                    shutil.copy2(work / f"kandev_{v}_{arch}.deb", staging)
-                (staging / "lintian.txt").write_text(lint.stdout + lint.stderr)
-                (staging / "meta.json").write_text(json.dumps({
-                    "hash": digest, "version": version, "upgrade_version": upgrade, "arch": arch,
-                    "build_seconds": round(seconds, 1), "rebuild_seconds": round(seconds_upgrade, 1),
-                    "lintian_rc": lint.returncode,
-                }))
-                shutil.rmtree(entry, ignore_errors=True)
-                staging.rename(entry)
-            finally:
-                shutil.rmtree(work, ignore_errors=True)
-            # keep the three newest builds
-            old = sorted((d for d in CACHE.iterdir() if d.is_dir() and not d.name.startswith(".")),
-                         key=lambda d: d.stat().st_mtime, reverse=True)[3:]
-            for d in old:
-                shutil.rmtree(d, ignore_errors=True)
-    meta = json.loads((entry / "meta.json").read_text())
-    meta["deb"] = entry / f"kandev_{version}_{arch}.deb"
-    meta["upgrade_deb"] = entry / f"kandev_{upgrade}_{arch}.deb"
-    meta["lintian"] = (entry / "lintian.txt").read_text()
-    return meta
 
 
 def _record(**figures: Any) -> None:
@@ -438,9 +321,10 @@ def test_b_restart_keeps_the_agent(pkg: Box) -> None:
 
 
 def test_b_upgrade_restarts_the_backend_never_the_control_server(pkg: Box) -> None:
-    """apt-get install of the rebuilt package with a higher version: the backend is restarted by
-    the maintainer scripts, the control server and its agent keep running and are re-tracked, and
-    the transcript goes on without loss, duplicate or reordering."""
+    """apt-get install of the rebuilt package with a higher version: the maintainer scripts reload
+    the control server (it re-executes the new code in place: same process, same agent; Issue 15
+    item 4), then restart the backend; the agent is re-tracked, and the transcript goes on without
+    loss, duplicate or reordering."""
     b = pkg
     backend_pid = b.prop(BACKEND, "MainPID")
     ctl_started = b.prop(AGENTCTL, "ExecMainStartTimestampMonotonic")
@@ -451,6 +335,9 @@ def test_b_upgrade_restarts_the_backend_never_the_control_server(pkg: Box) -> No
     assert b.prop(BACKEND, "MainPID") not in ("0", backend_pid)
     assert b.prop(AGENTCTL, "MainPID") == S["ctl_pid"]
     assert b.prop(AGENTCTL, "ExecMainStartTimestampMonotonic") == ctl_started
+    ctl = b.kandev("status")["control_server"]
+    assert ctl["version"] == ctl["installed_version"] == b.debs["upgrade_version"], ctl  # the new code runs
+    assert ctl["reexec_count"] == 1 and ctl["last_reexec_at"] and int(ctl["pid"]) == int(S["ctl_pid"])
     show = retracked_same_agent(b, S["sid"])
     show = b.box.wait_for(lambda: s if len(chunks(s := b.show(S["sid"]))) > before + 1 else None, timeout=30)
     assert show and in_order(chunks(show), 300)

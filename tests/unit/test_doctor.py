@@ -18,6 +18,7 @@ from daemon.agentctl.sandbox import SandboxSupport
 from daemon.doctor import DoctorProbes, run_doctor
 from daemon.paths import Paths
 from daemon.platform import Probes
+from daemon.version import VERSION
 
 HEAD = "0001"
 
@@ -37,7 +38,7 @@ def probes(**over: Any) -> DoctorProbes:
             cgroup=lambda: "0::/user.slice/user-1000.slice/session-1.scope\n",
         ),
         systemctl_show=lambda unit, props: None,
-        backend_status=lambda sock: {"backend": {"state": "ready", "pid": 42, "version": "0.1.0"}},
+        backend_status=lambda sock: {"backend": {"state": "ready", "pid": 42, "version": VERSION}},
         which=lambda name, path: f"/usr/bin/{name}",
         version=lambda exe: "v20.0.0",
         euid=os.geteuid,
@@ -247,15 +248,15 @@ def test_cli_doctor_exit_code_and_json(tmp_path: Path, capsys: pytest.CaptureFix
 def test_cli_agents_lists_builtin_agents(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["--json", "agents"]) == 0
     agents = json.loads(capsys.readouterr().out)["agents"]
-    assert {"name": "mock", "package": "daemon.agents.mock", "version": "0.1.0"} in agents
+    assert {"name": "mock", "package": "daemon.agents.mock", "version": VERSION} in agents
     assert cli.main(["agents"]) == 0
     lines = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
     assert lines == [[a["name"], a["package"], a["version"]] for a in agents]  # one line per agent, same order
-    assert ["mock", "daemon.agents.mock", "0.1.0"] in lines
+    assert ["mock", "daemon.agents.mock", VERSION] in lines
 
 
 def _with_server(**server: Any) -> Any:
-    status = {"backend": {"state": "ready", "pid": 42, "version": "0.1.0"},
+    status = {"backend": {"state": "ready", "pid": 42, "version": VERSION},
               "control_server": {"pid": 7, "crash_loop": {"limit": 5, "window_s": 300.0}, "restarts": 0,
                                  "passthrough": {"state": "none"}, **server}}
     return lambda sock: status
@@ -278,7 +279,7 @@ def test_control_server_states_from_the_backend(home: Paths) -> None:
 
 
 def _status_with_sandbox(**sandbox: Any) -> Any:
-    return lambda sock: {"backend": {"state": "ready", "pid": 42, "version": "0.1.0"}, "sandbox": sandbox}
+    return lambda sock: {"backend": {"state": "ready", "pid": 42, "version": VERSION}, "sandbox": sandbox}
 
 
 def test_sandbox_check_says_whether_agents_are_sandboxed_and_why_not(home: Paths, tmp_path: Path) -> None:

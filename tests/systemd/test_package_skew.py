@@ -1,0 +1,129 @@
+"""Issue 15 scenario B under real systemd: upgrading from the previous release's package.
+
+The previous release's .deb is built from a clone of its tag (or recorded commit) and installed in
+a fresh box; agent survival on, two sessions mid-turn; then ``apt-get install`` of this version.
+The maintainer scripts try to reload the control server (a 0.1.0 server cannot: the reload helper
+says so and nothing stops), then restart the backend, which adopts the old server and re-tracks
+both sessions: every agent keeps its pid, every chunk arrives once and in order. The old server
+keeps serving until its last agent has finished; then the backend replaces it with this version,
+started through systemd. (That a server which can reload runs the new version after an upgrade is
+the upgrade step of tests/systemd/test_package.py: Issue 15 scenario B, second half.)
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from daemon.version import VERSION
+from tests.releases import Release, previous_release
+from tests.systemd.debs import build_packages, build_release_package
+from tests.systemd.harness import SdBox
+
+BACKEND, AGENTCTL = "kandev-backend.service", "kandev-agentctl.service"
+N = 40
+pytestmark = pytest.mark.timeout(600)
+S: dict[str, Any] = {}  # state handed from one step to the next
+
+
+@pytest.fixture(scope="module")
+def release() -> Release:
+    return previous_release()
+
+
+@pytest.fixture(scope="module")
+def box(sdbox: SdBox) -> SdBox:
+    sdbox.run("rm", "-f", "/usr/sbin/policy-rc.d")  # as in test_package.py: the box stands for a machine
+    return sdbox
+
+
+def _apt_install(box: SdBox, deb: Path) -> str:
+    assert box.share is not None
+    shutil.copy2(deb, box.share / deb.name)
+    p = box.run("env", "DEBIAN_FRONTEND=noninteractive", "apt-get", "-y", "-q", "--no-install-recommends",
+                "-o", "Dpkg::Options::=--force-confold", "install", f"/sdbox/{deb.name}", check=False, timeout=300)
+    assert p.returncode == 0, f"apt-get install {deb.name}: rc={p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    return p.stdout + p.stderr
+
+
+def _kandev(box: SdBox, *args: str) -> dict[str, Any]:
+    p = box.run("kandev", "--json", *args, check=False, timeout=120)
+    assert p.returncode == 0, f"kandev {args}: rc={p.returncode} {p.stderr} {p.stdout}"
+    return json.loads(p.stdout)
+
+
+def _chunks(show: dict[str, Any]) -> list[str]:
+    return [m["text"] for m in show["transcript"] if m["kind"] == "agent_message_chunk"]
+
+
+def test_b_previous_release_with_sessions_mid_turn(box: SdBox, release: Release) -> None:
+    deb = build_release_package(release)
+    _apt_install(box, deb)
+    assert box.run("dpkg-query", "-W", "-f", "${Version}", "kandev").stdout == release.version
+    conf = box.read_file("/etc/kandev/kandev.toml")
+    box.write_file("/etc/kandev/kandev.toml", conf.replace("#agent_survival = false", "agent_survival = true"))
+    box.systemctl("restart", BACKEND)
+    st = _kandev(box, "status")
+    assert st["capability"]["state"] == "enabled" and st["control_server"]["mode"] == "unit"
+    assert st["backend"]["version"] == release.version
+    S["ctl_pid"] = box.prop(AGENTCTL, "MainPID")
+    sessions = []
+    for i in range(2):
+        task = _kandev(box, "task", "create", "--title", f"skew {i}")["task_id"]
+        sid = _kandev(box, "session", "start", task)["session_id"]
+        _kandev(box, "prompt", sid, f"/slow {N}")
+        sessions.append(sid)
+    agents = {}
+    for sid in sessions:
+        show = box.wait_for(lambda sid=sid: s if len(_chunks(s := _kandev(box, "session", "show", sid))) >= 2
+                            else None, timeout=60)
+        assert show and show["state"] == "RUNNING"
+        agents[sid] = (show["agent_pid"], show["agent_pid_start_time"])
+    S.update(sessions=sessions, agents=agents)
+
+
+def test_b_upgrade_keeps_the_agents_and_replaces_the_old_server_once_idle(box: SdBox) -> None:
+    """Issue 15 scenario B: apt-get install of this version over the previous release."""
+    assert S, "needs the previous step"
+    debs = build_packages()
+    backend_pid = box.prop(BACKEND, "MainPID")
+    out = _apt_install(box, debs["deb"])
+    assert box.run("dpkg-query", "-W", "-f", "${Version}", "kandev").stdout == debs["version"]
+    assert "kandev-agentctl was not reloaded" in out  # the 0.1.0 server cannot; the helper said why
+    assert box.prop(BACKEND, "MainPID") not in ("0", backend_pid)
+    assert box.prop(AGENTCTL, "MainPID") == S["ctl_pid"] and box.prop(AGENTCTL, "ActiveState") == "active"
+    for sid in S["sessions"]:
+        show = box.wait_for(lambda sid=sid: s if (s := _kandev(box, "session", "show", sid))["retracked"] else None,
+                            timeout=60)
+        assert show, f"session {sid} was not re-tracked"
+        assert (show["agent_pid"], show["agent_pid_start_time"]) == S["agents"][sid]
+    ctl = _kandev(box, "status")["control_server"]
+    assert ctl["version"] is None and ctl["can_reload"] is False and ctl["installed_version"] == VERSION
+    assert ctl["replacement"] == "when_idle" and str(ctl["pid"]) == S["ctl_pid"]
+
+    for sid in S["sessions"]:  # the turns run to their end on the old server
+        show = box.wait_for(lambda sid=sid: s if (s := _kandev(box, "session", "show", sid))["state"]
+                            == "WAITING_FOR_INPUT" else None, timeout=N + 90)
+        assert show and _chunks(show) == [f"{i}/{N} " for i in range(1, N + 1)]
+        assert [(t["state"], t["stop_reason"]) for t in show["turns"]] == [("finished", "end_turn")]
+        assert box.alive(S["agents"][sid][0])
+    assert box.prop(AGENTCTL, "MainPID") == S["ctl_pid"]  # agents left: not replaced
+
+    for sid in S["sessions"]:  # the last agents finish: now, and only now, the server is replaced
+        _kandev(box, "prompt", sid, "/exit 0")
+    st = box.wait_for(lambda: s if (s := _kandev(box, "status"))["control_server"]["replacement"] is None
+                      else None, timeout=120)
+    assert st, box.run("journalctl", "-u", BACKEND, "--no-pager", "-n", "40", check=False).stdout
+    ctl = st["control_server"]
+    assert ctl["last_replaced"]["old_pid"] == int(S["ctl_pid"]) and ctl["version"] == VERSION and ctl["can_reload"]
+    assert box.prop(AGENTCTL, "MainPID") == str(ctl["pid"]) != S["ctl_pid"]
+    assert box.prop(AGENTCTL, "ActiveState") == "active"
+    replaced = box.journal_json("-u", BACKEND, "KANDEV_EVENT=control_server_replaced")
+    assert replaced and replaced[-1]["OLD_PID"] == S["ctl_pid"]
+    task = _kandev(box, "task", "create", "--title", "after")["task_id"]
+    sid = _kandev(box, "session", "start", task)["session_id"]
+    assert _kandev(box, "prompt", sid, "hello", "--wait")["stop_reason"] == "end_turn"
