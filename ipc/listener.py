@@ -108,8 +108,13 @@ def _remove_stale(path: str) -> None:
     raise SocketInUseError(path)
 
 
+LISTEN_BACKLOG = 1024
+"""The accept queue of every listening socket: peers that connect while the server is busy (or
+re-executing, with the socket handed over) wait there instead of being refused."""
+
+
 def bind_listener(
-    path: str | os.PathLike[str], mode: int, backlog: int = 1024
+    path: str | os.PathLike[str], mode: int, backlog: int = LISTEN_BACKLOG
 ) -> tuple[socket.socket, str, SocketIdentity]:
     """Bind and listen on ``path``; return the non-blocking socket, its absolute path and identity."""
     full = check_socket_path(path)

@@ -30,7 +30,7 @@ from .connection import ConnectionContext
 from .errors import ErrorCode, IpcError
 from .framing import MAX_FRAME, BufferBudget, ConnectionClosed, FrameTooLarge, encode_frame
 from .hello import HELLO, HELLO_OP
-from .listener import SocketIdentity, bind_listener, check_socket_path, unlink_if_ours
+from .listener import LISTEN_BACKLOG, SocketIdentity, bind_listener, check_socket_path, unlink_if_ours
 from .peercred import peer_admitted, peer_credentials
 from .schema import Op, OpTable
 from .server_protocol import REFUSAL_LINGER_S, ConnectionLimits, ServerProtocol, error_frame
@@ -159,9 +159,12 @@ class IpcServer:
             raise
 
     async def _serve_on(self, sock: socket.socket) -> None:
+        """Accept on ``sock`` (bound here, or handed over by an earlier process image) with this
+        server's limits. asyncio listens on it again with the backlog it is given (100 unless
+        told): ``LISTEN_BACKLOG`` keeps the accept queue ``bind_listener`` made, for every socket."""
         loop = asyncio.get_running_loop()
         factory = partial(ServerProtocol, self, self._limits, self._budget)
-        self._server = await loop.create_unix_server(factory, sock=sock)
+        self._server = await loop.create_unix_server(factory, sock=sock, backlog=LISTEN_BACKLOG)
         self._listen_sock = sock
 
     async def close(self) -> None:

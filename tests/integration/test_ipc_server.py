@@ -1199,6 +1199,61 @@ def test_sync_client_waits_out_a_full_accept_queue(sock_dir: Path) -> None:
         listener.close()
 
 
+def _queue_connects(path: str, most: int) -> list[socket.socket]:
+    """Connect up to ``most`` non-blocking sockets without letting any event loop run (nothing is
+    accepted meanwhile): as many as the listening socket's accept queue holds."""
+    queued: list[socket.socket] = []
+    while len(queued) < most:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setblocking(False)
+        try:
+            s.connect(path)
+        except BlockingIOError:
+            s.close()
+            break
+        queued.append(s)
+    return queued
+
+
+def test_served_and_handed_over_listening_sockets_keep_the_listen_backlog(sock_dir: Path) -> None:
+    """asyncio listens again on the socket it is given to serve, with a backlog of 100 unless told:
+    IpcServer keeps ``LISTEN_BACKLOG`` (1024), on the socket it binds and on one handed over by
+    ``stop_accepting``/``start_on`` (the control server's re-exec), so a burst of connections (or
+    the clients of a re-exec) waits in the queue instead of being refused."""
+    path = str(sock_dir / "backlog.sock")
+    want = 300  # well above asyncio's default of 100, well below LISTEN_BACKLOG
+
+    async def burst_waits(server: IpcServer) -> None:
+        queued = _queue_connects(path, want)
+        try:
+            assert len(queued) == want, f"the accept queue held only {len(queued)} connections"
+        finally:
+            for s in queued:
+                s.close()
+        for _ in range(400):  # let the server accept the closed peers and see them go
+            await asyncio.sleep(0.01)
+            if not server.connections:
+                break
+        assert not server.connections
+
+    async def main() -> None:
+        first = IpcServer(path, OpTable("t", (1, 0), []), {})
+        await first.start()
+        try:
+            await burst_waits(first)
+            kept = first.stop_accepting()
+            second = IpcServer(path, OpTable("t", (1, 0), []), {})
+            await second.start_on(kept, first.identity)
+            try:
+                await burst_waits(second)
+            finally:
+                await second.close()
+        finally:
+            await first.close()
+
+    arun(main())
+
+
 def test_unreachable_socket_is_unavailable_naming_the_path(sock_dir: Path) -> None:
     missing = str(sock_dir / "missing.sock")
     stale = sock_dir / "stale.sock"
