@@ -10,7 +10,7 @@ with ``--resume-state-fd N``; the new image decodes it and resumes
 What travels, and why it is enough to resume without losing or repeating anything:
 
 - server: identity (turn ids and proofs depend on it), the turn counter, the
-  launch settings, the listening socket (an fd kept open across the exec: clients
+  launch settings, the last agent-sandbox probe, the listening socket (an fd kept open across the exec: clients
   that connect meanwhile wait in its backlog) and its file identity, ownership
   (the acceptable credentials themselves, rotation state, bootstrap flag, last
   renewal and start on ``CLOCK_MONOTONIC``, which is one clock per boot and so the
@@ -24,7 +24,10 @@ What travels, and why it is enough to resume without losing or repeating anythin
   replayed into the new connection without a new event), the agent's stdout pipe
   and stdin pipe fds, and the bytes already read from stdout but not yet handed to
   the connection (a message held back by the detached bound, a partial line, the
-  reader's buffer).
+  reader's buffer); for a sandboxed agent, bwrap's init in its pid namespace
+  (pid and start time). The sandbox itself needs nothing more: its bwrap is the
+  agent's process-group leader, our child like any agent, and its
+  ``launch_argv`` is part of the spec.
 
 Secrets (credentials, the agents' environments) live only in the memfd: never in
 a file, argv, the environment or a log line.
@@ -49,6 +52,8 @@ from pathlib import PurePath
 from typing import Any, TypeVar, Union
 
 import msgpack
+
+from daemon.agentctl.sandbox import SandboxSupport
 
 HANDOVER_FORMAT = 1
 """Bumped only for an incompatible change; fields are otherwise only ever added."""
@@ -109,6 +114,11 @@ class InstanceHandover:
     permissions: list[PermissionHandover]
     stderr_path: str
     not_taken_over: list[str] = field(default_factory=list)
+    # A sandboxed agent: bwrap's init in the agent's pid namespace (the group leader's child), by
+    # pid and start time, so a stop after the exec still knows when the sandbox is gone even if
+    # bwrap itself was reaped first (``Instance.group_alive``).
+    sandbox_init_pid: int | None = None
+    sandbox_init_start_time: float | None = None
 
 
 @dataclass
@@ -156,6 +166,9 @@ class ServerHandover:
     instances: list[InstanceHandover]
     quiesced_at: float  # CLOCK_MONOTONIC, for the pause the new image measures
     lost: list[str] = field(default_factory=list)
+    # The last sandbox probe (None: none finished): the new image answers sandbox_status and
+    # launches with it at once, and probes again when the old code would have (it said no).
+    sandbox_support: SandboxSupport | None = None
 
     def fds(self) -> list[int]:
         """Every fd this state names; each must be inherited across the exec."""

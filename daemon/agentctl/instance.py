@@ -975,7 +975,7 @@ class Instance:
         self._cancel_permissions("stop")
         if self._prompt_task is not None and not self._prompt_task.done():
             self._prompt_task.cancel()
-        await self._kill_group()
+        ended_by = await self._kill_group()
         if self._conn is not None:
             with contextlib.suppress(Exception):
                 await within(self._conn.close(), 2.0)
@@ -988,11 +988,14 @@ class Instance:
         self._set_state(InstanceState.STOPPED)
         log_event(
             "instance_stopped",
-            f"instance {self.instance_id} stopped (was {previous.value})",
+            f"instance {self.instance_id} stopped (was {previous.value}; "
+            + (f"its group ended on {ended_by})" if ended_by else "its group was gone already)"),
             INSTANCE_ID=self.instance_id,
             SESSION_ID=self.spec.session_id,
             TASK_ID=self.spec.task_id,
             PID=self.pid,
+            STOP_SIGNAL=ended_by,
+            EXIT_CODE=self.exit_code,
         )
 
     async def _wait_group_gone(self, timeout: float) -> bool:
@@ -1010,17 +1013,21 @@ class Instance:
             await asyncio.sleep(0.05)
         return True
 
-    async def _kill_group(self) -> None:
-        """SIGTERM to the group, up to ``KILL_GRACE`` s, then SIGKILL to whatever is left."""
+    async def _kill_group(self) -> str | None:
+        """SIGTERM to the group, up to ``KILL_GRACE`` s, then SIGKILL to whatever is left. Returns
+        the signal the group ended on (``SIGTERM`` within the grace, ``SIGKILL`` after it), None if
+        nothing of it was left to signal."""
         if self._proc is None:
-            return
+            return None
         self._find_sandbox_init()
         if self._proc.returncode is None or self.group_alive():
             self._signal_group(signal.SIGTERM)
             if await self._wait_group_gone(KILL_GRACE):
-                return
+                return signal.SIGTERM.name
         if self._signal_group(signal.SIGKILL):
             await self._wait_group_gone(REAP_TIMEOUT)
+            return signal.SIGKILL.name
+        return None
 
 
     # -- re-exec hand-over (daemon.agentctl.reexec captures, daemon.agentctl.resume restores) ------
@@ -1136,7 +1143,19 @@ class Instance:
             permissions=permissions,
             stderr_path=str(self.stderr_path),
             not_taken_over=list(self.not_taken_over),
+            **self._sandbox_init_handover(),
         )
+
+    def _sandbox_init_handover(self) -> dict[str, Any]:
+        """bwrap's init of a sandboxed agent by pid and start time (found now if it never was)."""
+        self._find_sandbox_init()
+        init = self._sandbox_init
+        if init is None:
+            return {}
+        try:
+            return {"sandbox_init_pid": init.pid, "sandbox_init_start_time": init.create_time()}
+        except psutil.Error:
+            return {}  # gone already: nothing of the sandbox is left to wait for
 
     @classmethod
     def from_handover(
@@ -1184,6 +1203,7 @@ class Instance:
                 self._psproc = psproc
         except psutil.Error:
             self._psproc = None  # gone already: the exit watcher reports it
+        self._resume_sandbox_init(h)
         reader, writer = await acp_internals.adopt_pipes(h.stdout_fd, h.stdin_fd, h.unread, AGENT_STDOUT_LIMIT)
         self._proc = AdoptedProcess(self.pid, reader, writer, h.reaped_returncode)  # type: ignore[assignment]
         self._transport = AgentPipeTransport(reader, writer, self._on_garbage, self.log.wait_for_room)
@@ -1217,6 +1237,20 @@ class Instance:
             self.not_taken_over.append(f"turn {self.current_turn_id} (its prompt request was not in flight)")
             self._end_turn(self.current_turn_id, "error", "the control server re-executed and could not match"
                            " this turn's answer")
+
+    def _resume_sandbox_init(self, h: InstanceHandover) -> None:
+        """A sandboxed agent: bwrap's init as the previous image knew it, if that process is still
+        the same one (pid and start time); else found again from bwrap, as after a launch."""
+        if not self.spec.sandboxed:
+            return
+        if h.sandbox_init_pid is not None:
+            try:
+                init = psutil.Process(h.sandbox_init_pid)
+                if init.create_time() == h.sandbox_init_start_time:
+                    self._sandbox_init = init
+            except psutil.Error:
+                pass  # exited (and reaped) meanwhile: the sandbox is gone
+        self._find_sandbox_init()
 
 
 class AdoptedProcess:

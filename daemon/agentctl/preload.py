@@ -37,6 +37,7 @@ MODULES = (
     "daemon.agentctl.reexec",
     "daemon.agentctl.reload_client",
     "daemon.agentctl.resume",
+    "daemon.agentctl.sandbox",
     "daemon.agentctl.server",
     "daemon.config",
     "daemon.faults",

@@ -140,13 +140,15 @@ class AgentctlServer:
         self._conn_counter = 0
         self._background: set[asyncio.Task[Any]] = set()
         # Whether agents can be sandboxed here (probed off the loop at start, again before a launch
-        # while it says no, and after a sandboxed agent died of bwrap's own error).
+        # while it says no, and after a sandboxed agent died of bwrap's own error; a re-exec hands
+        # it over).
         self.sandbox_support: SandboxSupport | None = None
         self._sandbox_lock = asyncio.Lock()
         self.reload_history = ReloadHistory(started_at=time.time())
         self.reloader: Any = None  # daemon.agentctl.reexec.Reloader, set by main (None: reload refused)
-        # Held around work done in threads (agent log bounds): a re-exec takes it, so no thread is
-        # half way through a file when the process image is replaced.
+        # Held around work done in threads (agent log bounds, sandbox probes): a re-exec takes it, so
+        # no thread is half way through a file, or has a trial sandbox running, when the process
+        # image is replaced (a thread's child would lose its parent-death tie with the thread).
         self.background_io = asyncio.Lock()
         handlers = {name: self._logged(name, getattr(self, f"op_{name}")) for name in TABLE.names}
         self.ipc = IpcServer(
@@ -176,7 +178,8 @@ class AgentctlServer:
     async def probe_sandbox(self) -> SandboxSupport:
         """Probe (off the event loop) whether an agent sandbox can be made here; log a change."""
         async with self._sandbox_lock:
-            support = await asyncio.to_thread(sandbox.probe)
+            async with self.background_io:  # the probe runs a trial bwrap from a worker thread
+                support = await asyncio.to_thread(sandbox.probe)
             previous, self.sandbox_support = self.sandbox_support, support
             if previous is None or previous.available != support.available:
                 log_event(
@@ -430,6 +433,7 @@ class AgentctlServer:
             reload=history,
             instances=[inst.handover_state() for inst in self.instances.values()],
             quiesced_at=quiesced_at,
+            sandbox_support=self.sandbox_support,
         )
 
     @classmethod
@@ -450,6 +454,7 @@ class AgentctlServer:
         server.ownership = ownership
         server.turn_ids = TurnIds(state.server_identity, state.turn_counter)
         server.reload_history = state.reload
+        server.sandbox_support = state.sandbox_support
         for h in state.instances:
             inst = Instance.from_handover(h, agent_log_dir=Path(config.agent_log_dir), turn_ids=server.turn_ids,
                                           on_change=server._changed)
@@ -469,6 +474,8 @@ class AgentctlServer:
         await self.ipc.start_on(listener, (identity[0], identity[1]) if len(identity) == 2 else None)
         self._spawn_background(self.run_unowned_timer())
         self._spawn_background(self.run_agent_log_bounds())
+        if self.sandbox_support is None:  # the previous image never finished a probe
+            self._spawn_background(self.probe_sandbox())
         self._changed()
 
     async def op_prove(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:

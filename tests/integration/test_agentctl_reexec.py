@@ -70,9 +70,9 @@ class Server:
         return AgentctlClient.connect(self.socket_path, credential=self.credential,
                                       installation_id=self.installation_id)
 
-    async def create(self, client: AgentctlClient, session: str) -> dict[str, Any]:
+    async def create(self, client: AgentctlClient, session: str, command: list[str] | None = None) -> dict[str, Any]:
         created = await client.create_instance(
-            session_id=session, task_id=f"task-{session}", command=[sys.executable, "-m", "daemon.agents.mock"],
+            session_id=session, task_id=f"task-{session}", command=command or [sys.executable, "-m", "daemon.agents.mock"],
             cwd=str(self.workspace), env={"KANDEV_MOCK_STATE_DIR": str(self.root / "mock-state"),
                                           "PYTHONPATH": str(self.code)}, agent="mock",
         )
@@ -286,6 +286,99 @@ async def drain(client: AgentctlClient, instance_id: str, timeout: float = STEP)
     await read_until(stream, lambda e: e.kind == EventKind.TURN_ENDED, events, timeout)
     await stream.close()
     return events
+
+
+# ---------------------------------------------------------------- sandboxed agents
+
+
+def sandbox_tree(pid: int) -> dict[int, float]:
+    """A sandboxed agent's processes as (pid -> start time): its bwrap (the group leader) and every
+    descendant (bwrap's init in the agent's pid namespace, the agent, what the agent started)."""
+    leader = psutil.Process(pid)
+    return {p.pid: p.create_time() for p in (leader, *leader.children(recursive=True))}
+
+
+def still_running(tree: dict[int, float]) -> list[int]:
+    """The processes of ``tree`` that still run (a zombie waiting for its reaper has ended)."""
+    left = []
+    for pid, started in tree.items():
+        try:
+            proc = psutil.Process(pid)
+            if proc.create_time() == started and proc.status() != psutil.STATUS_ZOMBIE:
+                left.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return left
+
+
+async def finish_turn(client: AgentctlClient, instance_id: str, text: str) -> str:
+    """Run one turn to its end; its stop reason."""
+    turn = await client.prompt(instance_id, text)
+    deadline = time.monotonic() + STEP
+    while True:
+        status = await client.turn_status(instance_id)
+        outcome = next((o for o in status["outcomes"] if o["turn_id"] == turn), None)
+        if outcome is not None and status["current_turn_id"] is None:
+            return str(outcome["stop_reason"])
+        assert time.monotonic() < deadline, f"turn {turn} never ended: {status}"
+        await asyncio.sleep(0.05)
+
+
+def test_sandboxed_agents_survive_reloads_and_stop_still_ends_their_whole_sandbox(server: Server) -> None:
+    """Issue 15 with issue 10 (agents sandboxed by default): two agents in their bubblewrap
+    sandboxes, one that leaves a TERM-ignoring process running inside its sandbox, one that ignores
+    TERM itself, go through three reloads (the reload op twice, ``kandev-agentctl --reload`` once).
+    Every sandbox process keeps its identity, each agent still answers a turn after each reload,
+    and nothing is reported as not taken over. Then ``stop_instance`` ends each whole sandbox, every
+    process of it included: the first on SIGTERM (its agent's exit ends its pid namespace, the
+    TERM-ignoring process with it), the stubborn one on SIGKILL after the grace; the server's
+    ``instance_stopped`` entries say which (AC-EXECUTORS-SURVIVAL-001.10). The sandbox probe travels
+    with the state: ``sandbox_status`` answers from it and no image probes again."""
+    srv = server
+    stubborn_argv = ["/bin/sh", "-c", f"trap '' TERM; exec {sys.executable} -m daemon.agents.mock"]
+
+    async def scenario() -> None:
+        client = await srv.connect()
+        plain = await srv.create(client, "plain")
+        stubborn = await srv.create(client, "stubborn", command=stubborn_argv)
+        assert plain["sandboxed"] is True and stubborn["sandboxed"] is True
+        said = await finish_turn(client, plain["instance_id"],
+                                 "/sh (trap '' TERM; exec sleep 300) </dev/null >/dev/null 2>&1 &")
+        assert said == "end_turn"
+        trees = {}
+        for name, inst in (("plain", plain), ("stubborn", stubborn)):
+            trees[name] = wait_until(lambda pid=inst["pid"], n=name: t if len(t := sandbox_tree(pid)) >= (
+                4 if n == "plain" else 3) else None, timeout=STEP)  # bwrap, its init, the agent (and sleep)
+            assert {os.getpgid(pid) for pid in trees[name]} == {inst["pid"]}, "a sandbox process left the group"
+        for i in range(3):
+            if i == 1:
+                done = await asyncio.to_thread(srv.reload_helper)
+                assert done.returncode == 0, (done.stdout, done.stderr, srv.log()[-3000:])
+            else:
+                attempt = (await client.reload())["attempt"]
+                info = await wait_info(client, lambda got, a=attempt: got["reload"]["last_attempt"] >= a
+                                       and not got["reload"]["in_progress"])
+                assert info["reload"]["last_outcome"] == "reexecuted", info
+            for name, inst in (("plain", plain), ("stubborn", stubborn)):
+                assert still_running(trees[name]) == sorted(trees[name]), f"{name}: a sandbox process ended"
+                assert await finish_turn(client, inst["instance_id"], f"hello {i}") == "end_turn"
+        info = await client.server_info()
+        assert info["reload"]["reexec_count"] == 3 and info["pid"] == srv.proc.pid
+        assert (await client.sandbox_status())["available"] is True  # the handed-over probe
+        listing = {i["instance_id"]: i for i in await client.list_instances()}
+        assert all(i["sandboxed"] and i["not_taken_over"] == [] and i["state"] == "running"
+                   for i in listing.values()), listing
+        for name, inst in (("plain", plain), ("stubborn", stubborn)):
+            assert (await client.stop_instance(inst["instance_id"]))["stopped"] is True
+            assert still_running(trees[name]) == [], f"{name}: processes of its sandbox outlived the stop"
+        await client.close()
+
+    run(scenario())
+    stopped = {line.split("session_id=")[1].split()[0]: line for line in srv.events("instance_stopped")}
+    assert "stop_signal=SIGTERM" in stopped["plain"], stopped
+    assert "stop_signal=SIGKILL" in stopped["stubborn"], stopped
+    assert not srv.events("handover_incomplete")
+    assert len(srv.events("sandbox_probe")) == 1, "the sandbox probe was not handed over"
 
 
 # ---------------------------------------------------------------- preflight and refusal

@@ -36,6 +36,7 @@ from daemon.agentctl.handover import (
 from daemon.agentctl.instance import InstanceSpec, TurnIds
 from daemon.agentctl.ownership import Ownership
 from daemon.agentctl.reexec import interpreter_flags
+from daemon.agentctl.sandbox import SandboxSupport
 from ipc.errors import IpcError
 from tests.helpers import REPO_ROOT
 
@@ -81,6 +82,22 @@ def test_state_round_trips_exactly() -> None:
     assert back == state
     assert back.fds() == [5, 7, 8]
     assert back.instances[0].unread.endswith(b'{"partial')  # a half-read line travels as bytes
+
+
+def test_sandbox_state_round_trips_and_is_optional() -> None:
+    """Issue 15 with issue 10: a sandboxed agent's spec (its bwrap argv, ``sandboxed``), bwrap's init
+    by pid and start time, and the server's last sandbox probe travel; a state without them (a
+    server that never probed, an unsandboxed agent) decodes to None."""
+    spec = InstanceSpec(instance_id="i2", session_id="s2", task_id="t2", command=["agent"], cwd="/w",
+                        launch_argv=["/usr/bin/bwrap", "--die-with-parent", "--", "agent"], sandboxed=True)
+    state = _state([_instance(spec=to_plain(spec), sandbox_init_pid=4243, sandbox_init_start_time=1700000000.75)])
+    state.sandbox_support = SandboxSupport(True, None, "/usr/bin/bwrap", "0.8.0")
+    back = decode(encode(state))
+    assert back == state and back.sandbox_support == SandboxSupport(True, None, "/usr/bin/bwrap", "0.8.0")
+    lost: list[str] = []
+    assert from_fields(InstanceSpec, back.instances[0].spec, "spec", lost) == spec and lost == []
+    bare = decode(encode(_state()))
+    assert bare.sandbox_support is None and bare.instances[0].sandbox_init_pid is None
 
 
 def test_unknown_fields_are_reported_never_dropped_silently() -> None:
