@@ -506,7 +506,8 @@ class Backend:
             # running as far as its link can tell (its process is there): does it answer?
             try:
                 if await identify(handle.endpoint, timeout=1.0) is None:
-                    link["state"] = "unreachable"  # running, but it does not answer
+                    # running, but it does not answer (for a moment while it re-executes)
+                    link["state"] = "reloading" if self.upgrade.reloading else "unreachable"
             except IpcError as exc:
                 link["state"] = "reloading" if exc.code == ErrorCode.RELOADING else "unreachable"
         if link["state"] == LinkState.RUNNING.value:

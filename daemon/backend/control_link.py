@@ -10,6 +10,8 @@ handles instead of a state it cannot leave. Its life, supervisord-style::
                         ▼                                   ▼
                     superseded                           gave_up ──retry()──▶ restarting
 
+    running ──replace()──▶ replacing ──(started)──▶ running      (start failed: as restarting)
+
 - **running**: a ``ServerWatch`` looks at the server every ``watch_interval`` (0.5 s), so a loss
   is seen well within 2 s.
 - **lost**: one journal entry ``control_server_lost`` with the reason (exit status or signal when
@@ -22,6 +24,11 @@ handles instead of a state it cannot leave. Its life, supervisord-style::
   task runs, the backend idles) until ``retry()`` (``kandev up``) or a backend restart.
 - **superseded**: another holder of this installation's credential adopted the server; it is
   not ours any more, so it is neither watched nor restarted (AC-EXECUTORS-CONTROL-OWNERSHIP-002.3).
+- **replacing**: the backend itself retires a running server it chose to replace (one too old to
+  reload in place, once it runs no instance: ``daemon.backend.server_upgrade``); its end is no
+  loss, and its successor is started by ``start`` like a restart (a start that fails is then a
+  loss at start: back-off, give-up). A re-exec of the server in place (reload) is not even seen
+  here: same pid, same start time, so the watch never finds it gone.
 
 Once a new server runs, ``on_restarted`` gets the sessions interrupted since the last one ran
 (it schedules the automatic resume, when switched on). Everything that takes time is injected (``sleep``,
@@ -57,6 +64,7 @@ class LinkState(str, Enum):
     RESTARTING = "restarting"
     GAVE_UP = "gave_up"
     SUPERSEDED = "superseded"
+    REPLACING = "replacing"  # the backend retires this server for a newer one (not a loss)
 
 
 class Watch(Protocol):
@@ -134,6 +142,7 @@ class CrashLoop:
 
 
 StartFn = Callable[[], Awaitable[Attached]]
+RetireFn = Callable[[Attached], Awaitable[None]]  # ends a server the backend replaces
 LostFn = Callable[[Attached, Loss], Awaitable[list[str]]]
 RestartedFn = Callable[[list[str]], None]  # must not block: e.g. it schedules the automatic resume
 
@@ -156,6 +165,7 @@ class ControlServerLink:
     gave_up: Loss | None = None  # the loss after which it gave up
     interrupted: list[str] = field(default_factory=list)  # sessions to resume once a server runs again
     restarts: int = 0
+    replacements: int = 0
     _task: asyncio.Task[None] | None = None
     _closed: bool = False
 
@@ -184,6 +194,43 @@ class ControlServerLink:
         self._stop_task()
         self._set(state)
 
+    async def replace(self, retire: RetireFn) -> bool:
+        """Replace the running server on purpose (see the module docstring): stop watching it
+        (its end is no loss), ``retire`` it, then start its successor through ``start``. False,
+        with nothing done, unless the link is running. A retirement that fails puts the old server
+        back under watch (if it is gone after all, that is a loss); a start that fails is recorded
+        as a loss at start and the link goes on trying by itself; both raise to the caller too."""
+        if self._closed or self.state != LinkState.RUNNING or self.attached is None:
+            return False
+        old = self.attached
+        self._stop_task()
+        self.attached = None
+        self._set(LinkState.REPLACING)
+        try:
+            await retire(old)
+        except BaseException:
+            if not self._closed and self.state == LinkState.REPLACING:
+                self.attach(old)
+            raise
+        try:
+            attached = await self.start()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            reason = f"start of a replacement failed: {exc}" if str(exc) else \
+                f"start of a replacement failed: {type(exc).__name__}"
+            self.last_loss = Loss(self.wall(), reason, at_start=True)
+            delay = self.policy.record()
+            log_event("control_server_restart_failed", f"control server link {self.name}: {reason}",
+                      priority=3, LINK=self.name, REASON=reason, LOSSES_IN_WINDOW=self.policy.recent)
+            if not self._closed:
+                self._set(LinkState.RESTARTING)
+                self._task = asyncio.get_running_loop().create_task(self._restart(delay), name=f"link-{self.name}")
+            raise
+        self.replacements += 1
+        self.attach(attached)
+        return True
+
     def retry(self) -> bool:
         """After giving up: forget the crash loop and try again at once. False if not given up."""
         if self._closed or self.state != LinkState.GAVE_UP:
@@ -210,6 +257,7 @@ class ControlServerLink:
             "crash_loop": {"limit": self.policy.limit, "window_s": self.policy.window},
             "gave_up": self.gave_up.to_json() if self.gave_up else None,
             "restarts": self.restarts,
+            "replacements": self.replacements,
         }
 
     # ---------------------------------------------------------------- internals

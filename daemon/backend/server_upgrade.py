@@ -7,13 +7,18 @@ needs only the capabilities release 0.1.0 had). Then, in the background once rea
   the one installed is asked to ``reload``: it re-executes the installed code in place,
   its agents untouched (``daemon.agentctl.reexec``); the backend's streams and calls
   reconnect by themselves;
-- a server that cannot (release 0.1.0, protocol 1.0) keeps serving its agents, new
-  sessions included (nothing is refused meanwhile), and is **replaced once it runs no
-  instance**: with no launch in flight and none allowed to start (``LaunchGate``), an
-  empty ``list_instances`` is followed by ``ownership_shutdown`` (which stops nothing:
-  there is nothing) and a fresh server of the installed version. It is checked every
-  ``IDLE_CHECK_S`` seconds. Its agents are never stopped for it; an operator who wants
-  it replaced sooner ends or stops its sessions.
+- a server that cannot (release 0.1.0, protocol 1.0) keeps serving its agents, and new
+  sessions the agent-sandbox policy allows on it (it has no sandbox: with
+  ``agents.sandbox = "required"`` a launch there is refused with ``sandbox_unavailable``,
+  never started unsandboxed; ``AgentctlClient.create_instance``), and is **replaced once it
+  runs no instance**: with no launch in flight and none allowed to start (``LaunchGate``),
+  an empty ``list_instances`` is followed by its link's ``replace``
+  (``daemon.backend.control_link``): the link stops watching it, so its end is no loss and
+  no session is repaired for it, ``ownership_shutdown`` ends it (stopping nothing: there is
+  nothing), and the link starts a fresh server of the installed version the way it restarts
+  one. It is checked every ``IDLE_CHECK_S`` seconds. Its agents are never stopped for it;
+  an operator who wants it replaced sooner ends or stops its sessions. If it dies meanwhile,
+  that is a loss like any other, and the server its link starts is already current.
 
 ``reload()`` is also what ``kandev agentctl reload`` runs (backend op ``agentctl_reload``).
 ``status()`` is the ``control_server`` part of ``kandev status`` about versions: the
@@ -35,10 +40,10 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from daemon.agentctl.protocol import RELOAD_CAPABILITY
-from daemon.backend.launcher import UnitBusy
+from daemon.backend.control_link import LinkState
 from daemon.journal import log_event
 from daemon.version import VERSION, installed_version, version_key
-from ipc.aio import within
+from ipc.aio import cancel_and_wait, within
 from ipc.errors import ErrorCode, IpcError
 
 if TYPE_CHECKING:
@@ -100,6 +105,7 @@ class ServerUpgrade:
         self.info: dict[str, Any] | None = None  # the last server_info answer
         self.replacement: str | None = None  # "when_idle" while an old server waits to be replaced
         self.last_replaced: dict[str, Any] | None = None
+        self.reloading = False  # a reload asked by this backend is under way (status says so)
         self._task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------ state
@@ -176,6 +182,11 @@ class ServerUpgrade:
                   INSTALLED_VERSION=installed, REASON="cannot_reload")
         while self.replacement is not None:
             await asyncio.sleep(IDLE_CHECK_S)
+            current = self.backend.client
+            if current is not None and self.can_reload(current):
+                # it went away by itself and the link started the installed version in its place
+                self.replacement = None
+                break
             try:
                 await self._replace_if_idle()
             except asyncio.CancelledError:
@@ -184,27 +195,18 @@ class ServerUpgrade:
                 log.warning("replacing the old control server failed: %s", exc)
 
     async def _replace_if_idle(self) -> bool:
+        """Retire the old server through its link (``ControlServerLink.replace``: not a loss) once it
+        runs no instance and no launch is in flight, and start the installed version the way the
+        link restarts one (unit, detached or child; a fresh credential and record)."""
         b = self.backend
         async with b.launch_gate.exclusive():
-            old = self._client()
-            instances = await old.list_instances()
-            if instances:
+            if b.link.state != LinkState.RUNNING or b.client is None:
+                return False  # lost, restarting, gave up...: the link handles it
+            if await b.client.list_instances():
                 return False
             old_pid = b.handle.pid if b.handle is not None else None
-            stopped = await old.ownership_shutdown()
-            if stopped.get("stopped"):  # cannot happen with no instance and no launch: say so loudly
-                log_event("control_server_replace_stopped", f"ownership_shutdown stopped {stopped['stopped']}",
-                          priority=3)
-            claims = b.claim_tasks.pop(old.socket_path, None)
-            if claims is not None:
-                claims.cancel()
-            with contextlib.suppress(Exception):
-                await old.close()
-            b.client = None
-            await self._wait_gone(old_pid)
-            client = await self._start_new()
-            client.on_superseded = b._superseded
-            b.client = client
+            if not await b.link.replace(self._retire):
+                return False
             self.replacement = None
             self.last_replaced = {"old_pid": old_pid, "new_pid": b.handle.pid if b.handle else None,
                                   "at": datetime.now(UTC).isoformat(timespec="seconds")}
@@ -214,27 +216,36 @@ class ServerUpgrade:
                       OLD_PID=old_pid, NEW_PID=self.last_replaced["new_pid"])
             return True
 
-    async def _wait_gone(self, pid: int | None) -> None:
+    async def _retire(self, attached: Any) -> None:
+        """End the old server: ``ownership_shutdown`` (it stops nothing: it runs no instance), then
+        forget it and remove what this backend wrote for it once it is gone."""
+        b = self.backend
+        old, handle = attached.client, attached.handle
+        stopped = await old.ownership_shutdown()
+        if stopped.get("stopped"):  # cannot happen with no instance and no launch: say so loudly
+            log_event("control_server_replace_stopped", f"ownership_shutdown stopped {stopped['stopped']}",
+                      priority=3)
+        claims = b.claim_tasks.pop(old.socket_path, None)
+        if claims is not None:
+            await cancel_and_wait(claims)
+        with contextlib.suppress(Exception):
+            await old.close()
+        b.client = None
+        if await self._wait_gone(handle.pid):
+            b.launcher.remove_files(handle)
+
+    async def _wait_gone(self, pid: int | None) -> bool:
+        """Wait (bounded) until ``pid`` has exited; True once it has."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + REPLACE_UNIT_WAIT_S
         while pid is not None and loop.time() < deadline:
             try:
                 if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                    return
+                    return True
             except psutil.Error:
-                return
+                return True
             await asyncio.sleep(0.1)
-
-    async def _start_new(self) -> Any:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + REPLACE_UNIT_WAIT_S
-        while True:
-            try:
-                return await self.backend.start_own_server()
-            except UnitBusy:  # the unit is still deactivating
-                if loop.time() >= deadline:
-                    raise
-                await asyncio.sleep(0.2)
+        return pid is None
 
     # ------------------------------------------------------------ reload
     async def reload(self) -> dict[str, Any]:
@@ -248,6 +259,13 @@ class ServerUpgrade:
                 " once it runs no instance",
                 False,
             )
+        self.reloading = True
+        try:
+            return await self._reload(client)
+        finally:
+            self.reloading = False
+
+    async def _reload(self, client: Any) -> dict[str, Any]:
         before = await client.server_info()
         started = await client.reload()
         attempt = int(started["attempt"])

@@ -8,7 +8,12 @@ A ``ServerWatch`` is bound to one started or adopted server (its ``ControlServer
 - otherwise (an adopted detached server, or the ``kandev-agentctl.service`` main process): the
   process identity, pid plus start time (psutil), so a reused pid is never taken for the server;
 - no pid known at all: only the connection can tell; it is gone when the backend's connection
-  has dropped and nothing answers ``identify`` at the endpoint.
+  has dropped and nothing listens at the endpoint any more (the socket file is gone or refuses
+  connections). A server that accepts but does not answer yet is alive: that is what a server
+  re-executing in place looks like (issue 15: its listening socket stays open across the exec).
+
+A reload (re-exec in place) is never a loss: the process keeps its pid and its start time, and a
+child keeps running.
 
 ``reason()`` says why, as precisely as can be known: the exit status or signal of a child; for
 the unit, what systemd recorded (``ExecMainCode``/``ExecMainStatus``/``Result``, read with an
@@ -21,12 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import subprocess
 from collections.abc import Callable
 
 import psutil
 
-from daemon.agentctl.client import identify
 from daemon.backend.launcher import AGENTCTL_UNIT, ControlServerHandle
 from ipc.aio import within
 
@@ -72,7 +77,7 @@ class ServerWatch:
             return not _same_process(pid, self.start_time)
         if not self.client_closed():
             return False
-        return await identify(self.handle.endpoint, timeout=1.0) is None
+        return not _listening(self.handle.endpoint)
 
     async def reason(self) -> str:
         proc = self.handle.process
@@ -83,6 +88,24 @@ class ServerWatch:
         if self.handle.pid:
             return f"process {self.handle.pid} is gone; its exit status is unknown (not a child of this backend)"
         return "its connection dropped and nothing answers at its endpoint; exit status unknown"
+
+
+def _listening(endpoint: str) -> bool:
+    """Whether something listens on the Unix socket ``endpoint``: a non-blocking connect, which
+    never waits (a full accept queue answers EAGAIN: alive). Nothing is sent."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        sock.connect(endpoint)
+    except BlockingIOError:
+        return True  # its accept queue is full: very much alive
+    except (ConnectionRefusedError, FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError:
+        return True  # cannot tell (e.g. permission): not proof that it is gone
+    finally:
+        sock.close()
+    return True
 
 
 def _same_process(pid: int, start_time: float | None) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -110,3 +111,58 @@ def test_watch_of_a_server_that_is_not_our_child_uses_pid_and_start_time():
         proc.wait()
     assert not before and after
     assert "exit status is unknown" in reason
+
+
+# The server re-executes itself in place when told (a line on stdin): same pid, same start time.
+REEXECS = (
+    "import os, sys\n"
+    "sys.stdin.readline()\n"
+    "os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+)
+
+
+def test_a_server_re_executing_in_place_is_not_a_loss():
+    """Issue 15 with issue 11: a reload re-executes the control server in place; its watch (whether
+    it is our child or adopted: pid + start time) never takes that for the server's end."""
+    async def run(as_child: bool) -> tuple[bool, bool, bool]:
+        proc = subprocess.Popen([sys.executable, "-c", REEXECS], stdin=subprocess.PIPE)
+        try:
+            watch = ServerWatch(_handle(proc.pid, proc if as_child else None, mode="child" if as_child else "detached"))
+            before = await watch.gone()
+            assert proc.stdin is not None
+            proc.stdin.write(b"exec\n")
+            proc.stdin.flush()
+            await asyncio.to_thread(wait_until, lambda: "time.sleep(60)" in " ".join(psutil.Process(proc.pid).cmdline()),
+                                    10)
+            after_exec = await watch.gone()
+            proc.kill()
+            await asyncio.to_thread(proc.wait)
+            return before, after_exec, await watch.gone()
+        finally:
+            proc.kill()
+            proc.wait()
+
+    assert asyncio.run(run(as_child=True)) == (False, False, True)
+    assert asyncio.run(run(as_child=False)) == (False, False, True)
+
+
+def test_watch_without_a_pid_waits_for_nothing_to_listen(tmp_path):
+    """No pid known: a dropped connection alone is no loss while something still listens at the
+    endpoint, even without answering (a server re-executing keeps its listening socket open across
+    the exec); refused connections, or no socket file, are."""
+    path = str(tmp_path / "agentctl.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(8)  # never accepts: like a server in the middle of its exec
+    handle = ControlServerHandle(endpoint=path, mode="detached", credential_ref="x", log_path="x", pid=None)
+    closed = [False]
+    watch = ServerWatch(handle, lambda: closed[0])
+    try:
+        assert asyncio.run(watch.gone()) is False  # the backend's connection is fine
+        closed[0] = True
+        assert asyncio.run(watch.gone()) is False  # dropped, but the socket still takes connections
+    finally:
+        listener.close()
+    assert asyncio.run(watch.gone()) is True  # the file is left, but nothing listens: refused
+    os.unlink(path)
+    assert asyncio.run(watch.gone()) is True

@@ -224,3 +224,60 @@ def test_a_failed_first_start_counts_as_a_loss_and_the_link_keeps_trying():
 
     h = asyncio.run(run())
     assert h.sleeps == [1.0] and len(h.started) == 1 and h.lost == []
+
+
+def test_a_replacement_the_backend_chose_is_no_loss():
+    """Issue 15 with issue 11: replacing a server too old to reload (``replace``) stops watching it
+    first, so its end is no loss (no on_lost, nothing counted, no control_server_lost entry); the
+    successor comes from ``start``, as a restart's would, and is watched. A link that is not
+    running replaces nothing."""
+    async def run() -> tuple[Harness, list[str], list[LinkState]]:
+        h = Harness()
+        first = await h.start()
+        h.link.attach(first)
+        retired: list[str] = []
+        seen: list[LinkState] = []
+
+        async def retire(attached: Attached) -> None:
+            seen.append(h.link.state)
+            attached.watch.dead = True  # it exits, as ownership_shutdown makes it
+            await asyncio.sleep(0)
+            retired.append(attached.handle)
+
+        assert await h.link.replace(retire) is True
+        assert h.link.state == LinkState.RUNNING and h.link.attached is not None
+        assert h.link.attached.handle == "server-2"
+        for _ in range(50):  # the old watch, had it gone on, would have seen the exit by now
+            await asyncio.sleep(0)
+        h.link.release(LinkState.NONE)
+        assert await h.link.replace(retire) is False  # not running: nothing done
+        await h.link.close()
+        return h, retired, seen
+
+    h, retired, seen = asyncio.run(run())
+    assert retired == ["server-1"] and seen == [LinkState.REPLACING]
+    assert h.lost == [] and h.link.policy.recent == 0 and h.link.last_loss is None
+    assert h.link.replacements == 1 and h.link.restarts == 0 and h.sleeps == []
+
+
+def test_a_replacement_whose_start_fails_is_a_loss_at_start_and_the_link_keeps_trying():
+    async def run() -> Harness:
+        h = Harness()
+        first = await h.start()
+        h.link.attach(first)
+        h.failing = True
+
+        async def retire(attached: Attached) -> None:
+            attached.watch.dead = True
+
+        with pytest.raises(RuntimeError):
+            await h.link.replace(retire)
+        assert h.link.last_loss is not None and h.link.last_loss.at_start
+        assert "replacement" in h.link.last_loss.reason
+        h.failing = False
+        await h.settle(lambda: h.link.state == LinkState.RUNNING and len(h.started) == 2)
+        await h.link.close()
+        return h
+
+    h = asyncio.run(run())
+    assert h.lost == [] and h.sleeps == [1.0] and h.link.restarts == 1
