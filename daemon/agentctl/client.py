@@ -60,7 +60,8 @@ from collections.abc import Callable
 from typing import Any
 
 from daemon.agentctl import auth
-from daemon.agentctl.protocol import VERSION
+from daemon.agentctl.protocol import SANDBOX_CAPABILITY, VERSION
+from daemon.agentctl.sandbox import SANDBOX_UNAVAILABLE, SandboxPolicy
 from ipc.client import AsyncClient, EventStream
 from ipc.errors import ErrorCode, IpcError
 
@@ -295,6 +296,12 @@ class AgentctlClient:
     def closed(self) -> bool:
         return self._conn.closed
 
+    @property
+    def usable(self) -> bool:
+        """Whether calls may go through: until ``close()``. A connection the server closed (a
+        re-exec) is re-established by the next call, so ``closed`` alone does not mean unusable."""
+        return not self._closed_by_us
+
     async def call(self, op: str, args: dict[str, Any] | None = None, *, timeout: float | None = None) -> Any:
         """Any op of ``protocol.TABLE`` on the authenticated connection (re-established if the
         server re-executed: see the module doc)."""
@@ -440,9 +447,28 @@ class AgentctlClient:
             args["resume_session_id"] = resume_session_id
         if workspace_roots is not None:
             args["workspace_roots"] = workspace_roots
-        if sandbox is not None:
+        if sandbox is not None and self.check_sandbox(sandbox):
             args["sandbox"] = sandbox
         return await self.call("create_instance", args, timeout=timeout)
+
+    def check_sandbox(self, sandbox: dict[str, Any]) -> bool:
+        """Whether this server takes ``create_instance``'s ``sandbox`` field. A server without
+        ``sandbox.v1`` (release 0.1.0) would drop it and start the agent unsandboxed: with the
+        policy ``required`` that launch is refused here (``sandbox_unavailable``, nothing sent);
+        with ``off`` the field is left out (False)."""
+        if SANDBOX_CAPABILITY in self.capabilities:
+            return True
+        if sandbox.get("policy", SandboxPolicy.REQUIRED.value) == SandboxPolicy.OFF.value:
+            return False
+        protocol = ".".join(map(str, self.protocol_version)) or "1.0"
+        raise IpcError(
+            SANDBOX_UNAVAILABLE,
+            f"the control server (protocol {protocol}) predates the agent sandbox: it would start this agent"
+            ' unsandboxed, which agents.sandbox = "required" refuses. The backend replaces it with the'
+            " installed version once it runs no instance (end or stop its sessions, then start again);"
+            ' or set agents.sandbox = "off"',
+            retryable=True,
+        )
 
     async def sandbox_status(self, *, refresh: bool = False) -> dict[str, Any]:
         """Whether the server can sandbox agents -> ``{available, reason, mechanism, bwrap, version}``;

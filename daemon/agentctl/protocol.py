@@ -6,13 +6,19 @@ ops are only ever added (backend N must talk to control server N-1), and the
 minor version rises with each addition: 1.0 is what release 0.1.0 speaks; 1.1
 (release 0.2.0) added ``reload`` and ``server_info``, the ``reload.v1``
 capability, the ``not_taken_over`` field of ``list_instances`` and the
-``reloading`` error code. ``identify`` never grows: unauthenticated, it answers
+``reloading`` error code; and the agent sandbox: ``create_instance``'s
+``sandbox`` field and ``sandboxed`` answer, ``sandbox_status``, the
+``sandbox.v1`` capability and the ``sandbox_unavailable`` error code. ``identify`` never grows: unauthenticated, it answers
 the identity, the capability set and the unowned period (and the protocol
 version), nothing else (AC-EXECUTORS-CONTROL-OWNERSHIP-001.11).
 
 Adoption needs ``REQUIRED_CAPABILITIES`` only, never a capability added later:
 a backend adopts a server one release older and learns from ``identify`` what
-else it can do (``reload.v1``: it can re-execute newer code in place).
+else it can do (``reload.v1``: it can re-execute newer code in place;
+``sandbox.v1``: it runs agents in their sandbox). A server without ``sandbox.v1``
+ignores ``create_instance``'s ``sandbox`` field (unknown fields are dropped) and
+would start the agent unsandboxed: the client refuses such a launch itself when
+the policy requires the sandbox (``AgentctlClient.create_instance``).
 
 Authentication (design.md §5): ``identify``, ``prove``, ``auth_begin`` and
 ``auth_finish`` work on an unauthenticated connection; everything else needs
@@ -43,8 +49,11 @@ REQUIRED_CAPABILITIES = (
 RELOAD_CAPABILITY = "reload.v1"
 """The ``reload`` op: re-execute the installed code in place with the state handed over (issue 15)."""
 
+SANDBOX_CAPABILITY = "sandbox.v1"
+"""Agents run in their sandbox (``create_instance``'s ``sandbox`` field, ``sandbox_status``; issue 10)."""
+
 # Capability set advertised by identify/hello: the required ones and what was added since.
-CAPABILITIES = (*REQUIRED_CAPABILITIES, RELOAD_CAPABILITY)
+CAPABILITIES = (*REQUIRED_CAPABILITIES, RELOAD_CAPABILITY, SANDBOX_CAPABILITY)
 
 
 class EventKind:
@@ -138,8 +147,8 @@ OPS = [
         doc="a new ACP session (session/new) on the same agent process; prompts go to it from now on;"
         " refused or failed: the current session stays -> {acp_session_id, modes, config_options, last_seq}",
     ),
-    # Added with the agent sandbox (no capability: a backend meeting an older server gets unknown_op
-    # and reports the sandbox unavailable there). Authenticated: identify names no path (OWN-001.11).
+    # Added with the agent sandbox (capability sandbox.v1; an older server answers unknown_op and the
+    # backend reports the sandbox unavailable there). Authenticated: identify names no path (OWN-001.11).
     Op(
         "sandbox_status",
         optional={"refresh": bool},

@@ -134,13 +134,16 @@ async def sandbox_status(backend: Backend) -> dict[str, Any]:
     out: dict[str, Any] = {"policy": policy, "sandboxed": False, "available": None, "reason": None,
                            "mechanism": "bubblewrap", "version": None}
     client = backend.client
-    if client is not None and not client.closed:
+    if client is not None and client.usable:
         try:
             support = await client.call("sandbox_status", {}, timeout=STATUS_TIMEOUT_S)
             out.update(available=bool(support.get("available")), reason=support.get("reason"),
                        version=support.get("version"))
         except IpcError as exc:
-            out["reason"] = ("the control server predates the agent sandbox (restart it with the backend)"
+            if exc.code == ErrorCode.UNKNOWN_OP:
+                out["available"] = False  # it cannot: a launch there is refused (AgentctlClient.check_sandbox)
+            out["reason"] = ("the control server predates the agent sandbox (the backend replaces it with the"
+                             " installed version once it runs no instance)"
                              if exc.code == ErrorCode.UNKNOWN_OP else f"the control server did not say: {exc.message}")
         except (OSError, TimeoutError) as exc:
             out["reason"] = f"the control server did not say: {exc}"

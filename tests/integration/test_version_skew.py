@@ -5,9 +5,10 @@ The previous release is built from this repository's history (``tests/releases.p
 /var/tmp). Its backend and control server run with agent survival on and no service manager, a
 mock session mid-``/slow``; its backend is SIGKILLed; the current backend starts on the same home,
 adopts the old server (adoption requires nothing the old release lacks) and re-tracks the session:
-every chunk once and in order. The old server cannot reload (protocol 1.0): it keeps serving, new
-sessions included, and the current backend replaces it once it runs no instance, never by stopping
-an agent.
+every chunk once and in order. The old server cannot reload (protocol 1.0): it keeps serving its
+agent, is refused new agents while the sandbox is required (it has none: Issue 10 with Issue 15),
+and the current backend replaces it through its link once it runs no instance (no loss), never by
+stopping an agent.
 """
 
 from __future__ import annotations
@@ -83,14 +84,21 @@ def test_backend_adopts_previous_release_server_and_replaces_it_when_idle(kandev
     assert agent_chunks(show) == [f"{i}/{N} " for i in range(1, N + 1)]
     assert [(t["state"], t["stop_reason"]) for t in show["turns"]] == [("finished", "end_turn")]
 
-    # meanwhile a new session is served by the old server (nothing is refused), and it is not replaced
-    _, sid2 = new.start_session("while outdated")
-    assert new.cli("prompt", sid2, "hello", "--wait")["stop_reason"] == "end_turn"
+    # meanwhile the old server, which has no agent sandbox, gets no new agent: agents.sandbox is
+    # "required" (the default), so the launch is refused (typed, retryable) instead of starting the
+    # agent unsandboxed; the server is not replaced while its agent runs, and status says why
+    sandbox = new.status()["sandbox"]
+    assert sandbox["sandboxed"] is False and "predates the agent sandbox" in sandbox["reason"]
+    task2 = new.cli("task", "create", "--title", "while outdated")["task_id"]
+    refused = new.run("session", "start", task2)
+    error = json.loads(refused.stdout)["error"]
+    assert refused.returncode == 1 and error["code"] == "sandbox_unavailable" and error["retryable"], error
+    assert "predates the agent sandbox" in error["message"]
     assert int(new.status()["control_server"]["pid"]) == old_server and alive(agent[0])
 
-    # its last agents end: then, and only then, the old server is replaced by the current version
-    for s in (sid, sid2):
-        new.cli("prompt", s, "/exit 0")
+    # its last agent ends: then, and only then, the old server is replaced by the current version
+    # (through its link: no loss, nothing repaired)
+    new.cli("prompt", sid, "/exit 0")
     st = wait_until(lambda: s if (s := new.status())["control_server"]["replacement"] is None else None, timeout=90)
     ctl = st["control_server"]
     assert ctl["last_replaced"]["old_pid"] == old_server and int(ctl["pid"]) != old_server
@@ -98,5 +106,9 @@ def test_backend_adopts_previous_release_server_and_replaces_it_when_idle(kandev
     new.server_pids.add(int(ctl["pid"]))
     wait_until(lambda: not alive(old_server), timeout=30)
     assert not alive(agent[0])  # it ended by itself (/exit 0) before the replacement
+    assert ctl["state"] == "running" and ctl["replacements"] == 1 and ctl["last_loss"] is None
+    assert ctl["restarts"] == 0
+    assert "control_server_lost" not in (new.home / "logs" / "backend.log").read_text()
     _, sid3 = new.start_session("after the replacement")
     assert new.cli("prompt", sid3, "hello", "--wait")["stop_reason"] == "end_turn"
+    assert new.status()["sandbox"]["sandboxed"] is True

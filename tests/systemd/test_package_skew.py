@@ -124,6 +124,10 @@ def test_b_upgrade_keeps_the_agents_and_replaces_the_old_server_once_idle(box: S
     assert box.prop(AGENTCTL, "ActiveState") == "active"
     replaced = box.journal_json("-u", BACKEND, "KANDEV_EVENT=control_server_replaced")
     assert replaced and replaced[-1]["OLD_PID"] == S["ctl_pid"]
+    # replaced through its link: the old server's end was no loss (nothing repaired, no restart)
+    assert ctl["state"] == "running" and ctl["replacements"] == 1 and ctl["restarts"] == 0
+    assert not box.journal_json("-u", BACKEND, "KANDEV_EVENT=control_server_lost")
     task = _kandev(box, "task", "create", "--title", "after")["task_id"]
     sid = _kandev(box, "session", "start", task)["session_id"]
     assert _kandev(box, "prompt", sid, "hello", "--wait")["stop_reason"] == "end_turn"
+    assert _kandev(box, "status")["sandbox"]["sandboxed"] is True  # the new unit admits bubblewrap
