@@ -18,7 +18,9 @@ Rules (run by the backend once its startup recovery is done, off the event loop)
 - ``secrets/agentctl-cred-*`` of control servers that are gone are removed. Kept: the recorded
   server's credential, those of the servers this backend runs, and every credential a control
   server still answering in ``run/`` proves it holds (a survivor this backend did not adopt keeps
-  running until its unowned shutdown, and its credential is not thrown away). The bootstrap credential
+  running until its unowned shutdown, and its credential is not thrown away); a server there that
+  cannot answer at that moment (re-executing in place: it keeps its credentials across a reload)
+  keeps every candidate for this pass. The bootstrap credential
   (``secrets/agentctl-bootstrap``, read by systemd when it starts ``kandev-agentctl.service``) is
   removed by the launcher once the server answered; a leftover (a backend that died between
   writing it and starting the unit) is removed here.
@@ -40,7 +42,7 @@ from daemon.journal import log_event
 from daemon.paths import Paths, run_dir_mode
 from daemon.store.models import ControlServerRecord
 from ipc.client import AsyncClient
-from ipc.errors import IpcError
+from ipc.errors import ErrorCode, IpcError
 
 if TYPE_CHECKING:
     from daemon.backend.app import Backend
@@ -160,8 +162,10 @@ def _candidates(paths: Paths) -> dict[str, bytes | None]:
     return out
 
 
-async def _proven(socket_path: Path, candidates: dict[str, bytes], installation_id: str) -> set[str]:
-    """The candidates the server at ``socket_path`` proves it holds (nothing if it does not answer)."""
+async def _proven(socket_path: Path, candidates: dict[str, bytes], installation_id: str) -> set[str] | None:
+    """The candidates the server at ``socket_path`` proves it holds (nothing if nothing listens).
+    None when a server is there but cannot answer now: it is re-executing in place (``reloading``,
+    or its accepted connection gets no answer in time); it keeps its credentials across that."""
     try:
         conn = await AsyncClient.connect(socket_path, timeout=PROVE_TIMEOUT_S, hello=False)
     except (IpcError, OSError):
@@ -173,7 +177,9 @@ async def _proven(socket_path: Path, candidates: dict[str, bytes], installation_
             return set()
         challenge = auth.new_challenge()
         answer = await conn.call("prove", {"challenge": challenge}, timeout=PROVE_TIMEOUT_S)
-    except (IpcError, OSError):
+    except IpcError as exc:
+        return None if exc.code in (ErrorCode.RELOADING, ErrorCode.TIMEOUT) else set()
+    except OSError:
         return set()
     finally:
         await conn.close()
@@ -197,7 +203,10 @@ async def credentials_in_use(backend: Backend) -> set[str]:
     if readable:
         sockets = await asyncio.to_thread(lambda: sorted(backend.paths.run_dir.glob("agentctl-*.sock")))
         for sock in sockets:
-            keep |= await _proven(sock, readable, backend.installation_id)
+            proven = await _proven(sock, readable, backend.installation_id)
+            if proven is None:  # cannot tell now whose they are: remove none (the next start will)
+                return keep | set(readable)
+            keep |= proven
     return keep
 
 

@@ -5,13 +5,17 @@ made; here every rule gets its own case, loose modes set on purpose."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import stat
 from pathlib import Path
 
-from daemon.backend.hygiene import tidy_home
+from daemon.backend.hygiene import _proven, tidy_home
 from daemon.paths import Paths, run_dir_mode
+from ipc.errors import ErrorCode, IpcError
+from ipc.schema import OpTable
+from ipc.server import IpcServer
 
 
 def mode(p: Path) -> int:
@@ -82,3 +86,24 @@ def test_credential_files_of_gone_servers_and_the_bootstrap_are_removed(tmp_path
     assert left == ["agentctl-cred-bbbb", "github-token-of-someone"]
     assert sorted(Path(p).name for p in out.removed) == ["agentctl-bootstrap", "agentctl-cred-aaaa",
                                                          "agentctl-cred-cccc"]
+
+
+def test_a_control_server_re_executing_keeps_every_credential_it_may_hold(tmp_path: Path) -> None:
+    """Issue 15 with issue 10 item 9: a control server answering ``reloading`` (re-executing in place,
+    its credentials in memory across the exec) cannot prove what it holds right now: the pass keeps
+    every candidate (None) rather than removing a live server's credential; a socket nobody listens
+    on proves nothing (empty)."""
+    path = tmp_path / "agentctl-1.sock"
+    candidates = {"agentctl-cred-a": b"\x01" * 32}
+
+    async def main() -> tuple[set[str] | None, set[str] | None]:
+        server = IpcServer(str(path), OpTable("kandev-agentctl", (1, 1), []), {})
+        await server.start()
+        server.refuse_new_requests(IpcError(ErrorCode.RELOADING, "the control server is re-executing"))
+        try:
+            reloading = await _proven(path, candidates, "installation")
+        finally:
+            await server.close()
+        return reloading, await _proven(path, candidates, "installation")
+
+    assert asyncio.run(main()) == (None, set())
