@@ -13,7 +13,8 @@ Works without a running backend. Every check is a ``daemon.platform.Check``
   and modes of the Kandev home, and whether this user can reach the CLI socket (and the backend
   behind it).
 - ``control_server``: when the backend answered, the state of its control server(s): running, or
-  lost/restarting after a crash, or given up after too many crashes (with the last reason).
+  lost/restarting after a crash, or given up after too many crashes (with the last reason); and
+  whether it runs the installed version (a reload runs it in place) or waits to be replaced.
 - ``store``: the database opens read-only and its alembic revision is known.
 - ``node``, ``npm``: present on the PATH the backend uses (npm-based agents need them).
 - ``sandbox``: whether agents are sandboxed (``agents.sandbox``) and, if they cannot be, why: as the
@@ -375,8 +376,18 @@ def _control_server(r: _Report, status: dict[str, Any] | None) -> None:
                   "see the control-server log; `systemctl kill --kill-whom=main -s USR1` dumps its tasks")
         else:
             detail = f"{state}" + (f", pid {link.get('pid')}" if link.get("pid") else "")
-            r.add(name, True, detail + (f" ({link.get('restarts')} restart(s) after losses{last})"
-                                        if link.get("restarts") else ""))
+            detail += f" ({link.get('restarts')} restart(s) after losses{last})" if link.get("restarts") else ""
+            running, installed = link.get("version"), link.get("installed_version")
+            if link.get("replacement") == "when_idle":
+                r.add(name, True, f"{detail}; predates in-place reload: version {installed} replaces it once it runs"
+                      " no instance")
+            elif link.get("can_reload") and running and installed and running != installed:
+                r.add(name, False, f"{detail}; runs version {running}, {installed} is installed",
+                      "`kandev agentctl reload` (or `systemctl reload kandev-agentctl`) runs the installed code"
+                      " in place, every agent kept; if it is refused, the journal says why"
+                      " (KANDEV_EVENT=reload_refused)")
+            else:
+                r.add(name, True, detail + (f", version {running}" if running else ""))
 
 
 def _store(r: _Report, config: Config | None, paths: Paths, probes: DoctorProbes) -> None:

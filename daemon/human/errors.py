@@ -21,6 +21,11 @@ _HINTS: dict[str, str] = {
     " (`adduser $USER kandev`, then log in again)",
     ErrorCode.TIMEOUT: "the backend did not answer in time; `kandev status` shows what it is doing",
     ErrorCode.BUFFERS_FULL: "the backend is busy; try again in a moment",
+    ErrorCode.RELOADING: "the control server is re-executing in place; try again in a moment",
+    "reload_refused": "the running code keeps serving; the reason is in the journal"
+    " (`journalctl -u kandev-agentctl KANDEV_EVENT=reload_refused`) or <home>/logs/agentctl.log",
+    "reload_unsupported": "the backend replaces it with the installed version once it runs no instance;"
+    " end or stop its sessions to have that happen sooner",
     "backend_exited": "`kandev doctor` checks the installation; the backend's log is <home>/logs/backend.log",
 }
 

@@ -52,6 +52,8 @@ def _lines(args: argparse.Namespace, result: Any, term: Term) -> list[str]:
         return views.permission_lines(args.session_id, args.request_id, args.option)
     if cmd == "runtime":
         return views.runtime_lines(result, term)
+    if cmd == "agentctl":
+        return views.agentctl_reload_lines(result, term)
     raise ValueError(f"no human view for {cmd}")
 
 

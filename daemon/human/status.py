@@ -1,7 +1,8 @@
 """``kandev status`` for people, in the manner of ``systemctl status``.
 
 A headline (state, pid, version), then warnings, then one labelled block per part: survival
-capability, control server, adoption, recovery. The backend adds fields over time (and other
+capability, control server (its link state, the running and installed versions, re-executions in
+place), adoption, recovery. The backend adds fields over time (and other
 features add sections): every field this module does not know is still shown, under its part,
 as ``name: value``; a part it does not know gets a block of its own. Nothing is dropped.
 """
@@ -18,12 +19,17 @@ LABEL = 15  # label column width (right-aligned, as systemctl does)
 _KNOWN = {
     "backend": {"pid", "version", "socket", "home", "state"},
     "capability": {"state", "reason", "detail", "supervisor"},
-    "control_server": {"state", "pid", "version", "server_identity", "endpoint", "mode", "log_path"},
+    "control_server": {"state", "pid", "version", "server_identity", "endpoint", "mode", "log_path",
+                       # versions and re-execution in place (issue 15): shown by _version_lines
+                       "installed_version", "protocol_version", "can_reload", "reexec_count", "last_reexec_at",
+                       "last_reload", "replacement", "last_replaced"},
     "recovery": {"retracked", "not_retracked", "reasons", "stopped_orphans", "duration_ms"},
     "adoption": {"outcome", "reason"},
 }
 _ORDER = ("backend", "capability", "control_server", "adoption", "recovery")
-_HEALTHY_SERVER = {"running", "none"}
+# reloading: re-executing in place for a moment; replacing: the backend retires a server too old to
+# reload for one of the installed version (neither is a loss)
+_HEALTHY_SERVER = {"running", "none", "reloading", "replacing"}
 
 
 def _value(value: Any) -> str:
@@ -67,6 +73,7 @@ def warnings(status: dict[str, Any]) -> list[str]:
     state = server.get("state")
     if state is not None and state not in _HEALTHY_SERVER:
         out.append(f"the control server is {state}")
+    out += _version_warnings(server)
     recovery = status.get("recovery") or {}
     missed = int(recovery.get("not_retracked") or 0)
     if missed:
@@ -79,6 +86,45 @@ def warnings(status: dict[str, Any]) -> list[str]:
     if sandbox.get("sandboxed") is False:
         out.append(f"agents are not sandboxed: {sandbox.get('reason') or 'unknown'}")
     return out
+
+
+def _version_warnings(server: dict[str, Any]) -> list[str]:
+    running, installed = server.get("version"), server.get("installed_version")
+    if server.get("replacement") == "when_idle":
+        return [f"the control server predates in-place reload: version {installed or '?'} replaces it once it"
+                " runs no instance (end or stop its sessions to have that sooner)"]
+    if server.get("can_reload") and running and installed and running != installed:
+        last = server.get("last_reload") or {}
+        why = f" (the last reload was refused: {last.get('reason')})" if last.get("outcome") == "refused" else ""
+        return [f"the control server runs version {running}, {installed} is installed{why}:"
+                " `kandev agentctl reload` runs it"]
+    return []
+
+
+def _version_lines(server: dict[str, Any]) -> list[str]:
+    """The running and installed versions and what happened in place: re-executions, the last
+    reload's outcome, a replacement of a server too old to reload."""
+    lines = []
+    installed = server.get("installed_version")
+    if installed:
+        lines.append(f"installed version {installed}")
+    if server.get("can_reload") is False:
+        protocol = ".".join(str(n) for n in server.get("protocol_version") or []) or "?"
+        lines.append(f"cannot re-execute in place (protocol {protocol})"
+                     + ("; replaced once it runs no instance" if server.get("replacement") == "when_idle" else ""))
+    count = server.get("reexec_count")
+    if count:
+        lines.append(f"re-executed in place {count} time{'s' if count != 1 else ''}, last at"
+                     f" {server.get('last_reexec_at') or '-'}")
+    last = server.get("last_reload") or {}
+    if last.get("outcome") == "refused":
+        lines.append(f"last reload (attempt {last.get('attempt')}) refused at {last.get('at') or '-'}:"
+                     f" {last.get('reason')}")
+    replaced = server.get("last_replaced") or {}
+    if replaced:
+        lines.append(f"replaced the old server (pid {replaced.get('old_pid')}) by pid {replaced.get('new_pid')}"
+                     f" at {replaced.get('at') or '-'}")
+    return lines
 
 
 def _block(term: Term, label: str, lines: list[str]) -> list[str]:
@@ -113,7 +159,8 @@ def _capability_lines(term: Term, cap: dict[str, Any]) -> list[str]:
 
 def _server_lines(term: Term, server: dict[str, Any]) -> list[str]:
     state = str(server.get("state") or "unknown")
-    paint = term.green if state == "running" else (term.dim if state == "none" else term.red)
+    paint = term.green if state == "running" else (
+        term.dim if state == "none" else term.yellow if state in _HEALTHY_SERVER else term.red)
     head = paint(state)
     if server.get("mode"):
         head += f", {server['mode']} mode"
@@ -125,7 +172,7 @@ def _server_lines(term: Term, server: dict[str, Any]) -> list[str]:
     for key, label in (("server_identity", "identity"), ("endpoint", "endpoint"), ("log_path", "log")):
         if server.get(key):
             lines.append(f"{label} {server[key]}")
-    return lines + _extras(server, _KNOWN["control_server"])
+    return lines + _version_lines(server) + _extras(server, _KNOWN["control_server"])
 
 
 def _recovery_lines(term: Term, recovery: dict[str, Any]) -> list[str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import IO, Any
 
-from daemon.human.fmt import age, short, state_styles, stop_reason_ok, unique_length, yes_no
+from daemon.human.fmt import age, duration_ms, short, state_styles, stop_reason_ok, unique_length, yes_no
 from daemon.human.status import warnings
 from daemon.human.table import Cell, cell, render_table
 from daemon.human.term import Colour, Term
@@ -49,6 +49,22 @@ def down_lines(result: dict[str, Any], term: Term) -> list[str]:
     tail = ("its agents keep running and the next backend re-tracks them" if result.get("detached")
             else "its agents were stopped")
     return [f"Backend stopped (pid {result.get('pid')}); {tail}."]
+
+
+def agentctl_reload_lines(result: dict[str, Any], term: Term) -> list[str]:
+    """``kandev agentctl reload``: what ran before and after, and the pause it cost."""
+    before, after = result.get("version_before") or "?", result.get("version") or "?"
+    pid, pid_before = result.get("pid"), result.get("pid_before")
+    same = "same process" if pid == pid_before else f"pid was {pid_before}"
+    lines = [f"Control server re-executed in place: version {before} -> {term.bold(str(after))}"
+             f" (pid {pid}, {same}; every agent kept running)",
+             f"  paused {duration_ms(result.get('pause_ms'))}; re-executions in this server's life:"
+             f" {result.get('reexec_count', '-')}"]
+    installed = result.get("installed_version")
+    if installed and installed != after:
+        lines.append(term.yellow(f"  installed version is {installed}: the files changed again meanwhile;"
+                                 " reload again to run it"))
+    return lines
 
 
 # -- tasks -----------------------------------------------------------------------------------

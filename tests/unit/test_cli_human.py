@@ -14,7 +14,7 @@ from daemon.human.status import render_status
 from daemon.human.table import render_table
 from daemon.human.term import Term
 from daemon.human.transcript import ConversationWriter
-from daemon.human.views import session_list_lines, session_show
+from daemon.human.views import agentctl_reload_lines, session_list_lines, session_show
 from ipc.errors import ErrorCode, IpcError
 
 
@@ -165,3 +165,52 @@ def test_ages_read_like_kubectl() -> None:
     assert age("2026-01-01T23:00:00+00:00", now) == "60m"
     assert age("2026-01-01T00:00:00+00:00", now) == "24h"
     assert age(None, now) == "-"
+
+
+def test_status_shows_versions_and_re_executions_beside_the_link_state() -> None:
+    """Issue 15 with issues 11 and 14: the control server block says what runs and what is installed,
+    how often it re-executed in place and how the last reload ended, next to its link's state; an
+    outdated server or one waiting to be replaced is a warning; reloading is not."""
+    base: dict[str, Any] = {"backend": {"pid": 1, "version": "0.2.0", "state": "ready"}}
+    server = {"state": "running", "pid": 7, "mode": "unit", "version": "0.2.0", "installed_version": "0.2.0",
+              "protocol_version": [1, 1], "can_reload": True, "reexec_count": 3,
+              "last_reexec_at": "2026-12-01T06:00:00+00:00", "restarts": 1,
+              "last_reload": {"attempt": 3, "outcome": "reexecuted", "reason": None, "at": "2026-12-01T06:00:00+00:00"},
+              "replacement": None, "last_replaced": None}
+    lines = render_status({**base, "control_server": server}, Term())
+    text = "\n".join(lines)
+    assert not any("Warning" in line for line in lines), text
+    for shown in ("running, unit mode, pid 7, version 0.2.0", "installed version 0.2.0",
+                  "re-executed in place 3 times, last at 2026-12-01T06:00:00+00:00", "restarts: 1"):
+        assert shown in text, shown
+    assert "reexec_count" not in text and "last_reload" not in text  # shown as sentences, not as fields
+
+    reloading = render_status({**base, "control_server": {**server, "state": "reloading"}}, Term())
+    assert not any("Warning" in line for line in reloading)
+
+    refused = {**server, "installed_version": "0.2.1",
+               "last_reload": {"attempt": 4, "outcome": "refused", "reason": "preflight failed", "at": "x"}}
+    text = "\n".join(render_status({**base, "control_server": refused}, Term()))
+    assert ("the control server runs version 0.2.0, 0.2.1 is installed (the last reload was refused:"
+            " preflight failed): `kandev agentctl reload` runs it") in text
+    assert "last reload (attempt 4) refused at x: preflight failed" in text
+
+    old = {"state": "running", "pid": 9, "mode": "detached", "version": None, "installed_version": "0.2.0",
+           "protocol_version": [1, 0], "can_reload": False, "replacement": "when_idle"}
+    text = "\n".join(render_status({**base, "control_server": old}, Term()))
+    assert "the control server predates in-place reload: version 0.2.0 replaces it once it runs no instance" in text
+    assert "cannot re-execute in place (protocol 1.0); replaced once it runs no instance" in text
+
+
+def test_agentctl_reload_reads_as_a_sentence() -> None:
+    """``kandev agentctl reload`` without --json: no JSON, what ran before and after."""
+    result = {"attempt": 2, "outcome": "reexecuted", "reason": None, "pid": 7, "pid_before": 7,
+              "version_before": "0.2.0", "version": "0.2.1", "installed_version": "0.2.1", "reexec_count": 2,
+              "pause_ms": 812.4}
+    assert agentctl_reload_lines(result, Term()) == [
+        "Control server re-executed in place: version 0.2.0 -> 0.2.1 (pid 7, same process; every agent kept running)",
+        "  paused 812 ms; re-executions in this server's life: 2",
+    ]
+    assert "reload again" in agentctl_reload_lines({**result, "installed_version": "0.2.2"}, Term())[-1]
+    refused = error_lines(IpcError("reload_refused", "the control server refused to reload: x"), "agentctl")
+    assert refused[0] == "kandev: the control server refused to reload: x" and "KANDEV_EVENT=reload_refused" in refused[1]

@@ -278,6 +278,24 @@ def test_control_server_states_from_the_backend(home: Paths) -> None:
     assert not restarting.ok and "restarting" in restarting.detail
 
 
+def test_control_server_check_says_whether_it_runs_the_installed_version(home: Paths) -> None:
+    """Issue 15: an outdated server that can reload is a failed check with the command that fixes it;
+    one that cannot waits for its replacement (fine); a reload in progress is fine."""
+    current = by_name(run_doctor(home, env={}, probes=probes(backend_status=_with_server(
+        state="running", version="0.2.0", installed_version="0.2.0", can_reload=True))))["control_server"]
+    assert current.ok and "version 0.2.0" in current.detail
+    outdated = by_name(run_doctor(home, env={}, probes=probes(backend_status=_with_server(
+        state="running", version="0.2.0", installed_version="0.2.1", can_reload=True))))["control_server"]
+    assert not outdated.ok and "0.2.1 is installed" in outdated.detail and "kandev agentctl reload" in outdated.hint
+    old = by_name(run_doctor(home, env={}, probes=probes(backend_status=_with_server(
+        state="running", version=None, installed_version="0.2.0", can_reload=False,
+        replacement="when_idle"))))["control_server"]
+    assert old.ok and "replaces it once it runs no instance" in old.detail
+    reloading = by_name(run_doctor(home, env={}, probes=probes(backend_status=_with_server(
+        state="reloading", version="0.2.0", installed_version="0.2.0", can_reload=True))))["control_server"]
+    assert reloading.ok and reloading.detail.startswith("reloading")
+
+
 def _status_with_sandbox(**sandbox: Any) -> Any:
     return lambda sock: {"backend": {"state": "ready", "pid": 42, "version": VERSION}, "sandbox": sandbox}
 
