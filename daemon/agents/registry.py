@@ -17,6 +17,7 @@ import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from daemon.version import VERSION
 
@@ -42,8 +43,24 @@ class BuiltinAgent:
         return f"{self.package}@{self.version}"
 
 
+# The mock runs from the code of the server that spawns it, named explicitly: the agent's
+# environment carries no PYTHONPATH, and an editable install's import hook may point elsewhere
+# (at a tree the sandbox does not show the agent).
+_RUN_FROM_CODE_ROOT = (
+    "import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); "
+    "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)"
+)
+
+
+def code_root() -> str:
+    """The directory holding this process's ``daemon`` package (kandev's own code)."""
+    import daemon
+
+    return str(Path(daemon.__file__).resolve().parent.parent)
+
+
 def _mock_argv() -> list[str]:
-    return [sys.executable, "-m", "daemon.agents.mock"]
+    return [sys.executable, "-c", _RUN_FROM_CODE_ROOT, code_root(), "daemon.agents.mock"]
 
 
 # npm package names (optionally scoped) and exact release versions: no tags, ranges,
