@@ -22,7 +22,10 @@ _KNOWN = {
     "control_server": {"state", "pid", "version", "server_identity", "endpoint", "mode", "log_path",
                        # versions and re-execution in place (issue 15): shown by _version_lines
                        "installed_version", "protocol_version", "can_reload", "reexec_count", "last_reexec_at",
-                       "last_reload", "replacement", "last_replaced"},
+                       "last_reload", "replacement", "last_replaced",
+                       # the backend's link to it: losses, restarts, the crash loop (shown by _link_lines)
+                       "last_loss", "losses_in_window", "crash_loop", "gave_up", "restarts", "replacements",
+                       "passthrough"},
     "recovery": {"retracked", "not_retracked", "reasons", "stopped_orphans", "duration_ms"},
     "adoption": {"outcome", "reason"},
 }
@@ -127,6 +130,38 @@ def _version_lines(server: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _link_lines(link: dict[str, Any]) -> list[str]:
+    """What the backend's link to a control server has seen: losses, restarts, giving up."""
+    lines = []
+    restarts, losses = int(link.get("restarts") or 0), int(link.get("losses_in_window") or 0)
+    loop = link.get("crash_loop") or {}
+    if restarts or losses:
+        line = f"restarted {restarts} time{'s' if restarts != 1 else ''} after a loss"
+        if loop.get("window_s") is not None:
+            line += (f"; {losses} loss{'es' if losses != 1 else ''} in the last {loop['window_s']} s"
+                     + (f" (gives up at {loop['limit']})" if loop.get("limit") else ""))
+        lines.append(line)
+    replaced = int(link.get("replacements") or 0)
+    if replaced:
+        lines.append(f"replaced {replaced} time{'s' if replaced != 1 else ''} by a newer version")
+    gave_up = link.get("gave_up") or {}
+    last = link.get("last_loss") or {}
+    if gave_up:
+        lines.append(f"gave up at {gave_up.get('at') or '-'}: {gave_up.get('reason')} (`kandev up` tries again)")
+    elif last:
+        lines.append(f"last lost at {last.get('at') or '-'}: {last.get('reason')}")
+    return lines
+
+
+def _passthrough_lines(link: dict[str, Any]) -> list[str]:
+    """The backend's own passthrough control server: one line, then its losses if any."""
+    if not link:
+        return []
+    state = str(link.get("state") or "unknown")
+    head = f"passthrough server: {state}" + (f", pid {link['pid']}" if link.get("pid") else "")
+    return [head] + [f"  {line}" for line in _link_lines(link)]
+
+
 def _block(term: Term, label: str, lines: list[str]) -> list[str]:
     lines = [line for line in lines if line]
     if not lines:
@@ -172,7 +207,8 @@ def _server_lines(term: Term, server: dict[str, Any]) -> list[str]:
     for key, label in (("server_identity", "identity"), ("endpoint", "endpoint"), ("log_path", "log")):
         if server.get(key):
             lines.append(f"{label} {server[key]}")
-    return lines + _version_lines(server) + _extras(server, _KNOWN["control_server"])
+    return (lines + _version_lines(server) + _link_lines(server)
+            + _passthrough_lines(server.get("passthrough") or {}) + _extras(server, _KNOWN["control_server"]))
 
 
 def _recovery_lines(term: Term, recovery: dict[str, Any]) -> list[str]:

@@ -67,7 +67,7 @@ def test_status_shows_warnings_first_and_every_field_it_does_not_know() -> None:
     text = "\n".join(lines)
     assert lines[0].startswith("\u25cf kandev-backend: ready (pid 10, version 0.2.0)")
     assert "control server is gave_up" in lines[1] and "could not be re-tracked" in lines[2]
-    for shown in ("gave_up, unit mode, version 0.1.9", "last_loss.at: 2026-01-01T00:00:00+00:00", "last_loss.reason: exited 9",
+    for shown in ("gave_up, unit mode, version 0.1.9", "last lost at 2026-01-01T00:00:00+00:00: exited 9",
                   "Sandbox: mode: required", "available: yes", "session abababab not re-tracked: instance_missing",
                   "took 1.2 s"):
         assert shown in text, shown
@@ -181,7 +181,7 @@ def test_status_shows_versions_and_re_executions_beside_the_link_state() -> None
     text = "\n".join(lines)
     assert not any("Warning" in line for line in lines), text
     for shown in ("running, unit mode, pid 7, version 0.2.0", "installed version 0.2.0",
-                  "re-executed in place 3 times, last at 2026-12-01T06:00:00+00:00", "restarts: 1"):
+                  "re-executed in place 3 times, last at 2026-12-01T06:00:00+00:00", "restarted 1 time after a loss"):
         assert shown in text, shown
     assert "reexec_count" not in text and "last_reload" not in text  # shown as sentences, not as fields
 
@@ -214,3 +214,22 @@ def test_agentctl_reload_reads_as_a_sentence() -> None:
     assert "reload again" in agentctl_reload_lines({**result, "installed_version": "0.2.2"}, Term())[-1]
     refused = error_lines(IpcError("reload_refused", "the control server refused to reload: x"), "agentctl")
     assert refused[0] == "kandev: the control server refused to reload: x" and "KANDEV_EVENT=reload_refused" in refused[1]
+
+
+def test_status_tells_the_link_story_in_sentences_not_fields() -> None:
+    """Issue 11 with issue 14: losses, restarts, the crash-loop limit and giving up read as sentences;
+    the passthrough server gets one line of its own; no raw ``name.key: value`` dump of link fields."""
+    server = {"state": "gave_up", "pid": None, "mode": "unit", "version": "0.2.0", "restarts": 4,
+              "replacements": 0, "losses_in_window": 5, "crash_loop": {"limit": 5, "window_s": 300.0},
+              "last_loss": {"at": "2026-12-01T06:00:05Z", "reason": "exited 3", "at_start": True},
+              "gave_up": {"at": "2026-12-01T06:00:05Z", "reason": "exited 3", "at_start": True},
+              "passthrough": {"state": "running", "pid": 42, "restarts": 0, "losses_in_window": 0,
+                              "crash_loop": {"limit": 5, "window_s": 300.0}, "last_loss": None, "gave_up": None}}
+    lines = render_status({"backend": {"pid": 1, "version": "0.2.0", "state": "ready"}, "control_server": server},
+                          Term())
+    text = "\n".join(lines)
+    assert "restarted 4 times after a loss; 5 losses in the last 300.0 s (gives up at 5)" in text
+    assert "gave up at 2026-12-01T06:00:05Z: exited 3 (`kandev up` tries again)" in text
+    assert "passthrough server: running, pid 42" in text
+    for raw in ("losses_in_window", "crash_loop", "passthrough.", "gave_up.", "last_loss."):
+        assert raw not in text, raw
