@@ -1,0 +1,302 @@
+"""Requirement ids cited in the repository: one form each, and an entry in docs/requirements.md.
+
+Run: ``python tests/requirement_ids.py`` lists every problem (exit 1 if there is one);
+``python tests/requirement_ids.py --fix`` first rewrites every citation whose canonical form is
+certain, then lists what is left for a person to decide. ``tests/unit/test_requirement_ids.py``
+runs the check in the suite.
+
+Canonical forms (docs/requirements.md, "How ids are written"): ``AC-EXECUTORS-SURVIVAL-001.6``,
+``AC-EXECUTORS-CONTROL-OWNERSHIP-002.3``, ``REQ-EXECUTORS-SURVIVAL-004``, ``RESUME-5``,
+``RESUME-T3``, ``RESETCFG-13``, ``NPM-CTX-1``, ``LEASE-CTX-3``, ``Issue 10``,
+``Issue 10 scenario A``, ``Issue 10 item 5``; each written in full every time.
+
+Problems found:
+
+- ``old form``: a citation written another way: a short prefix (``SURVIVAL-001.6``,
+  ``OWN-002.3``, ``AC-OWN-001.11``...), a bare number (``(002.3)``), a range or slash list
+  (``RESUME-1..4``, ``LEASE-CTX-5/6``, ``003.2..003.5``), a scenario or item without its issue,
+  a lower-case or plural ``issue``. ``--fix`` rewrites the ones that name one id for certain: a
+  short prefix, a list or range after a full id, an issue's scenarios and items.
+- ``no entry``: a canonical id that docs/requirements.md does not define.
+- ``outside reference``: a pointer to a document that is not in the repository (the team's
+  design pages, requirement specs, seeds, or a ``§`` section of any of them).
+
+The two files of the checker itself are not scanned: they must spell the old forms out.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+REQUIREMENTS = ROOT / "docs" / "requirements.md"
+SCANNED = ("daemon", "ipc", "tests", "docs", "packaging", "units", "debian", "README.md", "pyproject.toml")
+NOT_SCANNED = ("tests/requirement_ids.py", "tests/unit/test_requirement_ids.py")
+SKIPPED_DIRS = {"__pycache__", ".venv", ".pytest_cache", ".ruff_cache", ".git", "node_modules"}
+
+SURVIVAL = "AC-EXECUTORS-SURVIVAL-"
+OWNERSHIP = "AC-EXECUTORS-CONTROL-OWNERSHIP-"
+
+# ------------------------------------------------------------------ canonical forms
+CANONICAL = re.compile(
+    r"(?<![\w-])(?:"
+    r"AC-EXECUTORS-(?:SURVIVAL|CONTROL-OWNERSHIP)-\d{3}\.\d+"
+    r"|REQ-EXECUTORS-(?:SURVIVAL|CONTROL-OWNERSHIP)-\d{3}(?![.\d])"
+    r"|(?:RESUME|RESETCFG)-T?\d+"
+    r"|(?:NPM|LEASE)-CTX-\d+"
+    r"|Issue \d+ (?:scenario [A-Z]|item \d+)(?![\w-])"
+    r"|Issue \d+(?![\w-])"
+    r")"
+)
+
+# ------------------------------------------------------------------ old forms
+# A survival or ownership id with any prefix; canonical only when the prefix is the full one.
+_AC_ANY = re.compile(
+    r"(?<![\w-])(?:AC-)?(?:EXECUTORS-)?"
+    r"(?P<family>SURV(?:IVAL)?|(?:CONTROL-)?OWN(?:ERSHIP)?)-(?P<num>\d{3}\.\d+)"
+)
+_REQ_ANY = re.compile(r"(?<![\w-])REQ-[A-Z-]*\d{3}(?![.\d])")
+# A bare criterion number: (002.3), 001.5, ... (not part of a version, a path or a full id).
+_BARE = re.compile(r"(?<![\w.\-/:@])0\d\d\.\d+(?!\.?\d)")
+# A full id followed by a range or a list of bare numbers: 003.2..003.5, RESUME-1..4, LEASE-CTX-5/6.
+_AC_LIST = re.compile(
+    r"(?P<head>AC-EXECUTORS-(?:SURVIVAL|CONTROL-OWNERSHIP)-)(?P<first>\d{3}\.\d+)"
+    r"(?P<rest>(?:\s*(?:\.\.|,|/|,?\s+and|,?\s+or)\s*\d{3}\.\d+(?![.\d]))+)"
+)
+_NUM_LIST = re.compile(
+    r"(?<![\w-])(?P<head>(?:RESUME|RESETCFG)-|(?:NPM|LEASE)-CTX-)(?P<first>\d+)"
+    r"(?P<rest>(?:(?:\.\.|/|,\s*|\s+and\s+)\d+(?![\w%-]|\.\d))+)(?![\w.])"
+)
+# Issue citations in any spelling: "issue 5, scenario C", "Issue 14 scenarios A-E", "issue #3",
+# "Issue 11 (build item 5)", "issues 2-6".
+_ISSUE_SCENARIOS = re.compile(
+    r"(?<![\w-])[Ii]ssue #?(?P<issue>\d+),?\s+[Ss]cenarios?\s+"
+    r"(?P<letters>[A-Z](?:\s*(?:[-–]|,\s*and|,|and|&)\s*[A-Z](?![\w-]))*)(?![\w-])"
+)
+_NUMS = r"\d+(?:\s*(?:[-–]|,|and)\s*\d+)*"
+_ISSUE_ITEMS = re.compile(
+    r"(?<![\w-])[Ii]ssue #?(?P<issue>\d+),?\s+"
+    rf"(?:\((?:build\s+)?items?\s+(?P<pnums>{_NUMS})\)|(?:build\s+)?items?\s+(?P<nums>{_NUMS}))(?![\w-])"
+)
+_ISSUE_ANY = re.compile(r"(?<![\w-])(?:[Ii]ssues?)\s+#?\d+")
+_SCENARIO_ANY = re.compile(r"(?<![\w-])[Ss]cenarios?\s+[A-Z](?![\w-])")
+
+OUTSIDE = re.compile(
+    r"design\.md|design-notes|design card|\.\./shared|/work/shared|§"
+    r"|(?<![\w/])spec/[\w.-]+|(?<![\w-])seeds?(?:\s+0\d\d|/)"
+)
+
+
+@dataclass(frozen=True)
+class Problem:
+    path: str
+    line: int
+    kind: str  # "old form" | "no entry" | "outside reference"
+    text: str
+    hint: str = ""
+
+    def __str__(self) -> str:
+        hint = f" -> {self.hint}" if self.hint else ""
+        return f"{self.path}:{self.line}: {self.kind}: {self.text!r}{hint}"
+
+
+# ------------------------------------------------------------------ entries
+ENTRY = re.compile(r"^- \*\*(?P<id>[^*]+)\*\*", re.M)
+HEADING = re.compile(r"^#{2,4} (?P<id>REQ-EXECUTORS-[A-Z-]+-\d{3}|Issue \d+)\b", re.M)
+
+
+def entries(text: str | None = None) -> list[str]:
+    """Every id docs/requirements.md defines (entries ``- **ID**`` and headings), in order."""
+    if text is None:
+        text = REQUIREMENTS.read_text()
+    found = [(m.start(), m.group("id")) for m in ENTRY.finditer(text)]
+    found += [(m.start(), m.group("id")) for m in HEADING.finditer(text)]
+    return [ident for _, ident in sorted(found)]
+
+
+# ------------------------------------------------------------------ rewriting
+def _ac_canonical(match: re.Match[str]) -> str:
+    family = match.group("family")
+    head = SURVIVAL if family.startswith("SURV") else OWNERSHIP
+    return head + match.group("num")
+
+
+def _expand_ac_list(match: re.Match[str]) -> str:
+    head, first, rest = match.group("head"), match.group("first"), match.group("rest")
+    out = [head + first]
+    prev = first
+    for sep, num in re.findall(r"\s*(\.\.|,|/|,?\s+and|,?\s+or)\s*(\d{3}\.\d+)", rest):
+        if sep == "..":
+            req, a = prev.split(".")
+            req2, b = num.split(".")
+            if req == req2 and int(a) < int(b):
+                out += [f"{head}{req}.{n}" for n in range(int(a) + 1, int(b) + 1)]
+            else:
+                out.append(head + num)
+        else:
+            out.append(head + num)
+        prev = num
+    return ", ".join(out)
+
+
+def _expand_num_list(match: re.Match[str]) -> str:
+    head, first, rest = match.group("head"), int(match.group("first")), match.group("rest")
+    out = [first]
+    for sep, num in re.findall(r"(\.\.|/|,\s*|\s+and\s+)(\d+)", rest):
+        n = int(num)
+        if sep == ".." and out[-1] < n:
+            out += list(range(out[-1] + 1, n + 1))
+        else:
+            out.append(n)
+    return ", ".join(f"{head}{n}" for n in out)
+
+
+def _letters(spec: str) -> list[str]:
+    letters: list[str] = []
+    for part in re.split(r"\s*(?:,\s*and|,|and|&)\s*", spec):
+        ends = re.split(r"\s*[-–]\s*", part.strip())
+        if len(ends) == 2:
+            letters += [chr(c) for c in range(ord(ends[0]), ord(ends[1]) + 1)]
+        elif ends[0]:
+            letters.append(ends[0])
+    return letters
+
+
+def _expand_scenarios(match: re.Match[str]) -> str:
+    issue = match.group("issue")
+    cited = [f"Issue {issue} scenario {x}" for x in _letters(match.group("letters"))]
+    return cited[0] if len(cited) == 1 else ", ".join(cited[:-1]) + " and " + cited[-1]
+
+
+def _expand_items(match: re.Match[str]) -> str:
+    issue, nums = match.group("issue"), match.group("nums") or match.group("pnums")
+    out: list[int] = []
+    for part in re.split(r"\s*(?:,|and)\s*", nums):
+        ends = re.split(r"\s*[-–]\s*", part.strip())
+        if len(ends) == 2:
+            out += list(range(int(ends[0]), int(ends[1]) + 1))
+        elif ends[0]:
+            out.append(int(ends[0]))
+    return ", ".join(f"Issue {issue} item {n}" for n in out)
+
+
+def fix_text(text: str) -> str:
+    """Rewrite every citation whose canonical form is certain; leave everything else as it is."""
+    text = _AC_ANY.sub(_ac_canonical, text)
+    text = _AC_LIST.sub(_expand_ac_list, text)
+    text = _NUM_LIST.sub(_expand_num_list, text)
+    text = _ISSUE_SCENARIOS.sub(_expand_scenarios, text)
+    text = _ISSUE_ITEMS.sub(_expand_items, text)
+    text = re.sub(r"(?<![\w-])issue (\d+)(?![\w-])", r"Issue \1", text)
+    return text
+
+
+# ------------------------------------------------------------------ checking
+def _line(text: str, pos: int) -> int:
+    return text.count("\n", 0, pos) + 1
+
+
+def check_text(text: str, path: str, known: set[str]) -> list[Problem]:
+    """The problems of one file's text, given the ids docs/requirements.md defines."""
+    problems: list[Problem] = []
+    canonical_spans: list[tuple[int, int]] = []
+    for m in CANONICAL.finditer(text):
+        canonical_spans.append(m.span())
+        ident = m.group(0)
+        if ident not in known:
+            problems.append(Problem(path, _line(text, m.start()), "no entry", ident))
+
+    def covered(start: int, end: int) -> bool:
+        return any(s <= start and end <= e for s, e in canonical_spans)
+
+    for m in _AC_ANY.finditer(text):
+        if m.group(0) != _ac_canonical(m):
+            problems.append(Problem(path, _line(text, m.start()), "old form", m.group(0), _ac_canonical(m)))
+    for m in _REQ_ANY.finditer(text):
+        if not covered(*m.span()):
+            problems.append(Problem(path, _line(text, m.start()), "old form", m.group(0),
+                                    "REQ-EXECUTORS-SURVIVAL-<n> or REQ-EXECUTORS-CONTROL-OWNERSHIP-<n>"))
+    for m in _BARE.finditer(text):
+        problems.append(Problem(path, _line(text, m.start()), "old form", m.group(0),
+                                "write the id in full (survival or ownership?)"))
+    for pattern in (_AC_LIST, _NUM_LIST):
+        for m in pattern.finditer(text):
+            if pattern is _NUM_LIST or re.search(r"\.\.|/", m.group("rest")):
+                problems.append(Problem(path, _line(text, m.start()), "old form", m.group(0),
+                                        "one full id per item, no range or slash list"))
+    for m in _ISSUE_ANY.finditer(text):
+        if not covered(*m.span()):
+            problems.append(Problem(path, _line(text, m.start()), "old form", m.group(0), "Issue <n>"))
+    for m in _SCENARIO_ANY.finditer(text):
+        if not covered(*m.span()):
+            problems.append(Problem(path, _line(text, m.start()), "old form", m.group(0),
+                                    "Issue <n> scenario <X>"))
+    for m in re.finditer(r"(?<![\w-])[Ii]ssue #?\d+,?\s+\(?(?:build\s+)?items?\s+\d+", text):
+        if not covered(*m.span()):
+            problems.append(Problem(path, _line(text, m.start()), "old form", m.group(0), "Issue <n> item <m>"))
+    for m in OUTSIDE.finditer(text):
+        problems.append(Problem(path, _line(text, m.start()), "outside reference", m.group(0),
+                                "point into docs/ or state the rule"))
+    return sorted(set(problems), key=lambda p: (p.line, p.kind, p.text))
+
+
+def files(root: Path = ROOT) -> Iterator[Path]:
+    """Every text file the check reads."""
+    for name in SCANNED:
+        top = root / name
+        if top.is_file():
+            yield top
+            continue
+        if not top.is_dir():
+            continue
+        for path in sorted(top.rglob("*")):
+            rel = path.relative_to(root)
+            if not path.is_file() or SKIPPED_DIRS & set(rel.parts) or str(rel) in NOT_SCANNED:
+                continue
+            try:
+                data = path.read_bytes()
+            except OSError:
+                continue
+            if b"\0" in data[:8192]:
+                continue  # binary
+            yield path
+
+
+def check(root: Path = ROOT) -> list[Problem]:
+    known = set(entries((root / "docs" / "requirements.md").read_text()))
+    problems: list[Problem] = []
+    for path in files(root):
+        text = path.read_text(errors="replace")
+        problems += check_text(text, str(path.relative_to(root)), known)
+    return problems
+
+
+def fix(root: Path = ROOT) -> list[Path]:
+    """Apply ``fix_text`` to every scanned file; returns the files it changed."""
+    changed: list[Path] = []
+    for path in files(root):
+        text = path.read_text(errors="replace")
+        new = fix_text(text)
+        if new != text:
+            path.write_text(new)
+            changed.append(path)
+    return changed
+
+
+def main(argv: list[str]) -> int:
+    if "--fix" in argv:
+        for path in fix():
+            print(f"rewritten: {path.relative_to(ROOT)}")
+    problems = check()
+    for problem in problems:
+        print(problem)
+    print(f"{len(problems)} problem(s)", file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
