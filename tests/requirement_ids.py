@@ -21,12 +21,17 @@ Problems found:
 - ``outside reference``: a pointer to a document that is not in the repository (the team's
   design pages, requirement specs, seeds, or a ``§`` section of any of them).
 
-The two files of the checker itself are not scanned: they must spell the old forms out.
+Every file git knows in the repository (tracked, or new and not ignored) is read, wherever it
+lives; a file that must spell the old forms out (this checker and its unit test) says so with a
+line holding ``requirement-ids: not scanned``.
 """
 
 from __future__ import annotations
 
+import bisect
+import os
 import re
+import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,9 +39,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 REQUIREMENTS = ROOT / "docs" / "requirements.md"
-SCANNED = ("daemon", "ipc", "tests", "docs", "packaging", "units", "debian", "README.md", "pyproject.toml")
-NOT_SCANNED = ("tests/requirement_ids.py", "tests/unit/test_requirement_ids.py")
-SKIPPED_DIRS = {"__pycache__", ".venv", ".pytest_cache", ".ruff_cache", ".git", "node_modules"}
+NOT_SCANNED = "requirement-ids: not scanned"  # requirement-ids: not scanned
+# Only used when git is not available: directories never worth reading.
+SKIPPED_DIRS = {"__pycache__", ".venv", ".pytest_cache", ".ruff_cache", ".mypy_cache", ".git", "node_modules",
+                "build", "dist"}
 
 SURVIVAL = "AC-EXECUTORS-SURVIVAL-"
 OWNERSHIP = "AC-EXECUTORS-CONTROL-OWNERSHIP-"
@@ -196,81 +202,105 @@ def fix_text(text: str) -> str:
 
 
 # ------------------------------------------------------------------ checking
-def _line(text: str, pos: int) -> int:
-    return text.count("\n", 0, pos) + 1
+def _found(pattern: re.Pattern[str], text: str, *needles: str) -> Iterator[re.Match[str]]:
+    """``pattern.finditer(text)``, skipped at once when the text holds none of the literal
+    ``needles`` every match contains (most files cite nothing: this keeps the check fast)."""
+    if not needles or any(needle in text for needle in needles):
+        yield from pattern.finditer(text)
+
+
+_ISSUE_ITEM_ANY = re.compile(r"(?<![\w-])[Ii]ssue #?\d+,?\s+\(?(?:build\s+)?items?\s+\d+")
 
 
 def check_text(text: str, path: str, known: set[str]) -> list[Problem]:
     """The problems of one file's text, given the ids docs/requirements.md defines."""
+    line_starts = [0] + [m.end() for m in re.finditer("\n", text)]
     problems: list[Problem] = []
-    canonical_spans: list[tuple[int, int]] = []
-    for m in CANONICAL.finditer(text):
-        canonical_spans.append(m.span())
-        ident = m.group(0)
-        if ident not in known:
-            problems.append(Problem(path, _line(text, m.start()), "no entry", ident))
 
-    def covered(start: int, end: int) -> bool:
-        return any(s <= start and end <= e for s, e in canonical_spans)
+    def report(pos: int, kind: str, found: str, hint: str = "") -> None:
+        problems.append(Problem(path, bisect.bisect_right(line_starts, pos), kind, found, hint))
 
-    for m in _AC_ANY.finditer(text):
+    spans: list[tuple[int, int]] = []
+    for m in _found(CANONICAL, text, "AC-EXECUTORS-", "REQ-EXECUTORS-", "RESUME-", "RESETCFG-", "-CTX-", "Issue "):
+        spans.append(m.span())
+        if m.group(0) not in known:
+            report(m.start(), "no entry", m.group(0))
+    starts = [s for s, _ in spans]
+
+    def covered(m: re.Match[str]) -> bool:
+        """True when the match lies inside one canonical citation (then it is not an old form)."""
+        i = bisect.bisect_right(starts, m.start()) - 1
+        return i >= 0 and m.end() <= spans[i][1]
+
+    for m in _found(_AC_ANY, text, "SURV", "OWN"):
         if m.group(0) != _ac_canonical(m):
-            problems.append(Problem(path, _line(text, m.start()), "old form", m.group(0), _ac_canonical(m)))
-    for m in _REQ_ANY.finditer(text):
-        if not covered(*m.span()):
-            problems.append(Problem(path, _line(text, m.start()), "old form", m.group(0),
-                                    "REQ-EXECUTORS-SURVIVAL-<n> or REQ-EXECUTORS-CONTROL-OWNERSHIP-<n>"))
-    for m in _BARE.finditer(text):
-        problems.append(Problem(path, _line(text, m.start()), "old form", m.group(0),
-                                "write the id in full (survival or ownership?)"))
-    for pattern in (_AC_LIST, _NUM_LIST):
-        for m in pattern.finditer(text):
-            if pattern is _NUM_LIST or re.search(r"\.\.|/", m.group("rest")):
-                problems.append(Problem(path, _line(text, m.start()), "old form", m.group(0),
-                                        "one full id per item, no range or slash list"))
-    for m in _ISSUE_ANY.finditer(text):
-        if not covered(*m.span()):
-            problems.append(Problem(path, _line(text, m.start()), "old form", m.group(0), "Issue <n>"))
-    for m in _SCENARIO_ANY.finditer(text):
-        if not covered(*m.span()):
-            problems.append(Problem(path, _line(text, m.start()), "old form", m.group(0),
-                                    "Issue <n> scenario <X>"))
-    for m in re.finditer(r"(?<![\w-])[Ii]ssue #?\d+,?\s+\(?(?:build\s+)?items?\s+\d+", text):
-        if not covered(*m.span()):
-            problems.append(Problem(path, _line(text, m.start()), "old form", m.group(0), "Issue <n> item <m>"))
-    for m in OUTSIDE.finditer(text):
-        problems.append(Problem(path, _line(text, m.start()), "outside reference", m.group(0),
-                                "point into docs/ or state the rule"))
+            report(m.start(), "old form", m.group(0), _ac_canonical(m))
+    for m in _found(_REQ_ANY, text, "REQ-"):
+        if not covered(m):
+            report(m.start(), "old form", m.group(0), "REQ-EXECUTORS-SURVIVAL-<n> or REQ-EXECUTORS-CONTROL-OWNERSHIP-<n>")
+    for m in _found(_BARE, text):
+        report(m.start(), "old form", m.group(0), "write the id in full (survival or ownership?)")
+    for m in _found(_AC_LIST, text, "AC-EXECUTORS-"):
+        if re.search(r"\.\.|/", m.group("rest")):
+            report(m.start(), "old form", m.group(0), "one full id per item, no range or slash list")
+    for m in _found(_NUM_LIST, text, "RESUME-", "RESETCFG-", "-CTX-"):
+        report(m.start(), "old form", m.group(0), "one full id per item, no range or slash list")
+    if "ssue" in text:
+        for m in _ISSUE_ANY.finditer(text):
+            if not covered(m):
+                report(m.start(), "old form", m.group(0), "Issue <n>")
+        for m in _ISSUE_ITEM_ANY.finditer(text):
+            if not covered(m):
+                report(m.start(), "old form", m.group(0), "Issue <n> item <m>")
+    for m in _found(_SCENARIO_ANY, text, "cenario"):
+        if not covered(m):
+            report(m.start(), "old form", m.group(0), "Issue <n> scenario <X>")
+    for m in _found(OUTSIDE, text, "design", "shared", "\u00a7", "spec/", "seed"):
+        report(m.start(), "outside reference", m.group(0), "point into docs/ or state the rule")
     return sorted(set(problems), key=lambda p: (p.line, p.kind, p.text))
 
 
-def files(root: Path = ROOT) -> Iterator[Path]:
-    """Every text file the check reads."""
-    for name in SCANNED:
-        top = root / name
-        if top.is_file():
-            yield top
+def _listed_by_git(root: Path) -> list[str] | None:
+    """The repository's files as git sees them (tracked, or untracked and not ignored); None
+    when ``root`` is not a git work tree or git is missing."""
+    try:
+        out = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                             capture_output=True, check=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return sorted({name for name in out.decode(errors="replace").split("\0") if name})
+
+
+def _walked(root: Path) -> list[str]:
+    names: list[str] = []
+    for top, dirs, filenames in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in SKIPPED_DIRS and not d.endswith(".egg-info"))
+        rel = Path(top).relative_to(root)
+        names += [str(rel / name) for name in sorted(filenames)]
+    return names
+
+
+def texts(root: Path = ROOT) -> Iterator[tuple[Path, str]]:
+    """Every text file of the repository with its text, except those marked not scanned."""
+    names = _listed_by_git(root)
+    for name in names if names is not None else _walked(root):
+        path = root / name
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue  # deleted in the work tree, or not a regular file
+        if b"\0" in data[:8192]:
+            continue  # binary
+        text = data.decode(errors="replace")
+        if NOT_SCANNED in text:
             continue
-        if not top.is_dir():
-            continue
-        for path in sorted(top.rglob("*")):
-            rel = path.relative_to(root)
-            if not path.is_file() or SKIPPED_DIRS & set(rel.parts) or str(rel) in NOT_SCANNED:
-                continue
-            try:
-                data = path.read_bytes()
-            except OSError:
-                continue
-            if b"\0" in data[:8192]:
-                continue  # binary
-            yield path
+        yield path, text
 
 
 def check(root: Path = ROOT) -> list[Problem]:
     known = set(entries((root / "docs" / "requirements.md").read_text()))
     problems: list[Problem] = []
-    for path in files(root):
-        text = path.read_text(errors="replace")
+    for path, text in texts(root):
         problems += check_text(text, str(path.relative_to(root)), known)
     return problems
 
@@ -278,8 +308,7 @@ def check(root: Path = ROOT) -> list[Problem]:
 def fix(root: Path = ROOT) -> list[Path]:
     """Apply ``fix_text`` to every scanned file; returns the files it changed."""
     changed: list[Path] = []
-    for path in files(root):
-        text = path.read_text(errors="replace")
+    for path, text in texts(root):
         new = fix_text(text)
         if new != text:
             path.write_text(new)
