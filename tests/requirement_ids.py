@@ -131,34 +131,44 @@ def _ac_canonical(match: re.Match[str]) -> str:
     return head + match.group("num")
 
 
+def _separator(sep: str) -> str:
+    """How two ids of an expanded list are joined: a range or a slash becomes ``, ``; a comma,
+    ``and`` or ``or`` is kept as written (with its line break, if the list was wrapped)."""
+    return ", " if sep.strip() in ("..", "/") else sep
+
+
 def _expand_ac_list(match: re.Match[str]) -> str:
     head, first, rest = match.group("head"), match.group("first"), match.group("rest")
-    out = [head + first]
+    out = head + first
     prev = first
-    for sep, num in re.findall(r"\s*(\.\.|,|/|,?\s+and|,?\s+or)\s*(\d{3}\.\d+)", rest):
-        if sep == "..":
+    for sep, num in re.findall(r"(\s*(?:\.\.|,|/|,?\s+and|,?\s+or)\s*)(\d{3}\.\d+)", rest):
+        if sep.strip() == "..":
             req, a = prev.split(".")
             req2, b = num.split(".")
             if req == req2 and int(a) < int(b):
-                out += [f"{head}{req}.{n}" for n in range(int(a) + 1, int(b) + 1)]
-            else:
-                out.append(head + num)
-        else:
-            out.append(head + num)
+                out += "".join(f", {head}{req}.{n}" for n in range(int(a) + 1, int(b) + 1))
+                prev = num
+                continue
+        out += _separator(sep) + head + num
         prev = num
-    return ", ".join(out)
+    return out
 
 
 def _expand_num_list(match: re.Match[str]) -> str:
     head, first, rest = match.group("head"), int(match.group("first")), match.group("rest")
-    out = [first]
+    out, last = f"{head}{first}", first
     for sep, num in re.findall(r"(\.\.|/|,\s*|\s+and\s+)(\d+)", rest):
         n = int(num)
-        if sep == ".." and out[-1] < n:
-            out += list(range(out[-1] + 1, n + 1))
+        if sep == ".." and last < n:
+            out += "".join(f", {head}{k}" for k in range(last + 1, n + 1))
         else:
-            out.append(n)
-    return ", ".join(f"{head}{n}" for n in out)
+            out += _separator(sep) + f"{head}{n}"
+        last = n
+    return out
+
+
+def _and_list(cited: list[str]) -> str:
+    return cited[0] if len(cited) == 1 else ", ".join(cited[:-1]) + " and " + cited[-1]
 
 
 def _letters(spec: str) -> list[str]:
@@ -174,8 +184,7 @@ def _letters(spec: str) -> list[str]:
 
 def _expand_scenarios(match: re.Match[str]) -> str:
     issue = match.group("issue")
-    cited = [f"Issue {issue} scenario {x}" for x in _letters(match.group("letters"))]
-    return cited[0] if len(cited) == 1 else ", ".join(cited[:-1]) + " and " + cited[-1]
+    return _and_list([f"Issue {issue} scenario {x}" for x in _letters(match.group("letters"))])
 
 
 def _expand_items(match: re.Match[str]) -> str:
@@ -187,7 +196,7 @@ def _expand_items(match: re.Match[str]) -> str:
             out += list(range(int(ends[0]), int(ends[1]) + 1))
         elif ends[0]:
             out.append(int(ends[0]))
-    return ", ".join(f"Issue {issue} item {n}" for n in out)
+    return _and_list([f"Issue {issue} item {n}" for n in out])
 
 
 def fix_text(text: str) -> str:
