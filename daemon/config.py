@@ -18,7 +18,7 @@ recovery keys, ``validate_agentctl`` (run by the control server at its start,
 on the values the backend hands it) for the retention limit and the unowned
 period. Values are rejected, never clamped, except the unowned period, which
 is adjusted and the adjustment recorded (AC-EXECUTORS-CONTROL-OWNERSHIP-003.4,
-003.6, 003.7). Every refusal is a ``ConfigError`` naming the key (and the
+AC-EXECUTORS-CONTROL-OWNERSHIP-003.6, AC-EXECUTORS-CONTROL-OWNERSHIP-003.7). Every refusal is a ``ConfigError`` naming the key (and the
 environment variable when the value came from there), the value as given and
 what is accepted.
 """
@@ -366,7 +366,7 @@ def validate_credentials(config: Config) -> None:
 
 
 def validate_backend(config: Config) -> None:
-    """Check the keys the backend reads (AC-EXECUTORS-SURVIVAL-002.13, 003.7; credentials)."""
+    """Check the keys the backend reads (AC-EXECUTORS-SURVIVAL-002.13, AC-EXECUTORS-SURVIVAL-003.7; credentials)."""
     validate_credentials(config)
     a = config.agentctl
 

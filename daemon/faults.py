@@ -48,12 +48,12 @@ DELAYS = frozenset(
 )
 FAILURES = frozenset(
     {
-        "agentctl_stop_fails",  # stop_instance answers an error (SURVIVAL-002.15/002.16)
-        "agentctl_turn_status_fails",  # turn_status answers an error (SURVIVAL-004.5)
-        "agentctl_lacks_turns",  # identify advertises no turns.v1 (OWNERSHIP-004.3)
-        "agentctl_shutdown_fails",  # ownership_shutdown answers an error (OWNERSHIP-004.7)
-        "agentctl_lacks_shutdown",  # ownership_shutdown is an unknown op (OWNERSHIP-004.6)
-        "agentctl_rotate_fails",  # rotate answers an error: adoption incomplete (OWNERSHIP-002.5)
+        "agentctl_stop_fails",  # stop_instance answers an error (AC-EXECUTORS-SURVIVAL-002.15, AC-EXECUTORS-SURVIVAL-002.16)
+        "agentctl_turn_status_fails",  # turn_status answers an error (AC-EXECUTORS-SURVIVAL-004.5)
+        "agentctl_lacks_turns",  # identify advertises no turns.v1 (AC-EXECUTORS-CONTROL-OWNERSHIP-004.3)
+        "agentctl_shutdown_fails",  # ownership_shutdown answers an error (AC-EXECUTORS-CONTROL-OWNERSHIP-004.7)
+        "agentctl_lacks_shutdown",  # ownership_shutdown is an unknown op (AC-EXECUTORS-CONTROL-OWNERSHIP-004.6)
+        "agentctl_rotate_fails",  # rotate answers an error: adoption incomplete (AC-EXECUTORS-CONTROL-OWNERSHIP-002.5)
     }
 )
 

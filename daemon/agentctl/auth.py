@@ -2,7 +2,7 @@
 
 The control server and the backend import this module, so the two sides
 cannot compute a proof differently (design.md §5, AC-EXECUTORS-CONTROL-
-OWNERSHIP-001.10). The credential never crosses the socket:
+AC-EXECUTORS-CONTROL-OWNERSHIP-001.10). The credential never crosses the socket:
 
 - ``server_proof``: the backend sends a fresh 32-byte challenge; the server
   answers ``HMAC(cred, "kandev-prove\\0" || challenge || identity || "\\0" ||

@@ -41,7 +41,7 @@ by the server.
 ``identify(socket_path)`` is the standalone, unauthenticated probe: None when
 nothing answers (no socket, connection refused, timeout).
 
-Reconnection (issue 15). The server closes every connection when it
+Reconnection (Issue 15). The server closes every connection when it
 re-executes (``reload``): a request it refused with ``reloading``, or that was
 pending when the connection ended with a last ``reloading`` frame, never ran.
 ``call`` then connects again (the same handshake: same identity, this client's
@@ -232,7 +232,7 @@ class AgentctlClient:
         self.timeout = timeout
         self.on_superseded: Callable[[AgentctlClient], None] | None = None
         """Called (once per refusal) when an operation is refused with ``superseded_credential``:
-        another holder of the installation's credential adopted the server (OWNERSHIP-002.3)."""
+        another holder of the installation's credential adopted the server (AC-EXECUTORS-CONTROL-OWNERSHIP-002.3)."""
         self._conn = conn
         self._credential = credential
         self._installation_id = installation_id
@@ -507,7 +507,7 @@ class AgentctlClient:
         await self.call("respond_permission", args)
 
     async def list_instances(self) -> list[dict[str, Any]]:
-        """Every instance with the session and task ids the server holds (SURVIVAL-002.1)."""
+        """Every instance with the session and task ids the server holds (AC-EXECUTORS-SURVIVAL-002.1)."""
         result = await self.call("list_instances")
         return list(result["instances"])
 

@@ -15,7 +15,7 @@ msgpack cannot encode are made plain, and an event whose encoding would not
 fit a frame is replaced by a marker saying so, so that one oversized agent
 message can never wedge a stream.
 
-Detached retention bound (AC-EXECUTORS-SURVIVAL-001.5, 001.6, 001.9, 001.10;
+Detached retention bound (AC-EXECUTORS-SURVIVAL-001.5, AC-EXECUTORS-SURVIVAL-001.6, AC-EXECUTORS-SURVIVAL-001.9, AC-EXECUTORS-SURVIVAL-001.10;
 design-notes §6.6, §9). ``EventLog(limit=N)`` (``detached_event_limit``) never
 refuses or drops an event: ``append`` always retains. The bound is enforced
 where the agent's output enters the server: before the instance's transport

@@ -35,7 +35,7 @@ Turns: ``prompt`` opens a turn with a server-wide unique id and appends
 ``turn_started``; when the agent answers the prompt, ``turn_ended`` is
 appended (after every ``session_update`` the agent sent before its answer)
 and the outcome is retained until ``ack_turn`` names it
-(AC-EXECUTORS-SURVIVAL-004.1, 004.6).
+(AC-EXECUTORS-SURVIVAL-004.1, AC-EXECUTORS-SURVIVAL-004.6).
 
 Runtime configuration (seed 004): ``session_info`` keeps what the agent
 reported about its current ACP session (modes, config options); ``set_mode``
@@ -45,7 +45,7 @@ then); ``reset_context`` opens a new ACP session (``session/new``) on the same
 process and makes it the current one. ``handshake_seq`` is the last seq of the
 handshake, e.g. the history a ``session/load`` replays.
 
-Detached retention (AC-EXECUTORS-SURVIVAL-001.5, 001.6, 001.9, 001.10;
+Detached retention (AC-EXECUTORS-SURVIVAL-001.5, AC-EXECUTORS-SURVIVAL-001.6, AC-EXECUTORS-SURVIVAL-001.9, AC-EXECUTORS-SURVIVAL-001.10;
 design.md §1, §6; design-notes §9; the rule itself is in
 ``daemon.agentctl.events``): the SDK's receive loop calls
 ``AgentPipeTransport.receive()`` for every message, and ``receive`` awaits
@@ -481,7 +481,7 @@ class Instance:
             "modes": self.session_info.get("modes"),
             "config_options": list(self.session_info.get("config_options") or []),
             # What a re-exec of the control server could not carry over for this instance (empty
-            # unless a reload reported something; issue 15).
+            # unless a reload reported something; Issue 15).
             "not_taken_over": list(self.not_taken_over),
         }
 
@@ -967,7 +967,7 @@ class Instance:
 
     async def _do_stop(self) -> None:
         # The stop signal first: it releases every parked producer at once (the log's close) and
-        # every other wait of this instance, without waiting for a backend (SURVIVAL-001.10).
+        # every other wait of this instance, without waiting for a backend (AC-EXECUTORS-SURVIVAL-001.10).
         self._stop_signal.set()
         self.log.close()  # ends the attached stream, drops undelivered events, unparks producers
         previous = self.state

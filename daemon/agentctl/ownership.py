@@ -58,7 +58,7 @@ SUPERSEDED = "superseded"
 """The credential the highest, unconfirmed rotation replaced: adoption and shutdown only."""
 
 SUPERSEDED_PURPOSES = frozenset({"rotate", "ownership_shutdown"})
-"""What a superseded credential may still do (AC-EXECUTORS-CONTROL-OWNERSHIP-002.7, 002.9)."""
+"""What a superseded credential may still do (AC-EXECUTORS-CONTROL-OWNERSHIP-002.7, AC-EXECUTORS-CONTROL-OWNERSHIP-002.9)."""
 
 LAUNCH_CREDENTIAL_ID = 0
 

@@ -64,7 +64,7 @@ class Adoption:
     ``outcome``: ``adopted``; ``no_server`` (nothing recorded, nothing answered,
     or the server is shutting down — none of these is a refusal); ``refused``
     (with one ``reason``); ``disabled`` (no attempt: capability off).
-    ``answered``: a server answered at the recorded endpoint (SURVIVAL-003.6 rule 7).
+    ``answered``: a server answered at the recorded endpoint (AC-EXECUTORS-SURVIVAL-003.6 rule 7).
     ``stopped``: this backend stopped that server (incompatible, or disabled cleanup).
     """
 
@@ -108,7 +108,7 @@ class Adopter:
         """Timeout T, R retries, no pause between attempts (AC-EXECUTORS-SURVIVAL-002.13).
 
         An attempt that failed while the server said it is re-executing (``reloading``, within
-        ``RELOAD_WINDOW_S``) is not counted: the server is alive and back in a moment (issue 15)."""
+        ``RELOAD_WINDOW_S``) is not counted: the server is alive and back in a moment (Issue 15)."""
         last: Exception | None = None
         attempts = 0
         loop = asyncio.get_running_loop()
@@ -239,7 +239,7 @@ class Adopter:
 
     async def _connect_to_confirm(self, record: ControlServerRecord, credential: bytes) -> AgentctlClient:
         """The connection that confirms the rotation. The server answered the rotate a moment ago, so
-        a connection it accepts but does not answer yet is a re-exec under way (issue 15): retried on
+        a connection it accepts but does not answer yet is a re-exec under way (Issue 15): retried on
         timeouts for up to ``RELOAD_WINDOW_S``; a refused connection still fails at once."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + RELOAD_WINDOW_S
@@ -272,7 +272,7 @@ class Adopter:
                 await client.close()
 
     async def shutdown_own(self, record: ControlServerRecord | None) -> Adoption:
-        """Capability off: stop a provably-own survivor from an earlier launch (SURVIVAL-005.5)."""
+        """Capability off: stop a provably-own survivor from an earlier launch (AC-EXECUTORS-SURVIVAL-005.5)."""
         if record is None or not record.endpoint:
             return Adoption("disabled", None)
         answered, info = await self._identify(record.endpoint)

@@ -180,7 +180,7 @@ class FollowEnd(str, Enum):
     NO_AGENT = "no_agent"  # no turn to follow and no running agent
 
 
-# Views for people and the follow stream (issue 14; daemon/backend/views.py, daemon/backend/follow.py).
+# Views for people and the follow stream (Issue 14; daemon/backend/views.py, daemon/backend/follow.py).
 # Every op that takes a task_id, session_id (or permission request_id) also accepts a unique prefix
 # of at least 4 characters (daemon/backend/ids.py).
 VIEW_OPS: list[Op] = [

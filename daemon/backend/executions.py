@@ -183,7 +183,7 @@ class EventConsumer:
                 return
             except IpcError as exc:
                 if exc.code == "superseded_credential":
-                    # Another backend adopted the server: these executions are no longer ours (OWN-002.3).
+                    # Another backend adopted the server: these executions are no longer ours (AC-EXECUTORS-CONTROL-OWNERSHIP-002.3).
                     log.warning("session %s: credential superseded; no longer tracking it", ex.session_id)
                     ex.gone = True
                     self.on_gone(ex)

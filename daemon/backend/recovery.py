@@ -176,7 +176,7 @@ class Recovery:
             self.reconcile(set(), report, scope)
             return report, client
 
-        # 1. guards, before any contact (AC-EXECUTORS-SURVIVAL-002.8, 005.3)
+        # 1. guards, before any contact (AC-EXECUTORS-SURVIVAL-002.8, AC-EXECUTORS-SURVIVAL-005.3)
         records = self.take_guards()
         standalone = [r for r in records if not r.passthrough]
         for rec in records:
@@ -465,7 +465,7 @@ class Recovery:
 
         Re-tracked sessions are skipped entirely: the task is not marked
         interrupted, a running session stays running, open turns stay open, a
-        task in progress stays in progress (AC-EXECUTORS-SURVIVAL-003.2..003.5).
+        task in progress stays in progress (AC-EXECUTORS-SURVIVAL-003.2, AC-EXECUTORS-SURVIVAL-003.3, AC-EXECUTORS-SURVIVAL-003.4, AC-EXECUTORS-SURVIVAL-003.5).
         Every other live row is classified (003.6): dead rows go to the repair
         path (resume token and worktree kept; open turns abandoned; an active
         session waits for input and its task goes to review, marked

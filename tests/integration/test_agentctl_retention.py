@@ -1,7 +1,7 @@
 """Detached event retention, end to end: a real control server (``python -m daemon.agentctl.main
 --launch-file ...``) and the real mock agent, driven through the real client.
 
-AC-EXECUTORS-SURVIVAL-001.5, 001.6, 001.9, 001.10, 004.1, 004.3, 004.6 (design-notes §6.6, §9):
+AC-EXECUTORS-SURVIVAL-001.5, AC-EXECUTORS-SURVIVAL-001.6, AC-EXECUTORS-SURVIVAL-001.9, AC-EXECUTORS-SURVIVAL-001.10, AC-EXECUTORS-SURVIVAL-004.1, AC-EXECUTORS-SURVIVAL-004.3, AC-EXECUTORS-SURVIVAL-004.6 (design-notes §6.6, §9):
 while an instance's stream is not attached, at most ``detached_event_limit`` undelivered events
 are retained; then the agent's output is no longer read, so the agent blocks on its own stdout
 pipe and nothing is dropped. An attach resumes production; a stop releases everything at once.
@@ -114,7 +114,7 @@ def kinds(events: list[Event]) -> list[str]:
 
 
 def test_flood_5000_detached_pauses_the_agent_then_attach_hands_over_everything(make_server):
-    """Scenario B; AC-EXECUTORS-SURVIVAL-001.5, 001.6: /flood 5000 with no stream and limit 100:
+    """Scenario B; AC-EXECUTORS-SURVIVAL-001.5, AC-EXECUTORS-SURVIVAL-001.6: /flood 5000 with no stream and limit 100:
     the agent is alive and blocked (retained stays at 100, paused, the mock has not finished and
     makes no progress), nothing is dropped; an attach delivers all 5000 chunks exactly once, in
     order, and the turn ends."""
@@ -248,7 +248,7 @@ def test_sigterm_with_paused_instances_exits_promptly(make_server):
 
 @pytest.mark.parametrize(("limit", "n"), [(1, 300), (10000, 10500)])
 def test_limit_extremes(make_server, limit: int, n: int):
-    """AC-EXECUTORS-SURVIVAL-001.6, 001.8: the smallest and largest accepted limits pause exactly at
+    """AC-EXECUTORS-SURVIVAL-001.6, AC-EXECUTORS-SURVIVAL-001.8: the smallest and largest accepted limits pause exactly at
     the bound and hand everything over after an attach."""
     server = make_server(detached_event_limit=limit)
 
@@ -406,7 +406,7 @@ def test_agent_exit_while_paused_is_reported_after_its_held_back_output(make_ser
 
 
 def test_outcome_retained_while_detached_is_repeatable_until_acked(make_server):
-    """AC-EXECUTORS-SURVIVAL-004.1, 004.6: a turn that ends while detached keeps its outcome under
+    """AC-EXECUTORS-SURVIVAL-004.1, AC-EXECUTORS-SURVIVAL-004.6: a turn that ends while detached keeps its outcome under
     the server's turn id; reading is repeatable, delivering its event does not discard it, only
     an ack naming it does."""
     server = make_server(detached_event_limit=100)

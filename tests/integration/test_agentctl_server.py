@@ -524,7 +524,7 @@ def test_slow_prompt_streams_chunks_in_order_then_turn_ended(server: Server):
 
 
 def test_flood_while_detached_is_retained_and_handed_over_in_order(server: Server):
-    """AC-EXECUTORS-SURVIVAL-001.5, 001.6: events produced while no stream is attached are kept (up
+    """AC-EXECUTORS-SURVIVAL-001.5, AC-EXECUTORS-SURVIVAL-001.6: events produced while no stream is attached are kept (up
     to the default bound of 100, then the agent is paused) and handed over, in production order,
     exactly once. More in test_agentctl_retention.py."""
     n = 2000
@@ -589,7 +589,7 @@ def test_detach_mid_stream_and_reattach_after_last_processed(server: Server):
 
 
 def test_turn_outcome_is_retained_until_acked_by_its_id(server: Server):
-    """AC-EXECUTORS-SURVIVAL-004.1, 004.6: reading never discards; only an ack naming the turn id
+    """AC-EXECUTORS-SURVIVAL-004.1, AC-EXECUTORS-SURVIVAL-004.6: reading never discards; only an ack naming the turn id
     does; acking an unknown id succeeds and changes nothing."""
 
     async def scenario() -> None:

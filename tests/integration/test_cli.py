@@ -126,7 +126,7 @@ def test_second_backend_on_the_same_external_sqlite_file_is_refused(kandev_facto
     assert first.status()["backend"]["pid"] == st["backend"]["pid"]
     first.cli("down")
     # The lock ends with its holder, but the store remembers the installation that created it
-    # (issue 10 item 5): another installation is still refused, naming both ids.
+    # (Issue 10 item 5): another installation is still refused, naming both ids.
     proc = subprocess.run(
         [sys.executable, "-m", "daemon.backend.main", "--home", str(second.home)],
         capture_output=True, text=True, env=second.env, timeout=60, cwd=REPO,

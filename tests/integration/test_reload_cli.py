@@ -1,4 +1,4 @@
-"""Reloading the control server under a running backend, no service manager (issue 15).
+"""Reloading the control server under a running backend, no service manager (Issue 15).
 
 Real daemons through the real CLI: ``kandev up`` with agent survival on (a detached control
 server), mock agents mid-turn, then reloads; the backend re-attaches its streams with

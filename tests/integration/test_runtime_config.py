@@ -1,5 +1,5 @@
 """Runtime configuration across a context reset, through real daemons and the real mock agent
-(issue 5 scenario F; RESETCFG-1..13).
+(Issue 5 scenario F; RESETCFG-1, RESETCFG-2, RESETCFG-3, RESETCFG-4, RESETCFG-5, RESETCFG-6, RESETCFG-7, RESETCFG-8, RESETCFG-9, RESETCFG-10, RESETCFG-11, RESETCFG-12, RESETCFG-13).
 
 The mock agent logs every ACP request it gets (one line each, in order) to its stderr file, so the
 exact payloads and order of ``session/set_config_option`` and ``session/set_mode`` are read there.

@@ -1,4 +1,4 @@
-"""Agents are contained guests (issue 10): scenarios A and B through the real daemons.
+"""Agents are contained guests (Issue 10): scenarios A and B through the real daemons.
 
 Issue 10 scenario A: from inside a mock agent (``/sh``), with a GitHub token configured, every
 attempt to reach kandev fails (the token file, the store, the secrets, the run directory and its

@@ -1,5 +1,5 @@
 """The detached retention bound of the control server's event log (AC-EXECUTORS-SURVIVAL-001.5,
-001.6, 001.9, 001.10; design-notes §9), in-process.
+AC-EXECUTORS-SURVIVAL-001.6, AC-EXECUTORS-SURVIVAL-001.9, AC-EXECUTORS-SURVIVAL-001.10; design-notes §9), in-process.
 
 The log never drops: ``append`` always retains; the bound parks the producer in
 ``wait_for_room`` instead. The closed list of covered event classes is code

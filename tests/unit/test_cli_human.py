@@ -1,6 +1,6 @@
 """daemon.human: colour and width rules, tables, the status summary (tolerant of fields other
 features add), errors with hints, and transcripts as conversations. The real CLI against a real
-backend is in tests/integration/test_cli_human.py (Issue 14 scenarios A-E)."""
+backend is in tests/integration/test_cli_human.py (Issue 14 scenario A, Issue 14 scenario B, Issue 14 scenario C, Issue 14 scenario D and Issue 14 scenario E)."""
 
 from __future__ import annotations
 

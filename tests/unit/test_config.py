@@ -1,7 +1,7 @@
 """daemon.config: parsing, environment overrides, ranges, the read-budget cross-check, unowned period.
 
 Requirement IDs: AC-EXECUTORS-SURVIVAL-001.8 (retention limit), 002.13 (read budget),
-003.7 (deadline); AC-EXECUTORS-CONTROL-OWNERSHIP-003.4, 003.6, 003.7 (unowned period).
+003.7 (deadline); AC-EXECUTORS-CONTROL-OWNERSHIP-003.4, AC-EXECUTORS-CONTROL-OWNERSHIP-003.6, AC-EXECUTORS-CONTROL-OWNERSHIP-003.7 (unowned period).
 """
 
 from __future__ import annotations
@@ -347,7 +347,7 @@ def test_agentctl_settings_hand_over_and_read_back() -> None:
     assert (r.detached_event_limit, r.unowned_period, r.idle_timeout, r.notes) == (100, 90.0, 0.0, [])
 
 
-# ---------------------------------------------------------------- agents.sandbox (issue 10)
+# ---------------------------------------------------------------- agents.sandbox (Issue 10)
 
 
 def test_agents_sandbox_defaults_to_required_and_accepts_off(tmp_path: Path) -> None:
