@@ -16,7 +16,8 @@ Problems found:
   ``OWN-002.3``, ``AC-OWN-001.11``...), a bare number (``(002.3)``), a range or slash list
   (``RESUME-1..4``, ``LEASE-CTX-5/6``, ``003.2..003.5``), a scenario or item without its issue,
   a lower-case or plural ``issue``. ``--fix`` rewrites the ones that name one id for certain: a
-  short prefix, a list or range after a full id, an issue's scenarios and items.
+  short prefix, a list or range after a full id, an issue's scenarios and items, and a bare
+  number that only one family defines or whose file cites only one of the families defining it.
 - ``no entry``: a canonical id that docs/requirements.md does not define.
 - ``outside reference``: a pointer to a document that is not in the repository (the team's
   design pages, requirement specs, seeds, or a ``§`` section of any of them).
@@ -33,7 +34,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -199,14 +200,34 @@ def _expand_items(match: re.Match[str]) -> str:
     return _and_list([f"Issue {issue} item {n}" for n in out])
 
 
-def fix_text(text: str) -> str:
-    """Rewrite every citation whose canonical form is certain; leave everything else as it is."""
+def _bare_resolver(text: str, known: set[str]) -> Callable[[re.Match[str]], str]:
+    """Name the family of a bare criterion number (``(002.3)``) when only one reading exists:
+    the number is defined in one family only, or the text cites (in full) only one of the
+    families that define it. Otherwise the number is left for a person."""
+    cited = {head for head in (SURVIVAL, OWNERSHIP) if head in text}
+
+    def resolve(match: re.Match[str]) -> str:
+        number = match.group(0)
+        defined = [head for head in (SURVIVAL, OWNERSHIP) if head + number in known]
+        if len(defined) > 1:
+            defined = [head for head in defined if head in cited]
+        return defined[0] + number if len(defined) == 1 else number
+
+    return resolve
+
+
+def fix_text(text: str, known: set[str] | None = None) -> str:
+    """Rewrite every citation whose canonical form is certain; leave everything else as it is.
+    With ``known`` (the ids docs/requirements.md defines), bare numbers are resolved too, where
+    only one reading exists (see ``_bare_resolver``)."""
     text = _AC_ANY.sub(_ac_canonical, text)
     text = _AC_LIST.sub(_expand_ac_list, text)
     text = _NUM_LIST.sub(_expand_num_list, text)
     text = _ISSUE_SCENARIOS.sub(_expand_scenarios, text)
     text = _ISSUE_ITEMS.sub(_expand_items, text)
     text = re.sub(r"(?<![\w-])issue (\d+)(?![\w-])", r"Issue \1", text)
+    if known is not None and _BARE.search(text):
+        text = _BARE.sub(_bare_resolver(text, known), text)
     return text
 
 
@@ -316,9 +337,10 @@ def check(root: Path = ROOT) -> list[Problem]:
 
 def fix(root: Path = ROOT) -> list[Path]:
     """Apply ``fix_text`` to every scanned file; returns the files it changed."""
+    known = set(entries((root / "docs" / "requirements.md").read_text()))
     changed: list[Path] = []
     for path, text in texts(root):
-        new = fix_text(text)
+        new = fix_text(text, known)
         if new != text:
             path.write_text(new)
             changed.append(path)
