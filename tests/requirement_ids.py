@@ -202,9 +202,13 @@ def _expand_items(match: re.Match[str]) -> str:
 
 def _bare_resolver(text: str, known: set[str]) -> Callable[[re.Match[str]], str]:
     """Name the family of a bare criterion number (``(002.3)``) when only one reading exists:
-    the number is defined in one family only, or the text cites (in full) only one of the
-    families that define it. Otherwise the number is left for a person."""
+    the number is defined in one family only, or the text cites only one of the families that
+    define it (in full, or by a bare number only that family defines). Otherwise the number is
+    left for a person."""
     cited = {head for head in (SURVIVAL, OWNERSHIP) if head in text}
+    for number in _BARE.findall(text):
+        defined = [head for head in (SURVIVAL, OWNERSHIP) if head + number in known]
+        cited.update(defined if len(defined) == 1 else ())
 
     def resolve(match: re.Match[str]) -> str:
         number = match.group(0)
