@@ -27,7 +27,7 @@ hands the agent's next message over (to become an event) it awaits
 - ``retained_count`` counts every event not yet discarded (acked). An event a
   dropped stream had sent but nobody acked is counted too: the server cannot
   know it was applied, so it is still owed to the next backend.
-- ``attached`` is this log's own stream (001.9), never server ownership.
+- ``attached`` is this log's own stream (AC-EXECUTORS-SURVIVAL-001.9), never server ownership.
   While attached nothing parks: the backend acks as it applies, so retention
   stays today's "until acked".
 - Parked, the transport does not read, the agent's stdout pipe fills and the
@@ -38,7 +38,7 @@ hands the agent's next message over (to become an event) it awaits
 - What releases a parked producer: a stream attaching, ``discard_through``
   (ack / attach ``after_seq``) making room, and ``close()`` (the instance
   stops: every parked producer is released at once and retained events are
-  thrown away, 001.10). ``close`` is the stop signal of the wait, and no
+  thrown away, AC-EXECUTORS-SURVIVAL-001.10). ``close`` is the stop signal of the wait, and no
   lock is held while waiting, so stop can never deadlock on a parked producer.
   An event of the agent is handed over only while ``retained_count < limit``,
   so the agent alone never takes the log past the limit.
@@ -73,7 +73,7 @@ RETAINED_KINDS: tuple[str, ...] = (
     EventKind.SESSION_UPDATE,  # every ACP session/update (chunks, tool calls, mode/config/model/usage updates)
     EventKind.AGENT_ERROR,  # a line on the agent's stdout that is not JSON-RPC
     EventKind.AGENT_EXITED,  # process exit with exit code and stderr tail
-    EventKind.PERMISSION_REQUEST,  # session/request_permission: stays open while detached (001.9)
+    EventKind.PERMISSION_REQUEST,  # session/request_permission: stays open while detached (AC-EXECUTORS-SURVIVAL-001.9)
     EventKind.PERMISSION_CANCELLED,  # an open request answered "cancelled" by the server (cancel, agent exit)
     EventKind.TURN_STARTED,  # server-originated
     EventKind.TURN_ENDED,  # server-originated: the turn's outcome (also kept in turn_status until ack_turn)

@@ -74,7 +74,7 @@ right after, if that is already past the bound.
   spent paused does not count towards ``STDOUT_DRAIN_GRACE``.
 - Permission requests have no auto-cancel timer in this project, attached or
   not: a request stays open until ``respond_permission``, a ``cancel``, the
-  agent's exit, or ``stop()`` (001.9; design-notes §6.6). A request raised
+  agent's exit, or ``stop()`` (AC-EXECUTORS-SURVIVAL-001.9; design-notes §6.6). A request raised
   while detached therefore never expires.
 """
 

@@ -22,7 +22,7 @@ Ownership (design.md §5; the state machine is ``daemon.agentctl.ownership``):
   aborted at once (002.2).
 - ``claim``, a rotation (replay included) and the bootstrap (the first
   authentication with the launch credential) renew ownership; nothing else
-  does (003.8). ``run_unowned_timer`` takes the unowned-shutdown decision once
+  does (AC-EXECUTORS-CONTROL-OWNERSHIP-003.8). ``run_unowned_timer`` takes the unowned-shutdown decision once
   ``now - last_renewal >= period`` and asks the process to exit (003.1).
 
 Instances (design.md §6): see ``daemon.agentctl.instance``. Unknown instance

@@ -200,7 +200,7 @@ class Adopter:
             rotation_id, new_credential = await client.rotate(timeout=ADOPTION_STEP_TIMEOUT_S)
         except IpcError as exc:
             await client.close()
-            if exc.code == ErrorCode.SHUTTING_DOWN:  # the one-way door: treat as no server (003.9)
+            if exc.code == ErrorCode.SHUTTING_DOWN:  # the one-way door: treat as no server (AC-EXECUTORS-CONTROL-OWNERSHIP-003.9)
                 return Adoption("no_server", None, record=record, answered=True)
             return Adoption("refused", "credential_rotation_failure", record=record, answered=True)
         fault_point("adopt_after_rotate")
@@ -229,7 +229,7 @@ class Adopter:
             log.error("confirming rotation %s failed: %s", rotation_id, exc)
             return Adoption("refused", "credential_rotation_failure", record=record, answered=True)
         fault_point("adopt_after_confirm")
-        if self.on_claim_ready is not None:  # the claim loop starts now, not after re-tracking (003.8)
+        if self.on_claim_ready is not None:  # the claim loop starts now, not after re-tracking (AC-EXECUTORS-CONTROL-OWNERSHIP-003.8)
             self.on_claim_ready(current, new_credential)
         if old_ref and old_ref != new_ref:
             with contextlib.suppress(OSError):
@@ -258,7 +258,7 @@ class Adopter:
                 log.info("confirming rotation: the control server does not answer yet (%s); retrying", exc.code)
 
     async def _shutdown(self, client: AgentctlClient) -> bool:
-        """ownership_shutdown on the read budget; already stopping/absent counts as success (004.7)."""
+        """ownership_shutdown on the read budget; already stopping/absent counts as success (AC-EXECUTORS-CONTROL-OWNERSHIP-004.7)."""
         try:
             await self._budget(client.ownership_shutdown)
             return True

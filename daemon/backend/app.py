@@ -248,7 +248,7 @@ class Backend:
                     return
                 except IpcError as exc:
                     if exc.code in (ErrorCode.SUPERSEDED_CREDENTIAL, ErrorCode.SHUTTING_DOWN):
-                        # Another backend adopted it, or it is exiting: not ours to renew (002.3, 003.9).
+                        # Another backend adopted it, or it is exiting: not ours to renew (002.3, AC-EXECUTORS-CONTROL-OWNERSHIP-003.9).
                         log_event("ownership_lost", f"stopped renewing {endpoint}: {exc.code}", priority=4,
                                   REASON=exc.code)
                         if exc.code == ErrorCode.SUPERSEDED_CREDENTIAL:
@@ -272,7 +272,7 @@ class Backend:
                     await conn.close()
 
     def _on_adopted(self, client: AgentctlClient, credential: bytes) -> None:
-        # The claim loop starts as soon as the rotation is confirmed, not after re-tracking (003.8).
+        # The claim loop starts as soon as the rotation is confirmed, not after re-tracking (AC-EXECUTORS-CONTROL-OWNERSHIP-003.8).
         self.credential = credential
         self._start_claims(client, client.socket_path, client.identity, credential)
 

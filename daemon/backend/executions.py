@@ -120,7 +120,7 @@ class ExecutionStore:
         self.release_guard(session_id)
 
     def mark_unstopped(self, session_id: str) -> None:
-        """An agent of this session could not be stopped: guarded for the rest of this lifetime (002.16)."""
+        """An agent of this session could not be stopped: guarded for the rest of this lifetime (AC-EXECUTORS-SURVIVAL-002.16)."""
         self._unhold(session_id)
         self.guards[session_id] = "unstopped_agent"
 

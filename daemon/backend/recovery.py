@@ -14,7 +14,7 @@ and design-notes §7.1, one numbered block per step.
 
 With the capability disabled or unavailable there is no adoption and nothing is
 reported recovered (AC-EXECUTORS-SURVIVAL-005.1); a provably-own survivor from an
-earlier launch is stopped first (005.5).
+earlier launch is stopped first (AC-EXECUTORS-SURVIVAL-005.5).
 
 The same repair path serves a control server that dies under a running backend:
 ``repair_lost_server`` makes its sessions what this startup recovery would make them
@@ -91,7 +91,7 @@ RECONSTRUCTION_SOURCES: dict[str, str] = {
     "instance_id": "a",  # row.instance_id, the agent execution id (duplicate tie-break, 002.10)
     "agent_profile": "a",  # row.agent_profile
     "last_event_seq": "a",
-    "passthrough": "b",  # task_sessions.passthrough, the durable mode (005.3)
+    "passthrough": "b",  # task_sessions.passthrough, the durable mode (AC-EXECUTORS-SURVIVAL-005.3)
     "acp_session_id": "c",  # the provider session id the instance holds
     "workspace_roots": "c",  # read back from the instance, never pushed to it (002.5)
     "agent_pid": "c",
@@ -166,12 +166,12 @@ class Recovery:
         report = RecoveryReport()
         record = self.read_server_record()
         if not enabled:
-            # No adoption, nothing recovered; an own survivor is stopped, not adopted (005.1, 005.5).
+            # No adoption, nothing recovered; an own survivor is stopped, not adopted (AC-EXECUTORS-SURVIVAL-005.1, AC-EXECUTORS-SURVIVAL-005.5).
             adoption = await self.adopter.shutdown_own(record)
             report.adoption = adoption
             self._log_adoption(adoption, record)
             client = await start_own_server()
-            # 004.7: a survivor we could not stop keeps its rows untouched until a later start.
+            # AC-EXECUTORS-CONTROL-OWNERSHIP-004.7: a survivor we could not stop keeps its rows untouched until a later start.
             scope = Scope(disabled=not adoption.stop_failed, adopted=False, answered=adoption.stop_failed)
             self.reconcile(set(), report, scope)
             return report, client
@@ -217,7 +217,7 @@ class Recovery:
                 reply = await client.call("list_instances", timeout=remaining)
                 listing = list(reply.get("instances") or []) if isinstance(reply, dict) else []
         except (IpcError, TimeoutError) as exc:
-            # Cannot enumerate: recover nothing, stop nothing, no second server (002.12).
+            # Cannot enumerate: recover nothing, stop nothing, no second server (AC-EXECUTORS-SURVIVAL-002.12).
             log.warning("enumeration failed: %s", exc)
             for rec in standalone:
                 report.not_retracked[rec.session_id] = "enumeration_failed"
@@ -304,7 +304,7 @@ class Recovery:
                     self._stop(client, inst["instance_id"], rec.session_id)
                 return None
             stopped = await asyncio.gather(*(self._stop(client, i["instance_id"], rec.session_id) for i in losers))
-            if not all(stopped):  # a loser still runs: the winner is not re-tracked either (002.15)
+            if not all(stopped):  # a loser still runs: the winner is not re-tracked either (AC-EXECUTORS-SURVIVAL-002.15)
                 report.not_retracked[rec.session_id] = "duplicate_stop_failed"
                 await self._stop(client, winners[0]["instance_id"], rec.session_id)
                 return None
@@ -442,7 +442,7 @@ class Recovery:
             if self.reconciled:  # it was unknown while in flight; now it is known dead (003.6 rule 5)
                 with self.store.session() as db:
                     self._repair(db, session_id, datetime.now(UTC))
-        else:  # an agent that could not be stopped keeps its session guarded (002.16)
+        else:  # an agent that could not be stopped keeps its session guarded (AC-EXECUTORS-SURVIVAL-002.16)
             self.executions.mark_unstopped(session_id)
 
     def _release_guards(self, records: list[Record]) -> None:

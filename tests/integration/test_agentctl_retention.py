@@ -158,7 +158,7 @@ def test_flood_5000_detached_pauses_the_agent_then_attach_hands_over_everything(
     assert agent_alive(pid)
 
 
-# ---------------------------------------------------------------- per instance (001.9)
+# ---------------------------------------------------------------- per instance (AC-EXECUTORS-SURVIVAL-001.9)
 
 
 def test_pause_is_per_instance_by_its_own_stream(make_server):
@@ -194,7 +194,7 @@ def test_pause_is_per_instance_by_its_own_stream(make_server):
     assert progress_b < n + 1
 
 
-# ---------------------------------------------------------------- stop (001.10)
+# ---------------------------------------------------------------- stop (AC-EXECUTORS-SURVIVAL-001.10)
 
 
 def test_stop_of_a_paused_instance_is_prompt_and_kills_the_group(make_server):
@@ -220,7 +220,7 @@ def test_stop_of_a_paused_instance_is_prompt_and_kills_the_group(make_server):
 
 
 def test_sigterm_with_paused_instances_exits_promptly(make_server):
-    """001.10 for the server-wide stop: every paused producer is released, every group killed."""
+    """AC-EXECUTORS-SURVIVAL-001.10 for the server-wide stop: every paused producer is released, every group killed."""
     server = make_server(detached_event_limit=10)
 
     async def scenario() -> list[int]:
@@ -272,7 +272,7 @@ def test_limit_extremes(make_server, limit: int, n: int):
     assert [e.seq for e in events] == list(range(1, n + 3))
 
 
-# ---------------------------------------------------------------- permissions (001.9, scenario C)
+# ---------------------------------------------------------------- permissions (AC-EXECUTORS-SURVIVAL-001.9, scenario C)
 
 
 def test_permission_raised_while_detached_stays_open_then_is_answered_after_attach(make_server):
@@ -335,7 +335,7 @@ def test_permission_request_held_back_by_the_bound_is_delivered_after_attach(mak
 
 
 def test_permission_cancelled_at_the_bound_is_retained(make_server):
-    """001.6 for the permission-cancelled class: a cancel while the log is at the bound answers the
+    """AC-EXECUTORS-SURVIVAL-001.6 for the permission-cancelled class: a cancel while the log is at the bound answers the
     open request 'cancelled'; its event is appended past the bound (server-originated), the
     agent's next chunk is then held back, and everything is handed over after the attach, in
     order."""
@@ -373,7 +373,7 @@ def test_permission_cancelled_at_the_bound_is_retained(make_server):
 
 
 def test_agent_exit_while_paused_is_reported_after_its_held_back_output(make_server):
-    """001.6 for the process-exit class: the agent writes a chunk and exits while the producer is
+    """AC-EXECUTORS-SURVIVAL-001.6 for the process-exit class: the agent writes a chunk and exits while the producer is
     parked; agent_exited never overtakes the held-back chunk and nothing is lost."""
     server = make_server(detached_event_limit=1)
 
@@ -402,7 +402,7 @@ def test_agent_exit_while_paused_is_reported_after_its_held_back_output(make_ser
     assert outcome["stop_reason"] == "agent_exited"
 
 
-# ---------------------------------------------------------------- turn outcomes (004.1, 004.3, 004.6)
+# ---------------------------------------------------------------- turn outcomes (AC-EXECUTORS-SURVIVAL-004.1, AC-EXECUTORS-SURVIVAL-004.3, AC-EXECUTORS-SURVIVAL-004.6)
 
 
 def test_outcome_retained_while_detached_is_repeatable_until_acked(make_server):
@@ -462,7 +462,7 @@ def test_terminal_event_produced_after_attach_is_delivered(make_server):
 
 
 def test_reattach_after_a_dropped_stream_resumes_from_the_last_applied(make_server):
-    """001.5 with the bound: a stream that dies mid-flood leaves the instance detached again, so it
+    """AC-EXECUTORS-SURVIVAL-001.5 with the bound: a stream that dies mid-flood leaves the instance detached again, so it
     pauses at the bound counting what was sent but not acked; a re-attach after the last applied
     seq loses and repeats nothing."""
     server = make_server(detached_event_limit=50)

@@ -1,6 +1,6 @@
 """daemon.config: parsing, environment overrides, ranges, the read-budget cross-check, unowned period.
 
-Requirement IDs: AC-EXECUTORS-SURVIVAL-001.8 (retention limit), 002.13 (read budget),
+Requirement IDs: AC-EXECUTORS-SURVIVAL-001.8 (retention limit), AC-EXECUTORS-SURVIVAL-002.13 (read budget),
 003.7 (deadline); AC-EXECUTORS-CONTROL-OWNERSHIP-003.4, AC-EXECUTORS-CONTROL-OWNERSHIP-003.6, AC-EXECUTORS-CONTROL-OWNERSHIP-003.7 (unowned period).
 """
 
