@@ -20,7 +20,10 @@ Problems found:
   number that only one family defines or whose file cites only one of the families defining it.
 - ``no entry``: a canonical id that docs/requirements.md does not define.
 - ``outside reference``: a pointer to a document that is not in the repository (the team's
-  design pages, requirement specs, seeds, or a ``§`` section of any of them).
+  design pages, requirement specs, seeds, or a ``§`` section of any of them). ``--fix``
+  rewrites the design pages' sections that have one home in docs/ (``DESIGN_SECTIONS``).
+- ``dangling pointer``: ``docs/architecture.md#x``, ``docs/requirements.md#x`` or
+  ``README.md#x`` where the page has no heading whose anchor is ``x``.
 
 Every file git knows in the repository (tracked, or new and not ignored) is read, wherever it
 lives; a file that must spell the old forms out (this checker and its unit test) says so with a
@@ -97,12 +100,36 @@ OUTSIDE = re.compile(
     r"|(?<![\w/])spec/[\w.-]+|(?<![\w-])seeds?(?:\s+0\d\d|/)"
 )
 
+# Where the numbered sections of the design pages kandev was built from (not in this repository)
+# are now explained: ``--fix`` rewrites "design.md §5" into "docs/architecture.md#ownership".
+# Section 7 of design.md (the backend) and the seeds cover too many subjects for one pointer:
+# those references are rewritten by hand.
+_ARCH = "docs/architecture.md#"
+DESIGN_SECTIONS = {
+    "1": _ARCH + "processes", "2": _ARCH + "lifetimes", "3": _ARCH + "the-home",
+    "4": _ARCH + "the-ipc-protocol-ipc", "5": _ARCH + "ownership", "6": _ARCH + "the-control-server-inside",
+    "8": "README.md#using-it", "10": "README.md#configuration",
+}
+NOTES_SECTIONS = {
+    "3": _ARCH + "lifetimes", "6.1": _ARCH + "ownership", "6.2": _ARCH + "ownership",
+    "6.6": _ARCH + "the-control-server-inside", "7.1": _ARCH + "startup-recovery-step-by-step",
+    "9": _ARCH + "the-control-server-inside", "12": _ARCH + "lifetimes",
+}
+_SECTIONS = r"§\d+(?:\.\d+)?(?:(?:,\s*|/)§\d+(?:\.\d+)?)*"
+_DESIGN_REF = re.compile(rf"(?P<page>design\.md|design-notes) (?P<sections>{_SECTIONS})")
+_POINTER_REWRITES = (
+    (re.compile(r"spec/ownership\.md(?! REQ-)"), "docs/requirements.md#control-server-ownership"),
+    (re.compile(r"(?<![\w-])seed 004"), "docs/requirements.md#runtime-configuration-across-a-context-reset"),
+)
+# A pointer into this repository's pages: the heading it names must exist.
+POINTER = re.compile(r"(?<![\w/.-])(?P<page>docs/architecture\.md|docs/requirements\.md|README\.md)#(?P<anchor>[\w-]+)")
+
 
 @dataclass(frozen=True)
 class Problem:
     path: str
     line: int
-    kind: str  # "old form" | "no entry" | "outside reference"
+    kind: str  # "old form" | "no entry" | "outside reference" | "dangling pointer"
     text: str
     hint: str = ""
 
@@ -220,6 +247,14 @@ def _bare_resolver(text: str, known: set[str]) -> Callable[[re.Match[str]], str]
     return resolve
 
 
+def _design_pointer(match: re.Match[str]) -> str:
+    table = DESIGN_SECTIONS if match.group("page") == "design.md" else NOTES_SECTIONS
+    numbers = re.findall(r"§(\d+(?:\.\d+)?)", match.group("sections"))
+    if not all(n in table for n in numbers):
+        return match.group(0)  # a section without one clear home: a person decides
+    return " and ".join(dict.fromkeys(table[n] for n in numbers))
+
+
 def fix_text(text: str, known: set[str] | None = None) -> str:
     """Rewrite every citation whose canonical form is certain; leave everything else as it is.
     With ``known`` (the ids docs/requirements.md defines), bare numbers are resolved too, where
@@ -230,6 +265,10 @@ def fix_text(text: str, known: set[str] | None = None) -> str:
     text = _ISSUE_SCENARIOS.sub(_expand_scenarios, text)
     text = _ISSUE_ITEMS.sub(_expand_items, text)
     text = re.sub(r"(?<![\w-])issue (\d+)(?![\w-])", r"Issue \1", text)
+    if "design" in text:
+        text = _DESIGN_REF.sub(_design_pointer, text)
+    for pattern, pointer in _POINTER_REWRITES:
+        text = pattern.sub(pointer, text)
     if known is not None and _BARE.search(text):
         text = _BARE.sub(_bare_resolver(text, known), text)
     return text
@@ -246,8 +285,25 @@ def _found(pattern: re.Pattern[str], text: str, *needles: str) -> Iterator[re.Ma
 _ISSUE_ITEM_ANY = re.compile(r"(?<![\w-])[Ii]ssue #?\d+,?\s+\(?(?:build\s+)?items?\s+\d+")
 
 
-def check_text(text: str, path: str, known: set[str]) -> list[Problem]:
-    """The problems of one file's text, given the ids docs/requirements.md defines."""
+def slug(heading: str) -> str:
+    """The anchor a markdown renderer (GitHub's) gives a heading: lower case, punctuation dropped,
+    spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(root: Path = ROOT) -> set[str]:
+    """Every ``page#anchor`` a pointer may name: the headings of the pages ``POINTER`` knows."""
+    found: set[str] = set()
+    for page in ("docs/architecture.md", "docs/requirements.md", "README.md"):
+        path = root / page
+        if path.is_file():
+            found |= {f"{page}#{slug(h)}" for h in re.findall(r"^#{1,6} (.+)$", path.read_text(), re.M)}
+    return found
+
+
+def check_text(text: str, path: str, known: set[str], targets: set[str] | None = None) -> list[Problem]:
+    """The problems of one file's text, given the ids docs/requirements.md defines (and, when
+    given, every ``page#anchor`` that exists)."""
     line_starts = [0] + [m.end() for m in re.finditer("\n", text)]
     problems: list[Problem] = []
 
@@ -291,6 +347,10 @@ def check_text(text: str, path: str, known: set[str]) -> list[Problem]:
             report(m.start(), "old form", m.group(0), "Issue <n> scenario <X>")
     for m in _found(OUTSIDE, text, "design", "shared", "\u00a7", "spec/", "seed"):
         report(m.start(), "outside reference", m.group(0), "point into docs/ or state the rule")
+    if targets is not None:
+        for m in _found(POINTER, text, ".md#"):
+            if f"{m.group('page')}#{m.group('anchor')}" not in targets:
+                report(m.start(), "dangling pointer", m.group(0), "no such heading")
     return sorted(set(problems), key=lambda p: (p.line, p.kind, p.text))
 
 
@@ -333,9 +393,10 @@ def texts(root: Path = ROOT) -> Iterator[tuple[Path, str]]:
 
 def check(root: Path = ROOT) -> list[Problem]:
     known = set(entries((root / "docs" / "requirements.md").read_text()))
+    targets = anchors(root)
     problems: list[Problem] = []
     for path, text in texts(root):
-        problems += check_text(text, str(path.relative_to(root)), known)
+        problems += check_text(text, str(path.relative_to(root)), known, targets)
     return problems
 
 
