@@ -13,7 +13,7 @@ Durations are written with a unit: ``ms``, ``s``, ``min`` or ``h`` (``500ms``,
 ``0`` for ``agentctl.idle_timeout`` (reaping disabled).
 
 ``load_config`` only parses: types, units, unknown keys. Ranges are checked by
-the daemon that reads the key (design.md §10): ``validate_backend`` for the
+the daemon that reads the key (README.md#configuration): ``validate_backend`` for the
 recovery keys, ``validate_agentctl`` (run by the control server at its start,
 on the values the backend hands it) for the retention limit and the unowned
 period. Values are rejected, never clamped, except the unowned period, which

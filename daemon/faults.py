@@ -10,7 +10,7 @@ missing or unreadable file means no fault. Three kinds:
 
 - kill points (``fault_point``): the process SIGKILLs itself at an exact step:
   the backend at each step of adoption, so tests can check that every crash
-  point leaves a credential held by both sides (spec/ownership.md,
+  point leaves a credential held by both sides (docs/requirements.md#control-server-ownership,
   cross-cutting invariants); the control server at its start, so a server
   that crashes every time it is started can be tested (crash-loop limit);
 - delays (``fault_delay``, written ``name:seconds``): a control-server step

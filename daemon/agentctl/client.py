@@ -1,6 +1,6 @@
 """The backend's client of ``kandev-agentctl``.
 
-``AgentctlClient.connect`` runs the ownership handshake of design.md §5 on a
+``AgentctlClient.connect`` runs the ownership handshake of docs/architecture.md#ownership on a
 fresh connection, in this order, and sends nothing else before it succeeds:
 
 1. ``identify`` (unauthenticated). An error answer, no identity or no
@@ -88,7 +88,7 @@ _RETRY_PAUSE_S = 0.05
 
 class OwnershipRefused(Exception):
     """The server is not one this backend may drive. ``reason``: ``identity_mismatch`` or
-    ``authentication_failure`` (the refusal reasons of spec/ownership.md)."""
+    ``authentication_failure`` (the refusal reasons of docs/requirements.md#control-server-ownership)."""
 
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)

@@ -16,7 +16,7 @@ fit a frame is replaced by a marker saying so, so that one oversized agent
 message can never wedge a stream.
 
 Detached retention bound (AC-EXECUTORS-SURVIVAL-001.5, AC-EXECUTORS-SURVIVAL-001.6, AC-EXECUTORS-SURVIVAL-001.9, AC-EXECUTORS-SURVIVAL-001.10;
-design-notes §6.6, §9). ``EventLog(limit=N)`` (``detached_event_limit``) never
+docs/architecture.md#the-control-server-inside). ``EventLog(limit=N)`` (``detached_event_limit``) never
 refuses or drops an event: ``append`` always retains. The bound is enforced
 where the agent's output enters the server: before the instance's transport
 hands the agent's next message over (to become an event) it awaits
@@ -34,7 +34,7 @@ hands the agent's next message over (to become an event) it awaits
   agent blocks in its own write: that is the pause. ``paused`` reports a
   parked producer (a message held back); a full log whose agent is silent is
   not paused, and its next message will be held back. Nothing is dropped, for
-  every kind in ``RETAINED_KINDS`` (below, the closed list of design-notes §9).
+  every kind in ``RETAINED_KINDS`` (below, the closed list of docs/architecture.md#the-control-server-inside).
 - What releases a parked producer: a stream attaching, ``discard_through``
   (ack / attach ``after_seq``) making room, and ``close()`` (the instance
   stops: every parked producer is released at once and retained events are
@@ -64,7 +64,7 @@ import msgpack
 
 from daemon.agentctl.protocol import EventKind
 
-# The closed list of design-notes §9, as code: every event kind the log carries
+# The closed list of docs/architecture.md#the-control-server-inside, as code: every event kind the log carries
 # and whether it is retained at the bound (parks the producer, never dropped)
 # or excluded. Kandev's only exclusions were its two MCP-attachment reports;
 # this project has no MCP-attachment events, so the excluded list is EMPTY.

@@ -11,7 +11,7 @@ State machine (supervisord-style; every change goes through ``_set_state``)::
 turn outcomes) until ``stop()``; ``stopped`` is final and the server forgets
 the instance.
 
-Process handling (design.md §1, §6): the agent is spawned here, never with the
+Process handling (docs/architecture.md#processes and docs/architecture.md#the-control-server-inside): the agent is spawned here, never with the
 SDK's spawn helpers: its own session and process group
 (``start_new_session``), stderr to its own file under the agent log dir, a
 minimal environment (PATH, HOME, LANG, LC_ALL, TERM, USER, LOGNAME of the
@@ -27,7 +27,7 @@ of the above, and everything inside stays in its process group.
 ACP: the agent's pipes are wrapped in ``AgentPipeTransport`` (newline-
 delimited JSON, the SDK's framing) and handed to ``acp.connect_to_agent``.
 The SDK runs handlers as separate tasks, so events are numbered in a stream
-observer, which the SDK calls synchronously in arrival order (design.md §1):
+observer, which the SDK calls synchronously in arrival order (docs/architecture.md#processes):
 ``session/update`` notifications and ``session/request_permission`` requests
 become events there, with ``data`` taken from the raw JSON-RPC message.
 
@@ -37,7 +37,7 @@ appended (after every ``session_update`` the agent sent before its answer)
 and the outcome is retained until ``ack_turn`` names it
 (AC-EXECUTORS-SURVIVAL-004.1, AC-EXECUTORS-SURVIVAL-004.6).
 
-Runtime configuration (seed 004): ``session_info`` keeps what the agent
+Runtime configuration (docs/requirements.md#runtime-configuration-across-a-context-reset): ``session_info`` keeps what the agent
 reported about its current ACP session (modes, config options); ``set_mode``
 and ``set_config_option`` send the ACP requests on that session and answer
 ``last_seq`` (every update the agent sent before answering is numbered by
@@ -46,7 +46,7 @@ process and makes it the current one. ``handshake_seq`` is the last seq of the
 handshake, e.g. the history a ``session/load`` replays.
 
 Detached retention (AC-EXECUTORS-SURVIVAL-001.5, AC-EXECUTORS-SURVIVAL-001.6, AC-EXECUTORS-SURVIVAL-001.9, AC-EXECUTORS-SURVIVAL-001.10;
-design.md §1, §6; design-notes §9; the rule itself is in
+docs/architecture.md#processes and docs/architecture.md#the-control-server-inside; docs/architecture.md#the-control-server-inside; the rule itself is in
 ``daemon.agentctl.events``): the SDK's receive loop calls
 ``AgentPipeTransport.receive()`` for every message, and ``receive`` awaits
 ``EventLog.wait_for_room()`` before it hands a message over (so before the
@@ -74,7 +74,7 @@ right after, if that is already past the bound.
   spent paused does not count towards ``STDOUT_DRAIN_GRACE``.
 - Permission requests have no auto-cancel timer in this project, attached or
   not: a request stays open until ``respond_permission``, a ``cancel``, the
-  agent's exit, or ``stop()`` (AC-EXECUTORS-SURVIVAL-001.9; design-notes §6.6). A request raised
+  agent's exit, or ``stop()`` (AC-EXECUTORS-SURVIVAL-001.9; docs/architecture.md#the-control-server-inside). A request raised
   while detached therefore never expires.
 """
 
@@ -172,7 +172,7 @@ def can_transition(old: InstanceState, new: InstanceState) -> bool:
 
 class TurnIds:
     """Server-wide turn ids ``<server_identity>:<n>``: never repeated in a lifetime, nor across
-    lifetimes, since the identity is random per launch (design.md §6)."""
+    lifetimes, since the identity is random per launch (docs/architecture.md#the-control-server-inside)."""
 
     def __init__(self, server_identity: str, counter: int = 0) -> None:
         self._prefix = server_identity
@@ -234,7 +234,7 @@ class AgentPipeTransport:
     Same framing as the SDK's stdio transport; owning it gives the server
     two things: ``eof`` (every line the agent wrote has been handed to the
     connection) and the place where reading pauses for backpressure
-    (AC-EXECUTORS-SURVIVAL-001.6, design.md §1): before each message read is
+    (AC-EXECUTORS-SURVIVAL-001.6, docs/architecture.md#processes): before each message read is
     handed over, ``gate()`` is awaited (``EventLog.wait_for_room``); the next
     ``receive()`` is not even called meanwhile, so nothing more is read. No
     lock is held while it waits.
@@ -477,7 +477,7 @@ class Instance:
             "paused": self.log.paused,
             "detached_event_limit": self.detached_event_limit,
             "sandboxed": self.spec.sandboxed,
-            # What the agent reported about its current ACP session (seed 004).
+            # What the agent reported about its current ACP session (docs/requirements.md#runtime-configuration-across-a-context-reset).
             "modes": self.session_info.get("modes"),
             "config_options": list(self.session_info.get("config_options") or []),
             # What a re-exec of the control server could not carry over for this instance (empty
@@ -772,7 +772,7 @@ class Instance:
         except (ConnectionError, OSError) as exc:
             raise IpcError(ErrorCode.AGENT_ERROR, f"cannot reach the agent: {exc}") from None
 
-    # -- runtime configuration and context reset (seed 004) -------------------------
+    # -- runtime configuration and context reset (docs/requirements.md#runtime-configuration-across-a-context-reset) -------------------------
 
     async def _config_call(self, what: str, call: Callable[[acp.ClientSideConnection], Awaitable[Any]]) -> Any:
         """One ACP request on the current session; a refusal is ``agent_error`` (not retryable)."""

@@ -1,7 +1,7 @@
 """The control server's ownership state: credentials, rotation, and the unowned timer.
 
 A pure state machine (no sockets, injectable clock and credential source), so
-every rule of spec/ownership.md REQ-002/REQ-003 and design-notes §6.1/§6.2 is
+every rule of spec/ownership.md REQ-002/REQ-003 and docs/architecture.md#ownership is
 unit-testable; ``daemon.agentctl.server`` maps its refusals onto the wire.
 
 Credentials (§6.1). Each credential has an id: the rotation id that issued

@@ -20,7 +20,7 @@ ignores ``create_instance``'s ``sandbox`` field (unknown fields are dropped) and
 would start the agent unsandboxed: the client refuses such a launch itself when
 the policy requires the sandbox (``AgentctlClient.create_instance``).
 
-Authentication (design.md §5): ``identify``, ``prove``, ``auth_begin`` and
+Authentication (docs/architecture.md#ownership): ``identify``, ``prove``, ``auth_begin`` and
 ``auth_finish`` work on an unauthenticated connection; everything else needs
 a connection that finished ``auth_finish``. The credential never crosses the
 socket: the server proves possession with an HMAC over the backend's fresh
@@ -127,7 +127,7 @@ OPS = [
         " handshake_seq: the last seq appended before the answer (e.g. the history a session/load"
         " replays), so a backend that already stores the transcript attaches after it",
     ),
-    # --- runtime configuration and context reset (seed 004). Added ops, no new capability: adoption
+    # --- runtime configuration and context reset (docs/requirements.md#runtime-configuration-across-a-context-reset). Added ops, no new capability: adoption
     # requires every capability, and a backend meeting an older server gets unknown_op and falls back.
     Op(
         "set_mode",

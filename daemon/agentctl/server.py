@@ -1,6 +1,6 @@
 """The control server's operations over ``ipc.server.IpcServer`` with ``protocol.TABLE``.
 
-Ownership (design.md §5; the state machine is ``daemon.agentctl.ownership``):
+Ownership (docs/architecture.md#ownership; the state machine is ``daemon.agentctl.ownership``):
 
 - ``identify`` (unauthenticated) returns the per-launch ``server_identity``,
   the capability set, the protocol version and the unowned period, and no
@@ -25,7 +25,7 @@ Ownership (design.md §5; the state machine is ``daemon.agentctl.ownership``):
   does (AC-EXECUTORS-CONTROL-OWNERSHIP-003.8). ``run_unowned_timer`` takes the unowned-shutdown decision once
   ``now - last_renewal >= period`` and asks the process to exit (003.1).
 
-Instances (design.md §6): see ``daemon.agentctl.instance``. Unknown instance
+Instances (docs/architecture.md#the-control-server-inside): see ``daemon.agentctl.instance``. Unknown instance
 ids are ``not_found``, except for ``stop_instance``, where an absent instance
 counts as stopped (``already_absent``).
 
@@ -543,7 +543,7 @@ class AgentctlServer:
             REPLAY=int(rotation.replay),
             PEER_PID=ctx.peer.pid,
         )
-        # The only time a credential crosses the socket (design.md §5).
+        # The only time a credential crosses the socket (docs/architecture.md#ownership).
         return {"rotation_id": rotation.rotation_id, "credential": rotation.credential, "replay": rotation.replay}
 
     async def op_confirm_rotation(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:

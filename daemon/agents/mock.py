@@ -189,7 +189,7 @@ class MockAgent:
         log.info("session/new cwd=%s -> %s (state %s)", cwd, rec.session_id, rec.path)
         if reset:
             # A new session on a process that already has one is a context reset: like real
-            # adapters, it announces its defaults before it answers (the race of seed 004).
+            # adapters, it announces its defaults before it answers (the race of docs/requirements.md#runtime-configuration-across-a-context-reset).
             await self.client.session_update(
                 rec.session_id, CurrentModeUpdate(session_update="current_mode_update", current_mode_id=rec.mode)
             )

@@ -1,6 +1,6 @@
 """Adoption: take over a surviving control server only when it is provably ours.
 
-``Adopter.adopt(record)`` runs the gate of spec/ownership.md in its order, the
+``Adopter.adopt(record)`` runs the gate of docs/requirements.md#control-server-ownership in its order, the
 first failure deciding the one refusal reason (AC-EXECUTORS-CONTROL-OWNERSHIP-001.6):
 
 1. no answer at the recorded endpoint (or none recorded) → start fresh

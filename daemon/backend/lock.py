@@ -1,4 +1,4 @@
-"""The single-driver locks: one backend per Kandev home (design.md §5), and one per store.
+"""The single-driver locks: one backend per Kandev home (docs/architecture.md#ownership), and one per store.
 
 ``fcntl.flock`` on ``<home>/backend.lock``, opened without following
 symlinks and required to be a regular file, taken before anything else and

@@ -1,7 +1,7 @@
 """Startup recovery: adopt a surviving control server and re-track its agents.
 
 Read ``Recovery.recover`` top to bottom: it is the ordered list of design.md §7
-and design-notes §7.1, one numbered block per step.
+and docs/architecture.md#startup-recovery-step-by-step, one numbered block per step.
 
 1. guards from the inventory, passthrough excluded, before any contact
 2. read the control-server record; the first contact starts the deadline D

@@ -1,4 +1,4 @@
-"""SessionRuntimeConfig: one captured value of a session's model, mode and provider options (seed 004).
+"""SessionRuntimeConfig: one captured value of a session's model, mode and provider options (docs/requirements.md#runtime-configuration-across-a-context-reset).
 
 A context reset gives the agent a new provider session, and a new session
 starts from the provider's defaults. Worse, the new session *announces* those

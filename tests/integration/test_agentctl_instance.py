@@ -128,7 +128,7 @@ def test_stop_escalates_to_sigkill_and_never_blocks(tmp_path: Path, groups: set[
 
 
 def test_identity_check_refuses_a_reused_pid(tmp_path: Path, groups: set[int]):
-    """design.md §6: never signal a pid without checking (pid, start time): a pid now held by a
+    """docs/architecture.md#the-control-server-inside: never signal a pid without checking (pid, start time): a pid now held by a
     process with another start time is left alone."""
     import subprocess
 

@@ -1,7 +1,7 @@
 """Detached event retention, end to end: a real control server (``python -m daemon.agentctl.main
 --launch-file ...``) and the real mock agent, driven through the real client.
 
-AC-EXECUTORS-SURVIVAL-001.5, AC-EXECUTORS-SURVIVAL-001.6, AC-EXECUTORS-SURVIVAL-001.9, AC-EXECUTORS-SURVIVAL-001.10, AC-EXECUTORS-SURVIVAL-004.1, AC-EXECUTORS-SURVIVAL-004.3, AC-EXECUTORS-SURVIVAL-004.6 (design-notes §6.6, §9):
+AC-EXECUTORS-SURVIVAL-001.5, AC-EXECUTORS-SURVIVAL-001.6, AC-EXECUTORS-SURVIVAL-001.9, AC-EXECUTORS-SURVIVAL-001.10, AC-EXECUTORS-SURVIVAL-004.1, AC-EXECUTORS-SURVIVAL-004.3, AC-EXECUTORS-SURVIVAL-004.6 (docs/architecture.md#the-control-server-inside):
 while an instance's stream is not attached, at most ``detached_event_limit`` undelivered events
 are retained; then the agent's output is no longer read, so the agent blocks on its own stdout
 pipe and nothing is dropped. An attach resumes production; a stop releases everything at once.

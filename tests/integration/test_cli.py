@@ -1,4 +1,4 @@
-"""The ``kandev`` CLI contract (design.md §8) against a real backend: results, exit codes, --json."""
+"""The ``kandev`` CLI contract (README.md#using-it) against a real backend: results, exit codes, --json."""
 
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def test_agent_exit_fails_the_session(kandev_factory):
 
 
 def test_second_backend_on_the_same_home_is_refused(kandev_factory):
-    """AC-EXECUTORS-CONTROL-OWNERSHIP-002.4 (design.md §5 single driver): a second backend exits naming the holder."""
+    """AC-EXECUTORS-CONTROL-OWNERSHIP-002.4 (docs/architecture.md#ownership single driver): a second backend exits naming the holder."""
     k = kandev_factory()
     st = k.up()
     proc = subprocess.run(

@@ -1,5 +1,5 @@
 """The detached retention bound of the control server's event log (AC-EXECUTORS-SURVIVAL-001.5,
-AC-EXECUTORS-SURVIVAL-001.6, AC-EXECUTORS-SURVIVAL-001.9, AC-EXECUTORS-SURVIVAL-001.10; design-notes §9), in-process.
+AC-EXECUTORS-SURVIVAL-001.6, AC-EXECUTORS-SURVIVAL-001.9, AC-EXECUTORS-SURVIVAL-001.10; docs/architecture.md#the-control-server-inside), in-process.
 
 The log never drops: ``append`` always retains; the bound parks the producer in
 ``wait_for_room`` instead. The closed list of covered event classes is code
@@ -46,7 +46,7 @@ async def settle() -> None:
 
 
 def test_closed_list_covers_every_event_kind_and_excludes_none():
-    """design-notes §9: every kind is classified, exactly once; there are no MCP-attachment
+    """docs/architecture.md#the-control-server-inside: every kind is classified, exactly once; there are no MCP-attachment
     events in this project, so the excluded list is empty."""
     assert EXCLUDED_KINDS == ()
     assert len(set(RETAINED_KINDS)) == len(RETAINED_KINDS)

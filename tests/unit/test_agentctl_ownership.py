@@ -1,6 +1,6 @@
 """The control server's ownership state machine (``daemon.agentctl.ownership``) on a fake clock.
 
-Credentials, rotation, confirmation (spec/ownership.md REQ-002, design-notes §6.1) and the
+Credentials, rotation, confirmation (spec/ownership.md REQ-002, docs/architecture.md#ownership) and the
 unowned timer (REQ-003, §6.2). No sockets: the server's wiring is proven by
 ``tests/integration/test_agentctl_ownership.py``. AC ids are cited where a test proves one.
 """

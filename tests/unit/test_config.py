@@ -282,7 +282,7 @@ def test_ac_executors_survival_001_8_env_origin_kept() -> None:
 @pytest.mark.parametrize(("period", "ok"), [("24h", True), ("1440min", True), ("86401s", False), ("25h", False),
                                             ("-1s", False), ("0s", True)])
 def test_unowned_period_upper_bound(period: str, ok: bool) -> None:
-    """The unowned period is rejected above 24 h (design.md §5); low values go to the floor."""
+    """The unowned period is rejected above 24 h (docs/architecture.md#ownership); low values go to the floor."""
     if ok:
         validate_agentctl(100, period, "0")
     else:
