@@ -411,8 +411,8 @@ def resolve_unowned_period(period: float, idle_timeout: float) -> tuple[float, l
     """Apply the idle-timeout ordering and the 1 min floor; return the period and what changed.
 
     AC-EXECUTORS-CONTROL-OWNERSHIP-003.4: with reaping on (idle > 0) the period
-    must be shorter than the idle timeout, else it becomes idle/2. 003.6: with
-    reaping off (idle <= 0) the period is used unchanged. 003.7: then at least
+    must be shorter than the idle timeout, else it becomes idle/2. AC-EXECUTORS-CONTROL-OWNERSHIP-003.6: with
+    reaping off (idle <= 0) the period is used unchanged. AC-EXECUTORS-CONTROL-OWNERSHIP-003.7: then at least
     1 min, even if that breaks the ordering (recorded, and the server starts).
     """
     notes: list[str] = []

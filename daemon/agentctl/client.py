@@ -16,7 +16,7 @@ fresh connection, in this order, and sends nothing else before it succeeds:
 Every ``attach`` opens a new connection, runs the same handshake on it and
 dedicates it to that instance's event stream.
 
-Rotation (spec/ownership.md REQ-002; the server side is
+Rotation (REQ-EXECUTORS-CONTROL-OWNERSHIP-002; the server side is
 ``daemon.agentctl.ownership``). The server accepts at most two credentials:
 the current one (everything) and, while the highest rotation is unconfirmed,
 the one it superseded (only ``rotate`` and ``ownership_shutdown``). So an

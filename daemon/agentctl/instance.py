@@ -46,7 +46,7 @@ process and makes it the current one. ``handshake_seq`` is the last seq of the
 handshake, e.g. the history a ``session/load`` replays.
 
 Detached retention (AC-EXECUTORS-SURVIVAL-001.5, AC-EXECUTORS-SURVIVAL-001.6, AC-EXECUTORS-SURVIVAL-001.9, AC-EXECUTORS-SURVIVAL-001.10;
-docs/architecture.md#processes and docs/architecture.md#the-control-server-inside; docs/architecture.md#the-control-server-inside; the rule itself is in
+docs/architecture.md#processes and docs/architecture.md#the-control-server-inside; the rule itself is in
 ``daemon.agentctl.events``): the SDK's receive loop calls
 ``AgentPipeTransport.receive()`` for every message, and ``receive`` awaits
 ``EventLog.wait_for_room()`` before it hands a message over (so before the
@@ -477,7 +477,7 @@ class Instance:
             "paused": self.log.paused,
             "detached_event_limit": self.detached_event_limit,
             "sandboxed": self.spec.sandboxed,
-            # What the agent reported about its current ACP session (docs/requirements.md#runtime-configuration-across-a-context-reset).
+            # What the agent reported about its current ACP session (RESETCFG-12).
             "modes": self.session_info.get("modes"),
             "config_options": list(self.session_info.get("config_options") or []),
             # What a re-exec of the control server could not carry over for this instance (empty

@@ -1,10 +1,10 @@
 """The control server's ownership state: credentials, rotation, and the unowned timer.
 
 A pure state machine (no sockets, injectable clock and credential source), so
-every rule of spec/ownership.md REQ-002/REQ-003 and docs/architecture.md#ownership is
+every rule of REQ-EXECUTORS-CONTROL-OWNERSHIP-002 and REQ-EXECUTORS-CONTROL-OWNERSHIP-003 is
 unit-testable; ``daemon.agentctl.server`` maps its refusals onto the wire.
 
-Credentials (§6.1). Each credential has an id: the rotation id that issued
+Credentials (docs/architecture.md#ownership). Each credential has an id: the rotation id that issued
 it; the launch credential C_0 has id 0 and starts **confirmed(0)**.
 
 - ``rotate`` presented with C_n, the credential of the highest rotation n
@@ -26,7 +26,7 @@ it; the launch credential C_0 has id 0 and starts **confirmed(0)**.
   ``superseded_credential``, as does any use of a credential that no longer
   authenticates anything.
 
-Unowned timer (§6.2). ``last_renewal`` starts at process start (a spawn whose
+Unowned timer. ``last_renewal`` starts at process start (a spawn whose
 handshake never completes counts from there, AC-EXECUTORS-CONTROL-OWNERSHIP-003.8) on ``time.monotonic()``
 (CLOCK_MONOTONIC: it does not advance during system suspend, so a suspended
 host does not count as unowned time). Exactly three things renew it (AC-EXECUTORS-CONTROL-OWNERSHIP-003.8):

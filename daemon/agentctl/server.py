@@ -6,7 +6,7 @@ Ownership (docs/architecture.md#ownership; the state machine is ``daemon.agentct
   the capability set, the protocol version and the unowned period, and no
   path of any kind (AC-EXECUTORS-CONTROL-OWNERSHIP-001.11).
 - ``prove`` answers the backend's fresh 32-byte challenge with
-  ``auth.server_proof`` for each acceptable credential (001.10).
+  ``auth.server_proof`` for each acceptable credential (AC-EXECUTORS-CONTROL-OWNERSHIP-001.10).
 - ``auth_begin`` / ``auth_finish`` authenticate one connection with an HMAC
   over a fresh server nonce; a failed ``auth_finish`` consumes the nonce and
   leaves the connection unauthenticated. The connection remembers WHICH
@@ -19,11 +19,11 @@ Ownership (docs/architecture.md#ownership; the state machine is ``daemon.agentct
 - ``rotate`` / ``confirm_rotation``: the two-phase switch. When a credential
   stops authenticating anything (a confirmation, or a rotation past an
   unconfirmed one) every connection and stream authenticated under it is
-  aborted at once (002.2).
+  aborted at once (AC-EXECUTORS-CONTROL-OWNERSHIP-002.2).
 - ``claim``, a rotation (replay included) and the bootstrap (the first
   authentication with the launch credential) renew ownership; nothing else
   does (AC-EXECUTORS-CONTROL-OWNERSHIP-003.8). ``run_unowned_timer`` takes the unowned-shutdown decision once
-  ``now - last_renewal >= period`` and asks the process to exit (003.1).
+  ``now - last_renewal >= period`` and asks the process to exit (AC-EXECUTORS-CONTROL-OWNERSHIP-003.1).
 
 Instances (docs/architecture.md#the-control-server-inside): see ``daemon.agentctl.instance``. Unknown instance
 ids are ``not_found``, except for ``stop_instance``, where an absent instance
@@ -631,7 +631,7 @@ class AgentctlServer:
             agent_log_dir=Path(self.config.agent_log_dir),
             turn_ids=self.turn_ids,
             on_change=self._changed,
-            detached_event_limit=self.detached_event_limit,  # per instance, by its own stream (001.9)
+            detached_event_limit=self.detached_event_limit,  # per instance, by its own stream (AC-EXECUTORS-SURVIVAL-001.9)
             **kwargs,
         )
         self.instances[spec.instance_id] = inst

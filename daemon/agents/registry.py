@@ -3,7 +3,7 @@
 Each entry names its package and pinned version and builds the argv that
 starts the agent speaking ACP over stdio.
 
-The npm agents are *managed npm runtimes* (design.md §7, NPM-CTX-1, NPM-CTX-2): their
+The npm agents are *managed npm runtimes* (NPM-CTX-1, NPM-CTX-2): their
 package name, exact version, ACP arguments and command shape are trusted
 built-in metadata, never taken from a caller. They start as
 ``npx --yes --prefer-offline <package>@<version> <acp args...>`` (a direct argv,

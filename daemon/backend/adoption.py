@@ -17,10 +17,10 @@ forbidden order). Fault points sit between those steps so tests can kill the
 backend at each one.
 
 A server that cannot be proven ours is never stopped and never sent a
-credential (001.4, 001.10). ``shutdown_own`` is the destroy-only path used when
+credential (AC-EXECUTORS-CONTROL-OWNERSHIP-001.4, AC-EXECUTORS-CONTROL-OWNERSHIP-001.10). ``shutdown_own`` is the destroy-only path used when
 the capability is off but a provable server from an earlier launch still runs
 (AC-EXECUTORS-SURVIVAL-005.5): it accepts the superseded credential and needs
-no adoption (002.9).
+no adoption (AC-EXECUTORS-CONTROL-OWNERSHIP-002.9).
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ class Adopter:
 
     async def _prove(self, record: ControlServerRecord, credential: bytes) -> AgentctlClient:
         """identify → the server proves it holds our credential → authenticate; the superseded
-        credential is accepted here because only rotate and ownership_shutdown may follow (002.7, 002.9)."""
+        credential is accepted here because only rotate and ownership_shutdown may follow (AC-EXECUTORS-CONTROL-OWNERSHIP-002.7, AC-EXECUTORS-CONTROL-OWNERSHIP-002.9)."""
         return await AgentctlClient.connect(
             record.endpoint,
             credential=credential,
@@ -159,18 +159,18 @@ class Adopter:
         answered, info = await self._identify(record.endpoint)
         if not answered:
             return Adoption("no_server", "no_answer", record=record)
-        # 2. identity (a server advertising no identity or capabilities is unprovable, 001.5)
+        # 2. identity (a server advertising no identity or capabilities is unprovable, AC-EXECUTORS-CONTROL-OWNERSHIP-001.5)
         if not info or not info.get("server_identity") or not info.get("capabilities"):
             return Adoption("refused", "identity_mismatch", record=record, answered=True)
         if info["server_identity"] != record.server_identity:
             return Adoption("refused", "identity_mismatch", record=record, answered=True)
-        # 3. credential unavailable: nothing is sent, the secret is kept (001.9)
+        # 3. credential unavailable: nothing is sent, the secret is kept (AC-EXECUTORS-CONTROL-OWNERSHIP-001.9)
         try:
             credential = self.read_credential(record.credential_ref)
         except (OSError, ValueError) as exc:
             log.warning("stored control-server credential unreadable: %s", exc)
             return Adoption("refused", "credential_unavailable", record=record, answered=True)
-        # 4. authentication: the server proves possession first (001.10)
+        # 4. authentication: the server proves possession first (AC-EXECUTORS-CONTROL-OWNERSHIP-001.10)
         try:
             client = await self._prove(record, credential)
         except OwnershipRefused as exc:
@@ -179,7 +179,7 @@ class Adopter:
             if exc.code == ErrorCode.SHUTTING_DOWN:
                 return Adoption("no_server", None, record=record, answered=True)
             return Adoption("refused", "authentication_failure", record=record, answered=True)
-        # 5. capabilities: set inclusion, never version ordering (004.2)
+        # 5. capabilities: set inclusion, never version ordering (AC-EXECUTORS-CONTROL-OWNERSHIP-004.2)
         missing = set(REQUIRED_CAPABILITIES) - set(client.capabilities)
         if missing:
             log.warning("control server lacks capabilities %s", sorted(missing))
@@ -207,7 +207,7 @@ class Adopter:
         old_ref = record.credential_ref
         new_ref = f"agentctl-cred-{secrets.token_hex(6)}"
         try:
-            # Both writes durable before confirm; either order recovers (002.7).
+            # Both writes durable before confirm; either order recovers (AC-EXECUTORS-CONTROL-OWNERSHIP-002.7).
             launch_file.write_credential(self.paths.secrets_dir / new_ref, new_credential)
             fault_point("adopt_after_secret")
             with self.store.session() as db:

@@ -241,14 +241,14 @@ class Backend:
                     await conn.claim()
                 except OwnershipRefused as exc:
                     # Our credential no longer authenticates (another backend adopted it and confirmed),
-                    # or another server answers there: nothing left to renew, no retry (002.3).
+                    # or another server answers there: nothing left to renew, no retry (AC-EXECUTORS-CONTROL-OWNERSHIP-002.3).
                     log_event("ownership_lost", f"stopped renewing {endpoint}: {exc.reason}", priority=4,
                               REASON=exc.reason)
                     self._release_link(endpoint)
                     return
                 except IpcError as exc:
                     if exc.code in (ErrorCode.SUPERSEDED_CREDENTIAL, ErrorCode.SHUTTING_DOWN):
-                        # Another backend adopted it, or it is exiting: not ours to renew (002.3, AC-EXECUTORS-CONTROL-OWNERSHIP-003.9).
+                        # Another backend adopted it, or it is exiting: not ours to renew (AC-EXECUTORS-CONTROL-OWNERSHIP-002.3, AC-EXECUTORS-CONTROL-OWNERSHIP-003.9).
                         log_event("ownership_lost", f"stopped renewing {endpoint}: {exc.code}", priority=4,
                                   REASON=exc.code)
                         if exc.code == ErrorCode.SUPERSEDED_CREDENTIAL:

@@ -89,7 +89,7 @@ class ExecutionStore:
     def __init__(self) -> None:
         self.executions: dict[str, Execution] = {}
         self.guards: dict[str, str] = {}  # session_id -> "recovering" | "unstopped_agent"
-        self.holds: dict[str, int] = {}  # session_id -> stops in flight that keep its guard (003.7)
+        self.holds: dict[str, int] = {}  # session_id -> stops in flight that keep its guard (AC-EXECUTORS-SURVIVAL-003.7)
 
     def acquire_guard(self, session_id: str) -> bool:
         """Guard a session unless it is already guarded or tracked (then only observe)."""

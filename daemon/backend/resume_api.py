@@ -1,4 +1,7 @@
-"""Resume, runtime configuration, context reset and workflow steps: backend ops of seeds 000/004.
+"""Resume, runtime configuration, context reset and workflow steps: the backend's ops.
+
+The rules: docs/requirements.md#resume-and-runtime-recovery and
+docs/requirements.md#runtime-configuration-across-a-context-reset.
 
 Ops (``api.RESUME_OPS``; CLI in brackets):
 

@@ -6,7 +6,7 @@ defaults (``current_mode_update``, ``config_option_update``) before the reset
 answer returns, and the backend persists every such event as it arrives. So
 the value to restore must be captured **before** the reset and must never be
 read back from the store afterwards: that was the original bug
-(spec/resume-and-config.md, Part B).
+(RESETCFG-1, RESETCFG-5).
 
 - ``capture`` builds the one snapshot (RESETCFG-1, RESETCFG-2): the agent profile's
   values, then the persisted provider state, then the live cache of this

@@ -1,4 +1,4 @@
-"""Workflow steps: the smallest real workflow docs/requirements.md#runtime-configuration-across-a-context-reset needs.
+"""Workflow steps: the smallest real workflow the context-reset rules need (RESETCFG-11).
 
 A task may have an ordered list of named steps (table ``workflow_steps``). A
 step may, on entry, **reset** the agent's context (a new provider session with

@@ -1,4 +1,4 @@
-"""The git credential broker: scoped leases on the upstream GitHub token (Issue 5, seed 000).
+"""The git credential broker: scoped leases on the upstream GitHub token (Issue 5; LEASE-CTX-2).
 
 Every function takes the caller's SQLAlchemy session ``db`` and works inside its transaction;
 the caller commits. Nothing here ever logs, returns in an error or stores a lease token, a

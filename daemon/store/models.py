@@ -1,4 +1,4 @@
-"""The backend's tables (design.md §7), as SQLAlchemy 2 ORM classes.
+"""The backend's tables (docs/architecture.md#the-store), as SQLAlchemy 2 ORM classes.
 
 The alembic migrations in ``migrations/versions`` are written by hand to match
 these classes; a unit test compares the migrated schema with this metadata.

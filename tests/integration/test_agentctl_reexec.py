@@ -7,7 +7,7 @@ a module that raises at import) and reload. Reloads go through the unit's reload
 
 Cited: Issue 15 item 1 (hand-over), 2 (preflight, refusal), 3 (no mixed code), 6 (a client
 attached during the re-exec re-attaches with ``after_seq``: nothing lost, nothing repeated),
-scenario C (a broken new version is refused, the old process keeps serving).
+Issue 15 scenario C (a broken new version is refused, the old process keeps serving).
 """
 
 from __future__ import annotations

@@ -110,11 +110,11 @@ def kinds(events: list[Event]) -> list[str]:
     return [e.kind for e in events]
 
 
-# ---------------------------------------------------------------- scenario B
+# ---------------------------------------------------------------- Issue 4 scenario B
 
 
 def test_flood_5000_detached_pauses_the_agent_then_attach_hands_over_everything(make_server):
-    """Scenario B; AC-EXECUTORS-SURVIVAL-001.5, AC-EXECUTORS-SURVIVAL-001.6: /flood 5000 with no stream and limit 100:
+    """Issue 4 scenario B; AC-EXECUTORS-SURVIVAL-001.5, AC-EXECUTORS-SURVIVAL-001.6: /flood 5000 with no stream and limit 100:
     the agent is alive and blocked (retained stays at 100, paused, the mock has not finished and
     makes no progress), nothing is dropped; an attach delivers all 5000 chunks exactly once, in
     order, and the turn ends."""
@@ -272,11 +272,11 @@ def test_limit_extremes(make_server, limit: int, n: int):
     assert [e.seq for e in events] == list(range(1, n + 3))
 
 
-# ---------------------------------------------------------------- permissions (AC-EXECUTORS-SURVIVAL-001.9, scenario C)
+# ---------------------------------------------------------------- permissions (AC-EXECUTORS-SURVIVAL-001.9, Issue 4 scenario C)
 
 
 def test_permission_raised_while_detached_stays_open_then_is_answered_after_attach(make_server):
-    """AC-EXECUTORS-SURVIVAL-001.9, scenario C (server half): a permission request the agent raises
+    """AC-EXECUTORS-SURVIVAL-001.9, Issue 4 scenario C (server half): a permission request the agent raises
     while no stream is attached is not auto-cancelled (Kandev's timer was 5 s): after 6 s it is
     still open, and a backend that attaches later answers it."""
     server = make_server(detached_event_limit=100)

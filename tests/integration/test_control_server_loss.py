@@ -11,7 +11,7 @@ D: a control server that dies at start every time (the ``agentctl_dies_at_start`
    file is gone, ``kandev up`` brings a server back.
 With ``features.auto_resume`` the interrupted sessions are resumed once the new server runs.
 
-Scenario B (real systemd) is tests/systemd/test_control_server_loss_systemd.py; the interleaved
+Issue 11 scenario B (real systemd) is tests/systemd/test_control_server_loss_systemd.py; the interleaved
 control-server and backend SIGKILLs (item 5) are tests/integration/test_chaos_kills.py.
 """
 

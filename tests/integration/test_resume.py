@@ -129,7 +129,7 @@ def restart(k: Kandev, **env: str) -> dict[str, Any]:
     return k.up()
 
 
-# ---------------------------------------------------------------- scenario A
+# ---------------------------------------------------------------- Issue 5 scenario A
 
 
 @pytest.mark.parametrize(
@@ -193,7 +193,7 @@ def test_resume_refusals(kandev_factory):
     assert k.show(sid)["state"] == "FAILED"
 
 
-# ---------------------------------------------------------------- scenario B
+# ---------------------------------------------------------------- Issue 5 scenario B
 
 
 def test_scenario_b_fresh_replaces_the_token(kandev_factory):
@@ -231,7 +231,7 @@ def test_fresh_start_failure_keeps_the_wipe(kandev_factory):
     assert k.show(sid)["state"] == "FAILED"
 
 
-# ---------------------------------------------------------------- scenario D
+# ---------------------------------------------------------------- Issue 5 scenario D
 
 
 def _github_repo(root: Path) -> Path:

@@ -4,7 +4,8 @@
 The mock agent logs every ACP request it gets (one line each, in order) to its stderr file, so the
 exact payloads and order of ``session/set_config_option`` and ``session/set_mode`` are read there.
 A ``session/new`` on a process that already has a session announces the new session's defaults
-before it answers, and the backend stores every such event as it arrives: the race of docs/requirements.md#runtime-configuration-across-a-context-reset.
+before it answers, and the backend stores every such event as it arrives: the race
+RESETCFG-1 and RESETCFG-5 guard against.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Scenario E: a real managed runtime repaired through the real npm (RESUME-11, RESUME-12, RESUME-13).
+"""Issue 5 scenario E: a real managed runtime repaired through the real npm (RESUME-11, RESUME-12, RESUME-13).
 
 The real ``@zed-industries/claude-code-acp`` is installed through ``npx`` into a
 PRIVATE npm cache (``npm_config_cache`` points into the test's directory, for the

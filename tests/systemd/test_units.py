@@ -69,7 +69,7 @@ def test_systemd_analyze_verify_catches_mistakes(sdbox: SdBox, units: list[str])
 
 
 def test_both_are_type_notify_main_process_only(sdbox: SdBox, units: list[str]) -> None:
-    """Readiness is READY=1 from the daemon itself (design.md §7 startup order ends with READY=1),
+    """Readiness is READY=1 from the daemon itself (the startup order of docs/architecture.md#backend-startup ends with READY=1),
     and no child (e.g. an agent) may send notifications for the unit."""
     for unit in (BACKEND, AGENTCTL):
         assert sdbox.prop(unit, "Type") == "notify"

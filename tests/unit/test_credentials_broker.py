@@ -135,7 +135,7 @@ def dump(store: Store) -> str:
 
 def test_lease_token_is_opaque_and_only_its_sha256_is_stored(store: Store, repo: Path,
                                                               config: CredentialsConfig) -> None:
-    """design.md §7: credential_leases holds hashes only; neither the token, its random part nor
+    """LEASE-CTX-1: credential_leases holds hashes only; neither the token, its random part nor
     the upstream token is anywhere in the database."""
     sid = new_session(store, repo)
     token, lease_id = issue(store, sid, config)
@@ -300,7 +300,7 @@ def test_token_signed_by_another_installation_is_refused(tmp_path: Path, repo: P
 
 def test_signing_key_is_created_once_and_survives_a_restart(tmp_path: Path, repo: Path,
                                                             config: CredentialsConfig) -> None:
-    """LEASE-CTX-5, LEASE-CTX-6, design.md §7: the key lives in the store, so a lease (and a capability)
+    """LEASE-CTX-5, LEASE-CTX-6: the key lives in the store, so a lease (and a capability)
     issued before a backend restart (Store closed and reopened) still redeems after it."""
     url = sqlite_url(tmp_path / "kandev.db")
     s = Store.open(url)
