@@ -5,9 +5,9 @@ can do what a package upgrade does: replace files under the running server (a ne
 a module that raises at import) and reload. Reloads go through the unit's reload helper
 (``kandev-agentctl --reload``) or the authenticated ``reload`` op, exactly as in production.
 
-Cited: Issue 15 item 1 (hand-over), 2 (preflight, refusal), 3 (no mixed code), 6 (a client
-attached during the re-exec re-attaches with ``after_seq``: nothing lost, nothing repeated),
-Issue 15 scenario C (a broken new version is refused, the old process keeps serving).
+Cited: Issue 15 item 1 (hand-over), Issue 15 item 2 (preflight, refusal), Issue 15 item 3 (no
+mixed code), Issue 15 item 6 (a client attached during the re-exec re-attaches with
+``after_seq``: nothing lost, nothing repeated), Issue 15 scenario C (a broken new version is refused, the old process keeps serving).
 """
 
 from __future__ import annotations
