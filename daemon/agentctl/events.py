@@ -15,12 +15,13 @@ msgpack cannot encode are made plain, and an event whose encoding would not
 fit a frame is replaced by a marker saying so, so that one oversized agent
 message can never wedge a stream.
 
-Detached retention bound (AC-EXECUTORS-SURVIVAL-001.5, AC-EXECUTORS-SURVIVAL-001.6, AC-EXECUTORS-SURVIVAL-001.9, AC-EXECUTORS-SURVIVAL-001.10;
-docs/architecture.md#the-control-server-inside). ``EventLog(limit=N)`` (``detached_event_limit``) never
-refuses or drops an event: ``append`` always retains. The bound is enforced
-where the agent's output enters the server: before the instance's transport
-hands the agent's next message over (to become an event) it awaits
-``wait_for_room()``, which parks while the log is *full*::
+Detached retention bound (AC-EXECUTORS-SURVIVAL-001.5, AC-EXECUTORS-SURVIVAL-001.6,
+AC-EXECUTORS-SURVIVAL-001.9, AC-EXECUTORS-SURVIVAL-001.10).
+``EventLog(limit=N)`` (``detached_event_limit``) never refuses or drops an
+event: ``append`` always retains. The bound is enforced where the agent's
+output enters the server: before the instance's transport hands the agent's
+next message over (to become an event) it awaits ``wait_for_room()``, which
+parks while the log is *full*::
 
     full = not closed and limit is armed and not attached and retained_count >= limit
 
@@ -34,7 +35,7 @@ hands the agent's next message over (to become an event) it awaits
   agent blocks in its own write: that is the pause. ``paused`` reports a
   parked producer (a message held back); a full log whose agent is silent is
   not paused, and its next message will be held back. Nothing is dropped, for
-  every kind in ``RETAINED_KINDS`` (below, the closed list of docs/architecture.md#the-control-server-inside).
+  every kind in ``RETAINED_KINDS`` (below, the closed list).
 - What releases a parked producer: a stream attaching, ``discard_through``
   (ack / attach ``after_seq``) making room, and ``close()`` (the instance
   stops: every parked producer is released at once and retained events are
@@ -44,13 +45,8 @@ hands the agent's next message over (to become an event) it awaits
   so the agent alone never takes the log past the limit.
 - Events the server itself appends (``turn_started``, ``turn_ended``,
   ``agent_exited``, ``permission_cancelled``) never wait: they are appended
-  even when the log is full. They cannot make it grow without bound: a turn
-  ends only when the agent's answer was read through the gate (or the agent
-  died, or a backend request failed), one turn is open at a time, a turn
-  starts only on a backend ``prompt``, ``agent_exited`` happens once, and a
-  cancelled permission is one the gate let through. So past the limit, the log
-  grows only by what a backend asks for plus at most one exit; a silent or
-  flooding agent cannot grow it.
+  even when the log is full; why that cannot grow it without bound is in
+  docs/architecture.md#the-control-server-inside ("How the pause is built").
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ State machine (supervisord-style; every change goes through ``_set_state``)::
 turn outcomes) until ``stop()``; ``stopped`` is final and the server forgets
 the instance.
 
-Process handling (docs/architecture.md#processes and docs/architecture.md#the-control-server-inside): the agent is spawned here, never with the
-SDK's spawn helpers: its own session and process group
+Process handling (docs/architecture.md#the-control-server-inside): the agent is
+spawned here, never with the SDK's spawn helpers: its own session and process group
 (``start_new_session``), stderr to its own file under the agent log dir, a
 minimal environment (PATH, HOME, LANG, LC_ALL, TERM, USER, LOGNAME of the
 server plus the request's ``env``), and ``PR_SET_PDEATHSIG=SIGKILL`` so that
@@ -27,7 +27,7 @@ of the above, and everything inside stays in its process group.
 ACP: the agent's pipes are wrapped in ``AgentPipeTransport`` (newline-
 delimited JSON, the SDK's framing) and handed to ``acp.connect_to_agent``.
 The SDK runs handlers as separate tasks, so events are numbered in a stream
-observer, which the SDK calls synchronously in arrival order (docs/architecture.md#processes):
+observer, which the SDK calls synchronously in arrival order:
 ``session/update`` notifications and ``session/request_permission`` requests
 become events there, with ``data`` taken from the raw JSON-RPC message.
 
@@ -37,7 +37,7 @@ appended (after every ``session_update`` the agent sent before its answer)
 and the outcome is retained until ``ack_turn`` names it
 (AC-EXECUTORS-SURVIVAL-004.1, AC-EXECUTORS-SURVIVAL-004.6).
 
-Runtime configuration (docs/requirements.md#runtime-configuration-across-a-context-reset): ``session_info`` keeps what the agent
+Runtime configuration (the RESETCFG rules): ``session_info`` keeps what the agent
 reported about its current ACP session (modes, config options); ``set_mode``
 and ``set_config_option`` send the ACP requests on that session and answer
 ``last_seq`` (every update the agent sent before answering is numbered by
@@ -45,33 +45,17 @@ then); ``reset_context`` opens a new ACP session (``session/new``) on the same
 process and makes it the current one. ``handshake_seq`` is the last seq of the
 handshake, e.g. the history a ``session/load`` replays.
 
-Detached retention (AC-EXECUTORS-SURVIVAL-001.5, AC-EXECUTORS-SURVIVAL-001.6, AC-EXECUTORS-SURVIVAL-001.9, AC-EXECUTORS-SURVIVAL-001.10;
-docs/architecture.md#processes and docs/architecture.md#the-control-server-inside; the rule itself is in
-``daemon.agentctl.events``): the SDK's receive loop calls
-``AgentPipeTransport.receive()`` for every message, and ``receive`` awaits
-``EventLog.wait_for_room()`` before it hands a message over (so before the
-observer turns it into an event). While this instance's stream is not
-attached and ``detached_event_limit`` events are retained, that wait parks,
-holding the one message back: the SDK stops reading, the stdout
-``StreamReader`` (its limit is ``AGENT_STDOUT_LIMIT``, so it stops pulling from
-the pipe once about twice that is buffered) stops reading the pipe, the pipe
-fills and the agent blocks in its own write. What is not handed over is not an
-event yet, so nothing can be dropped. The bound is armed once
-the handshake is done: no backend can attach before ``create_instance``
-answers, and an agent blocked mid-``session/load`` would fail its handshake;
-history a ``session/load`` replays is retained in full and the producer parks
-right after, if that is already past the bound.
+Detached retention (AC-EXECUTORS-SURVIVAL-001.5, AC-EXECUTORS-SURVIVAL-001.6,
+AC-EXECUTORS-SURVIVAL-001.9, AC-EXECUTORS-SURVIVAL-001.10; the rule is in
+``daemon.agentctl.events``): ``AgentPipeTransport.receive()`` awaits
+``EventLog.wait_for_room()`` before it hands each agent message over, so a full
+detached log holds the message back and the agent blocks in its own write. The
+bound is armed once the handshake is done; ``attach`` and acks release the
+producer; ``stop()`` closes the log first, releasing every parked producer at
+once; ``agent_exited`` is appended only once stdout is drained. Why this holds
+(no deadlock, nothing dropped, nothing overtaken): docs/architecture.md#the-control-server-inside,
+"How the pause is built".
 
-- Attaching (``attach``) releases the producer at once; so do acks. Attached,
-  nothing parks (the backend acks as it applies).
-- Stop (``stop()``) first sets the stop signal and closes the log, which
-  releases every parked producer at once and throws retained events away;
-  the exit watcher, the only other waiter, watches the stop signal too. No
-  producer parks while holding a lock: ``receive`` holds none (the transport's
-  lock serialises sends only), and the SDK's handlers run as separate tasks.
-- After the agent exits, ``agent_exited`` is appended only once its stdout is
-  drained, so it never overtakes output still held back by the pause; time
-  spent paused does not count towards ``STDOUT_DRAIN_GRACE``.
 - Permission requests have no auto-cancel timer in this project, attached or
   not: a request stays open until ``respond_permission``, a ``cancel``, the
   agent's exit, or ``stop()`` (AC-EXECUTORS-SURVIVAL-001.9; docs/architecture.md#the-control-server-inside). A request raised
