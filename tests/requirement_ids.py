@@ -98,6 +98,8 @@ _SCENARIO_ANY = re.compile(r"(?<![\w-])[Ss]cenarios?\s+[A-Z](?![\w-])")
 OUTSIDE = re.compile(
     r"design\.md|design-notes|design card|\.\./shared|/work/shared|§"
     r"|(?<![\w/])spec/[\w.-]+|(?<![\w-])seeds?(?:\s+0\d\d|/)"
+    r"|(?<![\w/.-])(?:survival|ownership|resume-and-config)\.md"
+    r"|(?:acp-runtime-config-across-context-reset|agent-resume-runtime-recovery|survived-session-state)"
 )
 
 # Where the numbered sections of the design pages kandev was built from (not in this repository)
@@ -345,7 +347,8 @@ def check_text(text: str, path: str, known: set[str], targets: set[str] | None =
     for m in _found(_SCENARIO_ANY, text, "cenario"):
         if not covered(m):
             report(m.start(), "old form", m.group(0), "Issue <n> scenario <X>")
-    for m in _found(OUTSIDE, text, "design", "shared", "\u00a7", "spec/", "seed"):
+    for m in _found(OUTSIDE, text, "design", "shared", "\u00a7", "spec/", "seed", "survival.md", "ownership.md",
+                    "resume-and-config", "runtime-config-across", "agent-resume", "survived-session"):
         report(m.start(), "outside reference", m.group(0), "point into docs/ or state the rule")
     if targets is not None:
         for m in _found(POINTER, text, ".md#"):

@@ -83,6 +83,8 @@ def test_each_old_form_is_reported_and_fixed(text: str, fixed: str) -> None:
     "see design" + "-notes",
     "the rules of spec" + "/survival.md",
     "seed" + " 000",
+    "as survival" + ".md says",  # a requirement spec named without its folder
+    "agent-resume" + "-runtime-recovery.txt",  # a seed by its file name
 ])
 def test_what_only_a_person_can_decide_is_reported_and_left_alone(text: str) -> None:
     assert rid.check_text(text, "x", KNOWN), text
