@@ -2,7 +2,8 @@
 
 Run: ``python tests/requirement_ids.py`` lists every problem (exit 1 if there is one);
 ``python tests/requirement_ids.py --fix`` first rewrites every citation whose canonical form is
-certain, then lists what is left for a person to decide. ``tests/unit/test_requirement_ids.py``
+certain, and applies the decisions a person recorded in ``tests/requirement_ids_decisions.py``
+(wherever their text now is), then lists what is left for a person to decide. ``tests/unit/test_requirement_ids.py``
 runs the check in the suite.
 
 Canonical forms (docs/requirements.md, "How ids are written"): ``AC-EXECUTORS-SURVIVAL-001.6``,
@@ -261,16 +262,20 @@ def fix_text(text: str, known: set[str] | None = None) -> str:
     """Rewrite every citation whose canonical form is certain; leave everything else as it is.
     With ``known`` (the ids docs/requirements.md defines), bare numbers are resolved too, where
     only one reading exists (see ``_bare_resolver``)."""
-    text = _AC_ANY.sub(_ac_canonical, text)
-    text = _AC_LIST.sub(_expand_ac_list, text)
-    text = _NUM_LIST.sub(_expand_num_list, text)
-    text = _ISSUE_SCENARIOS.sub(_expand_scenarios, text)
-    text = _ISSUE_ITEMS.sub(_expand_items, text)
-    text = re.sub(r"(?<![\w-])issue (\d+)(?![\w-])", r"Issue \1", text)
+    if "SURV" in text or "OWN" in text:
+        text = _AC_ANY.sub(_ac_canonical, text)
+        text = _AC_LIST.sub(_expand_ac_list, text)
+    if "RESUME-" in text or "RESETCFG-" in text or "-CTX-" in text:
+        text = _NUM_LIST.sub(_expand_num_list, text)
+    if "ssue" in text:
+        text = _ISSUE_SCENARIOS.sub(_expand_scenarios, text)
+        text = _ISSUE_ITEMS.sub(_expand_items, text)
+        text = re.sub(r"(?<![\w-])issue (\d+)(?![\w-])", r"Issue \1", text)
     if "design" in text:
         text = _DESIGN_REF.sub(_design_pointer, text)
-    for pattern, pointer in _POINTER_REWRITES:
-        text = pattern.sub(pointer, text)
+    if "spec/" in text or "seed" in text:
+        for pattern, pointer in _POINTER_REWRITES:
+            text = pattern.sub(pointer, text)
     if known is not None and _BARE.search(text):
         text = _BARE.sub(_bare_resolver(text, known), text)
     return text
@@ -403,12 +408,32 @@ def check(root: Path = ROOT) -> list[Problem]:
     return problems
 
 
+def decisions() -> tuple[tuple[str, str, str], ...]:
+    """The recorded decisions of a person (``tests/requirement_ids_decisions.py``), if it exists."""
+    path = Path(__file__).resolve().parent / "requirement_ids_decisions.py"
+    if not path.is_file():
+        return ()
+    namespace: dict[str, object] = {}
+    exec(compile(path.read_text(), str(path), "exec"), namespace)
+    return namespace["DECISIONS"]  # type: ignore[return-value]
+
+
+def apply_decisions(text: str, table: tuple[tuple[str, str, str], ...], name: str = "") -> str:
+    """``text`` with every recorded decision applied (those scoped to a file name only in that file)."""
+    for old, new, scope in table:
+        if old in text and (not scope or scope == name):
+            text = text.replace(old, new)
+    return text
+
+
 def fix(root: Path = ROOT) -> list[Path]:
-    """Apply ``fix_text`` to every scanned file; returns the files it changed."""
+    """Apply ``fix_text``, then the recorded decisions, to every scanned file; returns the files
+    it changed."""
     known = set(entries((root / "docs" / "requirements.md").read_text()))
+    table = decisions()
     changed: list[Path] = []
     for path, text in texts(root):
-        new = fix_text(text, known)
+        new = apply_decisions(fix_text(text, known), table, path.name)
         if new != text:
             path.write_text(new)
             changed.append(path)
