@@ -225,4 +225,8 @@ DECISIONS: tuple[tuple[str, str, str], ...] = (
      '"""Control-server half of the context-reset rules (RESETCFG): ', ''),
     ('Cited: Issue 15 item 1 (hand-over), 2 (preflight, refusal), 3 (no mixed code), 6 (a client\nattached during the re-exec re-attaches with ``after_seq``: nothing lost, nothing repeated),\nIssue 15 scenario C',
      'Cited: Issue 15 item 1 (hand-over), Issue 15 item 2 (preflight, refusal), Issue 15 item 3 (no\nmixed code), Issue 15 item 6 (a client attached during the re-exec re-attaches with\n``after_seq``: nothing lost, nothing repeated), Issue 15 scenario C', ''),
+    ('on, detached control server) serves the module; the tests run as root, so every one of them is also\nscenario D (kandev running as root).',
+     'on, detached control server) serves the module; the tests run as root, so every one of them is also\nIssue 12 scenario D (kandev running as root).', 'test_claude_code.py'),
+    ('with the installed package, scenario A with the key',
+     'with the installed package, Issue 12 scenario A with the key', 'test_package.py'),
 )
