@@ -1,4 +1,4 @@
-"""``kandev``: the command-line client of the backend socket (design.md §8).
+"""``kandev``: the command-line client of the backend socket (README.md#using-it).
 
 ``kandev [--home DIR] [--json] COMMAND``. With ``--json`` every command prints
 one JSON object on stdout (``follow`` and ``prompt --follow``: one per event).

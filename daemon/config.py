@@ -13,12 +13,12 @@ Durations are written with a unit: ``ms``, ``s``, ``min`` or ``h`` (``500ms``,
 ``0`` for ``agentctl.idle_timeout`` (reaping disabled).
 
 ``load_config`` only parses: types, units, unknown keys. Ranges are checked by
-the daemon that reads the key (design.md §10): ``validate_backend`` for the
+the daemon that reads the key (README.md#configuration): ``validate_backend`` for the
 recovery keys, ``validate_agentctl`` (run by the control server at its start,
 on the values the backend hands it) for the retention limit and the unowned
 period. Values are rejected, never clamped, except the unowned period, which
 is adjusted and the adjustment recorded (AC-EXECUTORS-CONTROL-OWNERSHIP-003.4,
-003.6, 003.7). Every refusal is a ``ConfigError`` naming the key (and the
+AC-EXECUTORS-CONTROL-OWNERSHIP-003.6, AC-EXECUTORS-CONTROL-OWNERSHIP-003.7). Every refusal is a ``ConfigError`` naming the key (and the
 environment variable when the value came from there), the value as given and
 what is accepted.
 """
@@ -366,7 +366,7 @@ def validate_credentials(config: Config) -> None:
 
 
 def validate_backend(config: Config) -> None:
-    """Check the keys the backend reads (AC-EXECUTORS-SURVIVAL-002.13, 003.7; credentials)."""
+    """Check the keys the backend reads (AC-EXECUTORS-SURVIVAL-002.13, AC-EXECUTORS-SURVIVAL-003.7; credentials)."""
     validate_credentials(config)
     a = config.agentctl
 
@@ -411,8 +411,8 @@ def resolve_unowned_period(period: float, idle_timeout: float) -> tuple[float, l
     """Apply the idle-timeout ordering and the 1 min floor; return the period and what changed.
 
     AC-EXECUTORS-CONTROL-OWNERSHIP-003.4: with reaping on (idle > 0) the period
-    must be shorter than the idle timeout, else it becomes idle/2. 003.6: with
-    reaping off (idle <= 0) the period is used unchanged. 003.7: then at least
+    must be shorter than the idle timeout, else it becomes idle/2. AC-EXECUTORS-CONTROL-OWNERSHIP-003.6: with
+    reaping off (idle <= 0) the period is used unchanged. AC-EXECUTORS-CONTROL-OWNERSHIP-003.7: then at least
     1 min, even if that breaks the ordering (recorded, and the server starts).
     """
     notes: list[str] = []

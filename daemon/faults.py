@@ -10,7 +10,7 @@ missing or unreadable file means no fault. Three kinds:
 
 - kill points (``fault_point``): the process SIGKILLs itself at an exact step:
   the backend at each step of adoption, so tests can check that every crash
-  point leaves a credential held by both sides (spec/ownership.md,
+  point leaves a credential held by both sides (docs/requirements.md#control-server-ownership,
   cross-cutting invariants); the control server at its start, so a server
   that crashes every time it is started can be tested (crash-loop limit);
 - delays (``fault_delay``, written ``name:seconds``): a control-server step
@@ -48,12 +48,12 @@ DELAYS = frozenset(
 )
 FAILURES = frozenset(
     {
-        "agentctl_stop_fails",  # stop_instance answers an error (SURVIVAL-002.15/002.16)
-        "agentctl_turn_status_fails",  # turn_status answers an error (SURVIVAL-004.5)
-        "agentctl_lacks_turns",  # identify advertises no turns.v1 (OWNERSHIP-004.3)
-        "agentctl_shutdown_fails",  # ownership_shutdown answers an error (OWNERSHIP-004.7)
-        "agentctl_lacks_shutdown",  # ownership_shutdown is an unknown op (OWNERSHIP-004.6)
-        "agentctl_rotate_fails",  # rotate answers an error: adoption incomplete (OWNERSHIP-002.5)
+        "agentctl_stop_fails",  # stop_instance answers an error (AC-EXECUTORS-SURVIVAL-002.15, AC-EXECUTORS-SURVIVAL-002.16)
+        "agentctl_turn_status_fails",  # turn_status answers an error (AC-EXECUTORS-SURVIVAL-004.5)
+        "agentctl_lacks_turns",  # identify advertises no turns.v1 (AC-EXECUTORS-CONTROL-OWNERSHIP-004.3)
+        "agentctl_shutdown_fails",  # ownership_shutdown answers an error (AC-EXECUTORS-CONTROL-OWNERSHIP-004.7)
+        "agentctl_lacks_shutdown",  # ownership_shutdown is an unknown op (AC-EXECUTORS-CONTROL-OWNERSHIP-004.6)
+        "agentctl_rotate_fails",  # rotate answers an error: adoption incomplete (AC-EXECUTORS-CONTROL-OWNERSHIP-002.5)
     }
 )
 

@@ -2,7 +2,7 @@
 
 The home is ``--home``, else ``$KANDEV_HOME``, else ``$STATE_DIRECTORY`` (the
 first entry; systemd sets it for ``StateDirectory=``), else
-``~/.local/share/kandev`` (design.md §3). Everything else is derived from it by
+``~/.local/share/kandev`` (docs/architecture.md#the-home). Everything else is derived from it by
 ``Paths``.
 
 Sockets (the backend's CLI socket and one new control-server socket per launch)

@@ -1,10 +1,10 @@
 """The platform check: can agent survival work on this host, and is it switched on?
 
 Answers ``enabled``, ``disabled`` or ``unavailable`` with a stable reason code
-and a sentence (design.md §2). Availability wins over the switch: a host that
+and a sentence (docs/architecture.md#lifetimes). Availability wins over the switch: a host that
 cannot support survival reports ``unavailable`` whatever the switch says, so
 an operator can tell "unsupported here" from "switched off"
-(AC-EXECUTORS-SURVIVAL-005.4; design-notes §12). Reason codes:
+(AC-EXECUTORS-SURVIVAL-005.4; docs/architecture.md#lifetimes). Reason codes:
 
 - ``not_linux``: only Linux is supported.
 - ``unit_missing``: we run as a systemd service but ``kandev-agentctl.service``

@@ -1,8 +1,9 @@
 """Print the table from requirement ID to the tests that cite it (tests/README.md embeds it).
 
 Run: ``python tests/ac_table.py``. A test cites an ID by writing it in full
-(``AC-EXECUTORS-SURVIVAL-003.7``, ``RESUME-5``, ``RESETCFG-9``) in its name,
-docstring or body; module docstrings count for every test of the module.
+(``AC-EXECUTORS-SURVIVAL-003.7``, ``RESUME-5``, ``RESETCFG-9``, ``LEASE-CTX-3``,
+``Issue 10 scenario A``; docs/requirements.md defines each) in its name, docstring or
+body; module docstrings count for every test of the module.
 """
 
 from __future__ import annotations
@@ -12,13 +13,19 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-ID = re.compile(r"AC-EXECUTORS-[A-Z-]+-\d{3}\.\d+|RESUME-\d+|RESETCFG-\d+")
+ID = re.compile(
+    r"AC-EXECUTORS-[A-Z-]+-\d{3}\.\d+|(?:RESUME|RESETCFG)-T?\d+|(?:LEASE|NPM)-CTX-\d+"
+    r"|Issue \d+ scenario [A-Z](?![\w-])"
+)
+FAMILIES = ("AC-EXECUTORS-SURVIVAL", "AC-EXECUTORS-CONTROL-OWNERSHIP", "RESUME", "RESETCFG", "NPM-CTX",
+            "LEASE-CTX", "Issue")
 ROOT = Path(__file__).resolve().parent
 
 
-def _order(ident: str) -> tuple[str, list[int]]:
-    family = ident.rsplit("-", 1)[0]
-    return family, [int(n) for n in re.findall(r"\d+", ident.rsplit("-", 1)[1])]
+def _order(ident: str) -> tuple[int, bool, list[int], str]:
+    """Families in the order of docs/requirements.md, then numerically (RESUME-T1 after RESUME-13)."""
+    rank = next(i for i, family in enumerate(FAMILIES) if ident.startswith(family))
+    return rank, "-T" in ident, [int(n) for n in re.findall(r"\d+", ident)], ident
 
 
 def collect() -> dict[str, set[str]]:

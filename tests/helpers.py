@@ -58,7 +58,7 @@ def venv_python_path() -> Path:
     return default_venv_dir() / "bin" / "python"
 
 
-# ---------------------------------------------------------------- attacking from inside an agent (issue 10)
+# ---------------------------------------------------------------- attacking from inside an agent (Issue 10)
 
 
 def attack_script(denied: dict[str, list[str]], allowed: dict[str, list[str]]) -> str:

@@ -1,4 +1,4 @@
-"""The previous release, built from this repository's history, for version-skew tests (issue 15).
+"""The previous release, built from this repository's history, for version-skew tests (Issue 15).
 
 ``previous_release()`` is the newest release older than ``daemon.version.VERSION``: its commit is
 the tag ``v<version>`` when this clone has it, else the record in ``packaging/releases.txt`` (CI

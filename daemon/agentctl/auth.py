@@ -1,8 +1,8 @@
 """Ownership proofs: pure HMAC-SHA256 functions used by both sides.
 
 The control server and the backend import this module, so the two sides
-cannot compute a proof differently (design.md §5, AC-EXECUTORS-CONTROL-
-OWNERSHIP-001.10). The credential never crosses the socket:
+cannot compute a proof differently (docs/architecture.md#ownership, AC-EXECUTORS-CONTROL-
+AC-EXECUTORS-CONTROL-OWNERSHIP-001.10). The credential never crosses the socket:
 
 - ``server_proof``: the backend sends a fresh 32-byte challenge; the server
   answers ``HMAC(cred, "kandev-prove\\0" || challenge || identity || "\\0" ||

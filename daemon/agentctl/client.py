@@ -1,6 +1,6 @@
 """The backend's client of ``kandev-agentctl``.
 
-``AgentctlClient.connect`` runs the ownership handshake of design.md §5 on a
+``AgentctlClient.connect`` runs the ownership handshake of docs/architecture.md#ownership on a
 fresh connection, in this order, and sends nothing else before it succeeds:
 
 1. ``identify`` (unauthenticated). An error answer, no identity or no
@@ -16,7 +16,7 @@ fresh connection, in this order, and sends nothing else before it succeeds:
 Every ``attach`` opens a new connection, runs the same handshake on it and
 dedicates it to that instance's event stream.
 
-Rotation (spec/ownership.md REQ-002; the server side is
+Rotation (REQ-EXECUTORS-CONTROL-OWNERSHIP-002; the server side is
 ``daemon.agentctl.ownership``). The server accepts at most two credentials:
 the current one (everything) and, while the highest rotation is unconfirmed,
 the one it superseded (only ``rotate`` and ``ownership_shutdown``). So an
@@ -41,7 +41,7 @@ by the server.
 ``identify(socket_path)`` is the standalone, unauthenticated probe: None when
 nothing answers (no socket, connection refused, timeout).
 
-Reconnection (issue 15). The server closes every connection when it
+Reconnection (Issue 15). The server closes every connection when it
 re-executes (``reload``): a request it refused with ``reloading``, or that was
 pending when the connection ended with a last ``reloading`` frame, never ran.
 ``call`` then connects again (the same handshake: same identity, this client's
@@ -88,7 +88,7 @@ _RETRY_PAUSE_S = 0.05
 
 class OwnershipRefused(Exception):
     """The server is not one this backend may drive. ``reason``: ``identity_mismatch`` or
-    ``authentication_failure`` (the refusal reasons of spec/ownership.md)."""
+    ``authentication_failure`` (the refusal reasons of docs/requirements.md#control-server-ownership)."""
 
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)
@@ -232,7 +232,7 @@ class AgentctlClient:
         self.timeout = timeout
         self.on_superseded: Callable[[AgentctlClient], None] | None = None
         """Called (once per refusal) when an operation is refused with ``superseded_credential``:
-        another holder of the installation's credential adopted the server (OWNERSHIP-002.3)."""
+        another holder of the installation's credential adopted the server (AC-EXECUTORS-CONTROL-OWNERSHIP-002.3)."""
         self._conn = conn
         self._credential = credential
         self._installation_id = installation_id
@@ -507,7 +507,7 @@ class AgentctlClient:
         await self.call("respond_permission", args)
 
     async def list_instances(self) -> list[dict[str, Any]]:
-        """Every instance with the session and task ids the server holds (SURVIVAL-002.1)."""
+        """Every instance with the session and task ids the server holds (AC-EXECUTORS-SURVIVAL-002.1)."""
         result = await self.call("list_instances")
         return list(result["instances"])
 

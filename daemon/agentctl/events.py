@@ -15,42 +15,38 @@ msgpack cannot encode are made plain, and an event whose encoding would not
 fit a frame is replaced by a marker saying so, so that one oversized agent
 message can never wedge a stream.
 
-Detached retention bound (AC-EXECUTORS-SURVIVAL-001.5, 001.6, 001.9, 001.10;
-design-notes §6.6, §9). ``EventLog(limit=N)`` (``detached_event_limit``) never
-refuses or drops an event: ``append`` always retains. The bound is enforced
-where the agent's output enters the server: before the instance's transport
-hands the agent's next message over (to become an event) it awaits
-``wait_for_room()``, which parks while the log is *full*::
+Detached retention bound (AC-EXECUTORS-SURVIVAL-001.5, AC-EXECUTORS-SURVIVAL-001.6,
+AC-EXECUTORS-SURVIVAL-001.9, AC-EXECUTORS-SURVIVAL-001.10).
+``EventLog(limit=N)`` (``detached_event_limit``) never refuses or drops an
+event: ``append`` always retains. The bound is enforced where the agent's
+output enters the server: before the instance's transport hands the agent's
+next message over (to become an event) it awaits ``wait_for_room()``, which
+parks while the log is *full*::
 
     full = not closed and limit is armed and not attached and retained_count >= limit
 
 - ``retained_count`` counts every event not yet discarded (acked). An event a
   dropped stream had sent but nobody acked is counted too: the server cannot
   know it was applied, so it is still owed to the next backend.
-- ``attached`` is this log's own stream (001.9), never server ownership.
+- ``attached`` is this log's own stream (AC-EXECUTORS-SURVIVAL-001.9), never server ownership.
   While attached nothing parks: the backend acks as it applies, so retention
   stays today's "until acked".
 - Parked, the transport does not read, the agent's stdout pipe fills and the
   agent blocks in its own write: that is the pause. ``paused`` reports a
   parked producer (a message held back); a full log whose agent is silent is
   not paused, and its next message will be held back. Nothing is dropped, for
-  every kind in ``RETAINED_KINDS`` (below, the closed list of design-notes §9).
+  every kind in ``RETAINED_KINDS`` (below, the closed list).
 - What releases a parked producer: a stream attaching, ``discard_through``
   (ack / attach ``after_seq``) making room, and ``close()`` (the instance
   stops: every parked producer is released at once and retained events are
-  thrown away, 001.10). ``close`` is the stop signal of the wait, and no
+  thrown away, AC-EXECUTORS-SURVIVAL-001.10). ``close`` is the stop signal of the wait, and no
   lock is held while waiting, so stop can never deadlock on a parked producer.
   An event of the agent is handed over only while ``retained_count < limit``,
   so the agent alone never takes the log past the limit.
 - Events the server itself appends (``turn_started``, ``turn_ended``,
   ``agent_exited``, ``permission_cancelled``) never wait: they are appended
-  even when the log is full. They cannot make it grow without bound: a turn
-  ends only when the agent's answer was read through the gate (or the agent
-  died, or a backend request failed), one turn is open at a time, a turn
-  starts only on a backend ``prompt``, ``agent_exited`` happens once, and a
-  cancelled permission is one the gate let through. So past the limit, the log
-  grows only by what a backend asks for plus at most one exit; a silent or
-  flooding agent cannot grow it.
+  even when the log is full; why that cannot grow it without bound is in
+  docs/architecture.md#the-control-server-inside ("How the pause is built").
 """
 
 from __future__ import annotations
@@ -64,7 +60,7 @@ import msgpack
 
 from daemon.agentctl.protocol import EventKind
 
-# The closed list of design-notes §9, as code: every event kind the log carries
+# The closed list of docs/architecture.md#the-control-server-inside, as code: every event kind the log carries
 # and whether it is retained at the bound (parks the producer, never dropped)
 # or excluded. Kandev's only exclusions were its two MCP-attachment reports;
 # this project has no MCP-attachment events, so the excluded list is EMPTY.
@@ -73,7 +69,7 @@ RETAINED_KINDS: tuple[str, ...] = (
     EventKind.SESSION_UPDATE,  # every ACP session/update (chunks, tool calls, mode/config/model/usage updates)
     EventKind.AGENT_ERROR,  # a line on the agent's stdout that is not JSON-RPC
     EventKind.AGENT_EXITED,  # process exit with exit code and stderr tail
-    EventKind.PERMISSION_REQUEST,  # session/request_permission: stays open while detached (001.9)
+    EventKind.PERMISSION_REQUEST,  # session/request_permission: stays open while detached (AC-EXECUTORS-SURVIVAL-001.9)
     EventKind.PERMISSION_CANCELLED,  # an open request answered "cancelled" by the server (cancel, agent exit)
     EventKind.TURN_STARTED,  # server-originated
     EventKind.TURN_ENDED,  # server-originated: the turn's outcome (also kept in turn_status until ack_turn)

@@ -11,8 +11,8 @@ State machine (supervisord-style; every change goes through ``_set_state``)::
 turn outcomes) until ``stop()``; ``stopped`` is final and the server forgets
 the instance.
 
-Process handling (design.md §1, §6): the agent is spawned here, never with the
-SDK's spawn helpers: its own session and process group
+Process handling (docs/architecture.md#the-control-server-inside): the agent is
+spawned here, never with the SDK's spawn helpers: its own session and process group
 (``start_new_session``), stderr to its own file under the agent log dir, a
 minimal environment (PATH, HOME, LANG, LC_ALL, TERM, USER, LOGNAME of the
 server plus the request's ``env``), and ``PR_SET_PDEATHSIG=SIGKILL`` so that
@@ -27,7 +27,7 @@ of the above, and everything inside stays in its process group.
 ACP: the agent's pipes are wrapped in ``AgentPipeTransport`` (newline-
 delimited JSON, the SDK's framing) and handed to ``acp.connect_to_agent``.
 The SDK runs handlers as separate tasks, so events are numbered in a stream
-observer, which the SDK calls synchronously in arrival order (design.md §1):
+observer, which the SDK calls synchronously in arrival order:
 ``session/update`` notifications and ``session/request_permission`` requests
 become events there, with ``data`` taken from the raw JSON-RPC message.
 
@@ -35,9 +35,9 @@ Turns: ``prompt`` opens a turn with a server-wide unique id and appends
 ``turn_started``; when the agent answers the prompt, ``turn_ended`` is
 appended (after every ``session_update`` the agent sent before its answer)
 and the outcome is retained until ``ack_turn`` names it
-(AC-EXECUTORS-SURVIVAL-004.1, 004.6).
+(AC-EXECUTORS-SURVIVAL-004.1, AC-EXECUTORS-SURVIVAL-004.6).
 
-Runtime configuration (seed 004): ``session_info`` keeps what the agent
+Runtime configuration (the RESETCFG rules): ``session_info`` keeps what the agent
 reported about its current ACP session (modes, config options); ``set_mode``
 and ``set_config_option`` send the ACP requests on that session and answer
 ``last_seq`` (every update the agent sent before answering is numbered by
@@ -45,36 +45,20 @@ then); ``reset_context`` opens a new ACP session (``session/new``) on the same
 process and makes it the current one. ``handshake_seq`` is the last seq of the
 handshake, e.g. the history a ``session/load`` replays.
 
-Detached retention (AC-EXECUTORS-SURVIVAL-001.5, 001.6, 001.9, 001.10;
-design.md §1, §6; design-notes §9; the rule itself is in
-``daemon.agentctl.events``): the SDK's receive loop calls
-``AgentPipeTransport.receive()`` for every message, and ``receive`` awaits
-``EventLog.wait_for_room()`` before it hands a message over (so before the
-observer turns it into an event). While this instance's stream is not
-attached and ``detached_event_limit`` events are retained, that wait parks,
-holding the one message back: the SDK stops reading, the stdout
-``StreamReader`` (its limit is ``AGENT_STDOUT_LIMIT``, so it stops pulling from
-the pipe once about twice that is buffered) stops reading the pipe, the pipe
-fills and the agent blocks in its own write. What is not handed over is not an
-event yet, so nothing can be dropped. The bound is armed once
-the handshake is done: no backend can attach before ``create_instance``
-answers, and an agent blocked mid-``session/load`` would fail its handshake;
-history a ``session/load`` replays is retained in full and the producer parks
-right after, if that is already past the bound.
+Detached retention (AC-EXECUTORS-SURVIVAL-001.5, AC-EXECUTORS-SURVIVAL-001.6,
+AC-EXECUTORS-SURVIVAL-001.9, AC-EXECUTORS-SURVIVAL-001.10; the rule is in
+``daemon.agentctl.events``): ``AgentPipeTransport.receive()`` awaits
+``EventLog.wait_for_room()`` before it hands each agent message over, so a full
+detached log holds the message back and the agent blocks in its own write. The
+bound is armed once the handshake is done; ``attach`` and acks release the
+producer; ``stop()`` closes the log first, releasing every parked producer at
+once; ``agent_exited`` is appended only once stdout is drained. Why this holds
+(no deadlock, nothing dropped, nothing overtaken): docs/architecture.md#the-control-server-inside,
+"How the pause is built".
 
-- Attaching (``attach``) releases the producer at once; so do acks. Attached,
-  nothing parks (the backend acks as it applies).
-- Stop (``stop()``) first sets the stop signal and closes the log, which
-  releases every parked producer at once and throws retained events away;
-  the exit watcher, the only other waiter, watches the stop signal too. No
-  producer parks while holding a lock: ``receive`` holds none (the transport's
-  lock serialises sends only), and the SDK's handlers run as separate tasks.
-- After the agent exits, ``agent_exited`` is appended only once its stdout is
-  drained, so it never overtakes output still held back by the pause; time
-  spent paused does not count towards ``STDOUT_DRAIN_GRACE``.
 - Permission requests have no auto-cancel timer in this project, attached or
   not: a request stays open until ``respond_permission``, a ``cancel``, the
-  agent's exit, or ``stop()`` (001.9; design-notes §6.6). A request raised
+  agent's exit, or ``stop()`` (AC-EXECUTORS-SURVIVAL-001.9; docs/architecture.md#the-control-server-inside). A request raised
   while detached therefore never expires.
 """
 
@@ -172,7 +156,7 @@ def can_transition(old: InstanceState, new: InstanceState) -> bool:
 
 class TurnIds:
     """Server-wide turn ids ``<server_identity>:<n>``: never repeated in a lifetime, nor across
-    lifetimes, since the identity is random per launch (design.md §6)."""
+    lifetimes, since the identity is random per launch (docs/architecture.md#the-control-server-inside)."""
 
     def __init__(self, server_identity: str, counter: int = 0) -> None:
         self._prefix = server_identity
@@ -234,7 +218,7 @@ class AgentPipeTransport:
     Same framing as the SDK's stdio transport; owning it gives the server
     two things: ``eof`` (every line the agent wrote has been handed to the
     connection) and the place where reading pauses for backpressure
-    (AC-EXECUTORS-SURVIVAL-001.6, design.md §1): before each message read is
+    (AC-EXECUTORS-SURVIVAL-001.6, docs/architecture.md#processes): before each message read is
     handed over, ``gate()`` is awaited (``EventLog.wait_for_room``); the next
     ``receive()`` is not even called meanwhile, so nothing more is read. No
     lock is held while it waits.
@@ -477,11 +461,11 @@ class Instance:
             "paused": self.log.paused,
             "detached_event_limit": self.detached_event_limit,
             "sandboxed": self.spec.sandboxed,
-            # What the agent reported about its current ACP session (seed 004).
+            # What the agent reported about its current ACP session (RESETCFG-12).
             "modes": self.session_info.get("modes"),
             "config_options": list(self.session_info.get("config_options") or []),
             # What a re-exec of the control server could not carry over for this instance (empty
-            # unless a reload reported something; issue 15).
+            # unless a reload reported something; Issue 15).
             "not_taken_over": list(self.not_taken_over),
         }
 
@@ -772,7 +756,7 @@ class Instance:
         except (ConnectionError, OSError) as exc:
             raise IpcError(ErrorCode.AGENT_ERROR, f"cannot reach the agent: {exc}") from None
 
-    # -- runtime configuration and context reset (seed 004) -------------------------
+    # -- runtime configuration and context reset (docs/requirements.md#runtime-configuration-across-a-context-reset) -------------------------
 
     async def _config_call(self, what: str, call: Callable[[acp.ClientSideConnection], Awaitable[Any]]) -> Any:
         """One ACP request on the current session; a refusal is ``agent_error`` (not retryable)."""
@@ -967,7 +951,7 @@ class Instance:
 
     async def _do_stop(self) -> None:
         # The stop signal first: it releases every parked producer at once (the log's close) and
-        # every other wait of this instance, without waiting for a backend (SURVIVAL-001.10).
+        # every other wait of this instance, without waiting for a backend (AC-EXECUTORS-SURVIVAL-001.10).
         self._stop_signal.set()
         self.log.close()  # ends the attached stream, drops undelivered events, unparks producers
         previous = self.state

@@ -55,7 +55,7 @@ from ipc.errors import IpcError
 
 log = logging.getLogger("kandev.agentctl")
 
-# SURVIVAL-001.3: fixed bounds of the server's own log file, never settings.
+# AC-EXECUTORS-SURVIVAL-001.3: fixed bounds of the server's own log file, never settings.
 LOG_FILE_MAX_BYTES = 10 * 1024 * 1024
 LOG_FILE_BACKUPS = 5
 LOG_FILE_MAX_AGE_DAYS = 14
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     _ensure_std_fds()
     os.umask(0o077)
     raise_open_file_limit()  # three pipes per agent, one stream per instance
-    logging.raiseExceptions = False  # a log write must never kill the server (SURVIVAL-001.3)
+    logging.raiseExceptions = False  # a log write must never kill the server (AC-EXECUTORS-SURVIVAL-001.3)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
 
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         resolved = launch.validate(config)
     except ConfigError as exc:
         return _refuse(f"refusing to start: {exc}")
-    for note in resolved.notes:  # every note is an unowned-period adjustment (OWN-003.4, 003.6, 003.7)
+    for note in resolved.notes:  # every note is an unowned-period adjustment (AC-EXECUTORS-CONTROL-OWNERSHIP-003.4, AC-EXECUTORS-CONTROL-OWNERSHIP-003.6, AC-EXECUTORS-CONTROL-OWNERSHIP-003.7)
         log_event("unowned_period_adjusted", note, priority=5, UNOWNED_PERIOD_S=f"{resolved.unowned_period:g}")
     try:
         credential = launch.read_credential(config)

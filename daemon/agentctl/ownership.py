@@ -1,10 +1,10 @@
 """The control server's ownership state: credentials, rotation, and the unowned timer.
 
 A pure state machine (no sockets, injectable clock and credential source), so
-every rule of spec/ownership.md REQ-002/REQ-003 and design-notes §6.1/§6.2 is
+every rule of REQ-EXECUTORS-CONTROL-OWNERSHIP-002 and REQ-EXECUTORS-CONTROL-OWNERSHIP-003 is
 unit-testable; ``daemon.agentctl.server`` maps its refusals onto the wire.
 
-Credentials (§6.1). Each credential has an id: the rotation id that issued
+Credentials (docs/architecture.md#ownership). Each credential has an id: the rotation id that issued
 it; the launch credential C_0 has id 0 and starts **confirmed(0)**.
 
 - ``rotate`` presented with C_n, the credential of the highest rotation n
@@ -14,29 +14,29 @@ it; the launch credential C_0 has id 0 and starts **confirmed(0)**.
   replacement (AC-EXECUTORS-CONTROL-OWNERSHIP-002.8).
 - ``rotate`` presented with the credential the highest, still unconfirmed,
   rotation superseded: the idempotent replay. The SAME (rotation id,
-  credential) comes back; no id is drawn and the set is unchanged (002.10).
-- Anything else is refused. Rotation ids strictly increase (002.6).
+  credential) comes back; no id is drawn and the set is unchanged (AC-EXECUTORS-CONTROL-OWNERSHIP-002.10).
+- Anything else is refused. Rotation ids strictly increase (AC-EXECUTORS-CONTROL-OWNERSHIP-002.6).
 - ``confirm(k)``: k = the highest id and unconfirmed -> confirmed; the
-  superseded credential then authenticates nothing (002.1, 002.7 phase 2) and
+  superseded credential then authenticates nothing (AC-EXECUTORS-CONTROL-OWNERSHIP-002.1, AC-EXECUTORS-CONTROL-OWNERSHIP-002.7 phase 2) and
   the server closes every connection and stream authenticated under it
-  (002.2). k below the highest, or a repeated confirmation: accepted, no
-  effect (002.6). An id never issued: ``unknown_rotation``, nothing changes.
+  (AC-EXECUTORS-CONTROL-OWNERSHIP-002.2). k below the highest, or a repeated confirmation: accepted, no
+  effect (AC-EXECUTORS-CONTROL-OWNERSHIP-002.6). An id never issued: ``unknown_rotation``, nothing changes.
 - A superseded credential is good only for the purposes ``rotate`` and
-  ``ownership_shutdown`` (002.7, 002.9); anything else gets
+  ``ownership_shutdown`` (AC-EXECUTORS-CONTROL-OWNERSHIP-002.7, AC-EXECUTORS-CONTROL-OWNERSHIP-002.9); anything else gets
   ``superseded_credential``, as does any use of a credential that no longer
   authenticates anything.
 
-Unowned timer (§6.2). ``last_renewal`` starts at process start (a spawn whose
-handshake never completes counts from there, 003.8) on ``time.monotonic()``
+Unowned timer. ``last_renewal`` starts at process start (a spawn whose
+handshake never completes counts from there, AC-EXECUTORS-CONTROL-OWNERSHIP-003.8) on ``time.monotonic()``
 (CLOCK_MONOTONIC: it does not advance during system suspend, so a suspended
-host does not count as unowned time). Exactly three things renew it (003.8):
+host does not count as unowned time). Exactly three things renew it (AC-EXECUTORS-CONTROL-OWNERSHIP-003.8):
 ``claim``, a successful rotation (a replay included), and the bootstrap
 handshake. Reading of the bootstrap here: the launch credential is written by
 the starter, so the server mints nothing; the **first successful connection
 authentication with the launch credential** (while no rotation has happened)
 is the bootstrap handshake and renews once. Instance operations, streams and
-enumeration never renew. Expiry: ``now - last_renewal >= period`` (003.2,
-003.3). The shutdown decision is a one-way latch (003.9): afterwards claim,
+enumeration never renew. Expiry: ``now - last_renewal >= period`` (AC-EXECUTORS-CONTROL-OWNERSHIP-003.2,
+AC-EXECUTORS-CONTROL-OWNERSHIP-003.3). The shutdown decision is a one-way latch (AC-EXECUTORS-CONTROL-OWNERSHIP-003.9): afterwards claim,
 rotate and confirm are refused with ``shutting_down``; a claim accepted
 strictly before the decision moved ``last_renewal`` and so prevents it.
 """
@@ -58,7 +58,7 @@ SUPERSEDED = "superseded"
 """The credential the highest, unconfirmed rotation replaced: adoption and shutdown only."""
 
 SUPERSEDED_PURPOSES = frozenset({"rotate", "ownership_shutdown"})
-"""What a superseded credential may still do (AC-EXECUTORS-CONTROL-OWNERSHIP-002.7, 002.9)."""
+"""What a superseded credential may still do (AC-EXECUTORS-CONTROL-OWNERSHIP-002.7, AC-EXECUTORS-CONTROL-OWNERSHIP-002.9)."""
 
 LAUNCH_CREDENTIAL_ID = 0
 
@@ -81,7 +81,7 @@ class Confirmation:
     rotation_id: int
     changed: bool
     cut: frozenset[int]
-    """Credential ids whose connections and streams the server must close (002.2)."""
+    """Credential ids whose connections and streams the server must close (AC-EXECUTORS-CONTROL-OWNERSHIP-002.2)."""
 
 
 class Ownership:
@@ -226,7 +226,7 @@ class Ownership:
             self.confirmed = False
             self._renew()
             return Rotation(new_id, credential, replay=False, cut=before - self.acceptable_ids())
-        # role() said superseded: the highest rotation is unconfirmed and replaced this one (002.10).
+        # role() said superseded: the highest rotation is unconfirmed and replaced this one (AC-EXECUTORS-CONTROL-OWNERSHIP-002.10).
         self._renew()
         return Rotation(self.highest, self._credentials[self.highest], replay=True, cut=frozenset())
 
@@ -240,7 +240,7 @@ class Ownership:
         return self.rotate_as(cred_id)
 
     def confirm(self, rotation_id: int) -> Confirmation:
-        """Confirm that the replacement of ``rotation_id`` is durably stored (002.6, 002.7)."""
+        """Confirm that the replacement of ``rotation_id`` is durably stored (AC-EXECUTORS-CONTROL-OWNERSHIP-002.6, AC-EXECUTORS-CONTROL-OWNERSHIP-002.7)."""
         if isinstance(rotation_id, bool) or not isinstance(rotation_id, int) or rotation_id < 0:
             raise IpcError(ErrorCode.INVALID_ARGUMENT, "confirm_rotation: 'rotation_id' must be a whole number >= 0")
         if rotation_id > self.highest:
@@ -267,7 +267,7 @@ class Ownership:
         self.last_renewal = self._clock()
 
     def claim(self, cred_id: int | None) -> None:
-        """The ownership claim: current credential only; renews (003.8)."""
+        """The ownership claim: current credential only; renews (AC-EXECUTORS-CONTROL-OWNERSHIP-003.8)."""
         self.check(cred_id, "claim")
         self._refuse_if_shutting_down("claim")
         self._renew()
@@ -287,7 +287,7 @@ class Ownership:
         return self.period_s - (t - self.last_renewal)
 
     def expired(self, now: float | None = None) -> bool:
-        """``now - last_renewal >= period`` (003.2)."""
+        """``now - last_renewal >= period`` (AC-EXECUTORS-CONTROL-OWNERSHIP-003.2)."""
         t = self._clock() if now is None else now
         return t - self.last_renewal >= self.period_s
 

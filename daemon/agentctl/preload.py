@@ -1,4 +1,4 @@
-"""Everything the control server will ever run is imported before it reports ready (issue 15).
+"""Everything the control server will ever run is imported before it reports ready (Issue 15).
 
 A package upgrade replaces the files under the server while it runs. A module
 the server imported already is in memory and keeps running as it was loaded; a

@@ -20,7 +20,7 @@ ignores ``create_instance``'s ``sandbox`` field (unknown fields are dropped) and
 would start the agent unsandboxed: the client refuses such a launch itself when
 the policy requires the sandbox (``AgentctlClient.create_instance``).
 
-Authentication (design.md §5): ``identify``, ``prove``, ``auth_begin`` and
+Authentication (docs/architecture.md#ownership): ``identify``, ``prove``, ``auth_begin`` and
 ``auth_finish`` work on an unauthenticated connection; everything else needs
 a connection that finished ``auth_finish``. The credential never crosses the
 socket: the server proves possession with an HMAC over the backend's fresh
@@ -47,10 +47,10 @@ REQUIRED_CAPABILITIES = (
     "rotation.v1",  # rotate/confirm_rotation, at most two acceptable credentials, superseded_credential
 )
 RELOAD_CAPABILITY = "reload.v1"
-"""The ``reload`` op: re-execute the installed code in place with the state handed over (issue 15)."""
+"""The ``reload`` op: re-execute the installed code in place with the state handed over (Issue 15)."""
 
 SANDBOX_CAPABILITY = "sandbox.v1"
-"""Agents run in their sandbox (``create_instance``'s ``sandbox`` field, ``sandbox_status``; issue 10)."""
+"""Agents run in their sandbox (``create_instance``'s ``sandbox`` field, ``sandbox_status``; Issue 10)."""
 
 # Capability set advertised by identify/hello: the required ones and what was added since.
 CAPABILITIES = (*REQUIRED_CAPABILITIES, RELOAD_CAPABILITY, SANDBOX_CAPABILITY)
@@ -127,7 +127,7 @@ OPS = [
         " handshake_seq: the last seq appended before the answer (e.g. the history a session/load"
         " replays), so a backend that already stores the transcript attaches after it",
     ),
-    # --- runtime configuration and context reset (seed 004). Added ops, no new capability: adoption
+    # --- runtime configuration and context reset (docs/requirements.md#runtime-configuration-across-a-context-reset). Added ops, no new capability: adoption
     # requires every capability, and a backend meeting an older server gets unknown_op and falls back.
     Op(
         "set_mode",
@@ -148,7 +148,7 @@ OPS = [
         " refused or failed: the current session stays -> {acp_session_id, modes, config_options, last_seq}",
     ),
     # Added with the agent sandbox (capability sandbox.v1; an older server answers unknown_op and the
-    # backend reports the sandbox unavailable there). Authenticated: identify names no path (OWN-001.11).
+    # backend reports the sandbox unavailable there). Authenticated: identify names no path (AC-EXECUTORS-CONTROL-OWNERSHIP-001.11).
     Op(
         "sandbox_status",
         optional={"refresh": bool},
@@ -167,7 +167,7 @@ OPS = [
         "list_instances",
         doc="-> {instances: [{instance_id, session_id, task_id, pid, ..., next_seq, retained_events,"
         " attached, paused, detached_event_limit}]}; paused: the agent's output is held back because"
-        " retained_events reached detached_event_limit while no stream is attached (SURVIVAL-001.6);"
+        " retained_events reached detached_event_limit while no stream is attached (AC-EXECUTORS-SURVIVAL-001.6);"
         " since 1.1 not_taken_over: what a re-exec could not carry over for the instance (usually empty)",
     ),
     Op("stop_instance", required={"instance_id": str}, doc="kill the group -> {stopped, already_absent}"),

@@ -1,4 +1,4 @@
-"""Reload: replace the control server's code in place, every agent keeps running (issue 15).
+"""Reload: replace the control server's code in place, every agent keeps running (Issue 15).
 
 Like ``systemctl daemon-reexec``. Triggered by SIGHUP (the unit's ``ExecReload=``
 runs ``kandev-agentctl --reload``, which sends it and waits for the outcome) or

@@ -1,37 +1,37 @@
 """The control server's operations over ``ipc.server.IpcServer`` with ``protocol.TABLE``.
 
-Ownership (design.md §5; the state machine is ``daemon.agentctl.ownership``):
+Ownership (docs/architecture.md#ownership; the state machine is ``daemon.agentctl.ownership``):
 
 - ``identify`` (unauthenticated) returns the per-launch ``server_identity``,
   the capability set, the protocol version and the unowned period, and no
   path of any kind (AC-EXECUTORS-CONTROL-OWNERSHIP-001.11).
 - ``prove`` answers the backend's fresh 32-byte challenge with
-  ``auth.server_proof`` for each acceptable credential (001.10).
+  ``auth.server_proof`` for each acceptable credential (AC-EXECUTORS-CONTROL-OWNERSHIP-001.10).
 - ``auth_begin`` / ``auth_finish`` authenticate one connection with an HMAC
   over a fresh server nonce; a failed ``auth_finish`` consumes the nonce and
   leaves the connection unauthenticated. The connection remembers WHICH
   credential authenticated it; its power is judged at each request: the
   current credential may do everything, the superseded one (a rotation not yet
   confirmed) only ``rotate`` and ``ownership_shutdown``, anything else gets
-  ``superseded_credential`` (AC-EXECUTORS-CONTROL-OWNERSHIP-002.6, 002.7).
+  ``superseded_credential`` (AC-EXECUTORS-CONTROL-OWNERSHIP-002.6, AC-EXECUTORS-CONTROL-OWNERSHIP-002.7).
   Every op declared ``auth=True`` is refused with ``unauthenticated`` on a
   connection that has not authenticated.
 - ``rotate`` / ``confirm_rotation``: the two-phase switch. When a credential
   stops authenticating anything (a confirmation, or a rotation past an
   unconfirmed one) every connection and stream authenticated under it is
-  aborted at once (002.2).
+  aborted at once (AC-EXECUTORS-CONTROL-OWNERSHIP-002.2).
 - ``claim``, a rotation (replay included) and the bootstrap (the first
   authentication with the launch credential) renew ownership; nothing else
-  does (003.8). ``run_unowned_timer`` takes the unowned-shutdown decision once
-  ``now - last_renewal >= period`` and asks the process to exit (003.1).
+  does (AC-EXECUTORS-CONTROL-OWNERSHIP-003.8). ``run_unowned_timer`` takes the unowned-shutdown decision once
+  ``now - last_renewal >= period`` and asks the process to exit (AC-EXECUTORS-CONTROL-OWNERSHIP-003.1).
 
-Instances (design.md §6): see ``daemon.agentctl.instance``. Unknown instance
+Instances (docs/architecture.md#the-control-server-inside): see ``daemon.agentctl.instance``. Unknown instance
 ids are ``not_found``, except for ``stop_instance``, where an absent instance
 counts as stopped (``already_absent``).
 
-Reload (issue 15): ``reload`` (authenticated) starts a re-exec of the installed
+Reload (Issue 15): ``reload`` (authenticated) starts a re-exec of the installed
 code with this state handed over (``daemon.agentctl.reexec``); ``identify``
-reports nothing new (OWN-001.11: three things and no path); the authenticated
+reports nothing new (AC-EXECUTORS-CONTROL-OWNERSHIP-001.11: three things and no path); the authenticated
 ``server_info`` reports the running version, the pid and the reload history,
 and so does a 0600 status file beside the socket, which the unit's reload helper
 (no credential) follows to the reload's end. ``capture_handover`` / ``from_handover`` are the
@@ -128,7 +128,7 @@ class AgentctlServer:
         self.unowned_period_s = float(resolved.unowned_period)
         self.detached_event_limit = int(resolved.detached_event_limit)
         # Credentials, rotation and the unowned timer; a spawn without a handshake counts from
-        # process start (OWN-003.8).
+        # process start (AC-EXECUTORS-CONTROL-OWNERSHIP-003.8).
         self.ownership = Ownership(credential, self.unowned_period_s, clock=time.monotonic)
         self.exit_requested = asyncio.Event()
         self.exit_reason: str | None = None
@@ -161,7 +161,7 @@ class AgentctlServer:
 
     @property
     def shutting_down(self) -> bool:
-        """The one-way latch (OWN-003.9): set by the unowned decision, ownership_shutdown or a signal."""
+        """The one-way latch (AC-EXECUTORS-CONTROL-OWNERSHIP-003.9): set by the unowned decision, ownership_shutdown or a signal."""
         return self.ownership.shutting_down
 
     @property
@@ -335,7 +335,7 @@ class AgentctlServer:
             raise
 
     def _cut(self, cred_ids: frozenset[int], why: str) -> int:
-        """Abort every connection and stream authenticated under one of ``cred_ids`` (OWN-002.2)."""
+        """Abort every connection and stream authenticated under one of ``cred_ids`` (AC-EXECUTORS-CONTROL-OWNERSHIP-002.2)."""
         if not cred_ids:
             return 0
         cut = 0
@@ -403,7 +403,7 @@ class AgentctlServer:
     async def op_server_info(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         return self.reload_status()
 
-    # -- reload (issue 15; daemon.agentctl.reexec) -----------------------------
+    # -- reload (Issue 15; daemon.agentctl.reexec) -----------------------------
 
     async def op_reload(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         self._refuse_if_shutting_down("reload")
@@ -543,7 +543,7 @@ class AgentctlServer:
             REPLAY=int(rotation.replay),
             PEER_PID=ctx.peer.pid,
         )
-        # The only time a credential crosses the socket (design.md §5).
+        # The only time a credential crosses the socket (docs/architecture.md#ownership).
         return {"rotation_id": rotation.rotation_id, "credential": rotation.credential, "replay": rotation.replay}
 
     async def op_confirm_rotation(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
@@ -569,7 +569,7 @@ class AgentctlServer:
             raise IpcError(ErrorCode.INTERNAL, "injected fault: ownership_shutdown fails")
         if fault_fails("agentctl_lacks_shutdown"):  # test fault: answers as a server without the op would
             raise IpcError(ErrorCode.UNKNOWN_OP, "unknown op 'ownership_shutdown' (injected fault)")
-        # Already stopping (an unowned shutdown, an earlier call, a signal) counts as success (OWN-004.7):
+        # Already stopping (an unowned shutdown, an earlier call, a signal) counts as success (AC-EXECUTORS-CONTROL-OWNERSHIP-004.7):
         # the reply still comes only once every instance is stopped.
         if self.ownership.begin_shutdown("ownership_shutdown"):
             self.exit_reason = self.exit_reason or "ownership_shutdown"
@@ -631,7 +631,7 @@ class AgentctlServer:
             agent_log_dir=Path(self.config.agent_log_dir),
             turn_ids=self.turn_ids,
             on_change=self._changed,
-            detached_event_limit=self.detached_event_limit,  # per instance, by its own stream (001.9)
+            detached_event_limit=self.detached_event_limit,  # per instance, by its own stream (AC-EXECUTORS-SURVIVAL-001.9)
             **kwargs,
         )
         self.instances[spec.instance_id] = inst

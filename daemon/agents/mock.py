@@ -1,4 +1,4 @@
-"""The built-in scriptable mock ACP agent (design.md §9).
+"""The built-in scriptable mock ACP agent.
 
 Run as ``python -m daemon.agents.mock``: one ACP conversation over stdio
 (JSON-RPC, newline-delimited, protocol version ``acp.PROTOCOL_VERSION``).
@@ -189,7 +189,7 @@ class MockAgent:
         log.info("session/new cwd=%s -> %s (state %s)", cwd, rec.session_id, rec.path)
         if reset:
             # A new session on a process that already has one is a context reset: like real
-            # adapters, it announces its defaults before it answers (the race of seed 004).
+            # adapters, it announces its defaults before it answers (the race RESETCFG-1 and RESETCFG-5 guard against).
             await self.client.session_update(
                 rec.session_id, CurrentModeUpdate(session_update="current_mode_update", current_mode_id=rec.mode)
             )

@@ -3,7 +3,7 @@
 Each entry names its package and pinned version and builds the argv that
 starts the agent speaking ACP over stdio.
 
-The npm agents are *managed npm runtimes* (design.md §7, NPM-CTX-1/2): their
+The npm agents are *managed npm runtimes* (NPM-CTX-1, NPM-CTX-2): their
 package name, exact version, ACP arguments and command shape are trusted
 built-in metadata, never taken from a caller. They start as
 ``npx --yes --prefer-offline <package>@<version> <acp args...>`` (a direct argv,
@@ -64,7 +64,7 @@ def _mock_argv() -> list[str]:
 
 
 # npm package names (optionally scoped) and exact release versions: no tags, ranges,
-# prereleases, URLs, paths or shell text (NPM-CTX-1/2).
+# prereleases, URLs, paths or shell text (NPM-CTX-1, NPM-CTX-2).
 NPM_PACKAGE_RE = re.compile(r"^(?:@[a-z0-9][a-z0-9._-]*/)?[a-z0-9][a-z0-9._-]*$")
 EXACT_VERSION_RE = re.compile(r"^(?:0|[1-9][0-9]*)\.(?:0|[1-9][0-9]*)\.(?:0|[1-9][0-9]*)$")
 

@@ -1,6 +1,6 @@
 """Adoption: take over a surviving control server only when it is provably ours.
 
-``Adopter.adopt(record)`` runs the gate of spec/ownership.md in its order, the
+``Adopter.adopt(record)`` runs the gate of docs/requirements.md#control-server-ownership in its order, the
 first failure deciding the one refusal reason (AC-EXECUTORS-CONTROL-OWNERSHIP-001.6):
 
 1. no answer at the recorded endpoint (or none recorded) → start fresh
@@ -17,10 +17,10 @@ forbidden order). Fault points sit between those steps so tests can kill the
 backend at each one.
 
 A server that cannot be proven ours is never stopped and never sent a
-credential (001.4, 001.10). ``shutdown_own`` is the destroy-only path used when
+credential (AC-EXECUTORS-CONTROL-OWNERSHIP-001.4, AC-EXECUTORS-CONTROL-OWNERSHIP-001.10). ``shutdown_own`` is the destroy-only path used when
 the capability is off but a provable server from an earlier launch still runs
 (AC-EXECUTORS-SURVIVAL-005.5): it accepts the superseded credential and needs
-no adoption (002.9).
+no adoption (AC-EXECUTORS-CONTROL-OWNERSHIP-002.9).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class Adoption:
     ``outcome``: ``adopted``; ``no_server`` (nothing recorded, nothing answered,
     or the server is shutting down — none of these is a refusal); ``refused``
     (with one ``reason``); ``disabled`` (no attempt: capability off).
-    ``answered``: a server answered at the recorded endpoint (SURVIVAL-003.6 rule 7).
+    ``answered``: a server answered at the recorded endpoint (AC-EXECUTORS-SURVIVAL-003.6 rule 7).
     ``stopped``: this backend stopped that server (incompatible, or disabled cleanup).
     """
 
@@ -108,7 +108,7 @@ class Adopter:
         """Timeout T, R retries, no pause between attempts (AC-EXECUTORS-SURVIVAL-002.13).
 
         An attempt that failed while the server said it is re-executing (``reloading``, within
-        ``RELOAD_WINDOW_S``) is not counted: the server is alive and back in a moment (issue 15)."""
+        ``RELOAD_WINDOW_S``) is not counted: the server is alive and back in a moment (Issue 15)."""
         last: Exception | None = None
         attempts = 0
         loop = asyncio.get_running_loop()
@@ -141,7 +141,7 @@ class Adopter:
 
     async def _prove(self, record: ControlServerRecord, credential: bytes) -> AgentctlClient:
         """identify → the server proves it holds our credential → authenticate; the superseded
-        credential is accepted here because only rotate and ownership_shutdown may follow (002.7, 002.9)."""
+        credential is accepted here because only rotate and ownership_shutdown may follow (AC-EXECUTORS-CONTROL-OWNERSHIP-002.7, AC-EXECUTORS-CONTROL-OWNERSHIP-002.9)."""
         return await AgentctlClient.connect(
             record.endpoint,
             credential=credential,
@@ -159,18 +159,18 @@ class Adopter:
         answered, info = await self._identify(record.endpoint)
         if not answered:
             return Adoption("no_server", "no_answer", record=record)
-        # 2. identity (a server advertising no identity or capabilities is unprovable, 001.5)
+        # 2. identity (a server advertising no identity or capabilities is unprovable, AC-EXECUTORS-CONTROL-OWNERSHIP-001.5)
         if not info or not info.get("server_identity") or not info.get("capabilities"):
             return Adoption("refused", "identity_mismatch", record=record, answered=True)
         if info["server_identity"] != record.server_identity:
             return Adoption("refused", "identity_mismatch", record=record, answered=True)
-        # 3. credential unavailable: nothing is sent, the secret is kept (001.9)
+        # 3. credential unavailable: nothing is sent, the secret is kept (AC-EXECUTORS-CONTROL-OWNERSHIP-001.9)
         try:
             credential = self.read_credential(record.credential_ref)
         except (OSError, ValueError) as exc:
             log.warning("stored control-server credential unreadable: %s", exc)
             return Adoption("refused", "credential_unavailable", record=record, answered=True)
-        # 4. authentication: the server proves possession first (001.10)
+        # 4. authentication: the server proves possession first (AC-EXECUTORS-CONTROL-OWNERSHIP-001.10)
         try:
             client = await self._prove(record, credential)
         except OwnershipRefused as exc:
@@ -179,7 +179,7 @@ class Adopter:
             if exc.code == ErrorCode.SHUTTING_DOWN:
                 return Adoption("no_server", None, record=record, answered=True)
             return Adoption("refused", "authentication_failure", record=record, answered=True)
-        # 5. capabilities: set inclusion, never version ordering (004.2)
+        # 5. capabilities: set inclusion, never version ordering (AC-EXECUTORS-CONTROL-OWNERSHIP-004.2)
         missing = set(REQUIRED_CAPABILITIES) - set(client.capabilities)
         if missing:
             log.warning("control server lacks capabilities %s", sorted(missing))
@@ -200,14 +200,14 @@ class Adopter:
             rotation_id, new_credential = await client.rotate(timeout=ADOPTION_STEP_TIMEOUT_S)
         except IpcError as exc:
             await client.close()
-            if exc.code == ErrorCode.SHUTTING_DOWN:  # the one-way door: treat as no server (003.9)
+            if exc.code == ErrorCode.SHUTTING_DOWN:  # the one-way door: treat as no server (AC-EXECUTORS-CONTROL-OWNERSHIP-003.9)
                 return Adoption("no_server", None, record=record, answered=True)
             return Adoption("refused", "credential_rotation_failure", record=record, answered=True)
         fault_point("adopt_after_rotate")
         old_ref = record.credential_ref
         new_ref = f"agentctl-cred-{secrets.token_hex(6)}"
         try:
-            # Both writes durable before confirm; either order recovers (002.7).
+            # Both writes durable before confirm; either order recovers (AC-EXECUTORS-CONTROL-OWNERSHIP-002.7).
             launch_file.write_credential(self.paths.secrets_dir / new_ref, new_credential)
             fault_point("adopt_after_secret")
             with self.store.session() as db:
@@ -229,7 +229,7 @@ class Adopter:
             log.error("confirming rotation %s failed: %s", rotation_id, exc)
             return Adoption("refused", "credential_rotation_failure", record=record, answered=True)
         fault_point("adopt_after_confirm")
-        if self.on_claim_ready is not None:  # the claim loop starts now, not after re-tracking (003.8)
+        if self.on_claim_ready is not None:  # the claim loop starts now, not after re-tracking (AC-EXECUTORS-CONTROL-OWNERSHIP-003.8)
             self.on_claim_ready(current, new_credential)
         if old_ref and old_ref != new_ref:
             with contextlib.suppress(OSError):
@@ -239,7 +239,7 @@ class Adopter:
 
     async def _connect_to_confirm(self, record: ControlServerRecord, credential: bytes) -> AgentctlClient:
         """The connection that confirms the rotation. The server answered the rotate a moment ago, so
-        a connection it accepts but does not answer yet is a re-exec under way (issue 15): retried on
+        a connection it accepts but does not answer yet is a re-exec under way (Issue 15): retried on
         timeouts for up to ``RELOAD_WINDOW_S``; a refused connection still fails at once."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + RELOAD_WINDOW_S
@@ -258,7 +258,7 @@ class Adopter:
                 log.info("confirming rotation: the control server does not answer yet (%s); retrying", exc.code)
 
     async def _shutdown(self, client: AgentctlClient) -> bool:
-        """ownership_shutdown on the read budget; already stopping/absent counts as success (004.7)."""
+        """ownership_shutdown on the read budget; already stopping/absent counts as success (AC-EXECUTORS-CONTROL-OWNERSHIP-004.7)."""
         try:
             await self._budget(client.ownership_shutdown)
             return True
@@ -272,7 +272,7 @@ class Adopter:
                 await client.close()
 
     async def shutdown_own(self, record: ControlServerRecord | None) -> Adoption:
-        """Capability off: stop a provably-own survivor from an earlier launch (SURVIVAL-005.5)."""
+        """Capability off: stop a provably-own survivor from an earlier launch (AC-EXECUTORS-SURVIVAL-005.5)."""
         if record is None or not record.endpoint:
             return Adoption("disabled", None)
         answered, info = await self._identify(record.endpoint)

@@ -81,7 +81,7 @@ OPS = [
     ),
 ]
 
-# Managed npm runtimes (seed 000; daemon/backend/runtimes_api.py).
+# Managed npm runtimes (docs/requirements.md#managed-npm-runtimes-context-rules; daemon/backend/runtimes_api.py).
 RUNTIME_OPS: list[Op] = [
     Op(
         "runtime_update",
@@ -100,7 +100,7 @@ RUNTIME_OPS: list[Op] = [
     ),
 ]
 
-# Git credential leases (seed 000; daemon/backend/credentials_api.py). Called by the shipped git
+# Git credential leases (docs/requirements.md#git-credential-leases-context-rules; daemon/backend/credentials_api.py). Called by the shipped git
 # credential helper; the lease token, the capability and the password are secrets (never logged).
 CREDENTIAL_OPS: list[Op] = [
     Op(
@@ -119,7 +119,8 @@ CREDENTIAL_OPS: list[Op] = [
     ),
 ]
 
-# Resume, runtime configuration, context reset and workflow steps (seeds 000/004;
+# Resume, runtime configuration, context reset and workflow steps (docs/requirements.md#resume-and-runtime-recovery,
+# docs/requirements.md#runtime-configuration-across-a-context-reset;
 # daemon/backend/resume_api.py).
 RESUME_OPS: list[Op] = [
     Op(
@@ -180,7 +181,7 @@ class FollowEnd(str, Enum):
     NO_AGENT = "no_agent"  # no turn to follow and no running agent
 
 
-# Views for people and the follow stream (issue 14; daemon/backend/views.py, daemon/backend/follow.py).
+# Views for people and the follow stream (Issue 14; daemon/backend/views.py, daemon/backend/follow.py).
 # Every op that takes a task_id, session_id (or permission request_id) also accepts a unique prefix
 # of at least 4 characters (daemon/backend/ids.py).
 VIEW_OPS: list[Op] = [

@@ -133,7 +133,7 @@ class Backend:
         self._first_failure: str | None = None  # why startup could not start a control server
         # Each live session's git credential endpoint: all an agent can reach of the backend.
         self.endpoints = CredentialEndpoints(store, paths.home, config.credentials)
-        # Keeping the control server on the installed version (issue 15): reload or replace-when-idle.
+        # Keeping the control server on the installed version (Issue 15): reload or replace-when-idle.
         self.launch_gate = LaunchGate()
         self.upgrade = ServerUpgrade(self)
 
@@ -148,7 +148,7 @@ class Backend:
     def _superseded(self, client: AgentctlClient) -> None:
         """An operation was refused for a superseded credential: another holder of this
         installation's credential adopted the server. Its executions are no longer ours: forget
-        them, stop renewing, and never retry; nothing is stopped (OWNERSHIP-002.3)."""
+        them, stop renewing, and never retry; nothing is stopped (AC-EXECUTORS-CONTROL-OWNERSHIP-002.3)."""
         client.on_superseded = None  # once
         passthrough = client is self.passthrough_client
         self._release_link(client.socket_path)  # not ours: neither watched nor restarted
@@ -241,14 +241,14 @@ class Backend:
                     await conn.claim()
                 except OwnershipRefused as exc:
                     # Our credential no longer authenticates (another backend adopted it and confirmed),
-                    # or another server answers there: nothing left to renew, no retry (002.3).
+                    # or another server answers there: nothing left to renew, no retry (AC-EXECUTORS-CONTROL-OWNERSHIP-002.3).
                     log_event("ownership_lost", f"stopped renewing {endpoint}: {exc.reason}", priority=4,
                               REASON=exc.reason)
                     self._release_link(endpoint)
                     return
                 except IpcError as exc:
                     if exc.code in (ErrorCode.SUPERSEDED_CREDENTIAL, ErrorCode.SHUTTING_DOWN):
-                        # Another backend adopted it, or it is exiting: not ours to renew (002.3, 003.9).
+                        # Another backend adopted it, or it is exiting: not ours to renew (AC-EXECUTORS-CONTROL-OWNERSHIP-002.3, AC-EXECUTORS-CONTROL-OWNERSHIP-003.9).
                         log_event("ownership_lost", f"stopped renewing {endpoint}: {exc.code}", priority=4,
                                   REASON=exc.code)
                         if exc.code == ErrorCode.SUPERSEDED_CREDENTIAL:
@@ -272,7 +272,7 @@ class Backend:
                     await conn.close()
 
     def _on_adopted(self, client: AgentctlClient, credential: bytes) -> None:
-        # The claim loop starts as soon as the rotation is confirmed, not after re-tracking (003.8).
+        # The claim loop starts as soon as the rotation is confirmed, not after re-tracking (AC-EXECUTORS-CONTROL-OWNERSHIP-003.8).
         self.credential = credential
         self._start_claims(client, client.socket_path, client.identity, credential)
 
@@ -411,7 +411,7 @@ class Backend:
         return self._attached(self.handle, client)
 
     async def _start_passthrough_server(self) -> Attached:
-        """A control server that is always our child, for passthrough sessions (SURVIVAL-005.3)."""
+        """A control server that is always our child, for passthrough sessions (AC-EXECUTORS-SURVIVAL-005.3)."""
         handle, credential = await self.passthrough_launcher.start()
         try:
             client, info = await self._connect(handle, credential)
@@ -421,7 +421,7 @@ class Backend:
             raise
         client.on_superseded = self._superseded
         self.passthrough_client, self.passthrough_handle = client, handle
-        # It dies with us, but it must not reap itself while we live (OWN-003.1).
+        # It dies with us, but it must not reap itself while we live (AC-EXECUTORS-CONTROL-OWNERSHIP-003.1).
         self._start_claims(client, handle.endpoint, info["server_identity"], credential)
         return self._attached(handle, client)
 
@@ -534,7 +534,7 @@ class Backend:
                 "endpoint": handle.endpoint if handle else None,
                 "mode": handle.mode if handle else self.launcher.mode,
                 "log_path": handle.log_path if handle else None,
-                # running and installed versions, reload ability and history (issue 15)
+                # running and installed versions, reload ability and history (Issue 15)
                 **self.upgrade.status(),
                 "passthrough": {**self.passthrough_link.snapshot(),
                                 "pid": self.passthrough_handle.pid if self.passthrough_handle else None},

@@ -9,7 +9,7 @@ A turn's terminal outcome can arrive twice: as a retained outcome read with
 ``turn_status`` and as a ``turn_ended`` event. ``apply_turn_outcome`` is
 idempotent against durable state (a finished turn stays as it is), and the
 caller also remembers applied turn ids for this process lifetime
-(AC-EXECUTORS-SURVIVAL-004.4, 004.6).
+(AC-EXECUTORS-SURVIVAL-004.4, AC-EXECUTORS-SURVIVAL-004.6).
 """
 
 from __future__ import annotations

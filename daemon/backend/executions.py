@@ -89,7 +89,7 @@ class ExecutionStore:
     def __init__(self) -> None:
         self.executions: dict[str, Execution] = {}
         self.guards: dict[str, str] = {}  # session_id -> "recovering" | "unstopped_agent"
-        self.holds: dict[str, int] = {}  # session_id -> stops in flight that keep its guard (003.7)
+        self.holds: dict[str, int] = {}  # session_id -> stops in flight that keep its guard (AC-EXECUTORS-SURVIVAL-003.7)
 
     def acquire_guard(self, session_id: str) -> bool:
         """Guard a session unless it is already guarded or tracked (then only observe)."""
@@ -120,7 +120,7 @@ class ExecutionStore:
         self.release_guard(session_id)
 
     def mark_unstopped(self, session_id: str) -> None:
-        """An agent of this session could not be stopped: guarded for the rest of this lifetime (002.16)."""
+        """An agent of this session could not be stopped: guarded for the rest of this lifetime (AC-EXECUTORS-SURVIVAL-002.16)."""
         self._unhold(session_id)
         self.guards[session_id] = "unstopped_agent"
 
@@ -183,7 +183,7 @@ class EventConsumer:
                 return
             except IpcError as exc:
                 if exc.code == "superseded_credential":
-                    # Another backend adopted the server: these executions are no longer ours (OWN-002.3).
+                    # Another backend adopted the server: these executions are no longer ours (AC-EXECUTORS-CONTROL-OWNERSHIP-002.3).
                     log.warning("session %s: credential superseded; no longer tracking it", ex.session_id)
                     ex.gone = True
                     self.on_gone(ex)

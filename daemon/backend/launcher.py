@@ -1,4 +1,4 @@
-"""Starting a control server in the lifetime the capability asks for (design.md §2).
+"""Starting a control server in the lifetime the capability asks for (docs/architecture.md#lifetimes).
 
 Three lifetimes:
 

@@ -15,7 +15,7 @@ and on what this backend did with the recorded server:
 Within one reconciliation pass a single enumeration is shared (``Scope``);
 a classification outside a pass enumerates for itself, and before recovery
 finished it is ``unknown`` at once without enumerating or waiting. Unknown rows
-are left untouched: neither repaired nor treated as live (design.md §7).
+are left untouched: neither repaired nor treated as live (docs/architecture.md#startup-recovery-step-by-step).
 """
 
 from __future__ import annotations

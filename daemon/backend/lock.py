@@ -1,4 +1,4 @@
-"""The single-driver locks: one backend per Kandev home (design.md §5), and one per store.
+"""The single-driver locks: one backend per Kandev home (docs/architecture.md#ownership), and one per store.
 
 ``fcntl.flock`` on ``<home>/backend.lock``, opened without following
 symlinks and required to be a regular file, taken before anything else and
@@ -76,7 +76,7 @@ class StoreLocked(RuntimeError):
 
 
 class StoreLock:
-    """The single-driver rule for the store (OWN-002.4: the home, "and an external SQLite file if
+    """The single-driver rule for the store (AC-EXECUTORS-CONTROL-OWNERSHIP-002.4: the home, "and an external SQLite file if
     one is used"; a PostgreSQL database is the same case), whatever home opens it.
 
     - Every SQLite file, the home's own ``kandev.db`` included: ``flock`` on ``<file>.lock`` beside

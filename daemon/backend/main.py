@@ -1,4 +1,4 @@
-"""``kandev-backend``: the startup order of design.md §7, then serve until told to stop.
+"""``kandev-backend``: the startup order of docs/architecture.md#backend-startup, then serve until told to stop.
 
 home lock → config validation → store lock (whatever home names the store) → the store's
 installation (another one's is refused) → logging → platform check → store (migrations; a store

@@ -1,7 +1,7 @@
 """Startup recovery: adopt a surviving control server and re-track its agents.
 
-Read ``Recovery.recover`` top to bottom: it is the ordered list of design.md §7
-and design-notes §7.1, one numbered block per step.
+Read ``Recovery.recover`` top to bottom: it is the ordered list of
+docs/architecture.md#startup-recovery-step-by-step, one numbered block per step.
 
 1. guards from the inventory, passthrough excluded, before any contact
 2. read the control-server record; the first contact starts the deadline D
@@ -14,7 +14,7 @@ and design-notes §7.1, one numbered block per step.
 
 With the capability disabled or unavailable there is no adoption and nothing is
 reported recovered (AC-EXECUTORS-SURVIVAL-005.1); a provably-own survivor from an
-earlier launch is stopped first (005.5).
+earlier launch is stopped first (AC-EXECUTORS-SURVIVAL-005.5).
 
 The same repair path serves a control server that dies under a running backend:
 ``repair_lost_server`` makes its sessions what this startup recovery would make them
@@ -85,18 +85,18 @@ class MissingInput(Exception):
 #   (a) the recovery-inventory row   (b) another durable record of ours
 #   (c) the adopted instance          (d) re-derived from (a)-(c), never read from the instance
 RECONSTRUCTION_SOURCES: dict[str, str] = {
-    "session_id": "a",  # row.session_id (also the correlation key the server reports, 002.1)
+    "session_id": "a",  # row.session_id (also the correlation key the server reports, AC-EXECUTORS-SURVIVAL-002.1)
     "task_id": "a",
     "workspace_path": "a",
-    "instance_id": "a",  # row.instance_id, the agent execution id (duplicate tie-break, 002.10)
+    "instance_id": "a",  # row.instance_id, the agent execution id (duplicate tie-break, AC-EXECUTORS-SURVIVAL-002.10)
     "agent_profile": "a",  # row.agent_profile
     "last_event_seq": "a",
-    "passthrough": "b",  # task_sessions.passthrough, the durable mode (005.3)
+    "passthrough": "b",  # task_sessions.passthrough, the durable mode (AC-EXECUTORS-SURVIVAL-005.3)
     "acp_session_id": "c",  # the provider session id the instance holds
-    "workspace_roots": "c",  # read back from the instance, never pushed to it (002.5)
+    "workspace_roots": "c",  # read back from the instance, never pushed to it (AC-EXECUTORS-SURVIVAL-002.5)
     "agent_pid": "c",
     "agent_pid_start_time": "c",
-    "agent_command": "d",  # re-derived from agent_profile and the built-in registry as it is now (002.3)
+    "agent_command": "d",  # re-derived from agent_profile and the built-in registry as it is now (AC-EXECUTORS-SURVIVAL-002.3)
 }
 
 
@@ -166,17 +166,17 @@ class Recovery:
         report = RecoveryReport()
         record = self.read_server_record()
         if not enabled:
-            # No adoption, nothing recovered; an own survivor is stopped, not adopted (005.1, 005.5).
+            # No adoption, nothing recovered; an own survivor is stopped, not adopted (AC-EXECUTORS-SURVIVAL-005.1, AC-EXECUTORS-SURVIVAL-005.5).
             adoption = await self.adopter.shutdown_own(record)
             report.adoption = adoption
             self._log_adoption(adoption, record)
             client = await start_own_server()
-            # 004.7: a survivor we could not stop keeps its rows untouched until a later start.
+            # AC-EXECUTORS-CONTROL-OWNERSHIP-004.7: a survivor we could not stop keeps its rows untouched until a later start.
             scope = Scope(disabled=not adoption.stop_failed, adopted=False, answered=adoption.stop_failed)
             self.reconcile(set(), report, scope)
             return report, client
 
-        # 1. guards, before any contact (AC-EXECUTORS-SURVIVAL-002.8, 005.3)
+        # 1. guards, before any contact (AC-EXECUTORS-SURVIVAL-002.8, AC-EXECUTORS-SURVIVAL-005.3)
         records = self.take_guards()
         standalone = [r for r in records if not r.passthrough]
         for rec in records:
@@ -197,7 +197,7 @@ class Recovery:
             client = await start_own_server()
             self._release_guards(standalone)
             report.duration_ms = (time.monotonic() - started) * 1000
-            # Rows of a reachable server we did not adopt are unknown; a stopped one's are repaired (004.3).
+            # Rows of a reachable server we did not adopt are unknown; a stopped one's are repaired (AC-EXECUTORS-CONTROL-OWNERSHIP-004.3).
             scope = Scope(disabled=False, adopted=False, answered=adoption.answered and not adoption.stopped,
                           created_by_us=self.boot_id)
             self.reconcile(set(), report, scope)
@@ -206,9 +206,9 @@ class Recovery:
         if time.monotonic() >= deadline:
             self.past_deadline = True
 
-        # 4. enumerate; correlate by the session identity the server holds (002.1). Enumeration is
+        # 4. enumerate; correlate by the session identity the server holds (AC-EXECUTORS-SURVIVAL-002.1). Enumeration is
         #    bounded by what is left of D; after a late adoption only by the read budget, so that the
-        #    instances of records without an outcome can still be found and stopped (003.7).
+        #    instances of records without an outcome can still be found and stopped (AC-EXECUTORS-SURVIVAL-003.7).
         try:
             if self.past_deadline:
                 listing = await self._budget(client.list_instances)
@@ -217,7 +217,7 @@ class Recovery:
                 reply = await client.call("list_instances", timeout=remaining)
                 listing = list(reply.get("instances") or []) if isinstance(reply, dict) else []
         except (IpcError, TimeoutError) as exc:
-            # Cannot enumerate: recover nothing, stop nothing, no second server (002.12).
+            # Cannot enumerate: recover nothing, stop nothing, no second server (AC-EXECUTORS-SURVIVAL-002.12).
             log.warning("enumeration failed: %s", exc)
             for rec in standalone:
                 report.not_retracked[rec.session_id] = "enumeration_failed"
@@ -231,18 +231,18 @@ class Recovery:
             by_session.setdefault(str(inst.get("session_id")), []).append(inst)
         recorded = {r.session_id for r in records}
         for session_id, insts in by_session.items():
-            if session_id not in recorded:  # no inventory record → stopped (002.6)
+            if session_id not in recorded:  # no inventory record → stopped (AC-EXECUTORS-SURVIVAL-002.6)
                 for inst in insts:
                     report.stopped_orphans.append(inst["instance_id"])
                     self._stop(client, inst["instance_id"], None)
         jobs: dict[asyncio.Task[Execution | None], Record] = {}
         for rec in standalone:
             if rec.session_id in self.executions.executions:
-                report.retracked.append(rec.session_id)  # already tracked: the same set, no second execution (002.9)
+                report.retracked.append(rec.session_id)  # already tracked: the same set, no second execution (AC-EXECUTORS-SURVIVAL-002.9)
                 continue
             candidates = by_session.get(rec.session_id, [])
             if not candidates:
-                report.not_retracked[rec.session_id] = "no_instance"  # repair path (002.7)
+                report.not_retracked[rec.session_id] = "no_instance"  # repair path (AC-EXECUTORS-SURVIVAL-002.7)
                 continue
             task = asyncio.get_running_loop().create_task(
                 self._retrack_record(client, rec, candidates, report, publish)
@@ -274,7 +274,7 @@ class Recovery:
         report.duration_ms = (time.monotonic() - started) * 1000
         self._release_guards(standalone)
 
-        # 6. one enumeration after every outcome, then reconciliation (003.1, 003.6)
+        # 6. one enumeration after every outcome, then reconciliation (AC-EXECUTORS-SURVIVAL-003.1, AC-EXECUTORS-SURVIVAL-003.6)
         try:
             after = await self._budget(client.list_instances)
             present = {i["instance_id"] for i in after if i.get("state") not in ("exited", "stopped")}
@@ -295,7 +295,7 @@ class Recovery:
         publish: Callable[[Execution], None],
     ) -> Execution | None:
         if len(candidates) > 1:
-            # Duplicates: only the instance whose id is the record's agent execution id (002.10).
+            # Duplicates: only the instance whose id is the record's agent execution id (AC-EXECUTORS-SURVIVAL-002.10).
             winners = [i for i in candidates if i["instance_id"] == rec.instance_id]
             losers = [i for i in candidates if i["instance_id"] != rec.instance_id]
             if len(winners) != 1:
@@ -304,7 +304,7 @@ class Recovery:
                     self._stop(client, inst["instance_id"], rec.session_id)
                 return None
             stopped = await asyncio.gather(*(self._stop(client, i["instance_id"], rec.session_id) for i in losers))
-            if not all(stopped):  # a loser still runs: the winner is not re-tracked either (002.15)
+            if not all(stopped):  # a loser still runs: the winner is not re-tracked either (AC-EXECUTORS-SURVIVAL-002.15)
                 report.not_retracked[rec.session_id] = "duplicate_stop_failed"
                 await self._stop(client, winners[0]["instance_id"], rec.session_id)
                 return None
@@ -321,19 +321,19 @@ class Recovery:
         try:
             status = await self._budget(lambda: client.turn_status(instance["instance_id"]))
         except IpcError:
-            # Never publish as running what we could not read (004.5): stop it instead.
+            # Never publish as running what we could not read (AC-EXECUTORS-SURVIVAL-004.5): stop it instead.
             report.not_retracked[rec.session_id] = "turn_status_failed"
             await self._stop(client, instance["instance_id"], rec.session_id)
             return None
-        if self.past_deadline:  # completed after D: publishes nothing, changes no state (003.7)
+        if self.past_deadline:  # completed after D: publishes nothing, changes no state (AC-EXECUTORS-SURVIVAL-003.7)
             return None
         outcomes = list(status.get("outcomes") or [])
-        with self.store.session() as db:  # apply what ended while unattached, before publishing (004.2)
+        with self.store.session() as db:  # apply what ended while unattached, before publishing (AC-EXECUTORS-SURVIVAL-004.2)
             for out in outcomes:
                 apply_turn_outcome(db, rec.session_id, str(out["turn_id"]), out.get("stop_reason"), out.get("error"))
             session = db.get(TaskSession, rec.session_id)
             current = status.get("current_turn_id")
-            if current and session is not None:  # a turn still running is published as running (003.3)
+            if current and session is not None:  # a turn still running is published as running (AC-EXECUTORS-SURVIVAL-003.3)
                 _ensure_turn(db, rec.session_id, str(current), None)
                 mark_running(db, session, f"turn {current} still running at re-tracking")
             row = db.get(ExecutorRunning, rec.session_id)
@@ -364,7 +364,7 @@ class Recovery:
             INSTANCE_ID=ex.instance_id,
             AGENT_PID=ex.agent_pid,
         )
-        # Acked only now that the outcomes are durable, each in its own exchange (004.6).
+        # Acked only now that the outcomes are durable, each in its own exchange (AC-EXECUTORS-SURVIVAL-004.6).
         for out in outcomes:
             try:
                 await client.ack_turn(str(out["turn_id"]))
@@ -411,7 +411,7 @@ class Recovery:
         return await self.adopter._budget(fn)
 
     def _stop(self, client: AgentctlClient, instance_id: str, session_id: str | None) -> asyncio.Task[bool]:
-        """Stop an instance on the read budget, once; the task is never cancelled (003.7)."""
+        """Stop an instance on the read budget, once; the task is never cancelled (AC-EXECUTORS-SURVIVAL-003.7)."""
         task = self.stops.get(instance_id)
         if task is not None:
             return task
@@ -439,10 +439,10 @@ class Recovery:
         ok = not task.cancelled() and task.exception() is None and task.result()
         if ok:
             self.executions.release_held_guard(session_id)
-            if self.reconciled:  # it was unknown while in flight; now it is known dead (003.6 rule 5)
+            if self.reconciled:  # it was unknown while in flight; now it is known dead (AC-EXECUTORS-SURVIVAL-003.6 rule 5)
                 with self.store.session() as db:
                     self._repair(db, session_id, datetime.now(UTC))
-        else:  # an agent that could not be stopped keeps its session guarded (002.16)
+        else:  # an agent that could not be stopped keeps its session guarded (AC-EXECUTORS-SURVIVAL-002.16)
             self.executions.mark_unstopped(session_id)
 
     def _release_guards(self, records: list[Record]) -> None:
@@ -465,8 +465,8 @@ class Recovery:
 
         Re-tracked sessions are skipped entirely: the task is not marked
         interrupted, a running session stays running, open turns stay open, a
-        task in progress stays in progress (AC-EXECUTORS-SURVIVAL-003.2..003.5).
-        Every other live row is classified (003.6): dead rows go to the repair
+        task in progress stays in progress (AC-EXECUTORS-SURVIVAL-003.2, AC-EXECUTORS-SURVIVAL-003.3, AC-EXECUTORS-SURVIVAL-003.4, AC-EXECUTORS-SURVIVAL-003.5).
+        Every other live row is classified (AC-EXECUTORS-SURVIVAL-003.6): dead rows go to the repair
         path (resume token and worktree kept; open turns abandoned; an active
         session waits for input and its task goes to review, marked
         interrupted — what kandev always did); unknown rows are left untouched.

@@ -1,4 +1,7 @@
-"""Resume, runtime configuration, context reset and workflow steps: backend ops of seeds 000/004.
+"""Resume, runtime configuration, context reset and workflow steps: the backend's ops.
+
+The rules: docs/requirements.md#resume-and-runtime-recovery and
+docs/requirements.md#runtime-configuration-across-a-context-reset.
 
 Ops (``api.RESUME_OPS``; CLI in brackets):
 
@@ -11,12 +14,12 @@ Ops (``api.RESUME_OPS``; CLI in brackets):
 - ``workflow_set``, ``task_workflow``, ``task_proceed`` (``kandev task create --steps``,
   ``kandev task workflow TASK_ID``, ``kandev task proceed TASK_ID``).
 
-**Resume** (RESUME-1..9), read ``ResumeService.resume`` top to bottom:
+**Resume** (RESUME-1, RESUME-2, RESUME-3, RESUME-4, RESUME-5, RESUME-6, RESUME-7, RESUME-8, RESUME-9), read ``ResumeService.resume`` top to bottom:
 
 1. refused while recovery guards the session (``session_guarded``, retryable), while the backend is
    not ready, and for a session with a live agent (``conflict``);
 2. under the per-session lock: STARTING through the guarded transition (the token is wiped here
-   only for ``--fresh``) **before** the request is assembled (RESUME-5, 8);
+   only for ``--fresh``) **before** the request is assembled (RESUME-5, RESUME-8);
 3. assembly: the agent command from the built-in registry, the workspace, and the git
    credentials (``daemon.credentials.prepare_git_credentials``; the broker issues a lease only now
    that STARTING is durable, RESUME-9), whose non-secret ``git_credential_snapshot`` is stored while
@@ -28,7 +31,7 @@ Ops (``api.RESUME_OPS``; CLI in brackets):
 6. any failure after 2: the prior recoverable state again (unless a competing transition got there
    first, which is kept); never a STARTING left behind (RESUME-7). The tokens
    (``metadata.acp.session_id``, ``executors_running.resume_token``) are never touched by a failure:
-   only ``--fresh`` wipes them and only a new provider session replaces them (RESUME-1..4).
+   only ``--fresh`` wipes them and only a new provider session replaces them (RESUME-1, RESUME-2, RESUME-3, RESUME-4).
 
 **Automatic resume** (RESUME-10), switched on by ``features.auto_resume``: once startup recovery
 and reconciliation are done (backend ``ready``), every session that this start's reconciliation
@@ -38,7 +41,7 @@ background through the same path. So are the sessions a control server that died
 running backend interrupted, once its replacement runs (``resume_interrupted``). While it runs the session is STARTING, so its task keeps the
 bucket of its own state (review: ``turn_finished``); it never shows in backlog or running.
 
-**Context reset** (RESETCFG-1..13): capture one ``SessionRuntimeConfig`` (before anything else),
+**Context reset** (RESETCFG-1, RESETCFG-2, RESETCFG-3, RESETCFG-4, RESETCFG-5, RESETCFG-6, RESETCFG-7, RESETCFG-8, RESETCFG-9, RESETCFG-10, RESETCFG-11, RESETCFG-12, RESETCFG-13): capture one ``SessionRuntimeConfig`` (before anything else),
 STARTING, a new provider session (ACP fast path: ``reset_context`` = ``session/new`` on the same
 process; fallback, also for a control server without the op: the process restarted with
 ``session/new``), the tokens replaced by the new session's id (RESUME-2), its reported defaults
@@ -47,7 +50,7 @@ value, never from the store, which by then holds the new session's announced def
 WAITING_FOR_INPUT ("agent ready") and a ``context_reset`` transcript entry. A rejected field: the
 accepted state is stored, the reset-failure status persisted in ``metadata.context_reset``, the
 session FAILED, the agent stopped (resume continues the new provider session), and no ready or
-reset event (RESETCFG-9, 10); a workflow step's automatic prompt is then not sent (RESETCFG-11).
+reset event (RESETCFG-9, RESETCFG-10); a workflow step's automatic prompt is then not sent (RESETCFG-11).
 
 Runtime state is written only from answers the agent accepted or from the events it sends
 (RESETCFG-8); before writing, the backend waits until its event consumer has applied every event
@@ -266,7 +269,7 @@ class ResumeService:
 
     async def resume(self, session_id: str, *, fresh: bool, automatic: bool = False) -> dict[str, Any]:
         b = self.backend
-        # 1. recovery's guard first: retryable while it decides the session (SURVIVAL-002.8)
+        # 1. recovery's guard first: retryable while it decides the session (AC-EXECUTORS-SURVIVAL-002.8)
         b.executions.check_launch(session_id)
         if b.state != "ready":
             raise IpcError(ErrorCode.UNAVAILABLE, f"backend is {b.state}; retry shortly", True)
@@ -276,7 +279,7 @@ class ResumeService:
         async with self._lock(session_id):
             b.executions.check_launch(session_id)
             self._refuse_live(session_id)
-            # 2. STARTING before anything is assembled (RESUME-5, 8)
+            # 2. STARTING before anything is assembled (RESUME-5, RESUME-8)
             begun = self._begin(session_id, fresh=fresh, automatic=automatic)
             info: dict[str, Any] | None = None
             try:
@@ -494,7 +497,7 @@ class ResumeService:
 
     def resume_interrupted(self, session_ids: list[str]) -> None:
         """With ``features.auto_resume``: resume, in the background and through the same path, the
-        sessions a lost control server interrupted, now that a new one runs (issue 11)."""
+        sessions a lost control server interrupted, now that a new one runs (Issue 11)."""
         if not getattr(self.backend.config.features, "auto_resume", False) or self.backend.state != "ready":
             return
         task = asyncio.get_running_loop().create_task(
@@ -608,7 +611,7 @@ class ResumeService:
         return await self.reset_context(args["session_id"], restart=bool(args.get("restart", False)))
 
     async def capture(self, session_id: str) -> rc.SessionRuntimeConfig:
-        """RESETCFG-1..3: profile, then persisted provider state, then the live caches; deep-copied."""
+        """RESETCFG-1, RESETCFG-2, RESETCFG-3: profile, then persisted provider state, then the live caches; deep-copied."""
         with self.backend.store.session() as db:
             meta = dict(self._session(db, session_id).metadata_json or {})
         catalogue = await self._catalogue(session_id, meta)
@@ -626,7 +629,7 @@ class ResumeService:
                 state = self._session(db, session_id).state
             if state != "WAITING_FOR_INPUT":
                 raise _conflict(f"session {session_id} is {state}; a context reset needs WAITING_FOR_INPUT")
-            # RESETCFG-1, 5: one snapshot, before any new provider session exists
+            # RESETCFG-1, RESETCFG-5: one snapshot, before any new provider session exists
             snapshot = await self.capture(session_id)
             with b.store.session() as db:
                 session = self._session(db, session_id)
@@ -729,7 +732,7 @@ class ResumeService:
                 )
 
     def _record_new_session(self, session_id: str, ex: Execution, info: dict[str, Any], path: str) -> rc.Catalogue:
-        """A new provider session exists: both tokens now name it (RESUME-2, 3), and what it reports
+        """A new provider session exists: both tokens now name it (RESUME-2, RESUME-3), and what it reports
         as current (its defaults) is stored truthfully (RESETCFG-12); restore does not read it."""
         catalogue = rc.Catalogue.from_json(info)
         acp_id = info["acp_session_id"]
@@ -760,7 +763,7 @@ class ResumeService:
 
     async def _reset_failed(self, session_id: str, ex: Execution, snapshot: rc.SessionRuntimeConfig,
                             failure: BaseException, path: str) -> None:
-        """RESETCFG-9, 10, 11: the accepted state stored truthfully, the failure status persisted, the
+        """RESETCFG-9, RESETCFG-10, RESETCFG-11: the accepted state stored truthfully, the failure status persisted, the
         execution failed (agent stopped), no ready and no reset event."""
         if isinstance(failure, rc.ApplyRejected):
             await self._converge(ex, failure.last_seq)

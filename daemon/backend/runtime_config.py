@@ -1,4 +1,4 @@
-"""SessionRuntimeConfig: one captured value of a session's model, mode and provider options (seed 004).
+"""SessionRuntimeConfig: one captured value of a session's model, mode and provider options (docs/requirements.md#runtime-configuration-across-a-context-reset).
 
 A context reset gives the agent a new provider session, and a new session
 starts from the provider's defaults. Worse, the new session *announces* those
@@ -6,9 +6,9 @@ defaults (``current_mode_update``, ``config_option_update``) before the reset
 answer returns, and the backend persists every such event as it arrives. So
 the value to restore must be captured **before** the reset and must never be
 read back from the store afterwards: that was the original bug
-(spec/resume-and-config.md, Part B).
+(RESETCFG-1, RESETCFG-5).
 
-- ``capture`` builds the one snapshot (RESETCFG-1, 2): the agent profile's
+- ``capture`` builds the one snapshot (RESETCFG-1, RESETCFG-2): the agent profile's
   values, then the persisted provider state, then the live cache of this
   backend lifetime where nothing is persisted yet. Options are deep-copied
   (RESETCFG-3); model and mode never sit in the options, and empty entries are
@@ -21,7 +21,7 @@ read back from the store afterwards: that was the original bug
   Option calls after the model use the option list the agent returned for it.
   The accepted value grows only from answers the agent accepted (RESETCFG-8);
   the first refusal raises ``ApplyRejected`` carrying what was accepted so far
-  (RESETCFG-9, 11). A model that cannot be applied fails closed.
+  (RESETCFG-9, RESETCFG-11). A model that cannot be applied fails closed.
 - ``Catalogue`` is what the agent reported about its current session (modes
   and config options); ``provider_state`` turns such a report into the
   values it names, which win over older stored entries (RESETCFG-12). A
@@ -173,7 +173,7 @@ def capture(
     live: SessionRuntimeConfig | None,
     catalogue: Catalogue | None = None,
 ) -> SessionRuntimeConfig:
-    """The one snapshot taken before a reset (RESETCFG-1, 2, 3).
+    """The one snapshot taken before a reset (RESETCFG-1, RESETCFG-2, RESETCFG-3).
 
     1. the agent profile's model, mode and options;
     2. over them, the persisted provider state and explicit overrides (their precedence unchanged);
@@ -268,7 +268,7 @@ async def apply_config(
     catalogue: Catalogue,
     base: SessionRuntimeConfig | None = None,
 ) -> Applied:
-    """Apply ``target`` in the order model, mode, options by id (RESETCFG-6, 7, 8, 9).
+    """Apply ``target`` in the order model, mode, options by id (RESETCFG-6, RESETCFG-7, RESETCFG-8, RESETCFG-9).
 
     ``base`` is the state the agent is known to be in; the result is ``base`` plus every field the
     agent accepted. Raises ``ApplyRejected`` at the first field it refuses or that cannot be applied.

@@ -1,4 +1,4 @@
-"""Keeping the control server on the installed version without stopping an agent (issue 15).
+"""Keeping the control server on the installed version without stopping an agent (Issue 15).
 
 The backend adopts a control server one release older as it adopts its own (adoption
 needs only the capabilities release 0.1.0 had). Then, in the background once ready:

@@ -10,7 +10,7 @@ A ``ServerWatch`` is bound to one started or adopted server (its ``ControlServer
 - no pid known at all: only the connection can tell; it is gone when the backend's connection
   has dropped and nothing listens at the endpoint any more (the socket file is gone or refuses
   connections). A server that accepts but does not answer yet is alive: that is what a server
-  re-executing in place looks like (issue 15: its listening socket stays open across the exec).
+  re-executing in place looks like (Issue 15: its listening socket stays open across the exec).
 
 A reload (re-exec in place) is never a loss: the process keeps its pid and its start time, and a
 child keeps running.

@@ -1,4 +1,4 @@
-"""Workflow steps: the smallest real workflow seed 004 needs.
+"""Workflow steps: the smallest real workflow the context-reset rules need (RESETCFG-11).
 
 A task may have an ordered list of named steps (table ``workflow_steps``). A
 step may, on entry, **reset** the agent's context (a new provider session with

@@ -1,5 +1,5 @@
-"""Git credential leases for agents (issue 5; design.md §7 "Credential leases"; RESUME-5/6/9,
-LEASE-CTX-1..7).
+"""Git credential leases for agents (Issue 5; RESUME-5, RESUME-6, RESUME-9,
+LEASE-CTX-1, LEASE-CTX-2, LEASE-CTX-3, LEASE-CTX-4, LEASE-CTX-5, LEASE-CTX-6, LEASE-CTX-7).
 
 The broker (``broker``) issues a scoped lease on the upstream GitHub token to a live session,
 keeps only the lease token's SHA-256 in ``credential_leases``, and redeems it for the shipped git

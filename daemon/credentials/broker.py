@@ -1,4 +1,4 @@
-"""The git credential broker: scoped leases on the upstream GitHub token (issue 5, seed 000).
+"""The git credential broker: scoped leases on the upstream GitHub token (Issue 5; LEASE-CTX-2).
 
 Every function takes the caller's SQLAlchemy session ``db`` and works inside its transaction;
 the caller commits. Nothing here ever logs, returns in an error or stores a lease token, a
@@ -15,7 +15,7 @@ Rules:
   must still be what that origin names (a changed repository identity is refused).
 - Expired, revoked, unknown or forged leases are refused; so is a protocol other than https or
   a host or repository outside the lease's scope.
-- LEASE-CTX-5/6: the signing key is stable (kept in the store), so leases and capabilities
+- LEASE-CTX-5, LEASE-CTX-6: the signing key is stable (kept in the store), so leases and capabilities
   issued before a backend restart (e.g. to an agent that survived it) keep working after it.
 - LEASE-CTX-3: the helper may reissue once after a lease failure with its capability; revoking
   the lease a capability came with (``revoke_session_leases``) ends that too.
@@ -272,7 +272,7 @@ def record_credential_snapshot(db: Session, session_id: str, snapshot: dict[str,
 
 
 def reissue_capability(db: Session, lease_token: str, *, now: datetime | None = None) -> str:
-    """A capability that lets the helper get a new lease for the same scope (LEASE-CTX-2/3) while
+    """A capability that lets the helper get a new lease for the same scope (LEASE-CTX-2, LEASE-CTX-3) while
     the session is live, for ``CAPABILITY_TTL_S``. A secret, like the token: lease file only."""
     key = signing_key(db)
     c = decode_lease(key, lease_token)
@@ -446,7 +446,7 @@ def prepare_git_credentials(
     """Issue a lease (with a reissue capability), write the session's lease file and build the
     agent env; or policy ``none`` when the session is not GitHub-backed or no upstream token is
     configured. ``socket``: where the agent's helper redeems it; the backend passes the session's
-    own credential endpoint; default the backend socket (whose ops serve any lease). Either way the leases of the session's earlier attempts are revoked first. Call it with the session already STARTING (RESUME-5/9); then store
+    own credential endpoint; default the backend socket (whose ops serve any lease). Either way the leases of the session's earlier attempts are revoked first. Call it with the session already STARTING (RESUME-5, RESUME-9); then store
     ``result.snapshot`` with ``record_credential_snapshot`` before launch (RESUME-6).
 
     ``SessionTerminal`` and the other ``CredentialError``s propagate (e.g. a configured but

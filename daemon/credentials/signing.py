@@ -3,7 +3,7 @@ capabilities.
 
 The key is 32 random bytes kept in the store's ``installation`` table (row
 ``credential_signing_key``), created once per Kandev home and never logged, so every lease and
-capability stays verifiable across a backend restart (design.md §7; LEASE-CTX-5/6: a stable key,
+capability stays verifiable across a backend restart (LEASE-CTX-5, LEASE-CTX-6: a stable key,
 which is what a survived agent needs to keep git access).
 
 A **lease token** is ``kgl_<secret>.<claims>.<mac>``: 32 random bytes, the lease's non-secret

@@ -20,7 +20,7 @@ _KNOWN = {
     "backend": {"pid", "version", "socket", "home", "state"},
     "capability": {"state", "reason", "detail", "supervisor"},
     "control_server": {"state", "pid", "version", "server_identity", "endpoint", "mode", "log_path",
-                       # versions and re-execution in place (issue 15): shown by _version_lines
+                       # versions and re-execution in place (Issue 15): shown by _version_lines
                        "installed_version", "protocol_version", "can_reload", "reexec_count", "last_reexec_at",
                        "last_reload", "replacement", "last_replaced",
                        # the backend's link to it: losses, restarts, the crash loop (shown by _link_lines)

@@ -1,4 +1,4 @@
-"""Managed npm runtimes (seed 000 RESUME-11..13, design.md §7, NPM-CTX-1..6).
+"""Managed npm runtimes (RESUME-11, RESUME-12, RESUME-13, NPM-CTX-1, NPM-CTX-2, NPM-CTX-3, NPM-CTX-4, NPM-CTX-5, NPM-CTX-6).
 
 - ``npx_cache``: the ``_npx`` key of an exact spec and the one repair kandev
   ever makes to the npm cache (remove ``<cache>/_npx/<key>`` of a built-in spec).

@@ -14,7 +14,7 @@ sha512 of ``<package>@<version>``. Both ``npx <pkg>@<ver> ...`` (the launch) and
 (tests/integration/test_runtimes_npm.py checks it against a directory npm made).
 Per NPM-CTX-5 the key is computed, never parsed from npm's output.
 
-The repair (RESUME-11/12) removes exactly ``<cache>/_npx/<key>`` of a built-in
+The repair (RESUME-11, RESUME-12) removes exactly ``<cache>/_npx/<key>`` of a built-in
 package's exact spec and nothing else:
 
 - the package must be one of the built-in managed npm packages and the version an

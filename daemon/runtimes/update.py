@@ -1,4 +1,4 @@
-"""The managed-runtime update job (RESUME-11..13, NPM-CTX-3) and the backend's job manager.
+"""The managed-runtime update job (RESUME-11, RESUME-12, RESUME-13, NPM-CTX-3) and the backend's job manager.
 
 One job updates one built-in npm agent to its pinned exact spec
 ``<package>@<version>`` and moves through::

@@ -1,4 +1,4 @@
-"""The board: which bucket each task is in, from its latest session (design.md §7).
+"""The board: which bucket each task is in, from its latest session (docs/architecture.md#the-store).
 
 A task follows its latest session (by ``created_at``, ties broken by id):
 RUNNING -> running; WAITING_FOR_INPUT -> turn_finished; FAILED or CANCELLED ->

@@ -3,7 +3,7 @@
 ``Store.open(url)`` creates the engine, runs the alembic migrations to head
 and returns a ``Store``. For SQLite every connection gets ``journal_mode=WAL``,
 ``synchronous=FULL`` (the control-server record must be durable before a
-credential is confirmed, OWN-002.7), ``foreign_keys=ON`` and
+credential is confirmed, AC-EXECUTORS-CONTROL-OWNERSHIP-002.7), ``foreign_keys=ON`` and
 ``busy_timeout=5000``, and a new database file is created 0600.
 
 With pysqlite's default transaction handling a transaction begins at the

@@ -1,4 +1,4 @@
-"""The backend's tables (design.md §7), as SQLAlchemy 2 ORM classes.
+"""The backend's tables (docs/architecture.md#the-store), as SQLAlchemy 2 ORM classes.
 
 The alembic migrations in ``migrations/versions`` are written by hand to match
 these classes; a unit test compares the migrated schema with this metadata.
@@ -234,7 +234,7 @@ class RuntimeUpdateJob(Base):
 
 
 class WorkflowStep(Base):
-    """One named step of a task's workflow (seed 004), in ``position`` order.
+    """One named step of a task's workflow (docs/requirements.md#runtime-configuration-across-a-context-reset), in ``position`` order.
 
     At most one step of a task is ``active`` or ``blocked`` (the current one: blocked when its
     entry actions failed, e.g. a context reset whose restore was rejected, so its automatic

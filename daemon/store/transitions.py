@@ -1,4 +1,4 @@
-"""The one guarded way to change a session's state (design.md §7), and task state changes.
+"""The one guarded way to change a session's state (docs/architecture.md#the-store), and task state changes.
 
 ``transition_session`` is a compare-and-set: it reads the current state,
 refuses unless it is one the caller expects, and writes with ``UPDATE ...

@@ -105,7 +105,7 @@ def test_stop_during_start_leaves_nothing(tmp_path: Path, groups: set[int]):
 
 
 def test_stop_escalates_to_sigkill_and_never_blocks(tmp_path: Path, groups: set[int]):
-    """An agent ignoring SIGTERM is SIGKILLed after the grace period (SURVIVAL-001.10: stop completes)."""
+    """An agent ignoring SIGTERM is SIGKILLed after the grace period (AC-EXECUTORS-SURVIVAL-001.10: stop completes)."""
     stubborn = (
         "import os, signal, sys\n"
         "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"  # stays ignored across exec
@@ -128,7 +128,7 @@ def test_stop_escalates_to_sigkill_and_never_blocks(tmp_path: Path, groups: set[
 
 
 def test_identity_check_refuses_a_reused_pid(tmp_path: Path, groups: set[int]):
-    """design.md §6: never signal a pid without checking (pid, start time): a pid now held by a
+    """docs/architecture.md#the-control-server-inside: never signal a pid without checking (pid, start time): a pid now held by a
     process with another start time is left alone."""
     import subprocess
 

@@ -211,7 +211,7 @@ def test_rotate_with_its_own_proof_and_refusals(server: Server):
 
 
 def test_scenario_b_after_confirm_the_old_credential_is_refused_and_its_stream_closed(server: Server):
-    """Scenario B. After the confirmation every operation with the superseded credential is
+    """Issue 3 scenario B. After the confirmation every operation with the superseded credential is
     refused (AC-EXECUTORS-CONTROL-OWNERSHIP-002.1) and its open event stream is terminated
     (AC-EXECUTORS-CONTROL-OWNERSHIP-002.2); in phase 1 it already drives nothing and opens no stream, while
     the new owner is served (AC-EXECUTORS-CONTROL-OWNERSHIP-002.7)."""
@@ -349,7 +349,7 @@ def test_superseded_credential_shuts_down_but_never_drives(server: Server):
         assert not group_exists(pgid)
 
 
-# ---------------------------------------------------------------- scenario G: a peer that is not the owner
+# ---------------------------------------------------------------- Issue 3 scenario G: a peer that is not the owner
 
 
 def _other_uid_probe(path: str) -> str:
@@ -375,7 +375,7 @@ def _other_uid_probe(path: str) -> str:
 
 
 def test_scenario_g_intruders_get_typed_refusals_while_the_owner_is_served(server: Server):
-    """Scenario G (AC-EXECUTORS-CONTROL-OWNERSHIP-001.2, AC-EXECUTORS-CONTROL-OWNERSHIP-001.10). A peer
+    """Issue 3 scenario G (AC-EXECUTORS-CONTROL-OWNERSHIP-001.2, AC-EXECUTORS-CONTROL-OWNERSHIP-001.10). A peer
     with a wrong credential, a proof replayed from another connection's nonce, or another uid
     gets a typed refusal for every authenticated operation (rotate and ownership_shutdown
     included), and the owner keeps being served."""
@@ -465,7 +465,7 @@ def test_resolved_period_is_reported_and_adjustments_are_logged(private_root: Pa
 
 
 def test_scenario_d_unowned_shutdown_and_renewal(private_root: Path):
-    """Scenario D. Four servers, unowned period 60 s (the floor), idle reaping off, side by side:
+    """Issue 3 scenario D. Four servers, unowned period 60 s (the floor), idle reaping off, side by side:
 
     - A: bootstrapped, then rotated and confirmed at +20 s; afterwards only instance operations,
       enumeration and an open event stream (mid-turn).

@@ -1,13 +1,13 @@
-"""The control server re-executes in place (issue 15), as a real process with real mock agents.
+"""The control server re-executes in place (Issue 15), as a real process with real mock agents.
 
 Each test runs ``kandev-agentctl`` from a private copy of the code tree (daemon/, ipc/), so it
 can do what a package upgrade does: replace files under the running server (a newer version,
 a module that raises at import) and reload. Reloads go through the unit's reload helper
 (``kandev-agentctl --reload``) or the authenticated ``reload`` op, exactly as in production.
 
-Cited: Issue 15 items 1 (hand-over), 2 (preflight, refusal), 3 (no mixed code), 6 (a client
-attached during the re-exec re-attaches with ``after_seq``: nothing lost, nothing repeated),
-scenario C (a broken new version is refused, the old process keeps serving).
+Cited: Issue 15 item 1 (hand-over), Issue 15 item 2 (preflight, refusal), Issue 15 item 3 (no
+mixed code), Issue 15 item 6 (a client attached during the re-exec re-attaches with
+``after_seq``: nothing lost, nothing repeated), Issue 15 scenario C (a broken new version is refused, the old process keeps serving).
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ def identity(pid: int) -> tuple[int, float]:
 
 
 def test_reload_hands_over_turns_permissions_and_held_back_output(server: Server) -> None:
-    """Issue 15 items 1 and 6: one agent mid-turn with a client attached, one with an open permission
+    """Issue 15 item 1 and Issue 15 item 6: one agent mid-turn with a client attached, one with an open permission
     request and nobody attached, one whose output is held back at the detached bound (a message
     read and parked, more in the reader and the pipe). ``kandev-agentctl --reload`` (ExecReload=):
     same server pid, same agents, every chunk once and in order after re-attaching with after_seq,
@@ -325,7 +325,7 @@ async def finish_turn(client: AgentctlClient, instance_id: str, text: str) -> st
 
 
 def test_sandboxed_agents_survive_reloads_and_stop_still_ends_their_whole_sandbox(server: Server) -> None:
-    """Issue 15 with issue 10 (agents sandboxed by default): two agents in their bubblewrap
+    """Issue 15 with Issue 10 (agents sandboxed by default): two agents in their bubblewrap
     sandboxes, one that leaves a TERM-ignoring process running inside its sandbox, one that ignores
     TERM itself, go through three reloads (the reload op twice, ``kandev-agentctl --reload`` once).
     Every sandbox process keeps its identity, each agent still answers a turn after each reload,

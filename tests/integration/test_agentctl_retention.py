@@ -1,7 +1,7 @@
 """Detached event retention, end to end: a real control server (``python -m daemon.agentctl.main
 --launch-file ...``) and the real mock agent, driven through the real client.
 
-AC-EXECUTORS-SURVIVAL-001.5, 001.6, 001.9, 001.10, 004.1, 004.3, 004.6 (design-notes §6.6, §9):
+AC-EXECUTORS-SURVIVAL-001.5, AC-EXECUTORS-SURVIVAL-001.6, AC-EXECUTORS-SURVIVAL-001.9, AC-EXECUTORS-SURVIVAL-001.10, AC-EXECUTORS-SURVIVAL-004.1, AC-EXECUTORS-SURVIVAL-004.3, AC-EXECUTORS-SURVIVAL-004.6 (docs/architecture.md#the-control-server-inside):
 while an instance's stream is not attached, at most ``detached_event_limit`` undelivered events
 are retained; then the agent's output is no longer read, so the agent blocks on its own stdout
 pipe and nothing is dropped. An attach resumes production; a stop releases everything at once.
@@ -110,11 +110,11 @@ def kinds(events: list[Event]) -> list[str]:
     return [e.kind for e in events]
 
 
-# ---------------------------------------------------------------- scenario B
+# ---------------------------------------------------------------- Issue 4 scenario B
 
 
 def test_flood_5000_detached_pauses_the_agent_then_attach_hands_over_everything(make_server):
-    """Scenario B; AC-EXECUTORS-SURVIVAL-001.5, 001.6: /flood 5000 with no stream and limit 100:
+    """Issue 4 scenario B; AC-EXECUTORS-SURVIVAL-001.5, AC-EXECUTORS-SURVIVAL-001.6: /flood 5000 with no stream and limit 100:
     the agent is alive and blocked (retained stays at 100, paused, the mock has not finished and
     makes no progress), nothing is dropped; an attach delivers all 5000 chunks exactly once, in
     order, and the turn ends."""
@@ -158,7 +158,7 @@ def test_flood_5000_detached_pauses_the_agent_then_attach_hands_over_everything(
     assert agent_alive(pid)
 
 
-# ---------------------------------------------------------------- per instance (001.9)
+# ---------------------------------------------------------------- per instance (AC-EXECUTORS-SURVIVAL-001.9)
 
 
 def test_pause_is_per_instance_by_its_own_stream(make_server):
@@ -194,7 +194,7 @@ def test_pause_is_per_instance_by_its_own_stream(make_server):
     assert progress_b < n + 1
 
 
-# ---------------------------------------------------------------- stop (001.10)
+# ---------------------------------------------------------------- stop (AC-EXECUTORS-SURVIVAL-001.10)
 
 
 def test_stop_of_a_paused_instance_is_prompt_and_kills_the_group(make_server):
@@ -220,7 +220,7 @@ def test_stop_of_a_paused_instance_is_prompt_and_kills_the_group(make_server):
 
 
 def test_sigterm_with_paused_instances_exits_promptly(make_server):
-    """001.10 for the server-wide stop: every paused producer is released, every group killed."""
+    """AC-EXECUTORS-SURVIVAL-001.10 for the server-wide stop: every paused producer is released, every group killed."""
     server = make_server(detached_event_limit=10)
 
     async def scenario() -> list[int]:
@@ -248,7 +248,7 @@ def test_sigterm_with_paused_instances_exits_promptly(make_server):
 
 @pytest.mark.parametrize(("limit", "n"), [(1, 300), (10000, 10500)])
 def test_limit_extremes(make_server, limit: int, n: int):
-    """AC-EXECUTORS-SURVIVAL-001.6, 001.8: the smallest and largest accepted limits pause exactly at
+    """AC-EXECUTORS-SURVIVAL-001.6, AC-EXECUTORS-SURVIVAL-001.8: the smallest and largest accepted limits pause exactly at
     the bound and hand everything over after an attach."""
     server = make_server(detached_event_limit=limit)
 
@@ -272,11 +272,11 @@ def test_limit_extremes(make_server, limit: int, n: int):
     assert [e.seq for e in events] == list(range(1, n + 3))
 
 
-# ---------------------------------------------------------------- permissions (001.9, scenario C)
+# ---------------------------------------------------------------- permissions (AC-EXECUTORS-SURVIVAL-001.9, Issue 4 scenario C)
 
 
 def test_permission_raised_while_detached_stays_open_then_is_answered_after_attach(make_server):
-    """AC-EXECUTORS-SURVIVAL-001.9, scenario C (server half): a permission request the agent raises
+    """AC-EXECUTORS-SURVIVAL-001.9, Issue 4 scenario C (server half): a permission request the agent raises
     while no stream is attached is not auto-cancelled (Kandev's timer was 5 s): after 6 s it is
     still open, and a backend that attaches later answers it."""
     server = make_server(detached_event_limit=100)
@@ -335,7 +335,7 @@ def test_permission_request_held_back_by_the_bound_is_delivered_after_attach(mak
 
 
 def test_permission_cancelled_at_the_bound_is_retained(make_server):
-    """001.6 for the permission-cancelled class: a cancel while the log is at the bound answers the
+    """AC-EXECUTORS-SURVIVAL-001.6 for the permission-cancelled class: a cancel while the log is at the bound answers the
     open request 'cancelled'; its event is appended past the bound (server-originated), the
     agent's next chunk is then held back, and everything is handed over after the attach, in
     order."""
@@ -373,7 +373,7 @@ def test_permission_cancelled_at_the_bound_is_retained(make_server):
 
 
 def test_agent_exit_while_paused_is_reported_after_its_held_back_output(make_server):
-    """001.6 for the process-exit class: the agent writes a chunk and exits while the producer is
+    """AC-EXECUTORS-SURVIVAL-001.6 for the process-exit class: the agent writes a chunk and exits while the producer is
     parked; agent_exited never overtakes the held-back chunk and nothing is lost."""
     server = make_server(detached_event_limit=1)
 
@@ -402,11 +402,11 @@ def test_agent_exit_while_paused_is_reported_after_its_held_back_output(make_ser
     assert outcome["stop_reason"] == "agent_exited"
 
 
-# ---------------------------------------------------------------- turn outcomes (004.1, 004.3, 004.6)
+# ---------------------------------------------------------------- turn outcomes (AC-EXECUTORS-SURVIVAL-004.1, AC-EXECUTORS-SURVIVAL-004.3, AC-EXECUTORS-SURVIVAL-004.6)
 
 
 def test_outcome_retained_while_detached_is_repeatable_until_acked(make_server):
-    """AC-EXECUTORS-SURVIVAL-004.1, 004.6: a turn that ends while detached keeps its outcome under
+    """AC-EXECUTORS-SURVIVAL-004.1, AC-EXECUTORS-SURVIVAL-004.6: a turn that ends while detached keeps its outcome under
     the server's turn id; reading is repeatable, delivering its event does not discard it, only
     an ack naming it does."""
     server = make_server(detached_event_limit=100)
@@ -462,7 +462,7 @@ def test_terminal_event_produced_after_attach_is_delivered(make_server):
 
 
 def test_reattach_after_a_dropped_stream_resumes_from_the_last_applied(make_server):
-    """001.5 with the bound: a stream that dies mid-flood leaves the instance detached again, so it
+    """AC-EXECUTORS-SURVIVAL-001.5 with the bound: a stream that dies mid-flood leaves the instance detached again, so it
     pauses at the bound counting what was sent but not acked; a re-attach after the last applied
     seq loses and repeats nothing."""
     server = make_server(detached_event_limit=50)

@@ -374,7 +374,7 @@ def test_identity_mismatch_sends_only_identify(server: Server):
 
 
 def test_unauthenticated_connections_are_refused(server: Server):
-    """design.md §5: every op but identify/prove/auth_* needs an authenticated connection;
+    """docs/architecture.md#ownership: every op but identify/prove/auth_* needs an authenticated connection;
     a failed auth_finish consumes its nonce."""
 
     async def scenario() -> None:
@@ -500,7 +500,7 @@ def test_issue_10_agents_run_in_their_sandbox_unless_the_policy_is_off(server: S
 
 
 def test_slow_prompt_streams_chunks_in_order_then_turn_ended(server: Server):
-    """design.md §1: seq follows arrival order; turn_ended comes after every update of its turn."""
+    """docs/architecture.md#processes: seq follows arrival order; turn_ended comes after every update of its turn."""
 
     async def scenario() -> list[Event]:
         async with await server.connect() as client:
@@ -524,7 +524,7 @@ def test_slow_prompt_streams_chunks_in_order_then_turn_ended(server: Server):
 
 
 def test_flood_while_detached_is_retained_and_handed_over_in_order(server: Server):
-    """AC-EXECUTORS-SURVIVAL-001.5, 001.6: events produced while no stream is attached are kept (up
+    """AC-EXECUTORS-SURVIVAL-001.5, AC-EXECUTORS-SURVIVAL-001.6: events produced while no stream is attached are kept (up
     to the default bound of 100, then the agent is paused) and handed over, in production order,
     exactly once. More in test_agentctl_retention.py."""
     n = 2000
@@ -589,7 +589,7 @@ def test_detach_mid_stream_and_reattach_after_last_processed(server: Server):
 
 
 def test_turn_outcome_is_retained_until_acked_by_its_id(server: Server):
-    """AC-EXECUTORS-SURVIVAL-004.1, 004.6: reading never discards; only an ack naming the turn id
+    """AC-EXECUTORS-SURVIVAL-004.1, AC-EXECUTORS-SURVIVAL-004.6: reading never discards; only an ack naming the turn id
     does; acking an unknown id succeeds and changes nothing."""
 
     async def scenario() -> None:
@@ -708,7 +708,7 @@ def test_permission_request_waits_for_the_backend(server: Server):
 
 
 def test_stop_instance_kills_the_whole_group_and_is_idempotent(server: Server):
-    """design.md §6: stop kills the agent's process group (children included); absent = success."""
+    """docs/architecture.md#the-control-server-inside: stop kills the agent's process group (children included); absent = success."""
     spawner = (
         "import os, subprocess, sys\n"
         "subprocess.Popen(['sleep', '300'], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)\n"
@@ -881,7 +881,7 @@ def _frame(obj: dict[str, Any]) -> bytes:
 
 
 def test_bad_input_is_refused_and_the_server_keeps_serving(server: Server):
-    """design.md §4: garbage, oversized frames, unknown ops and missing fields get a typed error
+    """docs/architecture.md#the-ipc-protocol-ipc: garbage, oversized frames, unknown ops and missing fields get a typed error
     or a closed connection, never a crash or a stall."""
     cases = {
         "random bytes": (os.urandom(64), {ErrorCode.INVALID_FRAME, ErrorCode.FRAME_TOO_LARGE}),

@@ -1,4 +1,4 @@
-"""Issue scenarios E (bad input to either socket) and F (config out of range).
+"""Issue 2 scenario E (bad input to either socket) and Issue 2 scenario F (config out of range).
 
 Bad input gets a typed error or a closed connection; the daemon keeps
 answering and nothing in the store changes. Config values outside their range

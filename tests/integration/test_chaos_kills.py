@@ -1,4 +1,4 @@
-"""Issue 11 (build item 5): chaos. Control-server SIGKILLs interleaved with backend SIGKILLs.
+"""Issue 11 item 5: chaos. Control-server SIGKILLs interleaved with backend SIGKILLs.
 
 Survival on, no service manager, three sessions streaming (``/slow`` and ``/flood``). Each round
 kills something, then checks, once the backend has settled:
@@ -95,7 +95,7 @@ def _check_and_heal(k: Kandev, label: str) -> None:
 
 
 def test_chaos_control_server_and_backend_sigkills_interleaved(kandev_factory):
-    """Issue 11 build item 5 (chaos): after every kill, no session RUNNING without a live agent,
+    """Issue 11 item 5 (chaos): after every kill, no session RUNNING without a live agent,
     none stuck STARTING, every interrupted session resumable, no orphan agent."""
     k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="true")
     k.up()

@@ -1,4 +1,4 @@
-"""The ``kandev`` CLI contract (design.md §8) against a real backend: results, exit codes, --json."""
+"""The ``kandev`` CLI contract (README.md#using-it) against a real backend: results, exit codes, --json."""
 
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def test_agent_exit_fails_the_session(kandev_factory):
 
 
 def test_second_backend_on_the_same_home_is_refused(kandev_factory):
-    """AC-EXECUTORS-CONTROL-OWNERSHIP-002.4 (design.md §5 single driver): a second backend exits naming the holder."""
+    """AC-EXECUTORS-CONTROL-OWNERSHIP-002.4 (docs/architecture.md#ownership single driver): a second backend exits naming the holder."""
     k = kandev_factory()
     st = k.up()
     proc = subprocess.run(
@@ -126,7 +126,7 @@ def test_second_backend_on_the_same_external_sqlite_file_is_refused(kandev_facto
     assert first.status()["backend"]["pid"] == st["backend"]["pid"]
     first.cli("down")
     # The lock ends with its holder, but the store remembers the installation that created it
-    # (issue 10 item 5): another installation is still refused, naming both ids.
+    # (Issue 10 item 5): another installation is still refused, naming both ids.
     proc = subprocess.run(
         [sys.executable, "-m", "daemon.backend.main", "--home", str(second.home)],
         capture_output=True, text=True, env=second.env, timeout=60, cwd=REPO,

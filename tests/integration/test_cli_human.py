@@ -89,7 +89,7 @@ def _waiting(k: Kandev, sid: str) -> dict[str, Any]:
 
 
 def test_scenario_a_every_command_reads_as_text_with_8_char_ids(k: Kandev, session: dict[str, str]) -> None:
-    """Issue 14 scenario A, and scenario B's first half: every id-taking command is given an
+    """Issue 14 scenario A, and Issue 14 scenario B's first half: every id-taking command is given an
     8-character prefix (task show/workflow/proceed, session start/show/configure/reset-context,
     prompt, permission (session and request), cancel, resume, follow)."""
     t8, s8 = session["task"][:8], session["sid"][:8]

@@ -11,7 +11,7 @@ D: a control server that dies at start every time (the ``agentctl_dies_at_start`
    file is gone, ``kandev up`` brings a server back.
 With ``features.auto_resume`` the interrupted sessions are resumed once the new server runs.
 
-Scenario B (real systemd) is tests/systemd/test_control_server_loss_systemd.py; the interleaved
+Issue 11 scenario B (real systemd) is tests/systemd/test_control_server_loss_systemd.py; the interleaved
 control-server and backend SIGKILLs (item 5) are tests/integration/test_chaos_kills.py.
 """
 
@@ -137,7 +137,7 @@ def test_scenarios_a_and_c_killed_control_server_is_replaced_and_sessions_are_tr
 
 
 def test_auto_resume_gives_interrupted_sessions_an_agent_once_the_new_server_runs(kandev_factory):
-    """Issue 11 (build item 3): with features.auto_resume, the sessions a lost control server
+    """Issue 11 item 3: with features.auto_resume, the sessions a lost control server
     interrupted are resumed through the resume path once a new server runs (RESUME-10)."""
     k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="false", KANDEV_FEATURES_AUTO_RESUME="true")
     st = k.up()
@@ -226,7 +226,7 @@ def test_scenario_d_server_dying_at_start_gives_up_then_kandev_up_brings_one_bac
 
 
 def test_passthrough_server_loss_is_handled_likewise_and_leaves_the_other_server_alone(kandev_factory):
-    """Issue 11 build item 3 ("the passthrough server likewise"): the backend's own child server of
+    """Issue 11 item 3 ("the passthrough server likewise"): the backend's own child server of
     passthrough sessions is watched, its sessions made truthful and it is restarted; the survival
     server and its session are untouched."""
     k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="true")

@@ -1,4 +1,4 @@
-"""Git credential leases end to end (issue 5, scenario C): a real backend process, a task whose
+"""Git credential leases end to end (Issue 5 scenario C): a real backend process, a task whose
 workspace is a real git repository with origin ``https://github.com/example/repo.git``, and the
 real ``git`` run with the environment an agent gets, authenticating through the shipped helper
 (``git credential fill``; no network is needed).
@@ -145,7 +145,7 @@ def kill_backend(k: Kandev) -> None:
 
 
 def test_git_authenticates_through_the_shipped_helper_and_the_lease_survives_a_restart(setup: Setup) -> None:
-    """Scenario C / RESUME-5, RESUME-6, RESUME-9, LEASE-CTX-5/6: STARTING is persisted, then the
+    """Issue 5 scenario C / RESUME-5, RESUME-6, RESUME-9, LEASE-CTX-5, LEASE-CTX-6: STARTING is persisted, then the
     lease is issued; git run with ``agent_git_env`` gets the upstream token from the helper; the
     snapshot is stored; after the backend is SIGKILLed and started again the same lease still
     redeems (signing key and hash are in the store); a user-level ``store`` helper never sees
@@ -253,7 +253,7 @@ def _agent_says(k: Kandev, sid: str, prompt: str) -> str:
 
 
 def test_scenario_c_real_resume_of_a_failed_github_session(setup: Setup) -> None:
-    """Scenario C end to end through the real daemons, RESUME-5, RESUME-6, RESUME-9: a GitHub-backed
+    """Issue 5 scenario C end to end through the real daemons, RESUME-5, RESUME-6, RESUME-9: a GitHub-backed
     session gets its lease at start and the agent's own ``git`` authenticates through the shipped
     helper; the session FAILS; ``kandev resume`` persists STARTING before the broker issues the
     new lease, the snapshot names that lease, and git run by the resumed agent authenticates

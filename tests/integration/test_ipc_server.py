@@ -730,7 +730,7 @@ def test_many_bad_clients_at_once_do_not_stall_good_ones(server: ServerThread) -
             s.close()
 
 
-# -- admitted peers that misbehave: idle connections, buffer cap (issue 10 item 7) -------------
+# -- admitted peers that misbehave: idle connections, buffer cap (Issue 10 item 7) -------------
 
 
 @pytest.fixture

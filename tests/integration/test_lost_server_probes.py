@@ -55,7 +55,7 @@ def _handle(pid: int, process: subprocess.Popen[str] | None = None, mode: str = 
 
 
 def test_leftover_group_is_killed_only_when_its_identity_matches(group):
-    """Issue 11 build item 2: the agent is checked by pid + start time before its group is stopped."""
+    """Issue 11 item 2: the agent is checked by pid + start time before its group is stopped."""
     leader, child = group
     start = psutil.Process(leader.pid).create_time()
     assert stop_leftover_group(leader.pid, start + 5.0) == "gone"  # another process holds the pid now
@@ -122,7 +122,7 @@ REEXECS = (
 
 
 def test_a_server_re_executing_in_place_is_not_a_loss():
-    """Issue 15 with issue 11: a reload re-executes the control server in place; its watch (whether
+    """Issue 15 with Issue 11: a reload re-executes the control server in place; its watch (whether
     it is our child or adopted: pid + start time) never takes that for the server's end."""
     async def run(as_child: bool) -> tuple[bool, bool, bool]:
         proc = subprocess.Popen([sys.executable, "-c", REEXECS], stdin=subprocess.PIPE)

@@ -65,7 +65,7 @@ def test_survival_round_trip_on_postgresql(kandev_factory, postgres):
 def test_one_postgresql_database_serves_one_home(kandev_factory, postgres):
     """AC-EXECUTORS-CONTROL-OWNERSHIP-002.4 for a PostgreSQL store: a second backend (another home)
     on the same database is refused at start, before it logs; once the first is gone it is still
-    refused, because the store belongs to the first installation (issue 10 item 5)."""
+    refused, because the store belongs to the first installation (Issue 10 item 5)."""
     url = postgres.new_database()
     first = kandev_factory("one", f'[database]\nurl = "{url}"\n')
     st = first.up()

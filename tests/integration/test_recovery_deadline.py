@@ -1,4 +1,4 @@
-"""The one recovery deadline (AC-EXECUTORS-SURVIVAL-003.7) and the guards (002.8), with real daemons.
+"""The one recovery deadline (AC-EXECUTORS-SURVIVAL-003.7) and the guards (AC-EXECUTORS-SURVIVAL-002.8), with real daemons.
 
 Faults injected into the control server (``KANDEV_FAULT=<step>:<seconds>``, off by default):
 
@@ -6,7 +6,7 @@ Faults injected into the control server (``KANDEV_FAULT=<step>:<seconds>``, off 
   to finish (never cancelled), re-tracks nothing, and every record without an outcome is not
   re-tracked with its instance stopped; the backend becomes ready.
 - a slow ``list_instances``: enumeration does not complete by the deadline, so nothing is
-  re-tracked and nothing is stopped (002.12); the rows are left untouched (liveness unknown).
+  re-tracked and nothing is stopped (AC-EXECUTORS-SURVIVAL-002.12); the rows are left untouched (liveness unknown).
 
 While recovery runs, a prompt for a guarded session is refused with a retryable
 ``session_guarded`` error.

@@ -1,11 +1,11 @@
-"""Reloading the control server under a running backend, no service manager (issue 15).
+"""Reloading the control server under a running backend, no service manager (Issue 15).
 
 Real daemons through the real CLI: ``kandev up`` with agent survival on (a detached control
 server), mock agents mid-turn, then reloads; the backend re-attaches its streams with
 ``after_seq`` after each one (item 6) and its calls reconnect.
 
-Scenario A: ``kandev agentctl reload`` 20 times in a row with 4 sessions mid-``/slow``, one
-``/flood 20000`` and one open ``/permission``. Scenario D: 100 reloads at random moments
+Issue 15 scenario A: ``kandev agentctl reload`` 20 times in a row with 4 sessions mid-``/slow``, one
+``/flood 20000`` and one open ``/permission``. Issue 15 scenario D: 100 reloads at random moments
 (mid-frame, mid-attach, mid-rotation: the backend is restarted, so adopts and rotates, while the
 reloads go on) with a backend attached.
 """

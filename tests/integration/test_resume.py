@@ -1,4 +1,4 @@
-"""Resume through real daemons (issue 5 scenarios A, B, D; RESUME-1..10), the real mock agent.
+"""Resume through real daemons (Issue 5 scenario A, Issue 5 scenario B and Issue 5 scenario D; RESUME-1, RESUME-2, RESUME-3, RESUME-4, RESUME-5, RESUME-6, RESUME-7, RESUME-8, RESUME-9, RESUME-10), the real mock agent.
 
 A: the agent exits before answering ``initialize`` (or drops the transport before ``session/load``
    completes, or refuses the load): the token is unchanged and the session recoverable; the next
@@ -129,7 +129,7 @@ def restart(k: Kandev, **env: str) -> dict[str, Any]:
     return k.up()
 
 
-# ---------------------------------------------------------------- scenario A
+# ---------------------------------------------------------------- Issue 5 scenario A
 
 
 @pytest.mark.parametrize(
@@ -193,7 +193,7 @@ def test_resume_refusals(kandev_factory):
     assert k.show(sid)["state"] == "FAILED"
 
 
-# ---------------------------------------------------------------- scenario B
+# ---------------------------------------------------------------- Issue 5 scenario B
 
 
 def test_scenario_b_fresh_replaces_the_token(kandev_factory):
@@ -231,7 +231,7 @@ def test_fresh_start_failure_keeps_the_wipe(kandev_factory):
     assert k.show(sid)["state"] == "FAILED"
 
 
-# ---------------------------------------------------------------- scenario D
+# ---------------------------------------------------------------- Issue 5 scenario D
 
 
 def _github_repo(root: Path) -> Path:
@@ -379,7 +379,7 @@ def test_turn_finished_after_restart_and_automatic_resume(kandev_factory):
 
 
 def test_automatic_resume_leaves_retracked_sessions_alone(kandev_factory):
-    """RESUME-10 with survival on: a re-tracked session gets no provider resume (SURVIVAL-001.4)."""
+    """RESUME-10 with survival on: a re-tracked session gets no provider resume (AC-EXECUTORS-SURVIVAL-001.4)."""
     k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="true", KANDEV_FEATURES_AUTO_RESUME="true")
     k.up()
     task, ws = new_task(k, "survived")

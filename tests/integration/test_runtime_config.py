@@ -1,10 +1,11 @@
 """Runtime configuration across a context reset, through real daemons and the real mock agent
-(issue 5 scenario F; RESETCFG-1..13).
+(Issue 5 scenario F; RESETCFG-1, RESETCFG-2, RESETCFG-3, RESETCFG-4, RESETCFG-5, RESETCFG-6, RESETCFG-7, RESETCFG-8, RESETCFG-9, RESETCFG-10, RESETCFG-11, RESETCFG-12, RESETCFG-13).
 
 The mock agent logs every ACP request it gets (one line each, in order) to its stderr file, so the
 exact payloads and order of ``session/set_config_option`` and ``session/set_mode`` are read there.
 A ``session/new`` on a process that already has a session announces the new session's defaults
-before it answers, and the backend stores every such event as it arrives: the race of seed 004.
+before it answers, and the backend stores every such event as it arrives: the race
+RESETCFG-1 and RESETCFG-5 guard against.
 """
 
 from __future__ import annotations

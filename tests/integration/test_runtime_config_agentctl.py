@@ -1,4 +1,4 @@
-"""Control-server half of seed 004: set_mode, set_config_option, reset_context, and what
+"""Control-server half of the context-reset rules (RESETCFG): set_mode, set_config_option, reset_context, and what
 create_instance reports, against the real server and the real mock agent.
 
 The backend side (capture, restore, reset-context, workflow) is in test_runtime_config.py.

@@ -1,4 +1,4 @@
-"""Scenario E: a real managed runtime repaired through the real npm (RESUME-11, RESUME-12, RESUME-13).
+"""Issue 5 scenario E: a real managed runtime repaired through the real npm (RESUME-11, RESUME-12, RESUME-13).
 
 The real ``@zed-industries/claude-code-acp`` is installed through ``npx`` into a
 PRIVATE npm cache (``npm_config_cache`` points into the test's directory, for the
@@ -149,7 +149,7 @@ def _digest(path: Path) -> str:
 @pytest.mark.parametrize("broken", ["package.json", "entry script"])
 def test_runtime_update_repairs_only_its_own_npx_tree(kandev_factory: Any, npm_cache: dict[str, Any],
                                                       broken: str) -> None:
-    """E (RESUME-11/12/13): only _npx/<key> removed and rebuilt, one retry, the probe's protocol version."""
+    """E (RESUME-11, RESUME-12, RESUME-13): only _npx/<key> removed and rebuilt, one retry, the probe's protocol version."""
     cache: Path = npm_cache["cache"]
     entry = cache / "_npx" / KEY
     pkg_dir = entry / "node_modules" / Path(AGENT.package)

@@ -1,4 +1,4 @@
-"""Agents are contained guests (issue 10): scenarios A and B through the real daemons.
+"""Agents are contained guests : Issue 10 scenario A and Issue 10 scenario B through the real daemons.
 
 Issue 10 scenario A: from inside a mock agent (``/sh``), with a GitHub token configured, every
 attempt to reach kandev fails (the token file, the store, the secrets, the run directory and its
@@ -216,7 +216,7 @@ def test_item_9_the_home_is_private_and_credentials_of_gone_servers_are_removed(
     assert st["backend"]["state"] == "ready"
 
 
-# ---------------------------------------------------------------- scenario B
+# ---------------------------------------------------------------- Issue 10 scenario B
 
 
 def _path_without_bwrap(root: Path) -> str:

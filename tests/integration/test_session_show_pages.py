@@ -1,4 +1,4 @@
-"""``kandev session show`` pages its transcript (issue 10 item 8): real backend, mock agent, real CLI.
+"""``kandev session show`` pages its transcript (Issue 10 item 8): real backend, mock agent, real CLI.
 
 One session floods 100,000 chunks (about 10 MB of transcript: more than one 8 MiB frame holds);
 ``session show`` still answers, quickly, with its last page, and ``--after-seq``/``--limit``

@@ -1,4 +1,4 @@
-"""Both daemons' sockets hold under admitted peers' misbehaviour (issue 10 item 7): real daemons.
+"""Both daemons' sockets hold under admitted peers' misbehaviour (Issue 10 item 7): real daemons.
 
 Against the backend's CLI socket and the control server's socket at once: 300 connections that
 send nothing, and 100 that each declare an 8 MiB frame and send 64 KiB of it. Each daemon's

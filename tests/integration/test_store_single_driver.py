@@ -1,4 +1,4 @@
-"""One store, one backend, whatever the home (issue 10 item 5): real backends, one SQLite file.
+"""One store, one backend, whatever the home (Issue 10 item 5): real backends, one SQLite file.
 
 Home ``one`` uses its own ``kandev.db``; home ``two`` names that same file in ``database.url``.
 The second backend must be refused exactly like a second backend of the same home, and the

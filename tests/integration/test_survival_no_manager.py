@@ -1,4 +1,4 @@
-"""Issue scenarios A–C without a service manager: real daemons, real agent, real SQLite.
+"""Issue 2 scenario A, Issue 2 scenario B and Issue 2 scenario C without a service manager: real daemons, real agent, real SQLite.
 
 A: capability enabled, backend SIGKILLed mid-turn → the same agent process is
    re-tracked and finishes its turn; transcript complete, once, in order.

@@ -1,6 +1,6 @@
 """SIGUSR1 makes a daemon log what each of its asyncio tasks is waiting on, and nothing else.
 
-The diagnostic that found issue 5's hang (an event consumer left ``cancelling`` by a swallowed
+The diagnostic that found Issue 5's hang (an event consumer left ``cancelling`` by a swallowed
 cancellation); an operator sends it with ``systemctl kill --kill-whom=main -s USR1 UNIT``.
 """
 

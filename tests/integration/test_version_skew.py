@@ -1,4 +1,4 @@
-"""Backend N with control server N-1 (issue 15 item 5), with the real previous release.
+"""Backend N with control server N-1 (Issue 15 item 5), with the real previous release.
 
 The previous release is built from this repository's history (``tests/releases.py``: the tag
 ``v<version>`` or the recorded commit, a ``git clone`` and a venv of its own, cached under

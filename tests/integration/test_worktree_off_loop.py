@@ -1,4 +1,4 @@
-"""``task create --executor worktree`` never blocks the backend (issue 10 item 6), real backend and git.
+"""``task create --executor worktree`` never blocks the backend (Issue 10 item 6), real backend and git.
 
 The worktree is created by an asyncio subprocess in its own process group with hooks disabled
 and a time limit; meanwhile the backend answers ``status`` at once. Latencies are measured on the

@@ -94,7 +94,7 @@ def unavailable_reason() -> str | None:
     if mounts.get("/sys/fs/cgroup") == "cgroup2":
         return (
             "host has the unified (cgroup v2 only) layout; this copy of sdbox.sh needs the hybrid layout "
-            "(/sys/fs/cgroup/unified + /sys/fs/cgroup/systemd) - see /work/shared/tools/README.md"
+            "(/sys/fs/cgroup/unified + /sys/fs/cgroup/systemd) - see tests/README.md"
         )
     if mounts.get("/sys/fs/cgroup/unified") != "cgroup2" or mounts.get("/sys/fs/cgroup/systemd") != "cgroup":
         return (

@@ -1,5 +1,5 @@
 #!/bin/bash
-# vendored unchanged from /work/shared/tools/sdbox.sh (the shared sdbox tool); only this line was added
+# vendored unchanged from the team's shared sdbox tool (sdbox.sh); only this line was added
 # sdbox.sh: boot a throw-away systemd (systemd-nspawn over a tmpfs-backed overlay of /, private
 # mount/pid/net/ipc/uts/cgroup namespaces), run CMD on the host with SDBOX_LEADER set, tear down.
 # usage: SDBOX_UNITS=dir-of-units SDBOX_SHARE=dir sdbox.sh CMD [ARGS...]

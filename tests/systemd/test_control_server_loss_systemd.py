@@ -42,7 +42,7 @@ def booted(sdbox: SdBox) -> SdBox:
 
 def test_scenario_b_systemctl_kill_of_the_control_server_unit(booted: SdBox):
     """Issue 11 scenario B: under real systemd, `systemctl kill -s KILL kandev-agentctl` -> the same as
-    scenario A, with the new control server in the unit again."""
+    Issue 11 scenario A, with the new control server in the unit again."""
     box = booted
     st = _cli(box, "status")
     assert st["control_server"]["mode"] == "unit" and st["control_server"]["state"] == "running"

@@ -1,4 +1,4 @@
-"""The Debian package end to end (issue 6, scenarios A-E), inside a sdbox.
+"""The Debian package end to end (Issue 6 scenario A, Issue 6 scenario B, Issue 6 scenario C, Issue 6 scenario D and Issue 6 scenario E), inside a sdbox.
 
 Issue 10 scenario A in the installed package: a GitHub-backed session's agent, re-tracked after the
 backend's SIGKILL, is attacked from inside (``/sh``) and reaches nothing of kandev (the token file
@@ -247,7 +247,7 @@ def test_b_survival_on_demo_flow_as_root_and_group_member(pkg: Box) -> None:
     gh_task = b.kandev("task", "create", "--title", "guest", "--workspace", GH_REPO)["task_id"]
     S["gh_sid"] = b.kandev("session", "start", gh_task)["session_id"]
     S["gh_agent"] = b.show(S["gh_sid"])["agent_pid"]
-    # consumed by the control server's unit when it started: removed (issue 10 item 9)
+    # consumed by the control server's unit when it started: removed (Issue 10 item 9)
     assert b.box.run("test", "-e", f"{HOME}/secrets/agentctl-bootstrap", check=False).returncode != 0
     b.kandev("prompt", sid, "/slow 300", user="alice")
     show = b.box.wait_for(lambda: s if len(chunks(s := b.show(sid, "alice"))) >= 2 else None, timeout=30)
@@ -322,8 +322,7 @@ def test_b_restart_keeps_the_agent(pkg: Box) -> None:
 
 def test_b_upgrade_restarts_the_backend_never_the_control_server(pkg: Box) -> None:
     """apt-get install of the rebuilt package with a higher version: the maintainer scripts reload
-    the control server (it re-executes the new code in place: same process, same agent; Issue 15
-    item 4), then restart the backend; the agent is re-tracked, and the transcript goes on without
+    the control server (it re-executes the new code in place: same process, same agent; Issue 15 item 4), then restart the backend; the agent is re-tracked, and the transcript goes on without
     loss, duplicate or reordering."""
     b = pkg
     backend_pid = b.prop(BACKEND, "MainPID")

@@ -1,4 +1,4 @@
-"""``systemctl reload kandev-agentctl`` under real systemd (sdbox, the units from units/; issue 15).
+"""``systemctl reload kandev-agentctl`` under real systemd (sdbox, the units from units/; Issue 15).
 
 The unit's ``ExecReload=`` runs ``kandev-agentctl --reload --pid $MAINPID``: SIGHUP to the main
 process, then it waits for the re-exec's outcome, so ``systemctl reload`` returns once the new code
@@ -40,7 +40,7 @@ def booted(sdbox: SdBox) -> SdBox:
 
 
 def test_systemctl_reload_reexecutes_in_place(booted: SdBox) -> None:
-    """Issue 15 items 1 and 4 under systemd: a reload is a re-exec of the same main process."""
+    """Issue 15 item 1 and Issue 15 item 4 under systemd: a reload is a re-exec of the same main process."""
     box = booted
     assert _cli(box, "status")["control_server"]["mode"] == "unit"
     pid, restarts = box.prop(AGENTCTL, "MainPID"), box.prop(AGENTCTL, "NRestarts")

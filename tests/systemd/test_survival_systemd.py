@@ -1,11 +1,11 @@
-"""Issue scenario D under real systemd (sdbox): the units from units/, survival switched on.
+"""Issue 2 scenario D under real systemd (sdbox): the units from units/, survival switched on.
 
 ``systemctl kill -s KILL kandev-backend`` and ``systemctl restart
 kandev-backend`` each leave the same agent process running and re-tracked;
 ``systemctl stop kandev-agentctl`` stops every agent; ``journalctl -o json``
 shows the adoption and each re-tracked session as structured fields.
 
-Issue 10 scenarios A and B under real systemd: the re-tracked agent of scenario D is attacked
+Issue 10 scenario A and Issue 10 scenario B under real systemd: the re-tracked agent of Issue 2 scenario D is attacked
 from inside (``/sh``, a GitHub token configured in /etc/kandev, which the agent's read-only /etc
 must not show) and reaches nothing of kandev; with the control-server unit restricted by a drop-in
 (``RestrictNamespaces=yes``) a session start fails with ``sandbox_unavailable`` and doctor says

@@ -1,7 +1,7 @@
 """The shipped unit files (units/*.service) as a real systemd 252 loads them, inside a sdbox.
 
 Nothing here starts a daemon: these tests prove what the unit files make systemd do (or not do)
-to the control server when the backend stops, restarts or crashes (design.md §2, design-notes §3).
+to the control server when the backend stops, restarts or crashes (docs/architecture.md#lifetimes, docs/architecture.md#lifetimes).
 The end-to-end scenarios live in their own modules and use the same `sdbox` fixture.
 """
 
@@ -69,7 +69,7 @@ def test_systemd_analyze_verify_catches_mistakes(sdbox: SdBox, units: list[str])
 
 
 def test_both_are_type_notify_main_process_only(sdbox: SdBox, units: list[str]) -> None:
-    """Readiness is READY=1 from the daemon itself (design.md §7 startup order ends with READY=1),
+    """Readiness is READY=1 from the daemon itself (the startup order of docs/architecture.md#backend-startup ends with READY=1),
     and no child (e.g. an agent) may send notifications for the unit."""
     for unit in (BACKEND, AGENTCTL):
         assert sdbox.prop(unit, "Type") == "notify"
@@ -77,14 +77,14 @@ def test_both_are_type_notify_main_process_only(sdbox: SdBox, units: list[str]) 
 
 
 def test_killmode_control_group_on_both(sdbox: SdBox, units: list[str]) -> None:
-    """`systemctl stop kandev-agentctl` stops every agent (design.md §2); a backend stop or crash
+    """`systemctl stop kandev-agentctl` stops every agent (docs/architecture.md#lifetimes); a backend stop or crash
     kills whatever runs in the backend's own cgroup. Never process/none."""
     for unit in (BACKEND, AGENTCTL):
         assert sdbox.prop(unit, "KillMode") == "control-group"
 
 
 def test_agentctl_not_bound_to_backend(sdbox: SdBox, units: list[str]) -> None:
-    """Kill path 3 of design-notes §3: no dependency lets a backend stop/restart/crash propagate to
+    """Kill path 3 of docs/architecture.md#lifetimes: no dependency lets a backend stop/restart/crash propagate to
     the control server. Checked from both ends, as systemd resolved the dependency graph."""
     for prop in ("PartOf", "BindsTo", "Requisite", "Requires", "PropagatesStopTo", "StopPropagatedFrom"):
         assert BACKEND not in _unit_list(sdbox, AGENTCTL, prop), prop
@@ -103,15 +103,15 @@ def test_restart_policies(sdbox: SdBox, units: list[str]) -> None:
 
 
 def test_timeouts(sdbox: SdBox, units: list[str]) -> None:
-    """The backend's start timeout exceeds the longest recovery deadline (5 min, design.md §10)."""
+    """The backend's start timeout exceeds the longest recovery deadline (5 min, README.md#configuration)."""
     assert sdbox.prop(BACKEND, "TimeoutStartUSec") == "6min"
     assert sdbox.prop(BACKEND, "TimeoutStopUSec") == "30s"
     assert sdbox.prop(AGENTCTL, "TimeoutStopUSec") == "15s"
 
 
 def test_home_environment_and_credential(sdbox: SdBox, units: list[str]) -> None:
-    """Both daemons use /var/lib/kandev as Kandev home (design.md §3), systemd creates it 0750, and
-    the control server receives the bootstrap credential through LoadCredential= (design.md §5)."""
+    """Both daemons use /var/lib/kandev as Kandev home (docs/architecture.md#the-home), systemd creates it 0750, and
+    the control server receives the bootstrap credential through LoadCredential= (docs/architecture.md#ownership)."""
     for unit in (BACKEND, AGENTCTL):
         env = sdbox.prop(unit, "Environment").split()
         assert "KANDEV_HOME=/var/lib/kandev" in env and "PYTHONUNBUFFERED=1" in env
@@ -129,7 +129,7 @@ def test_home_environment_and_credential(sdbox: SdBox, units: list[str]) -> None
 
 
 def test_sockets_not_in_a_directory_systemd_removes(sdbox: SdBox, units: list[str]) -> None:
-    """design-notes §3: the control socket must not live in the backend's RuntimeDirectory= (deleted
+    """docs/architecture.md#lifetimes: the control socket must not live in the backend's RuntimeDirectory= (deleted
     when the backend stops) nor in /tmp or /var/tmp, which PrivateTmp= makes private per unit: the
     sockets live in <home>/run, and the home is the StateDirectory, outside both."""
     for unit in (BACKEND, AGENTCTL):
@@ -153,7 +153,7 @@ def test_install_sections(sdbox: SdBox, units: list[str]) -> None:
 
 
 def test_no_unit_file_uses_killmode_process_or_none() -> None:
-    """design.md §2: no unit ever uses KillMode=process or KillMode=none (host-side check of every
+    """docs/architecture.md#lifetimes: no unit ever uses KillMode=process or KillMode=none (host-side check of every
     file under units/, comments included; needs no box)."""
     files = sorted(p for p in UNITS_DIR.rglob("*") if p.is_file())
     assert files, f"no unit files under {UNITS_DIR}"

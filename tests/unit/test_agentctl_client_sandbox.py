@@ -1,4 +1,4 @@
-"""A launch never starts an agent unsandboxed behind the policy's back (issue 10 with issue 15).
+"""A launch never starts an agent unsandboxed behind the policy's back (Issue 10 with Issue 15).
 
 A control server of release 0.1.0 (no ``sandbox.v1``) drops ``create_instance``'s unknown ``sandbox``
 field and would run the agent unsandboxed; a backend of this version adopts such a server and

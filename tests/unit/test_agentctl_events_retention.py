@@ -1,5 +1,5 @@
 """The detached retention bound of the control server's event log (AC-EXECUTORS-SURVIVAL-001.5,
-001.6, 001.9, 001.10; design-notes §9), in-process.
+AC-EXECUTORS-SURVIVAL-001.6, AC-EXECUTORS-SURVIVAL-001.9, AC-EXECUTORS-SURVIVAL-001.10; docs/architecture.md#the-control-server-inside), in-process.
 
 The log never drops: ``append`` always retains; the bound parks the producer in
 ``wait_for_room`` instead. The closed list of covered event classes is code
@@ -46,7 +46,7 @@ async def settle() -> None:
 
 
 def test_closed_list_covers_every_event_kind_and_excludes_none():
-    """design-notes §9: every kind is classified, exactly once; there are no MCP-attachment
+    """docs/architecture.md#the-control-server-inside: every kind is classified, exactly once; there are no MCP-attachment
     events in this project, so the excluded list is empty."""
     assert EXCLUDED_KINDS == ()
     assert len(set(RETAINED_KINDS)) == len(RETAINED_KINDS)
@@ -121,7 +121,7 @@ def test_no_bound_until_armed_then_parks_at_the_limit():
 
 
 def test_attached_never_parks_and_detaching_at_the_bound_does():
-    """001.9: decided by this log's own stream; attached, retention is 'until acked' and unbounded."""
+    """AC-EXECUTORS-SURVIVAL-001.9: decided by this log's own stream; attached, retention is 'until acked' and unbounded."""
 
     async def scenario() -> None:
         log = EventLog(limit=2)
@@ -161,7 +161,7 @@ def test_acks_release_only_below_the_limit():
 
 
 def test_close_releases_every_parked_producer_at_once_and_discards():
-    """001.10: stop releases all parked producers in one step and throws retained events away;
+    """AC-EXECUTORS-SURVIVAL-001.10: stop releases all parked producers in one step and throws retained events away;
     later appends are no-ops and nothing parks any more."""
 
     async def scenario() -> None:
@@ -252,7 +252,7 @@ async def pump(transport: AgentPipeTransport, log: EventLog) -> None:
 
 
 def test_parked_transport_blocks_the_writer_and_drops_nothing():
-    """001.6 at the transport: parked, the server stops reading, the writer blocks on the full pipe
+    """AC-EXECUTORS-SURVIVAL-001.6 at the transport: parked, the server stops reading, the writer blocks on the full pipe
     (it has not written everything), nothing is dropped; agent_error lines (the one class only the
     transport produces) included; after an attach all arrive exactly once, in order."""
     n = 20000

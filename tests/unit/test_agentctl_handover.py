@@ -1,6 +1,6 @@
 """The re-exec hand-over in process: the serialized state round-trips, decoding is strict about what
 the new code needs and reports what it cannot use, the memfd is sealed, and every stateful piece
-(ownership, event log, turn counter) is restored exactly (issue 15 item 1; the exec path itself is
+(ownership, event log, turn counter) is restored exactly (Issue 15 item 1; the exec path itself is
 tested with real processes in tests/integration/test_agentctl_reexec.py)."""
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def test_state_round_trips_exactly() -> None:
 
 
 def test_sandbox_state_round_trips_and_is_optional() -> None:
-    """Issue 15 with issue 10: a sandboxed agent's spec (its bwrap argv, ``sandboxed``), bwrap's init
+    """Issue 15 with Issue 10: a sandboxed agent's spec (its bwrap argv, ``sandboxed``), bwrap's init
     by pid and start time, and the server's last sandbox probe travel; a state without them (a
     server that never probed, an unsandboxed agent) decodes to None."""
     spec = InstanceSpec(instance_id="i2", session_id="s2", task_id="t2", command=["agent"], cwd="/w",

@@ -1,7 +1,7 @@
 """The control server's ownership state machine (``daemon.agentctl.ownership``) on a fake clock.
 
-Credentials, rotation, confirmation (spec/ownership.md REQ-002, design-notes §6.1) and the
-unowned timer (REQ-003, §6.2). No sockets: the server's wiring is proven by
+Credentials, rotation, confirmation (REQ-EXECUTORS-CONTROL-OWNERSHIP-002) and the unowned timer
+(REQ-EXECUTORS-CONTROL-OWNERSHIP-003); docs/architecture.md#ownership explains both. No sockets: the server's wiring is proven by
 ``tests/integration/test_agentctl_ownership.py``. AC ids are cited where a test proves one.
 """
 
@@ -204,7 +204,7 @@ def test_connection_proofs_match_the_right_credential():
     assert own.match_connection_proof(nonce, "id", auth.connection_proof(C0, nonce, "id")) == 0
     assert own.match_connection_proof(nonce, "id", auth.connection_proof(r1.credential, nonce, "id")) == 1
     assert own.match_connection_proof(nonce, "id", auth.connection_proof(bytes(32), nonce, "id")) is None
-    other_nonce = auth.new_challenge()  # a proof for another connection's nonce (scenario G)
+    other_nonce = auth.new_challenge()  # a proof for another connection's nonce (Issue 3 scenario G)
     assert own.match_connection_proof(nonce, "id", auth.connection_proof(C0, other_nonce, "id")) is None
     assert own.match_connection_proof(nonce, "id", auth.connection_proof(C0, nonce, "other")) is None
     assert own.match_connection_proof(nonce, "id", None) is None
@@ -314,7 +314,7 @@ def test_refused_renewals_never_shorten_the_period():
 
 
 def test_claims_every_quarter_period_keep_it_owned_for_many_periods():
-    """AC-EXECUTORS-CONTROL-OWNERSHIP-003.2 (scenario D, second half): renewing every period/4 (< period/3)
+    """AC-EXECUTORS-CONTROL-OWNERSHIP-003.2 (Issue 3 scenario D, second half): renewing every period/4 (< period/3)
     never lets it expire, even with two consecutive failed renewals; once renewals stop, it expires."""
     own, clock = make()
     own.bootstrap(0)

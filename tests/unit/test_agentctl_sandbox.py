@@ -166,7 +166,7 @@ def test_request_parsing() -> None:
 
 
 def test_the_agent_is_never_root_inside() -> None:
-    """Issue 10 (and issue 12 relies on it): our uid when we are not root; as root, the kandev
+    """Issue 10 (and Issue 12 relies on it): our uid when we are not root; as root, the kandev
     user's uid if it exists, else 1000 - never 0."""
     assert sandbox_ids(4242)[0] == 4242
     uid, gid = sandbox_ids(0)

@@ -31,7 +31,7 @@ CRED = bytes(range(32))
 
 
 def test_server_proof_is_the_documented_hmac():
-    """design.md §5: HMAC-SHA256(cred, "kandev-prove\\0" || challenge || identity || "\\0" || installation)."""
+    """docs/architecture.md#ownership: HMAC-SHA256(cred, "kandev-prove\\0" || challenge || identity || "\\0" || installation)."""
     challenge = b"c" * 32
     expected = hmac.new(CRED, b"kandev-prove\0" + challenge + b"ident" + b"\0" + b"inst", hashlib.sha256).digest()
     assert auth.server_proof(CRED, challenge, "ident", "inst") == expected

@@ -1,4 +1,4 @@
-"""The home's hygiene pass (daemon/backend/hygiene.py), on a real directory tree (issue 10, item 9).
+"""The home's hygiene pass (daemon/backend/hygiene.py), on a real directory tree (Issue 10 item 9).
 
 The integration test tests/integration/test_sandbox.py checks the same on a home the real daemons
 made; here every rule gets its own case, loose modes set on purpose."""
@@ -89,7 +89,7 @@ def test_credential_files_of_gone_servers_and_the_bootstrap_are_removed(tmp_path
 
 
 def test_a_control_server_re_executing_keeps_every_credential_it_may_hold(tmp_path: Path) -> None:
-    """Issue 15 with issue 10 item 9: a control server answering ``reloading`` (re-executing in place,
+    """Issue 15 with Issue 10 item 9: a control server answering ``reloading`` (re-executing in place,
     its credentials in memory across the exec) cannot prove what it holds right now: the pass keeps
     every candidate (None) rather than removing a live server's credential; a socket nobody listens
     on proves nothing (empty)."""

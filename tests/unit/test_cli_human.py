@@ -1,6 +1,6 @@
 """daemon.human: colour and width rules, tables, the status summary (tolerant of fields other
 features add), errors with hints, and transcripts as conversations. The real CLI against a real
-backend is in tests/integration/test_cli_human.py (Issue 14 scenarios A-E)."""
+backend is in tests/integration/test_cli_human.py (Issue 14 scenario A, Issue 14 scenario B, Issue 14 scenario C, Issue 14 scenario D and Issue 14 scenario E)."""
 
 from __future__ import annotations
 
@@ -168,7 +168,7 @@ def test_ages_read_like_kubectl() -> None:
 
 
 def test_status_shows_versions_and_re_executions_beside_the_link_state() -> None:
-    """Issue 15 with issues 11 and 14: the control server block says what runs and what is installed,
+    """Issue 15 with Issue 11 and Issue 14: the control server block says what runs and what is installed,
     how often it re-executed in place and how the last reload ended, next to its link's state; an
     outdated server or one waiting to be replaced is a warning; reloading is not."""
     base: dict[str, Any] = {"backend": {"pid": 1, "version": "0.2.0", "state": "ready"}}

@@ -1,7 +1,7 @@
 """daemon.config: parsing, environment overrides, ranges, the read-budget cross-check, unowned period.
 
-Requirement IDs: AC-EXECUTORS-SURVIVAL-001.8 (retention limit), 002.13 (read budget),
-003.7 (deadline); AC-EXECUTORS-CONTROL-OWNERSHIP-003.4, 003.6, 003.7 (unowned period).
+Requirement IDs: AC-EXECUTORS-SURVIVAL-001.8 (retention limit), AC-EXECUTORS-SURVIVAL-002.13 (read budget),
+AC-EXECUTORS-SURVIVAL-003.7 (deadline); AC-EXECUTORS-CONTROL-OWNERSHIP-003.4, AC-EXECUTORS-CONTROL-OWNERSHIP-003.6, AC-EXECUTORS-CONTROL-OWNERSHIP-003.7 (unowned period).
 """
 
 from __future__ import annotations
@@ -282,7 +282,7 @@ def test_ac_executors_survival_001_8_env_origin_kept() -> None:
 @pytest.mark.parametrize(("period", "ok"), [("24h", True), ("1440min", True), ("86401s", False), ("25h", False),
                                             ("-1s", False), ("0s", True)])
 def test_unowned_period_upper_bound(period: str, ok: bool) -> None:
-    """The unowned period is rejected above 24 h (design.md §5); low values go to the floor."""
+    """The unowned period is rejected above 24 h (docs/architecture.md#ownership); low values go to the floor."""
     if ok:
         validate_agentctl(100, period, "0")
     else:
@@ -294,7 +294,7 @@ def test_ac_executors_control_ownership_003_4_halved_below_idle_timeout() -> Non
     """AC-EXECUTORS-CONTROL-OWNERSHIP-003.4: period >= idle timeout (reaping on) -> idle/2, recorded."""
     r = validate_agentctl(100, "2h", "1h")
     assert r.unowned_period == 1800.0
-    assert len(r.notes) == 1 and "003.4" in r.notes[0] and "30min" in r.notes[0]
+    assert len(r.notes) == 1 and "AC-EXECUTORS-CONTROL-OWNERSHIP-003.4" in r.notes[0] and "30min" in r.notes[0]
     assert resolve_unowned_period(3600.0, 3600.0)[0] == 1800.0  # equal is "not shorter"
     assert resolve_unowned_period(600.0, 3600.0) == (600.0, [])
 
@@ -319,16 +319,16 @@ def test_ac_executors_control_ownership_003_7_floor() -> None:
     """AC-EXECUTORS-CONTROL-OWNERSHIP-003.7: effective period at least 1 min, raised and recorded."""
     r = validate_agentctl(100, "30s", "1h")
     assert r.unowned_period == 60.0
-    assert len(r.notes) == 1 and "floor" in r.notes[0] and "003.7" in r.notes[0]
+    assert len(r.notes) == 1 and "floor" in r.notes[0] and "AC-EXECUTORS-CONTROL-OWNERSHIP-003.7" in r.notes[0]
     r = validate_agentctl(100, "10s", "0")  # floor applies with reaping disabled too
     assert r.unowned_period == 60.0 and len(r.notes) == 1
 
 
 def test_ac_executors_control_ownership_003_7_floor_after_halving() -> None:
-    """The floor is applied after the 003.4 adjustment and wins over it; ordering still met here."""
+    """The floor is applied after the AC-EXECUTORS-CONTROL-OWNERSHIP-003.4 adjustment and wins over it; ordering still met here."""
     period, notes = resolve_unowned_period(120.0, 90.0)
     assert period == 60.0
-    assert len(notes) == 2 and "003.4" in notes[0] and "003.7" in notes[1]
+    assert len(notes) == 2 and "AC-EXECUTORS-CONTROL-OWNERSHIP-003.4" in notes[0] and "AC-EXECUTORS-CONTROL-OWNERSHIP-003.7" in notes[1]
 
 
 @pytest.mark.parametrize("idle", [60.0, 30.0])
@@ -347,7 +347,7 @@ def test_agentctl_settings_hand_over_and_read_back() -> None:
     assert (r.detached_event_limit, r.unowned_period, r.idle_timeout, r.notes) == (100, 90.0, 0.0, [])
 
 
-# ---------------------------------------------------------------- agents.sandbox (issue 10)
+# ---------------------------------------------------------------- agents.sandbox (Issue 10)
 
 
 def test_agents_sandbox_defaults_to_required_and_accepts_off(tmp_path: Path) -> None:

@@ -227,7 +227,7 @@ def test_a_failed_first_start_counts_as_a_loss_and_the_link_keeps_trying():
 
 
 def test_a_replacement_the_backend_chose_is_no_loss():
-    """Issue 15 with issue 11: replacing a server too old to reload (``replace``) stops watching it
+    """Issue 15 with Issue 11: replacing a server too old to reload (``replace``) stops watching it
     first, so its end is no loss (no on_lost, nothing counted, no control_server_lost entry); the
     successor comes from ``start``, as a restart's would, and is watched. A link that is not
     running replaces nothing."""

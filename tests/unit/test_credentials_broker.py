@@ -2,7 +2,7 @@
 stable signing key, reissue capabilities and the git_credential_snapshot.
 
 Requirement IDs: RESUME-5, RESUME-6, RESUME-9 (the broker refuses COMPLETED, FAILED and
-CANCELLED sessions), LEASE-CTX-2..7 (context adopted: scoped lease, at most one reissue through an
+CANCELLED sessions), LEASE-CTX-2, LEASE-CTX-3, LEASE-CTX-4, LEASE-CTX-5, LEASE-CTX-6, LEASE-CTX-7 (context adopted: scoped lease, at most one reissue through an
 authenticated capability re-checked against live state, stable signing key across restarts).
 """
 
@@ -135,7 +135,7 @@ def dump(store: Store) -> str:
 
 def test_lease_token_is_opaque_and_only_its_sha256_is_stored(store: Store, repo: Path,
                                                               config: CredentialsConfig) -> None:
-    """design.md §7: credential_leases holds hashes only; neither the token, its random part nor
+    """LEASE-CTX-1: credential_leases holds hashes only; neither the token, its random part nor
     the upstream token is anywhere in the database."""
     sid = new_session(store, repo)
     token, lease_id = issue(store, sid, config)
@@ -300,7 +300,7 @@ def test_token_signed_by_another_installation_is_refused(tmp_path: Path, repo: P
 
 def test_signing_key_is_created_once_and_survives_a_restart(tmp_path: Path, repo: Path,
                                                             config: CredentialsConfig) -> None:
-    """LEASE-CTX-5/6, design.md §7: the key lives in the store, so a lease (and a capability)
+    """LEASE-CTX-5, LEASE-CTX-6: the key lives in the store, so a lease (and a capability)
     issued before a backend restart (Store closed and reopened) still redeems after it."""
     url = sqlite_url(tmp_path / "kandev.db")
     s = Store.open(url)
@@ -375,7 +375,7 @@ def test_expired_rows_are_purged_later(store: Store, repo: Path, config: Credent
 
 def test_reissue_capability_gives_one_new_lease_for_the_same_scope(store: Store, repo: Path,
                                                                    config: CredentialsConfig) -> None:
-    """LEASE-CTX-2/3/4: the capability is signed, scoped, and checked against live state."""
+    """LEASE-CTX-2, LEASE-CTX-3, LEASE-CTX-4: the capability is signed, scoped, and checked against live state."""
     sid = new_session(store, repo)
     token, lease_id = issue(store, sid, config)
     with store.session() as db:

@@ -1,4 +1,4 @@
-"""The shipped git credential helper and the agent environment (issue 5): git's helper protocol,
+"""The shipped git credential helper and the agent environment (Issue 5): git's helper protocol,
 no-op store/erase, one reissue attempt only after a lease failure (LEASE-CTX-3), the lease file's
 permissions, and an environment that names files and sockets but never holds a secret."""
 

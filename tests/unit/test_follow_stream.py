@@ -1,5 +1,5 @@
 """daemon.backend.follow and transcript_hub: what a ``follow`` stream sends, in which order, and
-when it wakes (Issue 14 scenarios C and D rest on these rules; the real streams are in
+when it wakes (Issue 14 scenario C and Issue 14 scenario D rest on these rules; the real streams are in
 tests/integration/test_cli_human.py)."""
 
 from __future__ import annotations

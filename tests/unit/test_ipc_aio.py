@@ -3,7 +3,7 @@
 Python 3.11's ``asyncio.wait_for`` returns the result when the awaited operation completes in the
 same loop iteration as the caller's cancellation, so the cancelled task runs on. That once left a
 context reset waiting forever for an event consumer that had swallowed its cancellation inside an
-``ack_events`` call (issue 5). These tests make that exact interleaving deterministic.
+``ack_events`` call (Issue 5). These tests make that exact interleaving deterministic.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""daemon.platform: each reason code with injected probes (design.md §2).
+"""daemon.platform: each reason code with injected probes (docs/architecture.md#lifetimes).
 
 AC-EXECUTORS-SURVIVAL-005.4: unavailable is reported distinctly from operator-disabled, with a reason,
 whatever the switch says.

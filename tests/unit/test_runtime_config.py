@@ -1,4 +1,4 @@
-"""daemon.backend.runtime_config: capture, normalization and the one restore routine (seed 004).
+"""daemon.backend.runtime_config: capture, normalization and the one restore routine (docs/requirements.md#runtime-configuration-across-a-context-reset).
 
 The fake agent below behaves like the mock in the way that matters: a set answer carries its
 option list, and a new session starts from defaults that it announces (the test writes them

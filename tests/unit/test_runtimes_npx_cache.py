@@ -43,7 +43,7 @@ NODE_KEY_JS = (
 
 
 def test_key_is_first_16_hex_of_sha512_of_the_exact_spec() -> None:
-    """NPM-CTX-2/5: the key is computed for the exact spec, as npm computes it."""
+    """NPM-CTX-2, NPM-CTX-5: the key is computed for the exact spec, as npm computes it."""
     assert CLAUDE.npm_spec == SPEC
     assert npx_key(SPEC) == hashlib.sha512(SPEC.encode()).hexdigest()[:16] == REAL_NPM_KEY
     keys = {npx_key(a.npm_spec) for a in BUILTIN_AGENTS.values() if a.runtime == "npm"}
@@ -83,7 +83,7 @@ def test_installed_libnpmexec_uses_that_formula() -> None:
 
 
 def test_pinned_versions_are_exact_and_names_plain() -> None:
-    """NPM-CTX-1/2: exact package@version for every managed agent; ACP args are built-in metadata."""
+    """NPM-CTX-1, NPM-CTX-2: exact package@version for every managed agent; ACP args are built-in metadata."""
     npm = {a.name: a for a in BUILTIN_AGENTS.values() if a.runtime == "npm"}
     assert set(npm) == {"claude-code", "codex", "gemini", "opencode"}
     assert npm["claude-code"].package == "@zed-industries/claude-code-acp"

@@ -131,7 +131,7 @@ def test_success_on_first_attempt_deletes_nothing(tmp_path: Path) -> None:
 
 
 def test_first_staging_failure_repairs_that_entry_and_retries_once(tmp_path: Path) -> None:
-    """RESUME-11/12: after the first failure only _npx/<key> goes, then one retry, then the probe."""
+    """RESUME-11, RESUME-12: after the first failure only _npx/<key> goes, then one retry, then the probe."""
     cache = fake_cache(tmp_path)
     npm, probe = FakeNpm(cache, ["fail", "ok"]), FakeProbe()
     job = run_job(npm, probe)

@@ -1,4 +1,4 @@
-"""daemon.backend.session_view: transcript pages are bounded in entries and bytes (issue 10 item 8)."""
+"""daemon.backend.session_view: transcript pages are bounded in entries and bytes (Issue 10 item 8)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """daemon.backend.ids: a unique prefix (>= 4 characters) stands for a task, session or permission
-request id; an ambiguous one is refused with ``ambiguous_id`` listing the candidates (Issue 14
-scenario B, at the store level: ids chosen so that they collide)."""
+request id; an ambiguous one is refused with ``ambiguous_id`` listing the candidates (Issue 14 scenario B, at the store level: ids chosen so that they collide)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""daemon.store.owner: a store remembers the installation that created it (issue 10 item 5)."""
+"""daemon.store.owner: a store remembers the installation that created it (Issue 10 item 5)."""
 
 from __future__ import annotations
 

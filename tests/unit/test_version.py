@@ -1,5 +1,5 @@
 """One version everywhere: daemon/version.py, pyproject.toml, debian/changelog, the man pages,
-and the release record (packaging/releases.txt) for every earlier version (issue 15, item 5)."""
+and the release record (packaging/releases.txt) for every earlier version (Issue 15 item 5)."""
 
 from __future__ import annotations
 

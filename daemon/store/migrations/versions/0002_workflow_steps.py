@@ -1,4 +1,4 @@
-"""Workflow steps of a task (seed 004): named steps that may reset context and send a prompt on entry.
+"""Workflow steps of a task (docs/requirements.md#runtime-configuration-across-a-context-reset): named steps that may reset context and send a prompt on entry.
 
 Revision ID: 0002
 Revises: 0001
