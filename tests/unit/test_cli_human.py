@@ -217,7 +217,7 @@ def test_agentctl_reload_reads_as_a_sentence() -> None:
 
 
 def test_status_tells_the_link_story_in_sentences_not_fields() -> None:
-    """Issue 11 with issue 14: losses, restarts, the crash-loop limit and giving up read as sentences;
+    """Issue 11 with Issue 14: losses, restarts, the crash-loop limit and giving up read as sentences;
     the passthrough server gets one line of its own; no raw ``name.key: value`` dump of link fields."""
     server = {"state": "gave_up", "pid": None, "mode": "unit", "version": "0.2.0", "restarts": 4,
               "replacements": 0, "losses_in_window": 5, "crash_loop": {"limit": 5, "window_s": 300.0},
