@@ -297,6 +297,17 @@ def cmd_down(paths: Paths) -> dict[str, Any]:
     raise IpcError(ErrorCode.TIMEOUT, f"backend pid {pid} did not exit within {DOWN_TIMEOUT_S:.0f}s")
 
 
+def _ensure_runtime(sock: Path, agent: Any) -> None:
+    """A managed npm agent's runtime is prepared before its session starts, its steps on stderr
+    (the backend would prepare it too, but silently)."""
+    spec = BUILTIN_AGENTS.get(agent) if isinstance(agent, str) else None
+    if spec is None or spec.runtime != "npm":
+        return
+    from daemon.runtimes.cli import ensure_runtime  # the ACP SDK: only when needed
+
+    ensure_runtime(lambda op, a, t: _call(sock, op, a, timeout=t), spec.name, sys.stderr)
+
+
 def run(args: argparse.Namespace) -> Any:
     paths = Paths.for_home(resolve_home(args.home))
     sock = paths.backend_socket
@@ -333,12 +344,15 @@ def run(args: argparse.Namespace) -> Any:
             created["workflow"] = _call(sock, "workflow_set", {"task_id": created["task_id"], "steps": args.steps})
         return created
     if cmd == "resume":
+        agent = _call(sock, "session_show", {"session_id": args.session_id, "tail": 1}).get("agent")
+        _ensure_runtime(sock, agent)
         return _call(sock, "session_resume", {"session_id": args.session_id, "fresh": args.fresh}, timeout=180.0)
     if cmd == "session":
         if args.session_cmd == "start":
             call_args = {"task_id": args.task_id, "agent": args.agent, "passthrough": args.passthrough}
             if args.prompt:
                 call_args["prompt"] = args.prompt
+            _ensure_runtime(sock, args.agent)
             return _call(sock, "session_start", call_args, timeout=120.0)
         if args.session_cmd == "show":
             if args.limit is not None and args.after_seq is None:

@@ -433,11 +433,13 @@ class AgentctlClient:
         resume_session_id: str | None = None,
         workspace_roots: list[str] | None = None,
         sandbox: dict[str, Any] | None = None,
+        secret_env: dict[str, str] | None = None,
         timeout: float = CREATE_TIMEOUT,
     ) -> dict[str, Any]:
         """Spawn an agent -> ``{instance_id, pid, pid_start_time, acp_session_id, modes, config_options,
         handshake_seq, sandboxed}`` (the last four from servers that know them). ``sandbox``: the
-        wire form of ``daemon.agentctl.sandbox.SandboxRequest``."""
+        wire form of ``daemon.agentctl.sandbox.SandboxRequest``; ``secret_env``: the agent's secrets by
+        reference (``daemon.agents.settings``), read by the server."""
         args: dict[str, Any] = {"session_id": session_id, "task_id": task_id, "command": command, "cwd": cwd}
         if env is not None:
             args["env"] = env
@@ -449,6 +451,8 @@ class AgentctlClient:
             args["workspace_roots"] = workspace_roots
         if sandbox is not None and self.check_sandbox(sandbox):
             args["sandbox"] = sandbox
+        if secret_env:  # references only ({VAR: path | credential:NAME}); absent for older servers
+            args["secret_env"] = secret_env
         return await self.call("create_instance", args, timeout=timeout)
 
     def check_sandbox(self, sandbox: dict[str, Any]) -> bool:

@@ -399,6 +399,8 @@ class InstanceSpec:
     # (``daemon.agentctl.sandbox.wrap_command``); the sandbox's bwrap is then the group leader.
     launch_argv: list[str] | None = None
     sandboxed: bool = False
+    # The agent's secret values (``daemon.agentctl.agent_env``), for its environment only.
+    secret_env: dict[str, str] = field(default_factory=dict, repr=False)
 
 
 class Instance:
@@ -520,7 +522,7 @@ class Instance:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=stderr_fd,
                 cwd=spec.cwd,
-                env=agent_environment(spec.env),
+                env=agent_environment({**spec.env, **spec.secret_env}),
                 start_new_session=True,
                 preexec_fn=_child_setup(os.getpid(), ignore_sigterm=spec.sandboxed),
                 limit=AGENT_STDOUT_LIMIT,

@@ -119,6 +119,9 @@ OPS = [
             # {policy: "required"|"off", writable: [path], readonly: [path], hidden: [path]}
             # (daemon.agentctl.sandbox.SandboxRequest); absent: required, with nothing beyond cwd
             "sandbox": dict,
+            # {VARIABLE: "/path" | "credential:NAME"}: the agent's secrets, by reference; the server
+            # reads the values at spawn into this agent's environment only (daemon.agentctl.agent_env)
+            "secret_env": dict,
         },
         doc="spawn the agent in its own process group (in its sandbox unless the policy is off; a"
         " required sandbox this server cannot make: sandbox_unavailable), ACP initialize +"

@@ -98,6 +98,13 @@ RUNTIME_OPS: list[Op] = [
         auth=False,
         doc="one runtime update job; with wait (s, <= 30), once it has more than `after` events or ended -> job",
     ),
+    Op(
+        "runtime_ensure",
+        required={"agent": str},
+        auth=False,
+        doc="a built-in agent's runtime before a session starts: {agent, prepared: true, job: None}, or"
+        " {agent, prepared: false, reason, job} with the runtime job started or joined (follow: runtime_job)",
+    ),
 ]
 
 # Git credential leases (seed 000; daemon/backend/credentials_api.py). Called by the shipped git

@@ -28,6 +28,7 @@ import daemon.backend.credentials_api as credentials_api
 import daemon.backend.hygiene as hygiene
 import daemon.backend.ids as ids
 import daemon.backend.resume_api as resume_api
+import daemon.backend.runtime_prepare as runtime_prepare
 import daemon.backend.runtimes_api as runtimes_api
 from daemon.agentctl.client import AgentctlClient, OwnershipRefused, identify
 from daemon.agents.registry import get_agent
@@ -56,6 +57,7 @@ from daemon.credentials import (
 from daemon.journal import log_event
 from daemon.paths import Paths
 from daemon.platform import CapabilityStatus
+from daemon.runtimes.update import RuntimeJobs
 from daemon.store import transitions
 from daemon.store.board import board
 from daemon.store.db import Store
@@ -120,6 +122,7 @@ class Backend:
         self.credential: bytes | None = None  # current ownership credential (memory + 0600 file only)
         self.claim_tasks: dict[str, asyncio.Task[None]] = {}  # endpoint -> its renewal loop
         self.fallback_reason: str | None = None
+        self.runtime_jobs: RuntimeJobs | None = None  # set by runtimes_api.handlers
         self.shutdown_requested = asyncio.Event()
         self.socket_path = str(paths.backend_socket)
         # The life of each control server (watch, lose, restart, give up): daemon.backend.control_link.
@@ -644,6 +647,7 @@ class Backend:
             transitions.transition_session(db, session_id, "STARTING", expected_from={"CREATED"}, reason="start")
         stage = "agent runtime"
         try:
+            await runtime_prepare.ensure(self, agent, session_id)  # first use: the runtime job runs first
             command = await agent_launch.agent_command(self, agent)
             stage = "git credentials"
             # A GitHub-backed workspace gets its scoped lease now that STARTING is durable (as a resume does).
@@ -664,6 +668,7 @@ class Backend:
                     env=prep.env,
                     agent=agent_name,
                     sandbox=prep.sandbox,
+                    secret_env=prep.secret_env,
                 )
         except BaseException as exc:
             # Whatever failed after STARTING, the session does not stay STARTING.
@@ -850,6 +855,8 @@ class Backend:
             "guard": self.executions.guards.get(session_id),
             "last_error": session.last_error,
             "runtime_config": runtime,
+            # the runtime job a first use ran before the agent started (daemon/backend/runtime_prepare.py)
+            "runtime_prepare": meta.get(runtime_prepare.PROGRESS_KEY),
             "permissions": stored.permissions,
             "turns": stored.turns,
             "turns_total": stored.turns_total,

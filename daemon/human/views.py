@@ -261,6 +261,10 @@ def session_header_lines(show: dict[str, Any], term: Term, task_title: str | Non
     options = runtime.get("options") or {}
     field("Model/mode", f"{runtime.get('model') or '-'} / {runtime.get('mode') or '-'}"
           + (f"; {', '.join(f'{k}={v}' for k, v in sorted(options.items()))}" if options else ""))
+    prep = show.get("runtime_prepare") or {}
+    if prep and (state == "STARTING" or prep.get("state") != "succeeded"):
+        field("Runtime", f"{'preparing ' if state == 'STARTING' else ''}{prep.get('spec')}"
+              f" (job {short(prep.get('job_id'))}): [{prep.get('state')}] {prep.get('message') or ''}".rstrip())
     if show.get("guard"):
         field("Guard", term.yellow(str(show["guard"])))
     if show.get("not_retracked_reason"):
