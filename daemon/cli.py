@@ -174,7 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     bo.add_argument("--interval", type=_seconds, default=1.0, metavar="S", help="with --watch: seconds between looks")
     doc = sub.add_parser("doctor", help="check this installation (no backend needed); exit 1 if a check fails")
     doc.add_argument("--config", help="config file to check (default: $KANDEV_CONFIG, /etc/kandev/kandev.toml)")
-    sub.add_parser("agents", help="the built-in agents with package and pinned version")
+    ag = sub.add_parser("agents", help="the built-in agents with package and pinned version, and the names of the"
+                        " variables each gets from [agents.NAME] (never a value)")
+    ag.add_argument("--config", help="config file to read (default: $KANDEV_CONFIG, /etc/kandev/kandev.toml)")
     runtime = sub.add_parser("runtime", help="managed npm runtimes of the built-in agents").add_subparsers(
         dest="runtime_cmd", required=True, parser_class=_Parser
     )
@@ -308,6 +310,21 @@ def _ensure_runtime(sock: Path, agent: Any) -> None:
     ensure_runtime(lambda op, a, t: _call(sock, op, a, timeout=t), spec.name, sys.stderr)
 
 
+def _agents(config_path: str | None) -> dict[str, Any]:
+    """The built-in agents, each with the variable names its configuration gives it (no value)."""
+    from daemon.agents.settings import describe
+    from daemon.config import ConfigError, load_config
+
+    try:
+        config = load_config(config_path)
+    except ConfigError as exc:
+        raise IpcError(ErrorCode.INVALID_ARGUMENT, f"the configuration is refused: {exc}") from None
+    return {"config": config.source, "agents": [
+        {"name": a.name, "package": a.package, "version": a.version, "runtime": a.runtime,
+         **describe(config.agents.settings, a.name)}
+        for a in sorted(BUILTIN_AGENTS.values(), key=lambda a: a.name)]}
+
+
 def run(args: argparse.Namespace) -> Any:
     paths = Paths.for_home(resolve_home(args.home))
     sock = paths.backend_socket
@@ -396,8 +413,7 @@ def run(args: argparse.Namespace) -> Any:
 
         return runtime_update(lambda op, a, t: _call(sock, op, a, timeout=t), args.agent, sys.stderr)
     if cmd == "agents":
-        return {"agents": [{"name": a.name, "package": a.package, "version": a.version}
-                           for a in sorted(BUILTIN_AGENTS.values(), key=lambda a: a.name)]}
+        return _agents(args.config)
     raise Usage(f"unknown command {cmd}")
 
 
@@ -463,7 +479,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK if result["ok"] else EXIT_REFUSED
     if args.command == "agents" and not args.json:
         for a in result["agents"]:
-            print(f"{a['name']}\t{a['package']}\t{a['version']}")
+            secret = ", ".join(f"{var} <- {ref}" for var, ref in a["secret_env"].items())
+            print(f"{a['name']}\t{a['package']}\t{a['version']}\tenv: {', '.join(a['env']) or '-'}"
+                  f"\tsecret_env: {secret or '-'}")
         return EXIT_OK
     if args.json:
         _print(result)
