@@ -86,27 +86,13 @@ class MessagesStandIn:
     def __init__(self) -> None:
         self.requests: list[Recorded] = []
         self._scripts: deque[Script] = deque()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ control
-    def start(self) -> MessagesStandIn:
-        standin = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, format: str, *args: Any) -> None:  # quiet
-                return
-
-            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-                standin._handle(self)
-
-            def do_GET(self) -> None:  # noqa: N802
-                standin._handle(self)
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    def start(self, port: int = 0) -> MessagesStandIn:
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), _handler_class(self))
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="messages-standin", daemon=True)
         self._thread.start()
@@ -220,3 +206,53 @@ class MessagesStandIn:
             pass
         finally:
             script.done.set()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run as a process (e.g. inside a sdbox, whose network the test's own process cannot reach):
+    every conversation request gets ``--deltas``; each request is appended to ``--record`` as one
+    JSON line ``{method, path, headers, body}``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--record", required=True)
+    parser.add_argument("--deltas", required=True, help="a JSON list of strings")
+    parser.add_argument("--pace", type=float, default=0.0)
+    args = parser.parse_args(argv)
+    deltas = json.loads(args.deltas)
+    standin = MessagesStandIn()
+
+    class Recording(list):  # appends each request to the file as it is recorded
+        def append(self, rec: Recorded) -> None:
+            super().append(rec)
+            with open(args.record, "a", encoding="utf-8") as out:
+                out.write(json.dumps({"method": rec.method, "path": rec.path, "headers": rec.headers,
+                                      "body": rec.body}) + "\n")
+            if rec.is_conversation:
+                standin.script(deltas, args.pace)
+
+    standin.requests = Recording()
+    standin.start(args.port)
+    assert standin._thread is not None
+    standin._thread.join()
+
+
+def _handler_class(standin: MessagesStandIn) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: Any) -> None:
+            return
+
+        def do_POST(self) -> None:  # noqa: N802
+            standin._handle(self)
+
+        def do_GET(self) -> None:  # noqa: N802
+            standin._handle(self)
+
+    return Handler
+
+
+if __name__ == "__main__":
+    main()
