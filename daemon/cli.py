@@ -114,6 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
     task.add_parser("list", help="every task: title, bucket, sessions, agent, workflow step")
     tsh = task.add_parser("show", help="one task: title, workspace, executor, bucket, workflow, its sessions")
     tsh.add_argument("task_id")
+    td = task.add_parser("delete", help="remove a task whose sessions have no agent: its sessions, their"
+                         " directories (the agents' HOMEs), and its workspace if kandev created it")
+    td.add_argument("task_id")
+    td.add_argument("--stop", action="store_true", help="stop the task's idle agents first (a running turn"
+                    " is still refused: kandev cancel it)")
 
     session = sub.add_parser("session", help="sessions").add_subparsers(
         dest="session_cmd", required=True, parser_class=_Parser
@@ -313,13 +318,14 @@ def _ensure_runtime(sock: Path, agent: Any) -> None:
 def _agents(config_path: str | None) -> dict[str, Any]:
     """The built-in agents, each with the variable names its configuration gives it (no value)."""
     from daemon.agents.settings import describe
-    from daemon.config import ConfigError, load_config
+    from daemon.config import Config, ConfigError, load_config
 
+    error = None
     try:
         config = load_config(config_path)
-    except ConfigError as exc:
-        raise IpcError(ErrorCode.INVALID_ARGUMENT, f"the configuration is refused: {exc}") from None
-    return {"config": config.source, "agents": [
+    except ConfigError as exc:  # still list the agents (bash completion reads them), and say why
+        config, error = Config(), f"the configuration is refused: {exc}"
+    return {"config": config.source, "config_error": error, "agents": [
         {"name": a.name, "package": a.package, "version": a.version, "runtime": a.runtime,
          **describe(config.agents.settings, a.name)}
         for a in sorted(BUILTIN_AGENTS.values(), key=lambda a: a.name)]}
@@ -346,6 +352,8 @@ def run(args: argparse.Namespace) -> Any:
             return _call(sock, "task_list")
         if args.task_cmd == "show":
             return _call(sock, "task_show", {"task_id": args.task_id})
+        if args.task_cmd == "delete":
+            return _call(sock, "task_delete", {"task_id": args.task_id, "stop": args.stop}, timeout=60.0)
         call_args = {"title": args.title, "executor": args.executor}
         if args.workspace:
             call_args["workspace"] = str(Path(args.workspace).resolve())
@@ -482,6 +490,12 @@ def main(argv: list[str] | None = None) -> int:
             secret = ", ".join(f"{var} <- {ref}" for var, ref in a["secret_env"].items())
             print(f"{a['name']}\t{a['package']}\t{a['version']}\tenv: {', '.join(a['env']) or '-'}"
                   f"\tsecret_env: {secret or '-'}")
+    if args.command == "agents" and result.get("config_error"):
+        if args.json:
+            _print(result)
+        print(f"kandev: {result['config_error']}", file=sys.stderr)
+        return EXIT_REFUSED
+    if args.command == "agents" and not args.json:
         return EXIT_OK
     if args.json:
         _print(result)

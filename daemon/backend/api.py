@@ -216,6 +216,20 @@ VIEW_OPS: list[Op] = [
     ),
 ]
 
-OPS = OPS + RUNTIME_OPS + CREDENTIAL_OPS + RESUME_OPS + VIEW_OPS
+# Removing a task (issue 12; daemon/backend/task_delete.py).
+TASK_OPS: list[Op] = [
+    Op(
+        "task_delete",
+        required={"task_id": str},
+        optional={"stop": bool},
+        auth=False,
+        doc="remove a task whose sessions have no agent (with stop: idle agents are stopped first): each"
+        " session's directory (the agent's HOME, lease, endpoint), the workspace only if kandev created it,"
+        " then the rows -> {task_id, deleted, sessions, stopped, workspace, worktree, removed}; a session"
+        " with an agent (without stop) or a running turn: conflict",
+    ),
+]
+
+OPS = OPS + RUNTIME_OPS + CREDENTIAL_OPS + RESUME_OPS + VIEW_OPS + TASK_OPS
 
 TABLE = OpTable(PROTOCOL, VERSION, OPS)

@@ -30,6 +30,7 @@ import daemon.backend.ids as ids
 import daemon.backend.resume_api as resume_api
 import daemon.backend.runtime_prepare as runtime_prepare
 import daemon.backend.runtimes_api as runtimes_api
+import daemon.backend.task_delete as task_delete
 from daemon.agentctl.client import AgentctlClient, OwnershipRefused, identify
 from daemon.agents.registry import get_agent
 from daemon.backend.adoption import Adopter
@@ -106,6 +107,7 @@ class Backend:
             mode = "child"
         self.launcher = Launcher(paths, config, installation_id, mode)
         self.executions = ExecutionStore()
+        self.deleting_tasks: set[str] = set()  # tasks a task_delete is removing: no new agent for them
         self.client: AgentctlClient | None = None
         self.handle: ControlServerHandle | None = None
         self.server_identity: str | None = None
@@ -498,6 +500,7 @@ class Backend:
             **credentials_api.handlers(self),
             **resume_api.handlers(self),
             **runtimes_api.handlers(self),
+            **task_delete.handlers(self),
             **self.views.handlers(),
             **FollowService(self.store, self.transcripts, self.executions).handlers(),
         })
@@ -631,6 +634,8 @@ class Backend:
         with self.store.session() as db:
             task = self._task(db, args["task_id"])
             task_id, workspace = task.id, task.workspace
+            if task_id in self.deleting_tasks:
+                raise IpcError(ErrorCode.CONFLICT, f"task {task_id} is being deleted")
             db.add(
                 TaskSession(
                     id=session_id,

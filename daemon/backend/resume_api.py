@@ -320,6 +320,8 @@ class ResumeService:
             task = db.get(Task, session.task_id)
             if task is None:
                 raise IpcError(ErrorCode.NOT_FOUND, f"the task of session {session_id} is gone")
+            if task.id in b.deleting_tasks:
+                raise _conflict(f"the task of session {session_id} is being deleted")
             row = db.get(ExecutorRunning, session_id)
             if row is not None and row.status == "live":
                 # The inventory still claims an agent this backend does not track (liveness unknown,
