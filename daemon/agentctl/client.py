@@ -60,7 +60,7 @@ from collections.abc import Callable
 from typing import Any
 
 from daemon.agentctl import auth
-from daemon.agentctl.protocol import SANDBOX_CAPABILITY, VERSION
+from daemon.agentctl.protocol import AGENT_SECRETS_CAPABILITY, RELOAD_CAPABILITY, SANDBOX_CAPABILITY, VERSION
 from daemon.agentctl.sandbox import SANDBOX_UNAVAILABLE, SandboxPolicy
 from ipc.client import AsyncClient, EventStream
 from ipc.errors import ErrorCode, IpcError
@@ -451,7 +451,8 @@ class AgentctlClient:
             args["workspace_roots"] = workspace_roots
         if sandbox is not None and self.check_sandbox(sandbox):
             args["sandbox"] = sandbox
-        if secret_env:  # references only ({VAR: path | credential:NAME}); absent for older servers
+        if secret_env:  # references only ({VAR: path | credential:NAME}); never sent to a server without them
+            self.check_secret_env(secret_env)
             args["secret_env"] = secret_env
         return await self.call("create_instance", args, timeout=timeout)
 
@@ -471,6 +472,23 @@ class AgentctlClient:
             ' unsandboxed, which agents.sandbox = "required" refuses. The backend replaces it with the'
             " installed version once it runs no instance (end or stop its sessions, then start again);"
             ' or set agents.sandbox = "off"',
+            retryable=True,
+        )
+
+    def check_secret_env(self, secret_env: dict[str, str] | None) -> None:
+        """Refuse (``incompatible_version``, nothing sent) a launch that gives the agent keys
+        (``secret_env``) to a server without ``agent_secrets.v1``: it would drop the field and start
+        the agent without them. No keys: nothing to check, any server will do."""
+        if not secret_env or AGENT_SECRETS_CAPABILITY in self.capabilities:
+            return
+        protocol = ".".join(map(str, self.protocol_version)) or "1.0"
+        how = ("reload it with the installed version: kandev agentctl reload" if RELOAD_CAPABILITY in self.capabilities
+               else "the backend replaces it with the installed version once it runs no instance (end or stop its"
+               " sessions, then start again)")
+        raise IpcError(
+            ErrorCode.INCOMPATIBLE_VERSION,
+            f"the control server (protocol {protocol}) predates agents' keys: it would start this agent without"
+            f" its secret_env ({', '.join(sorted(secret_env))}); {how}",
             retryable=True,
         )
 

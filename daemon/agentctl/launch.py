@@ -161,14 +161,18 @@ def dump(config: LaunchConfig, path: str | os.PathLike[str]) -> None:
     write_secret_file(Path(path), data)
 
 
-def validate(config: LaunchConfig) -> ResolvedAgentctl:
-    """Check the numeric settings and that every agent's secret can be read; raises
-    ``daemon.config.ConfigError`` naming the key (value and range for numbers; never a secret)."""
+def validate(config: LaunchConfig, *, check_secrets: bool = True) -> ResolvedAgentctl:
+    """Check the numeric settings and (``check_secrets``) that every agent's secret can be read;
+    raises ``daemon.config.ConfigError`` naming the key (value and range for numbers; never a
+    secret). A re-exec does not check the secrets: its running agents have theirs already, and a
+    key gone meanwhile fails only a later start of that agent, never the reload."""
     resolved = validate_agentctl(
         config.detached_event_limit,
         config.unowned_period_s,
         config.idle_timeout_s,
     )
+    if not check_secrets:
+        return resolved
     try:
         agent_env.check_all(config.secret_refs(), credentials_dir=os.environ.get("CREDENTIALS_DIRECTORY"),
                             forbidden=config.own_paths())

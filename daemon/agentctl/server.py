@@ -197,13 +197,7 @@ class AgentctlServer:
     def _own_paths(self) -> list[str]:
         """What of this server no agent may see, even where it lies inside something bound: the
         socket directory, the logs (agents' stderr included), the credential and its directory."""
-        paths = [os.path.dirname(self.config.socket_path), os.path.dirname(self.config.log_path),
-                 self.config.agent_log_dir]
-        if self.config.credential_file:
-            paths.append(os.path.dirname(self.config.credential_file))
-        if os.environ.get("CREDENTIALS_DIRECTORY"):
-            paths.append(os.environ["CREDENTIALS_DIRECTORY"])
-        return [p for p in paths if p and os.path.isabs(p)]
+        return self.config.own_paths()
 
     async def _sandboxed_argv(self, request: SandboxRequest, command: list[str], cwd: str) -> list[str]:
         """The agent's argv inside its sandbox; ``sandbox_unavailable`` when none can be made."""

@@ -696,6 +696,7 @@ class ResumeService:
         await self._untrack(ex)
         async with self.backend.launch_gate.launch():  # no replacement of the server between the two
             client.check_sandbox(prep.sandbox)  # refused before the agent is stopped, not after
+            client.check_secret_env(prep.secret_env)
             await client.stop_instance(ex.instance_id)
             info = dict(await client.create_instance(
                 session_id=sid, task_id=ex.task_id, command=prep.command, cwd=workspace,

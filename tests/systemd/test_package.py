@@ -36,6 +36,7 @@ EXPOSURE_LIMIT = 2.5
 TOKEN_FILE = "/etc/kandev/github-token"
 UPSTREAM = "ghp_PACKAGEupstreamToken0123456789abcdef"
 GH_REPO = f"{HOME}/repos/repo"
+REPO = Path(__file__).resolve().parents[2]
 METRICS = Path("/var/tmp/kandev-package-metrics.json")  # figures for humans (build time, scores)
 pytestmark = pytest.mark.timeout(300)
 
