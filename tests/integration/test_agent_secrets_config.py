@@ -68,3 +68,35 @@ def test_a_key_file_gone_later_fails_that_agent_naming_the_key(short_tmp: Path, 
     assert len(failed) == 1
     assert "agents.mock.secret_env.MOCK_TOKEN" in k.show(failed[0]["session_id"])["last_error"]
     assert k.show(sid)["live"]  # the running agent keeps its environment
+
+
+def test_keys_settings_and_session_home_survive_a_control_server_reexec(short_tmp: Path, kandev_factory: Any) -> None:
+    """Issue 12 with issue 15: after ``kandev agentctl reload`` (a re-exec with the state handed
+    over) the running agent still has its settings, its key and its session's HOME; a key file gone
+    before the reload does not refuse it; a session started after the reload gets its key and its
+    own HOME; the key's value is in no file under the home (the hand-over never carries it)."""
+    key = _key(short_tmp / "key")
+    k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="true", config_text=(
+        f'[agents.mock]\nenv = {{ MOCK_SETTING = "plain-setting" }}\nsecret_env = {{ MOCK_TOKEN = "{key}" }}\n'))
+    st = k.up()
+    assert st["control_server"]["can_reload"]
+    probe = '/sh printf "%s|%s|%s" "$(printf %s "$MOCK_TOKEN" | wc -c)" "$MOCK_SETTING" "$HOME"'
+
+    def seen(sid: str) -> str:
+        k.cli("prompt", sid, probe, "--wait")
+        return str(k.show(sid)["transcript"][-1]["text"])
+
+    _task, sid = k.start_session("before the reload")
+    pid = k.show(sid)["agent_pid"]
+    home = str(k.home / "sessions" / sid / "agent" / "home")
+    assert f"17|plain-setting|{home}" in seen(sid)
+    key.unlink()  # gone before the reload: the running agent has its key, the reload goes on
+    out = k.cli("agentctl", "reload", timeout=200)
+    assert out["outcome"] == "reexecuted", out
+    assert k.show(sid)["agent_pid"] == pid and f"17|plain-setting|{home}" in seen(sid)
+
+    _key(key)
+    _task, sid2 = k.start_session("after the reload")
+    assert f"17|plain-setting|{k.home / 'sessions' / sid2 / 'agent' / 'home'}" in seen(sid2)
+    found = [p for p in k.home.rglob("*") if p.is_file() and b"mock-secret-value" in p.read_bytes()]
+    assert found == []
