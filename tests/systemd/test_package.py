@@ -470,7 +470,8 @@ def test_e_reinstall_keeps_state(pkg: Box) -> None:
 
 def test_e_purge_removes_everything(pkg: Box) -> None:
     b = pkg
-    b.box.run("rm", "-f", TOKEN_FILE)  # the operator's own file: purge leaves files it did not ship
+    # The operator's own files (the token, issue 12 E's keys and drop-in): purge leaves files it did not ship.
+    b.box.run("rm", "-rf", TOKEN_FILE, "/etc/kandev/secrets", "/etc/systemd/system/kandev-agentctl.service.d")
     b.apt("purge", "kandev")
     assert b.box.run("dpkg-query", "-W", "kandev", check=False).returncode != 0 or \
         b.box.run("dpkg-query", "-W", "-f", "${Status}", "kandev").stdout.startswith("unknown")
