@@ -114,6 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
     task.add_parser("list", help="every task: title, bucket, sessions, agent, workflow step")
     tsh = task.add_parser("show", help="one task: title, workspace, executor, bucket, workflow, its sessions")
     tsh.add_argument("task_id")
+    td = task.add_parser("delete", help="remove a task whose sessions have no agent: its sessions, their"
+                         " directories (the agents' HOMEs), and its workspace if kandev created it")
+    td.add_argument("task_id")
+    td.add_argument("--stop", action="store_true", help="stop the task's idle agents first (a running turn"
+                    " is still refused: kandev cancel it)")
 
     session = sub.add_parser("session", help="sessions").add_subparsers(
         dest="session_cmd", required=True, parser_class=_Parser
@@ -174,7 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     bo.add_argument("--interval", type=_seconds, default=1.0, metavar="S", help="with --watch: seconds between looks")
     doc = sub.add_parser("doctor", help="check this installation (no backend needed); exit 1 if a check fails")
     doc.add_argument("--config", help="config file to check (default: $KANDEV_CONFIG, /etc/kandev/kandev.toml)")
-    sub.add_parser("agents", help="the built-in agents with package and pinned version")
+    ag = sub.add_parser("agents", help="the built-in agents with package and pinned version, and the names of the"
+                        " variables each gets from [agents.NAME] (never a value)")
+    ag.add_argument("--config", help="config file to read (default: $KANDEV_CONFIG, /etc/kandev/kandev.toml)")
     runtime = sub.add_parser("runtime", help="managed npm runtimes of the built-in agents").add_subparsers(
         dest="runtime_cmd", required=True, parser_class=_Parser
     )
@@ -297,6 +304,33 @@ def cmd_down(paths: Paths) -> dict[str, Any]:
     raise IpcError(ErrorCode.TIMEOUT, f"backend pid {pid} did not exit within {DOWN_TIMEOUT_S:.0f}s")
 
 
+def _ensure_runtime(sock: Path, agent: Any) -> None:
+    """A managed npm agent's runtime is prepared before its session starts, its steps on stderr
+    (the backend would prepare it too, but silently)."""
+    spec = BUILTIN_AGENTS.get(agent) if isinstance(agent, str) else None
+    if spec is None or spec.runtime != "npm":
+        return
+    from daemon.runtimes.cli import ensure_runtime  # the ACP SDK: only when needed
+
+    ensure_runtime(lambda op, a, t: _call(sock, op, a, timeout=t), spec.name, sys.stderr)
+
+
+def _agents(config_path: str | None) -> dict[str, Any]:
+    """The built-in agents, each with the variable names its configuration gives it (no value)."""
+    from daemon.agents.settings import describe
+    from daemon.config import Config, ConfigError, load_config
+
+    error = None
+    try:
+        config = load_config(config_path)
+    except ConfigError as exc:  # still list the agents (bash completion reads them), and say why
+        config, error = Config(), f"the configuration is refused: {exc}"
+    return {"config": config.source, "config_error": error, "agents": [
+        {"name": a.name, "package": a.package, "version": a.version, "runtime": a.runtime,
+         **describe(config.agents.settings, a.name)}
+        for a in sorted(BUILTIN_AGENTS.values(), key=lambda a: a.name)]}
+
+
 def run(args: argparse.Namespace) -> Any:
     paths = Paths.for_home(resolve_home(args.home))
     sock = paths.backend_socket
@@ -318,6 +352,8 @@ def run(args: argparse.Namespace) -> Any:
             return _call(sock, "task_list")
         if args.task_cmd == "show":
             return _call(sock, "task_show", {"task_id": args.task_id})
+        if args.task_cmd == "delete":
+            return _call(sock, "task_delete", {"task_id": args.task_id, "stop": args.stop}, timeout=60.0)
         call_args = {"title": args.title, "executor": args.executor}
         if args.workspace:
             call_args["workspace"] = str(Path(args.workspace).resolve())
@@ -333,12 +369,15 @@ def run(args: argparse.Namespace) -> Any:
             created["workflow"] = _call(sock, "workflow_set", {"task_id": created["task_id"], "steps": args.steps})
         return created
     if cmd == "resume":
+        agent = _call(sock, "session_show", {"session_id": args.session_id, "tail": 1}).get("agent")
+        _ensure_runtime(sock, agent)
         return _call(sock, "session_resume", {"session_id": args.session_id, "fresh": args.fresh}, timeout=180.0)
     if cmd == "session":
         if args.session_cmd == "start":
             call_args = {"task_id": args.task_id, "agent": args.agent, "passthrough": args.passthrough}
             if args.prompt:
                 call_args["prompt"] = args.prompt
+            _ensure_runtime(sock, args.agent)
             return _call(sock, "session_start", call_args, timeout=120.0)
         if args.session_cmd == "show":
             if args.limit is not None and args.after_seq is None:
@@ -382,8 +421,7 @@ def run(args: argparse.Namespace) -> Any:
 
         return runtime_update(lambda op, a, t: _call(sock, op, a, timeout=t), args.agent, sys.stderr)
     if cmd == "agents":
-        return {"agents": [{"name": a.name, "package": a.package, "version": a.version}
-                           for a in sorted(BUILTIN_AGENTS.values(), key=lambda a: a.name)]}
+        return _agents(args.config)
     raise Usage(f"unknown command {cmd}")
 
 
@@ -449,7 +487,15 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK if result["ok"] else EXIT_REFUSED
     if args.command == "agents" and not args.json:
         for a in result["agents"]:
-            print(f"{a['name']}\t{a['package']}\t{a['version']}")
+            secret = ", ".join(f"{var} <- {ref}" for var, ref in a["secret_env"].items())
+            print(f"{a['name']}\t{a['package']}\t{a['version']}\tenv: {', '.join(a['env']) or '-'}"
+                  f"\tsecret_env: {secret or '-'}")
+    if args.command == "agents" and result.get("config_error"):
+        if args.json:
+            _print(result)
+        print(f"kandev: {result['config_error']}", file=sys.stderr)
+        return EXIT_REFUSED
+    if args.command == "agents" and not args.json:
         return EXIT_OK
     if args.json:
         _print(result)

@@ -37,6 +37,8 @@ from difflib import get_close_matches
 from pathlib import Path
 from typing import Any
 
+from daemon.agents.settings import AgentSettings, SettingsError, parse_agent_table, validate_settings
+
 DEFAULT_CONFIG_FILE = Path("/etc/kandev/kandev.toml")
 
 MINUTE = 60.0
@@ -110,6 +112,8 @@ class AgentsConfig:
     where none can be made fails with ``sandbox_unavailable``) or ``off`` (unsandboxed, warned)."""
 
     sandbox: str = "required"
+    # ``[agents.NAME]`` tables: each agent's env and secret_env (daemon/agents/settings.py).
+    settings: Mapping[str, AgentSettings] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -292,6 +296,21 @@ def _read_file(config_file: str | None, env: Mapping[str, str]) -> tuple[dict[st
         raise ConfigError(f"config file {path} cannot be read: {e.strerror}") from None
 
 
+def _agent_tables(doc: dict[str, Any], source: str | None) -> dict[str, AgentSettings]:
+    """``[agents.NAME]`` tables (only from the file: they have no environment variables)."""
+    out: dict[str, AgentSettings] = {}
+    agents = doc.get("agents")
+    if not isinstance(agents, dict):
+        return out
+    for name, table in agents.items():
+        if isinstance(table, dict):
+            try:
+                out[name] = parse_agent_table(name, table, f"in {source}")
+            except SettingsError as exc:
+                raise ConfigError(str(exc), key=exc.key) from None
+    return out
+
+
 def _collect(doc: dict[str, Any], source: str | None, env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
     known = [f"{s}.{k}" for s, keys in _KINDS.items() for k in keys]
     raw: dict[str, tuple[Any, str]] = {}
@@ -302,6 +321,8 @@ def _collect(doc: dict[str, Any], source: str | None, env: Mapping[str, str]) ->
             raise ConfigError(f"{section} in {source} must be a table ([{section}])", key=section)
         for key, value in table.items():
             dotted = f"{section}.{key}"
+            if section == "agents" and isinstance(value, dict):
+                continue  # an [agents.NAME] table: _agent_tables
             if key not in _KINDS[section]:
                 raise _unknown(dotted, known, f"in {source}")
             raw[dotted] = (value, str(source))
@@ -335,7 +356,7 @@ def load_config(config_file: str | None, env: Mapping[str, str] | None = None) -
         agentctl=AgentctlConfig(**values["agentctl"]),
         database=DatabaseConfig(**values["database"]),
         credentials=CredentialsConfig(**values["credentials"]),
-        agents=AgentsConfig(**values["agents"]),
+        agents=AgentsConfig(**values["agents"], settings=_agent_tables(doc, source)),
         source=source,
         origins=origins,
         given=given,
@@ -365,9 +386,20 @@ def validate_credentials(config: Config) -> None:
         )
 
 
+def validate_agents(config: Config) -> None:
+    """Check each ``[agents.NAME] secret_env`` file (present, a regular file of root or the service
+    user, mode 0600/0640), without reading it; ``credential:`` ones are the control server's to check."""
+    try:
+        validate_settings(config.agents.settings)
+    except SettingsError as exc:
+        where = f" (in {config.source})" if config.source else ""
+        raise ConfigError(f"{exc.key}{where}: {str(exc)[len(exc.key) + 2:]}", key=exc.key) from None
+
+
 def validate_backend(config: Config) -> None:
-    """Check the keys the backend reads (AC-EXECUTORS-SURVIVAL-002.13, AC-EXECUTORS-SURVIVAL-003.7; credentials)."""
+    """Check the keys the backend reads (AC-EXECUTORS-SURVIVAL-002.13, AC-EXECUTORS-SURVIVAL-003.7; credentials; agents)."""
     validate_credentials(config)
+    validate_agents(config)
     a = config.agentctl
 
     def where(key: str) -> _Where:

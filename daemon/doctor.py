@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon import platform
+from daemon.agents.settings import describe as describe_agent
 from daemon.config import Config, ConfigError, load_config, validate_agentctl, validate_backend
 from daemon.paths import SERVICE_GROUP, Paths
 from daemon.platform import AGENTCTL_UNIT, Check, Probes
@@ -481,6 +482,20 @@ def _sandbox(r: _Report, config: Config | None, status: dict[str, Any] | None, p
               ' "required": every agent start fails with sandbox_unavailable', SANDBOX_HINT)
 
 
+def _agents(r: _Report, config: Config | None) -> None:
+    """Each configured agent's variable names (and where its secrets come from), never a value;
+    the files themselves were checked with the configuration."""
+    if config is None or not config.agents.settings:
+        r.add("agents", True, "no [agents.NAME] settings: agents get no provider settings or keys from kandev")
+        return
+    parts = []
+    for name in sorted(config.agents.settings):
+        shown = describe_agent(config.agents.settings, name)
+        secret = ", ".join(f"{var} ({ref})" for var, ref in shown["secret_env"].items())
+        parts.append(f"{name}: env {', '.join(shown['env']) or '-'}; secret_env {secret or '-'}")
+    r.add("agents", True, "; ".join(parts))
+
+
 def run_doctor(
     paths: Paths,
     *,
@@ -500,6 +515,7 @@ def run_doctor(
     _store(r, config, paths, p)
     _tools(r, path, p)
     _sandbox(r, config, status, path, environ, p)
+    _agents(r, config)
     return r.checks
 
 

@@ -5,7 +5,9 @@
     <home>/sessions/<session id>/        0700, the session's own
         agent/                           the agent's own state, read-write in its sandbox (kept across
                                          agent restarts, so a resume finds it: e.g. the mock agent's
-                                         persisted sessions; the place for the agent's HOME)
+                                         persisted sessions)
+            home/                        the agent's HOME (e.g. Claude Code's ~/.claude, where its
+                                         conversations live, so session/load finds them after a restart)
         git/lease.json                   the session's git credential lease (0600), read-write in the
                                          sandbox: the git helper writes a reissued lease back
         endpoint/git.sock                the session's credential endpoint (served by the backend),
@@ -31,6 +33,7 @@ ENDPOINT_DIR = "endpoint"
 LEASE_FILE = "lease.json"
 ENDPOINT_SOCKET = "git.sock"
 MOCK_STATE_DIR = "mock-sessions"
+HOME_DIR = "home"
 _SESSION_ID = re.compile(r"^[0-9A-Za-z_-]{1,64}$")
 
 
@@ -67,6 +70,11 @@ class SessionDirs:
         return self.root / AGENT_STATE_DIR
 
     @property
+    def home(self) -> Path:
+        """The agent's ``HOME``: private to this session, kept across agent restarts."""
+        return self.agent_state / HOME_DIR
+
+    @property
     def git(self) -> Path:
         return self.root / GIT_DIR
 
@@ -90,6 +98,6 @@ class SessionDirs:
     def ensure(self) -> SessionDirs:
         """Create every directory 0700 (blocking: call it off the event loop)."""
         _private_dir(self.root.parent)
-        for d in (self.root, self.agent_state, self.git, self.endpoint):
+        for d in (self.root, self.agent_state, self.home, self.git, self.endpoint):
             _private_dir(d)
         return self

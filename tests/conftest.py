@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from daemon.store.db import Store, sqlite_url
+from tests import claude_runtime
 from tests.helpers import REPO_ROOT, venv_python_path
 from tests.postgres import PgCluster
 from tests.postgres import require as postgres_bin
@@ -52,3 +54,15 @@ def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]
         yield store
     finally:
         store.close()
+
+
+@pytest.fixture(scope="session")
+def claude_npm_cache() -> Path:
+    """An npm cache with the pinned claude-code runtime prepared in it (tests/claude_runtime.py),
+    once per machine; give it to daemons as ``npm_config_cache``."""
+    try:
+        return claude_runtime.prepare_cache()
+    except claude_runtime.Unavailable as exc:
+        if os.environ.get("CI", "").strip().lower() in ("true", "1", "yes"):
+            pytest.fail(f"the claude-code runtime cannot be prepared: {exc}", pytrace=False)  # CI never skips
+        pytest.skip(f"the claude-code runtime cannot be prepared: {exc}")

@@ -60,7 +60,7 @@ from collections.abc import Callable
 from typing import Any
 
 from daemon.agentctl import auth
-from daemon.agentctl.protocol import SANDBOX_CAPABILITY, VERSION
+from daemon.agentctl.protocol import AGENT_SECRETS_CAPABILITY, RELOAD_CAPABILITY, SANDBOX_CAPABILITY, VERSION
 from daemon.agentctl.sandbox import SANDBOX_UNAVAILABLE, SandboxPolicy
 from ipc.client import AsyncClient, EventStream
 from ipc.errors import ErrorCode, IpcError
@@ -433,11 +433,13 @@ class AgentctlClient:
         resume_session_id: str | None = None,
         workspace_roots: list[str] | None = None,
         sandbox: dict[str, Any] | None = None,
+        secret_env: dict[str, str] | None = None,
         timeout: float = CREATE_TIMEOUT,
     ) -> dict[str, Any]:
         """Spawn an agent -> ``{instance_id, pid, pid_start_time, acp_session_id, modes, config_options,
         handshake_seq, sandboxed}`` (the last four from servers that know them). ``sandbox``: the
-        wire form of ``daemon.agentctl.sandbox.SandboxRequest``."""
+        wire form of ``daemon.agentctl.sandbox.SandboxRequest``; ``secret_env``: the agent's secrets by
+        reference (``daemon.agents.settings``), read by the server."""
         args: dict[str, Any] = {"session_id": session_id, "task_id": task_id, "command": command, "cwd": cwd}
         if env is not None:
             args["env"] = env
@@ -449,6 +451,9 @@ class AgentctlClient:
             args["workspace_roots"] = workspace_roots
         if sandbox is not None and self.check_sandbox(sandbox):
             args["sandbox"] = sandbox
+        if secret_env:  # references only ({VAR: path | credential:NAME}); never sent to a server without them
+            self.check_secret_env(secret_env)
+            args["secret_env"] = secret_env
         return await self.call("create_instance", args, timeout=timeout)
 
     def check_sandbox(self, sandbox: dict[str, Any]) -> bool:
@@ -467,6 +472,23 @@ class AgentctlClient:
             ' unsandboxed, which agents.sandbox = "required" refuses. The backend replaces it with the'
             " installed version once it runs no instance (end or stop its sessions, then start again);"
             ' or set agents.sandbox = "off"',
+            retryable=True,
+        )
+
+    def check_secret_env(self, secret_env: dict[str, str] | None) -> None:
+        """Refuse (``incompatible_version``, nothing sent) a launch that gives the agent keys
+        (``secret_env``) to a server without ``agent_secrets.v1``: it would drop the field and start
+        the agent without them. No keys: nothing to check, any server will do."""
+        if not secret_env or AGENT_SECRETS_CAPABILITY in self.capabilities:
+            return
+        protocol = ".".join(map(str, self.protocol_version)) or "1.0"
+        how = ("reload it with the installed version: kandev agentctl reload" if RELOAD_CAPABILITY in self.capabilities
+               else "the backend replaces it with the installed version once it runs no instance (end or stop its"
+               " sessions, then start again)")
+        raise IpcError(
+            ErrorCode.INCOMPATIBLE_VERSION,
+            f"the control server (protocol {protocol}) predates agents' keys: it would start this agent without"
+            f" its secret_env ({', '.join(sorted(secret_env))}); {how}",
             retryable=True,
         )
 

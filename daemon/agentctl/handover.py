@@ -30,7 +30,9 @@ What travels, and why it is enough to resume without losing or repeating anythin
   ``launch_argv`` is part of the spec.
 
 Secrets (credentials, the agents' environments) live only in the memfd: never in
-a file, argv, the environment or a log line.
+a file, argv, the environment or a log line. The agents' keys (``InstanceSpec.secret_env``,
+Issue 12) do not travel at all: the server drops them once the agent is spawned with them
+(``instance.SPEC_NOT_HANDED_OVER``).
 
 Decoding is strict about what the new code needs (a missing field without a
 default, or a value of the wrong type, fails the decode, so preflight refuses the

@@ -383,6 +383,13 @@ class InstanceSpec:
     # (``daemon.agentctl.sandbox.wrap_command``); the sandbox's bwrap is then the group leader.
     launch_argv: list[str] | None = None
     sandboxed: bool = False
+    # The agent's secret values (``daemon.agentctl.agent_env``), for its environment only: emptied
+    # once the agent is spawned (it has them), so they never travel in a re-exec's hand-over.
+    secret_env: dict[str, str] = field(default_factory=dict, repr=False)
+
+
+SPEC_NOT_HANDED_OVER = frozenset({"secret_env"})
+"""``InstanceSpec`` fields a re-exec does not carry: the running agent already has its secrets."""
 
 
 class Instance:
@@ -504,7 +511,7 @@ class Instance:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=stderr_fd,
                 cwd=spec.cwd,
-                env=agent_environment(spec.env),
+                env=agent_environment({**spec.env, **spec.secret_env}),
                 start_new_session=True,
                 preexec_fn=_child_setup(os.getpid(), ignore_sigterm=spec.sandboxed),
                 limit=AGENT_STDOUT_LIMIT,
@@ -515,6 +522,7 @@ class Instance:
             ) from None
         finally:
             os.close(stderr_fd)
+            spec.secret_env = {}  # the agent has them now; nothing of this server keeps them
         self.pid = self._proc.pid
         try:
             self._psproc = psutil.Process(self.pid)
@@ -1104,7 +1112,7 @@ class Instance:
             stdin_fd = acp_internals.writer_fd(proc.stdin)
             unread = transport.unread(acp_internals.buffered_bytes(proc.stdout))
         return InstanceHandover(
-            spec=to_plain(self.spec),
+            spec={k: v for k, v in to_plain(self.spec).items() if k not in SPEC_NOT_HANDED_OVER},
             state=self.state.value,
             pid=self.pid,
             pid_start_time=self.pid_start_time,

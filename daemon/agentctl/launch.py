@@ -6,7 +6,13 @@ The backend (or a test) writes one JSON object, mode 0600, and starts
     {"socket_path": ..., "log_path": ..., "agent_log_dir": ...,
      "installation_id": ..., "credential_file": PATH | null,
      "detached_event_limit": 100, "unowned_period_s": 600, "idle_timeout_s": 3600,
-     "mode": "unit" | "detached" | "child"}
+     "mode": "unit" | "detached" | "child",
+     "agent_secret_env": {"claude-code": {"ANTHROPIC_API_KEY": "/etc/kandev/secrets/key"}}}
+
+``agent_secret_env`` holds the *references* of each agent's ``secret_env`` (file paths or
+``credential:NAME``, never a value; ``daemon.agents.settings``): ``validate`` reads each one once,
+so a server that could not serve its configured keys refuses to start naming the key, and no
+agent's sandbox shows those files (``daemon.agentctl.agent_env``).
 
 The numbers are handed over as given and checked by ``validate`` (which uses
 ``daemon.config.validate_agentctl``) when the server starts: out of range is a
@@ -26,12 +32,14 @@ import json
 import os
 import stat
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from daemon.agentctl import agent_env
 from daemon.agentctl.auth import CREDENTIAL_BYTES
-from daemon.config import ResolvedAgentctl, validate_agentctl
+from daemon.agents.settings import SecretRef, SettingsError
+from daemon.config import ConfigError, ResolvedAgentctl, validate_agentctl
 from daemon.paths import Paths, SecretFileError, read_secret_file, write_secret_file
 
 MODES = ("unit", "detached", "child")
@@ -66,9 +74,26 @@ class LaunchConfig:
     unowned_period_s: Number = 600.0
     idle_timeout_s: Number = 3600.0
     mode: str = "child"
+    agent_secret_env: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    def secret_refs(self) -> dict[str, dict[str, SecretRef]]:
+        """``agent_secret_env`` parsed (``from_json`` checked it already)."""
+        return {name: agent_env.parse_refs(refs, f"agents.{name}.secret_env")
+                for name, refs in self.agent_secret_env.items()}
+
+    def own_paths(self, env: Mapping[str, str] | None = None) -> list[str]:
+        """What of this server no agent may see or name as a secret file: its socket directory, its
+        logs (agents' stderr included), its credential's directory and systemd credentials."""
+        environ = os.environ if env is None else env
+        paths = [os.path.dirname(self.socket_path), os.path.dirname(self.log_path), self.agent_log_dir]
+        if self.credential_file:
+            paths.append(os.path.dirname(self.credential_file))
+        if environ.get("CREDENTIALS_DIRECTORY"):
+            paths.append(environ["CREDENTIALS_DIRECTORY"])
+        return [p for p in paths if p and os.path.isabs(p)]
 
 
 def default_launch_file(home: str | os.PathLike[str]) -> Path:
@@ -100,6 +125,15 @@ def from_json(doc: Any) -> LaunchConfig:
             if isinstance(value, bool) or not isinstance(value, int | float | str):
                 raise LaunchError(f"launch file: '{key}' must be a number (got {value!r:.100})")
             values[key] = value
+    secrets = doc.get("agent_secret_env", {})
+    if not isinstance(secrets, dict) or not all(isinstance(n, str) and n for n in secrets):
+        raise LaunchError("launch file: 'agent_secret_env' must map agent names to {VARIABLE: reference}")
+    try:
+        for name, refs in secrets.items():
+            agent_env.parse_refs(refs, f"agents.{name}.secret_env")
+    except SettingsError as exc:
+        raise LaunchError(f"launch file: agent_secret_env: {exc}") from None
+    values["agent_secret_env"] = {n: dict(r) for n, r in secrets.items()}
     return LaunchConfig(**values)
 
 
@@ -127,13 +161,24 @@ def dump(config: LaunchConfig, path: str | os.PathLike[str]) -> None:
     write_secret_file(Path(path), data)
 
 
-def validate(config: LaunchConfig) -> ResolvedAgentctl:
-    """Check the numeric settings; raises ``daemon.config.ConfigError`` naming key, value and range."""
-    return validate_agentctl(
+def validate(config: LaunchConfig, *, check_secrets: bool = True) -> ResolvedAgentctl:
+    """Check the numeric settings and (``check_secrets``) that every agent's secret can be read;
+    raises ``daemon.config.ConfigError`` naming the key (value and range for numbers; never a
+    secret). A re-exec does not check the secrets: its running agents have theirs already, and a
+    key gone meanwhile fails only a later start of that agent, never the reload."""
+    resolved = validate_agentctl(
         config.detached_event_limit,
         config.unowned_period_s,
         config.idle_timeout_s,
     )
+    if not check_secrets:
+        return resolved
+    try:
+        agent_env.check_all(config.secret_refs(), credentials_dir=os.environ.get("CREDENTIALS_DIRECTORY"),
+                            forbidden=config.own_paths())
+    except agent_env.SecretUnavailable as exc:
+        raise ConfigError(str(exc), key=str(exc).split(" ", 1)[0]) from None
+    return resolved
 
 
 # ---------------------------------------------------------------- credential

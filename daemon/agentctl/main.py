@@ -314,7 +314,7 @@ def _resume(state_fd: int, verbose: bool, reexec_args: tuple[str, ...]) -> int:
         return _refuse(f"cannot resume from the handed-over state: {exc}", logged=False)
     _setup_logging(resumed.config, verbose)
     try:
-        resolved = launch.validate(resumed.config)
+        resolved = launch.validate(resumed.config, check_secrets=False)
     except ConfigError as exc:
         resume.close_inherited(resumed.state)
         return _refuse(f"cannot resume: {exc}")

@@ -54,7 +54,7 @@ async def _check() -> dict[str, Any]:
     state = decode(data)
     lost: list[str] = []
     config = from_fields(launch.LaunchConfig, state.launch, "launch", lost)
-    launch.validate(config)
+    launch.validate(config, check_secrets=False)  # as _resume does: a key gone never refuses a reload
     Ownership.from_snapshot(state.ownership)
     turn_ids = TurnIds(state.server_identity, state.turn_counter)
     not_taken_over: dict[str, list[str]] = {}

@@ -8,7 +8,8 @@ minor version rises with each addition: 1.0 is what release 0.1.0 speaks; 1.1
 capability, the ``not_taken_over`` field of ``list_instances`` and the
 ``reloading`` error code; and the agent sandbox: ``create_instance``'s
 ``sandbox`` field and ``sandboxed`` answer, ``sandbox_status``, the
-``sandbox.v1`` capability and the ``sandbox_unavailable`` error code. ``identify`` never grows: unauthenticated, it answers
+``sandbox.v1`` capability and the ``sandbox_unavailable`` error code; and each agent's keys:
+``create_instance``'s ``secret_env`` field and the ``agent_secrets.v1`` capability. ``identify`` never grows: unauthenticated, it answers
 the identity, the capability set and the unowned period (and the protocol
 version), nothing else (AC-EXECUTORS-CONTROL-OWNERSHIP-001.11).
 
@@ -52,8 +53,13 @@ RELOAD_CAPABILITY = "reload.v1"
 SANDBOX_CAPABILITY = "sandbox.v1"
 """Agents run in their sandbox (``create_instance``'s ``sandbox`` field, ``sandbox_status``; Issue 10)."""
 
+AGENT_SECRETS_CAPABILITY = "agent_secrets.v1"
+"""``create_instance``'s ``secret_env`` field: the server reads each agent's keys at spawn into that
+agent's environment (Issue 12). A server without it would drop the field and start the agent
+without its keys, so the client refuses such a launch (``AgentctlClient.check_secret_env``)."""
+
 # Capability set advertised by identify/hello: the required ones and what was added since.
-CAPABILITIES = (*REQUIRED_CAPABILITIES, RELOAD_CAPABILITY, SANDBOX_CAPABILITY)
+CAPABILITIES = (*REQUIRED_CAPABILITIES, RELOAD_CAPABILITY, SANDBOX_CAPABILITY, AGENT_SECRETS_CAPABILITY)
 
 
 class EventKind:
@@ -119,6 +125,9 @@ OPS = [
             # {policy: "required"|"off", writable: [path], readonly: [path], hidden: [path]}
             # (daemon.agentctl.sandbox.SandboxRequest); absent: required, with nothing beyond cwd
             "sandbox": dict,
+            # {VARIABLE: "/path" | "credential:NAME"}: the agent's secrets, by reference; the server
+            # reads the values at spawn into this agent's environment only (daemon.agentctl.agent_env)
+            "secret_env": dict,
         },
         doc="spawn the agent in its own process group (in its sandbox unless the policy is off; a"
         " required sandbox this server cannot make: sandbox_unavailable), ACP initialize +"

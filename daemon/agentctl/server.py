@@ -52,13 +52,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from daemon.agentctl import agent_logs, auth, sandbox
+from daemon.agentctl import agent_env, agent_logs, auth, sandbox
 from daemon.agentctl.handover import HANDOVER_FORMAT, ReloadHistory, ServerHandover, to_plain
 from daemon.agentctl.instance import Instance, InstanceSpec, TurnIds
 from daemon.agentctl.launch import LaunchConfig
 from daemon.agentctl.ownership import Ownership
 from daemon.agentctl.protocol import TABLE
 from daemon.agentctl.sandbox import SandboxPolicy, SandboxRequest, SandboxSupport
+from daemon.agents.settings import SettingsError
 from daemon.config import ResolvedAgentctl
 from daemon.faults import fault_delay, fault_fails
 from daemon.journal import log_event
@@ -196,13 +197,7 @@ class AgentctlServer:
     def _own_paths(self) -> list[str]:
         """What of this server no agent may see, even where it lies inside something bound: the
         socket directory, the logs (agents' stderr included), the credential and its directory."""
-        paths = [os.path.dirname(self.config.socket_path), os.path.dirname(self.config.log_path),
-                 self.config.agent_log_dir]
-        if self.config.credential_file:
-            paths.append(os.path.dirname(self.config.credential_file))
-        if os.environ.get("CREDENTIALS_DIRECTORY"):
-            paths.append(os.environ["CREDENTIALS_DIRECTORY"])
-        return [p for p in paths if p and os.path.isabs(p)]
+        return self.config.own_paths()
 
     async def _sandboxed_argv(self, request: SandboxRequest, command: list[str], cwd: str) -> list[str]:
         """The agent's argv inside its sandbox; ``sandbox_unavailable`` when none can be made."""
@@ -608,8 +603,10 @@ class AgentctlServer:
             resume_session_id=_check_str("resume_session_id", resume) if resume is not None else None,
             workspace_roots=_check_str_list("workspace_roots", args.get("workspace_roots", []), allow_empty=True),
         )
+        spec.secret_env = await self._agent_secrets(spec.agent, args.get("secret_env"))
         request = SandboxRequest.from_wire(args.get("sandbox"))
         if request.policy is SandboxPolicy.REQUIRED:
+            request = agent_env.hide_secret_files(request, self.config.secret_refs(), args.get("secret_env"))
             spec.launch_argv = await self._sandboxed_argv(request, spec.command, cwd)
             spec.sandboxed = True
         else:
@@ -673,6 +670,22 @@ class AgentctlServer:
             "handshake_seq": inst.handshake_seq,
             "sandboxed": spec.sandboxed,
         }
+
+    async def _agent_secrets(self, agent: Any, refs: Any) -> dict[str, str]:
+        """The values of the agent's ``secret_env`` references, read off the loop (agent_env)."""
+        try:
+            parsed = agent_env.parse_refs(refs, f"agents.{agent or '?'}.secret_env")
+        except SettingsError as exc:
+            raise _bad(f"create_instance: secret_env: {exc}") from None
+        if not parsed:
+            return {}
+        try:
+            return await asyncio.to_thread(
+                agent_env.resolve, parsed, f"agents.{agent or '?'}.secret_env",
+                credentials_dir=os.environ.get("CREDENTIALS_DIRECTORY"), forbidden=self._own_paths())
+        except agent_env.SecretUnavailable as exc:
+            raise IpcError(ErrorCode.INVALID_ARGUMENT, f"create_instance: the agent's secret cannot be read: {exc}",
+                           retryable=False) from None
 
     async def op_sandbox_status(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         support = self.sandbox_support

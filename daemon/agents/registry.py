@@ -30,6 +30,9 @@ class BuiltinAgent:
     argv_factory: Callable[[], list[str]]
     runtime: str = "python"  # "python" (runs from kandev's own code) or "npm" (a managed npm runtime)
     acp_args: tuple[str, ...] = ()
+    # Variables every launch of this agent gets unless ``[agents.NAME] env`` overrides them
+    # (``daemon.agents.settings``): e.g. keeping Claude Code off every host but its model API.
+    default_env: tuple[tuple[str, str], ...] = ()
 
     def argv(self) -> list[str]:
         """The command line that starts this agent."""
@@ -74,7 +77,8 @@ def npx_argv(package: str, version: str, acp_args: tuple[str, ...] = ()) -> list
     return ["npx", "--yes", "--prefer-offline", f"{package}@{version}", *acp_args]
 
 
-def npm_agent(name: str, package: str, version: str, acp_args: tuple[str, ...] = ()) -> BuiltinAgent:
+def npm_agent(name: str, package: str, version: str, acp_args: tuple[str, ...] = (),
+              default_env: tuple[tuple[str, str], ...] = ()) -> BuiltinAgent:
     if not NPM_PACKAGE_RE.match(package) or ".." in package:
         raise ValueError(f"agent {name!r}: {package!r} is not a plain npm package name")
     if not EXACT_VERSION_RE.match(version):
@@ -86,6 +90,7 @@ def npm_agent(name: str, package: str, version: str, acp_args: tuple[str, ...] =
         argv_factory=lambda: npx_argv(package, version, acp_args),
         runtime="npm",
         acp_args=tuple(acp_args),
+        default_env=default_env,
     )
 
 
@@ -94,7 +99,9 @@ BUILTIN_AGENTS: dict[str, BuiltinAgent] = {
     for agent in (
         BuiltinAgent(name="mock", package="daemon.agents.mock", version=VERSION, argv_factory=_mock_argv),
         # Pinned to releases checked on the npm registry (npm view <pkg> versions).
-        npm_agent("claude-code", "@zed-industries/claude-code-acp", "0.16.2"),
+        # No telemetry, error reporting or update checks: the agent talks to its model API only.
+        npm_agent("claude-code", "@zed-industries/claude-code-acp", "0.16.2",
+                  default_env=(("DISABLE_TELEMETRY", "1"), ("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1"))),
         npm_agent("codex", "@agentclientprotocol/codex-acp", "2.6.0"),
         npm_agent("gemini", "@google/gemini-cli", "0.61.0", ("--experimental-acp",)),
         npm_agent("opencode", "opencode-ai", "1.18.33", ("acp",)),

@@ -1,13 +1,19 @@
 """What every agent launch of the backend carries besides the agent's command line.
 
 - The session's private directories (``daemon.session_dirs``), created 0700 before the launch.
-- The environment: the agent's state directory (the mock agent's ``KANDEV_MOCK_STATE_DIR``) and,
-  for a GitHub-backed workspace, the git credential routing to the session's own credential
-  endpoint (``daemon.backend.credential_endpoints``), opened here.
+- The environment: ``HOME``, the session's own ``agent/home`` (kept across restarts: an agent's
+  own storage, e.g. Claude Code's ``~/.claude``, is there for ``session/load``), the agent's state
+  directory (the mock agent's ``KANDEV_MOCK_STATE_DIR``), the agent's built-in defaults and its
+  ``[agents.NAME] env`` (``daemon.agents.settings``) and, for a GitHub-backed workspace, the git
+  credential routing to the session's own credential endpoint
+  (``daemon.backend.credential_endpoints``), opened here.
+- The agent's secrets by reference (``[agents.NAME] secret_env``: paths or ``credential:NAME``),
+  which the control server reads itself at spawn: no secret value passes through the backend.
 - The sandbox request (``daemon.agentctl.sandbox.SandboxRequest``): the policy from
   ``agents.sandbox``; read-write the agent's state and lease directories (the workspace is added
   by the control server from the cwd); read-only the endpoint's directory; hidden the kandev home,
-  ``/etc/kandev``, the configured token file and the configuration file, wherever they lie.
+  ``/etc/kandev``, the configured token file, the configuration file and every agent's secret
+  files, wherever they lie.
 
 ``agent_command`` is the agent's command line: the built-in one, or for a managed npm runtime in a
 sandbox its prepared entry (``daemon.runtimes.launch``). ``prepare`` is for a launch that gets a
@@ -20,12 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from daemon.agentctl.sandbox import SANDBOX_UNAVAILABLE, SandboxPolicy, SandboxRequest
 from daemon.agents.mock_store import STATE_DIR_ENV
 from daemon.agents.registry import BuiltinAgent
+from daemon.agents.settings import agent_env, secret_paths
 from daemon.config import DEFAULT_CONFIG_FILE, Config
 from daemon.credentials import GitCredentials
 from daemon.credentials.agent_env import agent_git_env
@@ -52,6 +59,8 @@ class AgentCommand:
     argv: list[str]
     readonly: tuple[str, ...] = ()
     path_first: str | None = None
+    env: dict[str, str] = field(default_factory=dict)  # built-in defaults + [agents.NAME] env
+    secret_env: dict[str, str] = field(default_factory=dict)  # {VAR: path | credential:NAME}
 
 
 @dataclass(frozen=True)
@@ -60,20 +69,24 @@ class LaunchPrep:
     env: dict[str, str]
     sandbox: dict[str, Any]  # the wire form of the SandboxRequest
     credentials: GitCredentials | None = None
+    secret_env: dict[str, str] = field(default_factory=dict)  # references, for create_instance
 
 
 async def agent_command(backend: Backend, agent: BuiltinAgent) -> AgentCommand:
     """The built-in argv; for a managed npm runtime in a sandbox its prepared entry instead
     (``daemon.runtimes.launch``): ``runtime_not_prepared`` when ``kandev runtime update`` never
     prepared it."""
+    configured = backend.config.agents.settings
+    env = agent_env(agent.name, configured)
+    secrets = configured[agent.name].secret_refs() if agent.name in configured else {}
     if agent.runtime != "npm" or backend.config.agents.sandbox == SandboxPolicy.OFF.value:
-        return AgentCommand(list(agent.argv()))
+        return AgentCommand(list(agent.argv()), env=env, secret_env=secrets)
     try:
         root = await asyncio.to_thread(npm_cache_root)
         prepared = await asyncio.to_thread(prepared_runtime, agent, root)
     except RuntimeNotPrepared as exc:
         raise IpcError(RUNTIME_NOT_PREPARED, str(exc)) from None
-    return AgentCommand(prepared.command, (str(prepared.tree),), str(prepared.bin_dir))
+    return AgentCommand(prepared.command, (str(prepared.tree),), str(prepared.bin_dir), env, secrets)
 
 
 def sandbox_request(config: Config, paths: Paths, dirs: SessionDirs, readonly: tuple[str, ...] = ()) -> SandboxRequest:
@@ -82,6 +95,7 @@ def sandbox_request(config: Config, paths: Paths, dirs: SessionDirs, readonly: t
         hidden.append(config.credentials.github_token_file)
     if config.source:
         hidden.append(config.source)
+    hidden += secret_paths(config.agents.settings)  # every agent's keys: each gets its own in its environment
     return SandboxRequest(
         policy=SandboxPolicy(config.agents.sandbox),
         writable=(str(dirs.agent_state), str(dirs.git)),
@@ -91,7 +105,7 @@ def sandbox_request(config: Config, paths: Paths, dirs: SessionDirs, readonly: t
 
 
 def _base_env(dirs: SessionDirs, command: AgentCommand) -> dict[str, str]:
-    env = {STATE_DIR_ENV: str(dirs.mock_state)}
+    env = {**command.env, "HOME": str(dirs.home), STATE_DIR_ENV: str(dirs.mock_state)}
     if command.path_first:
         env["PATH"] = os.pathsep.join([command.path_first, os.environ.get("PATH", os.defpath)])
     return env
@@ -111,7 +125,7 @@ async def prepare(backend: Backend, session_id: str, command: AgentCommand) -> L
         await backend.endpoints.open(session_id)
     env.update(creds.env)
     request = sandbox_request(backend.config, backend.paths, dirs, command.readonly)
-    return LaunchPrep(command.argv, env, request.to_wire(), creds)
+    return LaunchPrep(command.argv, env, request.to_wire(), creds, dict(command.secret_env))
 
 
 async def prepare_relaunch(backend: Backend, session_id: str, agent: BuiltinAgent, *, with_lease: bool) -> LaunchPrep:
@@ -124,7 +138,7 @@ async def prepare_relaunch(backend: Backend, session_id: str, agent: BuiltinAgen
         await backend.endpoints.open(session_id)
         env.update(agent_git_env(dirs.lease_file, dirs.endpoint_socket, base_env=env))
     request = sandbox_request(backend.config, backend.paths, dirs, command.readonly)
-    return LaunchPrep(command.argv, env, request.to_wire())
+    return LaunchPrep(command.argv, env, request.to_wire(), secret_env=dict(command.secret_env))
 
 
 async def sandbox_status(backend: Backend) -> dict[str, Any]:

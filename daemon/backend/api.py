@@ -98,6 +98,13 @@ RUNTIME_OPS: list[Op] = [
         auth=False,
         doc="one runtime update job; with wait (s, <= 30), once it has more than `after` events or ended -> job",
     ),
+    Op(
+        "runtime_ensure",
+        required={"agent": str},
+        auth=False,
+        doc="a built-in agent's runtime before a session starts: {agent, prepared: true, job: None}, or"
+        " {agent, prepared: false, reason, job} with the runtime job started or joined (follow: runtime_job)",
+    ),
 ]
 
 # Git credential leases (docs/requirements.md#git-credential-leases-context-rules; daemon/backend/credentials_api.py). Called by the shipped git
@@ -210,6 +217,20 @@ VIEW_OPS: list[Op] = [
     ),
 ]
 
-OPS = OPS + RUNTIME_OPS + CREDENTIAL_OPS + RESUME_OPS + VIEW_OPS
+# Removing a task (Issue 12; daemon/backend/task_delete.py).
+TASK_OPS: list[Op] = [
+    Op(
+        "task_delete",
+        required={"task_id": str},
+        optional={"stop": bool},
+        auth=False,
+        doc="remove a task whose sessions have no agent (with stop: idle agents are stopped first): each"
+        " session's directory (the agent's HOME, lease, endpoint), the workspace only if kandev created it,"
+        " then the rows -> {task_id, deleted, sessions, stopped, workspace, worktree, removed}; a session"
+        " with an agent (without stop) or a running turn: conflict",
+    ),
+]
+
+OPS = OPS + RUNTIME_OPS + CREDENTIAL_OPS + RESUME_OPS + VIEW_OPS + TASK_OPS
 
 TABLE = OpTable(PROTOCOL, VERSION, OPS)

@@ -28,7 +28,9 @@ import daemon.backend.credentials_api as credentials_api
 import daemon.backend.hygiene as hygiene
 import daemon.backend.ids as ids
 import daemon.backend.resume_api as resume_api
+import daemon.backend.runtime_prepare as runtime_prepare
 import daemon.backend.runtimes_api as runtimes_api
+import daemon.backend.task_delete as task_delete
 from daemon.agentctl.client import AgentctlClient, OwnershipRefused, identify
 from daemon.agents.registry import get_agent
 from daemon.backend.adoption import Adopter
@@ -56,6 +58,7 @@ from daemon.credentials import (
 from daemon.journal import log_event
 from daemon.paths import Paths
 from daemon.platform import CapabilityStatus
+from daemon.runtimes.update import RuntimeJobs
 from daemon.store import transitions
 from daemon.store.board import board
 from daemon.store.db import Store
@@ -104,6 +107,7 @@ class Backend:
             mode = "child"
         self.launcher = Launcher(paths, config, installation_id, mode)
         self.executions = ExecutionStore()
+        self.deleting_tasks: set[str] = set()  # tasks a task_delete is removing: no new agent for them
         self.client: AgentctlClient | None = None
         self.handle: ControlServerHandle | None = None
         self.server_identity: str | None = None
@@ -120,6 +124,7 @@ class Backend:
         self.credential: bytes | None = None  # current ownership credential (memory + 0600 file only)
         self.claim_tasks: dict[str, asyncio.Task[None]] = {}  # endpoint -> its renewal loop
         self.fallback_reason: str | None = None
+        self.runtime_jobs: RuntimeJobs | None = None  # set by runtimes_api.handlers
         self.shutdown_requested = asyncio.Event()
         self.socket_path = str(paths.backend_socket)
         # The life of each control server (watch, lose, restart, give up): daemon.backend.control_link.
@@ -495,6 +500,7 @@ class Backend:
             **credentials_api.handlers(self),
             **resume_api.handlers(self),
             **runtimes_api.handlers(self),
+            **task_delete.handlers(self),
             **self.views.handlers(),
             **FollowService(self.store, self.transcripts, self.executions).handlers(),
         })
@@ -628,6 +634,8 @@ class Backend:
         with self.store.session() as db:
             task = self._task(db, args["task_id"])
             task_id, workspace = task.id, task.workspace
+            if task_id in self.deleting_tasks:
+                raise IpcError(ErrorCode.CONFLICT, f"task {task_id} is being deleted")
             db.add(
                 TaskSession(
                     id=session_id,
@@ -644,6 +652,7 @@ class Backend:
             transitions.transition_session(db, session_id, "STARTING", expected_from={"CREATED"}, reason="start")
         stage = "agent runtime"
         try:
+            await runtime_prepare.ensure(self, agent, session_id)  # first use: the runtime job runs first
             command = await agent_launch.agent_command(self, agent)
             stage = "git credentials"
             # A GitHub-backed workspace gets its scoped lease now that STARTING is durable (as a resume does).
@@ -664,6 +673,7 @@ class Backend:
                     env=prep.env,
                     agent=agent_name,
                     sandbox=prep.sandbox,
+                    secret_env=prep.secret_env,
                 )
         except BaseException as exc:
             # Whatever failed after STARTING, the session does not stay STARTING.
@@ -850,6 +860,8 @@ class Backend:
             "guard": self.executions.guards.get(session_id),
             "last_error": session.last_error,
             "runtime_config": runtime,
+            # the runtime job a first use ran before the agent started (daemon/backend/runtime_prepare.py)
+            "runtime_prepare": meta.get(runtime_prepare.PROGRESS_KEY),
             "permissions": stored.permissions,
             "turns": stored.turns,
             "turns_total": stored.turns_total,

@@ -115,6 +115,9 @@ class Launcher:
             unowned_period_s=agentctl.unowned_period,
             idle_timeout_s=agentctl.idle_timeout,
             mode=self.mode,
+            # references only (paths, credential names): the server reads the values itself
+            agent_secret_env={name: s.secret_refs() for name, s in self.config.agents.settings.items()
+                              if s.secret_env},
         )
         handle = ControlServerHandle(
             endpoint=socket_path,

@@ -72,7 +72,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import select
 
 from daemon.agents.registry import get_agent
-from daemon.backend import agent_launch
+from daemon.backend import agent_launch, runtime_prepare
 from daemon.backend import runtime_config as rc
 from daemon.backend import workflow as wf
 from daemon.backend.executions import Execution
@@ -148,6 +148,7 @@ class _Request:
     snapshot: dict[str, Any] | None = None
     credential_policy: str | None = None
     sandbox: dict[str, Any] | None = None  # the wire form of daemon.agentctl.sandbox.SandboxRequest
+    secret_env: dict[str, str] | None = None  # the agent's secrets by reference (daemon.agents.settings)
 
 
 class _InstanceAgent:
@@ -322,6 +323,8 @@ class ResumeService:
             task = db.get(Task, session.task_id)
             if task is None:
                 raise IpcError(ErrorCode.NOT_FOUND, f"the task of session {session_id} is gone")
+            if task.id in b.deleting_tasks:
+                raise _conflict(f"the task of session {session_id} is being deleted")
             row = db.get(ExecutorRunning, session_id)
             if row is not None and row.status == "live":
                 # The inventory still claims an agent this backend does not track (liveness unknown,
@@ -370,11 +373,13 @@ class ResumeService:
             raise IpcError(ErrorCode.INVALID_ARGUMENT, f"the workspace {begun.workspace!r} no longer exists")
         # The broker refuses terminal sessions (RESUME-9): it is asked only once STARTING is durable.
         self._require_starting(begun.session_id)
+        await runtime_prepare.ensure(self.backend, agent, begun.session_id)  # first use: prepare the runtime
         command = await agent_launch.agent_command(self.backend, agent)
         prep = await agent_launch.prepare(self.backend, begun.session_id, command)
         assert prep.credentials is not None
         return _Request(command=prep.command, env=prep.env, snapshot=prep.credentials.snapshot,
-                        credential_policy=prep.credentials.policy, sandbox=prep.sandbox)
+                        credential_policy=prep.credentials.policy, sandbox=prep.sandbox,
+                        secret_env=prep.secret_env)
 
     async def _launch(self, begun: _Begun, request: _Request) -> dict[str, Any]:
         b = self.backend
@@ -384,7 +389,7 @@ class ResumeService:
             info = await client.create_instance(
                 session_id=begun.session_id, task_id=begun.task_id, command=request.command,
                 cwd=begun.workspace, env=request.env, agent=begun.agent, resume_session_id=begun.token,
-                sandbox=request.sandbox,
+                sandbox=request.sandbox, secret_env=request.secret_env,
             )
         info = dict(info)
         info["endpoint"] = handle.endpoint if handle is not None else ""
@@ -694,10 +699,11 @@ class ResumeService:
         await self._untrack(ex)
         async with self.backend.launch_gate.launch():  # no replacement of the server between the two
             client.check_sandbox(prep.sandbox)  # refused before the agent is stopped, not after
+            client.check_secret_env(prep.secret_env)
             await client.stop_instance(ex.instance_id)
             info = dict(await client.create_instance(
                 session_id=sid, task_id=ex.task_id, command=prep.command, cwd=workspace,
-                env=prep.env, agent=agent_name, sandbox=prep.sandbox,
+                env=prep.env, agent=agent_name, sandbox=prep.sandbox, secret_env=prep.secret_env,
             ))
         handle = self.backend.passthrough_handle if passthrough else self.backend.handle
         info["endpoint"] = handle.endpoint if handle is not None else ""

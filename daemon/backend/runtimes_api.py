@@ -5,6 +5,8 @@
 - ``runtime_job {job_id, after?, wait?}``: the job; with ``wait`` (seconds, at most
   30) the answer comes once the job has more than ``after`` events or has ended,
   so ``kandev runtime update`` shows every step as it happens.
+- ``runtime_ensure {agent}``: prepared already, or the job started (or joined) to
+  prepare it (``daemon.backend.runtime_prepare``; ``kandev session start`` follows it).
 
 npm runs with the backend's own environment (its ``npm_config_*`` variables and
 HOME decide the cache, NPM-CTX-5) in ``<home>/runtimes``, a neutral directory,
@@ -16,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from daemon.backend import runtime_prepare
 from daemon.runtimes.update import RuntimeJobs
 from ipc.server import ConnectionContext
 
@@ -30,6 +33,7 @@ def handlers(backend: Backend, jobs: RuntimeJobs | None = None) -> dict[str, Han
     if jobs is None:
         jobs = RuntimeJobs(backend.store, backend.paths.home / "runtimes")
     jobs.sweep_interrupted()
+    backend.runtime_jobs = jobs  # a session start of an unprepared runtime runs its job first
 
     async def op_runtime_update(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         job, joined = jobs.request(args["agent"])
@@ -39,4 +43,7 @@ def handlers(backend: Backend, jobs: RuntimeJobs | None = None) -> dict[str, Han
         job = await jobs.wait(args["job_id"], int(args.get("after", 0)), float(args.get("wait", 0.0)))
         return job.to_dict()
 
-    return {"runtime_update": op_runtime_update, "runtime_job": op_runtime_job}
+    async def op_runtime_ensure(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        return await runtime_prepare.op_runtime_ensure(backend, args["agent"])
+
+    return {"runtime_update": op_runtime_update, "runtime_job": op_runtime_job, "runtime_ensure": op_runtime_ensure}

@@ -19,6 +19,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+from daemon.agentctl.sandbox import git_dirs
 from ipc.aio import within
 from ipc.errors import ErrorCode, IpcError
 
@@ -94,3 +95,28 @@ async def add_worktree(repo: str, target: Path, branch: str, timeout: float = AD
     if code != 0:
         await _remove(repo, target, branch)
         raise IpcError(ErrorCode.INVALID_ARGUMENT, f"git worktree add failed: {err}")
+
+
+async def remove_worktree(path: Path) -> None:
+    """Remove a worktree kandev created (``task delete``): ``git worktree remove --force`` run in
+    the repository's common git directory, then prune; its branch is kept (it may hold the agent's
+    commits). A plain directory (no git worktree) is removed as it is. Off the event loop."""
+    common = await asyncio.to_thread(_common_git_dir, path)
+    if common is not None:
+        code, err = await _run_git(common, ["worktree", "remove", "--force", str(path)], CLEANUP_TIMEOUT_S)
+        await _run_git(common, ["worktree", "prune"], CLEANUP_TIMEOUT_S)
+        if code != 0 and await asyncio.to_thread(path.exists):
+            log.warning("git worktree remove %s failed (%s); removing the directory", path, err)
+    if await asyncio.to_thread(path.exists):
+        await asyncio.to_thread(shutil.rmtree, path)
+        if common is not None:
+            await _run_git(common, ["worktree", "prune"], CLEANUP_TIMEOUT_S)
+
+
+def _common_git_dir(path: Path) -> str | None:
+    """The common git directory of the linked worktree at ``path`` (None: not a linked worktree)."""
+    dirs = git_dirs(str(path))
+    if not dirs:
+        return None
+    # git_dirs gives {gitdir, common}; the worktree's own gitdir is <common>/worktrees/<name>.
+    return min(dirs, key=len)

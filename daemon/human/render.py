@@ -20,7 +20,8 @@ from ipc.errors import IpcError
 Call = Callable[[str, dict[str, Any]], Any]
 
 _TASK_VIEWS = {"create": views.task_create_lines, "proceed": views.task_proceed_lines,
-               "workflow": views.task_workflow_lines, "list": views.task_list_lines, "show": views.task_show_lines}
+               "workflow": views.task_workflow_lines, "list": views.task_list_lines, "show": views.task_show_lines,
+               "delete": views.task_delete_lines}
 _SESSION_VIEWS = {"configure": views.session_configure_lines, "reset-context": views.session_reset_lines}
 
 

@@ -261,6 +261,10 @@ def session_header_lines(show: dict[str, Any], term: Term, task_title: str | Non
     options = runtime.get("options") or {}
     field("Model/mode", f"{runtime.get('model') or '-'} / {runtime.get('mode') or '-'}"
           + (f"; {', '.join(f'{k}={v}' for k, v in sorted(options.items()))}" if options else ""))
+    prep = show.get("runtime_prepare") or {}
+    if prep and (state == "STARTING" or prep.get("state") != "succeeded"):
+        field("Runtime", f"{'preparing ' if state == 'STARTING' else ''}{prep.get('spec')}"
+              f" (job {short(prep.get('job_id'))}): [{prep.get('state')}] {prep.get('message') or ''}".rstrip())
     if show.get("guard"):
         field("Guard", term.yellow(str(show["guard"])))
     if show.get("not_retracked_reason"):
@@ -373,3 +377,14 @@ def runtime_lines(result: dict[str, Any], term: Term) -> list[str]:
 
 def turn_ok(outcome: dict[str, Any]) -> bool:
     return stop_reason_ok(outcome.get("state"), outcome.get("stop_reason"), outcome.get("error"))
+
+
+def task_delete_lines(result: dict[str, Any], term: Term) -> list[str]:
+    n = len(result.get("sessions") or [])
+    lines = [f"Task {term.bold(short(result.get('task_id')))} deleted with {n} session{'' if n == 1 else 's'}"
+             f" (their directories and agents' HOMEs removed)."]
+    if result.get("stopped"):
+        lines.append(f"Stopped the agent{'' if len(result['stopped']) == 1 else 's'} of"
+                     f" {', '.join(short(s) for s in result['stopped'])} first.")
+    lines.append(f"Workspace {result.get('workspace') or '-'}: {result.get('worktree')}.")
+    return lines

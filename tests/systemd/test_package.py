@@ -36,6 +36,7 @@ EXPOSURE_LIMIT = 2.5
 TOKEN_FILE = "/etc/kandev/github-token"
 UPSTREAM = "ghp_PACKAGEupstreamToken0123456789abcdef"
 GH_REPO = f"{HOME}/repos/repo"
+REPO = Path(__file__).resolve().parents[2]
 METRICS = Path("/var/tmp/kandev-package-metrics.json")  # figures for humans (build time, scores)
 pytestmark = pytest.mark.timeout(300)
 
@@ -366,6 +367,84 @@ def test_d_exposure(pkg: Box) -> None:
     assert scores[BACKEND] <= EXPOSURE_LIMIT, scores
 
 
+CLAUDE_KEY = "sk-ant-box-" + "0123456789abcdef" * 2  # the box's own test key
+MOCK_TOKEN = "mock-box-token-42"
+STANDIN_PORT = 18080
+
+
+def test_issue12_e_claude_code_with_its_key_from_a_systemd_credential(pkg: Box, claude_npm_cache: Path) -> None:
+    """Issue 12 scenario E: under real systemd with the installed package, Issue 12 scenario A with the key
+    from a systemd credential (``secret_env = { ANTHROPIC_API_KEY = "credential:anthropic-api-key" }``
+    and ``LoadCredential=`` in an operator's drop-in for kandev-agentctl.service, the key file 0600
+    root:root) and the mock's from a 0640 root:kandev file: a real claude-code turn against the
+    stand-in (run inside the box: its network is private) completes in order with the key; the key
+    is in no file under the home, no journal entry, no argv, no ``session show``, and not in the
+    mock agent's view."""
+    b = pkg
+    box = b.box
+    npx = claude_npm_cache / "_npx"
+    tree = next(p for p in npx.iterdir() if (p / "node_modules/@zed-industries/claude-code-acp").is_dir())
+    # The runtime prepared as `kandev runtime update claude-code` would (the box has no network).
+    box.run("mkdir", "-p", f"{HOME}/.npm/_npx")
+    box.run("cp", "-a", str(tree), f"{HOME}/.npm/_npx/{tree.name}")
+    box.run("chown", "-R", "kandev:kandev", f"{HOME}/.npm")
+    record = "/var/tmp/standin.jsonl"
+    box.run("systemd-run", "--unit=messages-standin", "--quiet", "/usr/bin/python3",
+            str(REPO / "tests/messages_standin.py"), "--port", str(STANDIN_PORT), "--record", record,
+            "--deltas", json.dumps(["Hello", " from", " the", " box."]))
+    box.run("mkdir", "-p", "-m", "0750", "/etc/kandev/secrets")
+    box.run("chown", "root:kandev", "/etc/kandev/secrets")
+    box.write_file("/etc/kandev/secrets/anthropic-api-key", CLAUDE_KEY + "\n", mode=0o600)
+    box.write_file("/etc/kandev/secrets/mock-token", MOCK_TOKEN + "\n", mode=0o640)
+    box.run("chown", "root:kandev", "/etc/kandev/secrets/mock-token")
+    box.write_file("/etc/systemd/system/kandev-agentctl.service.d/anthropic.conf",
+                   "[Service]\nLoadCredential=anthropic-api-key:/etc/kandev/secrets/anthropic-api-key\n")
+    conf = box.read_file("/etc/kandev/kandev.toml")
+    box.write_file("/etc/kandev/kandev.toml", conf + (
+        "\n[agents.claude-code]\n"
+        f'env = {{ ANTHROPIC_BASE_URL = "http://127.0.0.1:{STANDIN_PORT}" }}\n'
+        'secret_env = { ANTHROPIC_API_KEY = "credential:anthropic-api-key" }\n'
+        "\n[agents.mock]\n"
+        'secret_env = { MOCK_TOKEN = "/etc/kandev/secrets/mock-token" }\n'), mode=0o644)
+    box.systemctl("daemon-reload")
+    box.systemctl("restart", BACKEND)  # reads the new configuration, adopts the running control server
+    box.wait_for(lambda: b.kandev("status", check=False).get("backend", {}).get("state") == "ready", timeout=60)
+    old_ctl = b.prop(AGENTCTL, "MainPID")
+    box.systemctl("stop", AGENTCTL)  # the operator's drop-in applies to the next start, by the backend
+    assert box.wait_for(lambda: b.prop(AGENTCTL, "MainPID") not in ("0", old_ctl)
+                        and b.kandev("status")["control_server"]["state"] == "running", timeout=60)
+
+    task = b.kandev("task", "create", "--title", "claude in the box")["task_id"]
+    sid = b.kandev("session", "start", task, "--agent", "claude-code")["session_id"]
+    assert b.kandev("prompt", sid, "say hello", "--wait")["stop_reason"] == "end_turn"
+    show = b.show(sid)
+    assert [c for c in chunks(show) if c] == ["Hello", " from", " the", " box."]
+    requests = [json.loads(line) for line in box.read_file(record).splitlines()]
+    assert requests and all(r["headers"].get("x-api-key") == CLAUDE_KEY for r in requests)
+    # The agent's HOME is its session's own, in the state directory.
+    assert box.run("test", "-d", f"{HOME}/sessions/{sid}/agent/home/.claude").returncode == 0
+
+    mtask = b.kandev("task", "create", "--title", "mock in the box")["task_id"]
+    msid = b.kandev("session", "start", mtask)["session_id"]
+    said = _says(b, msid, "/sh echo env:$(env | grep -c sk-ant-box); "
+                 "echo mock:$(printf %s \"$MOCK_TOKEN\" | sha256sum | cut -c1-16); "
+                 "cat /etc/kandev/secrets/anthropic-api-key >/dev/null 2>&1 && echo key:readable || echo key:absent")
+    assert "env:0" in said and "key:absent" in said, said
+    assert f"mock:{hashlib.sha256(MOCK_TOKEN.encode()).hexdigest()[:16]}" in said, said
+
+    box.write_file("/root/needles", f"{CLAUDE_KEY}\n{MOCK_TOKEN}\n", mode=0o600)
+    found = box.run("sh", "-c", "grep -rlsFf /root/needles /var/lib/kandev; "
+                    "journalctl -o json --no-pager | grep -cFf /root/needles; "
+                    "for f in /proc/[0-9]*/cmdline; do grep -lsFf /root/needles $f; done; true").stdout
+    assert found.split() == ["0"], found
+    for text in (json.dumps(show), json.dumps(b.show(msid)), json.dumps(b.kandev("agents")),
+                 box.run("kandev", "session", "show", sid).stdout):
+        assert CLAUDE_KEY not in text and MOCK_TOKEN not in text
+    agents = {a["name"]: a for a in b.kandev("agents")["agents"]}
+    assert agents["claude-code"]["secret_env"] == {"ANTHROPIC_API_KEY": "credential:anthropic-api-key"}
+    box.systemctl("stop", "messages-standin")
+
+
 def test_e_remove_stops_both_and_keeps_state(pkg: Box) -> None:
     b = pkg
     b.apt("remove", "kandev")
@@ -390,7 +469,8 @@ def test_e_reinstall_keeps_state(pkg: Box) -> None:
 
 def test_e_purge_removes_everything(pkg: Box) -> None:
     b = pkg
-    b.box.run("rm", "-f", TOKEN_FILE)  # the operator's own file: purge leaves files it did not ship
+    # The operator's own files (the token, Issue 12 E's keys and drop-in): purge leaves files it did not ship.
+    b.box.run("rm", "-rf", TOKEN_FILE, "/etc/kandev/secrets", "/etc/systemd/system/kandev-agentctl.service.d")
     b.apt("purge", "kandev")
     assert b.box.run("dpkg-query", "-W", "kandev", check=False).returncode != 0 or \
         b.box.run("dpkg-query", "-W", "-f", "${Status}", "kandev").stdout.startswith("unknown")

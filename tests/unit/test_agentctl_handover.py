@@ -5,6 +5,7 @@ tested with real processes in tests/integration/test_agentctl_reexec.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import enum
 import errno
@@ -33,7 +34,7 @@ from daemon.agentctl.handover import (
     to_plain,
     write_memfd,
 )
-from daemon.agentctl.instance import InstanceSpec, TurnIds
+from daemon.agentctl.instance import Instance, InstanceSpec, TurnIds
 from daemon.agentctl.ownership import Ownership
 from daemon.agentctl.reexec import interpreter_flags
 from daemon.agentctl.sandbox import SandboxSupport
@@ -239,3 +240,26 @@ print(json.dumps(seen))
     seen = {name: stdlib for name, stdlib in json.loads(out)}
     assert seen.get("xml.dom.minidom") is True
     assert seen.get("sqlalchemy") is False
+
+
+def test_agent_secrets_are_spawned_into_the_agent_then_never_kept_nor_handed_over(tmp_path) -> None:
+    """Issue 12 with Issue 15: an agent's secret values go into its environment at spawn; the
+    server keeps none of them afterwards, and a re-exec's state never carries them (the running
+    agent has them already)."""
+    out = tmp_path / "seen"
+    spec = InstanceSpec(instance_id="i3", session_id="s3", task_id="t3", cwd=str(tmp_path),
+                        command=["sh", "-c", f'printf %s "$AGENT_KEY" > {out}'], secret_env={"AGENT_KEY": "k-42-value"})
+    inst = Instance(spec, agent_log_dir=tmp_path / "logs", turn_ids=lambda: "id:1")
+    assert b"k-42-value" not in encode(_state([inst.handover_state()]))  # not even before the spawn
+
+    async def spawn() -> None:
+        await inst._spawn()
+        assert inst._proc is not None
+        await inst._proc.wait()
+
+    asyncio.run(spawn())
+    assert out.read_text() == "k-42-value" and spec.secret_env == {}
+    state = inst.handover_state()
+    assert "secret_env" not in state.spec and b"k-42-value" not in encode(_state([state]))
+    lost: list[str] = []
+    assert from_fields(InstanceSpec, state.spec, "spec", lost).secret_env == {} and lost == []

@@ -104,7 +104,7 @@ def test_launch_file_round_trip_is_0600(tmp_path):
     assert launch.load(path) == cfg
     assert set(json.loads(path.read_text())) == {
         "socket_path", "log_path", "agent_log_dir", "installation_id", "credential_file",
-        "detached_event_limit", "unowned_period_s", "idle_timeout_s", "mode",
+        "detached_event_limit", "unowned_period_s", "idle_timeout_s", "mode", "agent_secret_env",
     }
 
 

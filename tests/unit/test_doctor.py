@@ -248,11 +248,12 @@ def test_cli_doctor_exit_code_and_json(tmp_path: Path, capsys: pytest.CaptureFix
 def test_cli_agents_lists_builtin_agents(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["--json", "agents"]) == 0
     agents = json.loads(capsys.readouterr().out)["agents"]
-    assert {"name": "mock", "package": "daemon.agents.mock", "version": VERSION} in agents
+    mock = next(a for a in agents if a["name"] == "mock")
+    assert {"package": "daemon.agents.mock", "version": VERSION, "env": [], "secret_env": {}}.items() <= mock.items()
     assert cli.main(["agents"]) == 0
     lines = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
-    assert lines == [[a["name"], a["package"], a["version"]] for a in agents]  # one line per agent, same order
-    assert ["mock", "daemon.agents.mock", VERSION] in lines
+    assert [line[:3] for line in lines] == [[a["name"], a["package"], a["version"]] for a in agents]  # same order
+    assert ["mock", "daemon.agents.mock", VERSION, "env: -", "secret_env: -"] in lines
 
 
 def _with_server(**server: Any) -> Any:

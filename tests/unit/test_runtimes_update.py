@@ -12,6 +12,7 @@ import io
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -345,7 +346,7 @@ def test_cli_prints_each_step_and_returns_the_final_object(store: Store, tmp_pat
         jobs = manager(store, tmp_path, npm, FakeProbe())
         from daemon.backend import runtimes_api
 
-        handlers = runtimes_api.handlers(None, jobs)  # type: ignore[arg-type]
+        handlers = runtimes_api.handlers(SimpleNamespace(), jobs)  # type: ignore[arg-type]  # it keeps .runtime_jobs
         loop = asyncio.get_running_loop()
         progress = io.StringIO()
 

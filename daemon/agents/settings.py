@@ -1,0 +1,239 @@
+"""Per-agent settings and provider keys: ``[agents.NAME]`` in the configuration.
+
+::
+
+    [agents.claude-code]
+    env = { ANTHROPIC_BASE_URL = "https://api.anthropic.com", ANTHROPIC_MODEL = "claude-sonnet-4-5" }
+    secret_env = { ANTHROPIC_API_KEY = "/etc/kandev/secrets/anthropic-api-key" }
+
+- ``env``: plain settings, put in that agent's environment as they are (they are not secret: the
+  backend hands them to the control server with the launch, and ``kandev agents`` shows their
+  names).
+- ``secret_env``: a variable -> where its value lives, either an absolute path of a file (mode 0600
+  or 0640, also 0400/0440; owned by root or the service user; a group-readable file belongs to group
+  root or the service group; no symlink) or ``credential:NAME``, a systemd credential the control
+  server's unit loads (``LoadCredential=NAME:/path`` in a drop-in), read from
+  ``$CREDENTIALS_DIRECTORY/NAME``. Only the *reference* ever travels (configuration, launch file,
+  ``create_instance``); the control server reads the value itself when it spawns that agent and
+  puts it in that agent's environment only (``daemon.agentctl.agent_env``). A value is never
+  logged, stored, shown, nor in any argv.
+
+Built-in defaults (``BuiltinAgent.default_env``, e.g. Claude Code's ``DISABLE_TELEMETRY=1``) come
+first; ``env`` overrides them. Variables kandev sets itself (``HOME``, ``PATH``, ``KANDEV_*``, the
+git credential routing ``GIT_*``) cannot be set here, and one name cannot be both plain and secret.
+
+Checks (``SettingsError`` naming the dotted key, e.g. ``agents.claude-code.secret_env.X``): an
+unknown agent, a bad variable name, a non-string value, a relative path; ``check_secret_file`` (the
+file's presence, type, owner and mode, without reading it) is run by the backend at start for
+paths, and by the control server at its start and at every spawn, where it reads the value.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+import stat
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from daemon.agents.registry import BUILTIN_AGENTS
+
+CREDENTIAL_PREFIX = "credential:"
+RESERVED_CREDENTIALS = frozenset({"agentctl-credential"})  # the control server's own (daemon.agentctl.launch)
+SECRET_MAX_BYTES = 64 * 1024
+ALLOWED_MODES = (0o600, 0o640, 0o400, 0o440)
+SERVICE_GROUP = "kandev"
+_VAR = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+_CREDENTIAL_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+RESERVED_VARS = frozenset({"HOME", "PATH", "USER", "LOGNAME", "PWD", "SHELL"})
+RESERVED_PREFIXES = ("KANDEV_", "GIT_")
+MAX_VARS = 64
+MAX_VALUE = 8192
+
+
+class SettingsError(ValueError):
+    """A per-agent setting was refused; ``key`` is the dotted key it is about."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+class SecretKind(str, enum.Enum):
+    FILE = "file"
+    CREDENTIAL = "credential"
+
+
+@dataclass(frozen=True)
+class SecretRef:
+    """Where one secret value lives: a file path or a systemd credential name (never the value)."""
+
+    kind: SecretKind
+    target: str  # the absolute path, or the credential name
+
+    @classmethod
+    def parse(cls, text: Any, key: str) -> SecretRef:
+        if not isinstance(text, str) or not text or "\0" in text:
+            raise SettingsError(key, 'must be an absolute file path or "credential:NAME"')
+        if text.startswith(CREDENTIAL_PREFIX):
+            name = text[len(CREDENTIAL_PREFIX):]
+            if not _CREDENTIAL_NAME.match(name) or name in (".", ".."):
+                raise SettingsError(key, f"{text!r:.140} is not a systemd credential name (letters, digits, . _ -)")
+            if name in RESERVED_CREDENTIALS:
+                raise SettingsError(key, f"the credential {name!r} is the control server's own")
+            return cls(SecretKind.CREDENTIAL, name)
+        if not os.path.isabs(text):
+            raise SettingsError(key, f"{text!r:.140} is not an absolute path (nor \"credential:NAME\")")
+        return cls(SecretKind.FILE, os.path.normpath(text))
+
+    def render(self) -> str:
+        """The reference as written in the configuration."""
+        return self.target if self.kind is SecretKind.FILE else CREDENTIAL_PREFIX + self.target
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """One agent's ``[agents.NAME]`` table."""
+
+    name: str
+    env: Mapping[str, str] = field(default_factory=dict)
+    secret_env: Mapping[str, SecretRef] = field(default_factory=dict)
+
+    def secret_refs(self) -> dict[str, str]:
+        """``{VAR: reference}``: what crosses to the control server (no value)."""
+        return {var: ref.render() for var, ref in sorted(self.secret_env.items())}
+
+
+def _check_var(name: Any, key: str) -> str:
+    if not isinstance(name, str) or not _VAR.match(name):
+        raise SettingsError(key, f"{name!r:.80} is not an environment variable name (letters, digits, _)")
+    if name in RESERVED_VARS or name.startswith(RESERVED_PREFIXES):
+        raise SettingsError(key, f"{name} is set by kandev itself and cannot be configured")
+    return name
+
+
+def parse_agent_table(name: str, table: Any, where: str = "") -> AgentSettings:
+    """``[agents.NAME]`` as read from the file; ``where`` (e.g. "in /etc/kandev/kandev.toml") goes
+    into messages."""
+    base = f"agents.{name}"
+    suffix = f" {where}" if where else ""
+    if name not in BUILTIN_AGENTS:
+        known = ", ".join(sorted(BUILTIN_AGENTS))
+        raise SettingsError(base, f"unknown agent {name!r}{suffix}; built-in agents: {known}")
+    if not isinstance(table, dict):
+        raise SettingsError(base, f"must be a table ([{base}]){suffix}")
+    unknown = sorted(set(table) - {"env", "secret_env"})
+    if unknown:
+        raise SettingsError(f"{base}.{unknown[0]}", f"unknown setting{suffix}; known: env, secret_env")
+    env: dict[str, str] = {}
+    secrets: dict[str, SecretRef] = {}
+    for part, out in (("env", env), ("secret_env", secrets)):
+        value = table.get(part, {})
+        if not isinstance(value, dict):
+            raise SettingsError(f"{base}.{part}", f'must be a table of VARIABLE = "..."{suffix}')
+        if len(value) > MAX_VARS:
+            raise SettingsError(f"{base}.{part}", f"at most {MAX_VARS} variables")
+        for var, text in value.items():
+            key = f"{base}.{part}.{var}"
+            _check_var(var, key)
+            if part == "env":
+                if not isinstance(text, str) or "\0" in text or len(text) > MAX_VALUE:
+                    raise SettingsError(key, f"must be a string of at most {MAX_VALUE} characters{suffix}")
+                out[var] = text
+            else:
+                out[var] = SecretRef.parse(text, key)
+    both = sorted(set(env) & set(secrets))
+    if both:
+        raise SettingsError(f"{base}.secret_env.{both[0]}", "is also in env; a variable is either plain or secret")
+    return AgentSettings(name, env, secrets)
+
+
+def agent_env(name: str, configured: Mapping[str, AgentSettings]) -> dict[str, str]:
+    """The plain environment of agent ``name``: its built-in defaults, then the configured ``env``."""
+    agent = BUILTIN_AGENTS.get(name)
+    env = dict(agent.default_env) if agent is not None else {}
+    settings = configured.get(name)
+    if settings is not None:
+        env.update(settings.env)
+    return env
+
+
+# ---------------------------------------------------------------- the files themselves
+
+
+def _service_ids() -> tuple[set[int], set[int]]:
+    """Owners and groups a secret file may have: root and ourselves (the service user)."""
+    uids, gids = {0, os.geteuid()}, {0, os.getegid()}
+    try:
+        import grp
+
+        gids.add(grp.getgrnam(SERVICE_GROUP).gr_gid)
+    except (KeyError, ImportError):
+        pass
+    return uids, gids
+
+
+def check_secret_stat(st: os.stat_result, where: str) -> None:
+    """Refuse a secret file that is not a regular file of root or ours with a safe mode."""
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{where} is not a regular file")
+    uids, gids = _service_ids()
+    if st.st_uid not in uids:
+        raise ValueError(f"{where} is owned by uid {st.st_uid}; it must belong to root or the service user"
+                         f" (uid {os.geteuid()})")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode not in ALLOWED_MODES:
+        raise ValueError(f"{where} has mode {mode:04o}; it must be 0600 or 0640 (0400/0440 too): readable by"
+                         " nobody but its owner and, at most, its group")
+    if mode & stat.S_IRGRP and st.st_gid not in gids:
+        raise ValueError(f"{where} is readable by group {st.st_gid}; a group-readable secret must belong to"
+                         f" group root or {SERVICE_GROUP}")
+
+
+def check_secret_file(path: str) -> None:
+    """Presence, type, owner, mode and readability of a secret file, without reading it
+    (ValueError saying what is wrong)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise ValueError(f"{path} does not exist") from None
+    except OSError as exc:
+        raise ValueError(f"{path}: {exc.strerror or exc}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise ValueError(f"{path} is a symlink; name the file itself")
+    check_secret_stat(st, path)
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"{path} is not readable by uid {os.geteuid()} (the service user): make it 0640"
+                         f" root:{SERVICE_GROUP}, or load it with LoadCredential= and write \"credential:NAME\"")
+
+
+def validate_settings(configured: Mapping[str, AgentSettings]) -> None:
+    """The backend's start check of every ``secret_env`` file (credentials are the control
+    server's to check: only its unit has them). SettingsError naming the key."""
+    for name, settings in sorted(configured.items()):
+        for var, ref in sorted(settings.secret_env.items()):
+            if ref.kind is SecretKind.FILE:
+                try:
+                    check_secret_file(ref.target)
+                except ValueError as exc:
+                    raise SettingsError(f"agents.{name}.secret_env.{var}", str(exc)) from None
+
+
+def secret_paths(configured: Mapping[str, AgentSettings]) -> list[str]:
+    """Every secret file of every agent: no agent's sandbox may show one."""
+    return sorted({ref.target for s in configured.values() for ref in s.secret_env.values()
+                   if ref.kind is SecretKind.FILE})
+
+
+def describe(configured: Mapping[str, AgentSettings], name: str) -> dict[str, Any]:
+    """What ``kandev agents`` and ``kandev doctor`` show of an agent's settings: variable names
+    (and where a secret comes from), never a value."""
+    settings = configured.get(name)
+    agent = BUILTIN_AGENTS.get(name)
+    defaults = [var for var, _ in agent.default_env] if agent is not None else []
+    return {
+        "env": sorted(set(defaults) | set(settings.env if settings else {})),
+        "secret_env": {var: ref.render() for var, ref in sorted((settings.secret_env if settings else {}).items())},
+    }

@@ -1,0 +1,156 @@
+"""``task_delete``: remove a task, its sessions and what kandev keeps for them on disk.
+
+Refused (``conflict``, nothing removed) while any of the task's sessions has an agent: one this
+backend tracks, one being started, one the inventory still names as possibly running, or one
+startup recovery holds. With ``stop`` (``kandev task delete --stop``) the agents this backend
+tracks whose sessions are idle (WAITING_FOR_INPUT, no turn running) are stopped first (their
+process groups killed by the control server); a turn still running is refused all the same
+(``kandev cancel`` ends it). A session whose agent has exited can always be deleted. While a
+deletion runs, the task's sessions can neither start nor resume. Then, in this order:
+
+1. each session's private directory ``<home>/sessions/<sid>/`` (the agent's HOME and state, its
+   git lease, its credential endpoint; the endpoint is closed first);
+2. the task's workspace, only if kandev created it: ``<home>/worktrees/<task id>`` (a ``git
+   worktree`` is removed with ``git worktree remove --force`` and pruned; its branch
+   ``kandev/<task id>`` is kept, since it may hold the agent's commits); a workspace the user named
+   with ``--workspace`` is never touched;
+3. the task's rows (its sessions, turns, transcripts, leases, workflow steps go with it).
+
+Files go first, so a failure leaves the task in place for another try. Everything on disk runs off
+the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import select
+
+from daemon.backend.worktree import remove_worktree
+from daemon.journal import log_event
+from daemon.session_dirs import SessionDirs
+from daemon.store.models import ExecutorRunning, Task, TaskSession
+from ipc.errors import ErrorCode, IpcError
+from ipc.server import ConnectionContext
+
+if TYPE_CHECKING:
+    from daemon.backend.app import Backend
+
+Handler = Callable[[ConnectionContext, dict[str, Any]], Awaitable[Any]]
+
+
+def _live_reason(backend: Backend, sessions: list[TaskSession], rows: dict[str, ExecutorRunning],
+                 stop: bool) -> str | None:
+    """Why the task cannot go now (None: it can). With ``stop``, an idle tracked agent (its session
+    WAITING_FOR_INPUT, no turn running) is no reason: it is stopped first."""
+    for s in sessions:
+        if s.id in backend.executions.executions:
+            if not stop:
+                return f"session {s.id} has a running agent (--stop stops idle agents first)"
+            if s.state != "WAITING_FOR_INPUT":
+                return f"session {s.id} is {s.state}: its agent is not idle (kandev cancel {s.id} ends its turn)"
+            continue
+        if s.state == "STARTING":
+            return f"session {s.id} is starting its agent"
+        row = rows.get(s.id)
+        if row is not None and row.status == "live":
+            return (f"session {s.id} may still have an agent this backend does not track (its inventory row is"
+                    " live; settled at the next backend start)")
+        if backend.executions.guards.get(s.id):
+            return f"session {s.id} is held by startup recovery"
+    return None
+
+
+async def delete_task(backend: Backend, task_id: str, *, stop: bool = False) -> dict[str, Any]:
+    # The check and the claim run in one stretch without an await: from here on no session of the
+    # task can start or resume (session_start and resume refuse a task being deleted).
+    with backend.store.session() as db:
+        task = db.get(Task, task_id)
+        if task is None:
+            raise IpcError(ErrorCode.NOT_FOUND, f"no task with id {task_id!r}")
+        if task_id in backend.deleting_tasks:
+            raise IpcError(ErrorCode.CONFLICT, f"task {task_id} is already being deleted")
+        sessions = list(db.scalars(select(TaskSession).where(TaskSession.task_id == task_id)))
+        rows = {r.session_id: r for r in db.scalars(
+            select(ExecutorRunning).where(ExecutorRunning.task_id == task_id))}
+        why = _live_reason(backend, sessions, rows, stop)
+        if why:
+            raise IpcError(ErrorCode.CONFLICT, f"task {task_id} cannot be deleted: {why}; nothing was removed")
+        workspace, executor = task.workspace, task.executor
+        session_ids = [s.id for s in sessions]
+    backend.deleting_tasks.add(task_id)
+    try:
+        stopped = await _stop_agents(backend, task_id, session_ids)
+        return {**await _remove(backend, task_id, session_ids, workspace, executor), "stopped": stopped}
+    finally:
+        backend.deleting_tasks.discard(task_id)
+
+
+async def _stop_agents(backend: Backend, task_id: str, session_ids: list[str]) -> list[str]:
+    """Stop each tracked (idle) agent of the task: its process group is killed by its control
+    server, then it is no longer tracked. A failure keeps the task (nothing is removed)."""
+    stopped: list[str] = []
+    for sid in session_ids:
+        ex = backend.executions.executions.get(sid)
+        if ex is None:
+            continue
+        client = backend._client_for(ex)
+        if client is None:
+            raise IpcError(ErrorCode.UNAVAILABLE, f"task {task_id} was not deleted: session {sid}'s control"
+                           " server is not reachable; retry shortly", True)
+        try:
+            await client.stop_instance(ex.instance_id)
+        except IpcError as exc:
+            raise IpcError(exc.code, f"task {task_id} was not deleted: stopping session {sid}'s agent failed:"
+                           f" {exc.message}", exc.retryable) from None
+        await backend.executions.drop(lambda e, sid=sid: e.session_id == sid, "task_deleted")
+        with backend.store.session() as db:  # should the removal fail, a later try is not refused
+            row = db.get(ExecutorRunning, sid)
+            if row is not None:
+                row.status = "stale"
+        stopped.append(sid)
+        log_event("session_agent_stopped", f"session {sid}: agent stopped to delete task {task_id}",
+                  SESSION_ID=sid, TASK_ID=task_id, INSTANCE_ID=ex.instance_id)
+    return stopped
+
+
+async def _remove(backend: Backend, task_id: str, session_ids: list[str], workspace: str | None,
+                  executor: str | None) -> dict[str, Any]:
+    removed: list[str] = []
+    try:
+        for sid in session_ids:
+            await backend.endpoints.close(sid)  # its socket lives in the directory about to go
+            root = SessionDirs.for_session(backend.paths.home, sid).root
+            if await asyncio.to_thread(root.exists):
+                await asyncio.to_thread(shutil.rmtree, root)
+                removed.append(str(root))
+        created = backend.paths.worktrees_dir / task_id
+        worktree = "kept (not created by kandev)"
+        if workspace and Path(workspace) == created:
+            if await asyncio.to_thread(created.exists):
+                await remove_worktree(created)
+                removed.append(str(created))
+            worktree = "removed" + (f"; its branch kandev/{task_id} is kept" if executor == "worktree" else "")
+    except OSError as exc:
+        raise IpcError(ErrorCode.INTERNAL, f"task {task_id} was not deleted: removing its files failed ({exc});"
+                       f" already removed: {', '.join(removed) or 'nothing'}; the task and its sessions"
+                       " are kept, try again") from None
+    with backend.store.session() as db:
+        task = db.get(Task, task_id)
+        if task is not None:
+            db.delete(task)  # sessions, turns, messages, leases, inventory, steps: ON DELETE CASCADE
+    log_event("task_deleted", f"task {task_id} deleted with {len(session_ids)} session(s); workspace {worktree}",
+              TASK_ID=task_id, SESSIONS=len(session_ids))
+    return {"task_id": task_id, "deleted": True, "sessions": session_ids, "workspace": workspace,
+            "worktree": worktree, "removed": removed}
+
+
+def handlers(backend: Backend) -> dict[str, Handler]:
+    async def op_task_delete(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        return await delete_task(backend, args["task_id"], stop=bool(args.get("stop", False)))
+
+    return {"task_delete": op_task_delete}

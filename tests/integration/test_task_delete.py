@@ -1,0 +1,108 @@
+"""``kandev task delete``: a task goes with its sessions' directories (each agent's HOME) and the
+workspace kandev made for it; other tasks' sessions are untouched. Issue 12 item 2 (the
+per-session HOME is "removed with its task"), through the real daemons and the real CLI."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from tests.helpers import wait_until
+from tests.integration.conftest import alive, db_row
+
+
+def _git(*args: str, cwd: Path) -> str:
+    return subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=cwd,
+                          check=True, capture_output=True, text=True).stdout
+
+
+def _exit_agent(k, sid: str) -> None:
+    k.cli("prompt", sid, "/exit 1")
+    wait_until(lambda: (s := k.show(sid))["state"] == "FAILED" and not s["live"], timeout=30)
+
+
+def test_task_delete_removes_its_session_homes_and_leaves_others(kandev_factory, short_tmp):
+    """Issue 12 item 2: deleting a task removes <home>/sessions/<sid>/ (the agent's HOME) of
+    each of its sessions and the workspace kandev created; refused while an agent runs; an unknown
+    id is not_found; another task's session keeps its HOME and its agent."""
+    k = kandev_factory()
+    k.up()
+    sessions = k.home / "sessions"
+    task_a, sid_a = k.start_session("a")
+    task_b, sid_b = k.start_session("b")
+    k.cli("prompt", sid_a, "hello a", "--wait")
+    k.cli("prompt", sid_b, "hello b", "--wait")
+    home_a, home_b = sessions / sid_a / "agent" / "home", sessions / sid_b / "agent" / "home"
+    assert home_a.is_dir() and home_b.is_dir()
+    (home_b / "note").write_text("kept")
+    ws_a = Path(k.cli("task", "show", task_a)["workspace"])
+    assert ws_a == k.home / "worktrees" / task_a and ws_a.is_dir()
+
+    # A live agent: refused, nothing removed.
+    proc = k.run("task", "delete", task_a)
+    assert proc.returncode == 1, proc
+    assert '"conflict"' in proc.stdout and sid_a in proc.stdout
+    assert home_a.is_dir() and ws_a.is_dir() and k.show(sid_a)["live"]
+
+    # Unknown id: a typed error, nothing changes.
+    proc = k.run("task", "delete", "no-such-task")
+    assert proc.returncode == 1 and '"not_found"' in proc.stdout, proc
+
+    # --stop: the idle agent is stopped first (its process group killed), then the task goes.
+    pid_a = k.show(sid_a)["agent_pid"]
+    out = k.cli("task", "delete", task_a, "--stop")
+    assert out["deleted"] is True and out["sessions"] == [sid_a] and out["stopped"] == [sid_a]
+    assert out["worktree"] == "removed"
+    wait_until(lambda: not alive(pid_a), timeout=10)
+    assert str(sessions / sid_a) in out["removed"] and str(ws_a) in out["removed"]
+    assert not (sessions / sid_a).exists() and not ws_a.exists()
+    assert db_row(k, "SELECT id FROM tasks WHERE id = ?", task_a) is None
+    assert db_row(k, "SELECT id FROM task_sessions WHERE id = ?", sid_a) is None
+    assert db_row(k, "SELECT session_id FROM executors_running WHERE session_id = ?", sid_a) is None
+    proc = k.run("session", "show", sid_a)
+    assert proc.returncode == 1 and '"not_found"' in proc.stdout
+
+    # The other task: its session's HOME, its agent and its conversation are as they were.
+    assert (home_b / "note").read_text() == "kept"
+    show_b = k.show(sid_b)
+    assert show_b["live"] and show_b["state"] == "WAITING_FOR_INPUT"
+    k.cli("prompt", sid_b, "still here", "--wait")
+    assert db_row(k, "SELECT id FROM tasks WHERE id = ?", task_b) is not None
+
+    # A git worktree kandev created goes (its branch stays); a workspace the user named stays.
+    repo = short_tmp / "repo"
+    repo.mkdir()
+    _git("init", "-q", cwd=repo)
+    _git("commit", "-q", "--allow-empty", "-m", "first", cwd=repo)
+    task_w = k.cli("task", "create", "--title", "w", "--executor", "worktree", "--workspace", str(repo))["task_id"]
+    sid_w = k.cli("session", "start", task_w)["session_id"]
+    k.show(sid_w)
+    ws_w = k.home / "worktrees" / task_w
+    assert ws_w.is_dir()
+    # A turn still running: refused even with --stop, nothing removed.
+    k.cli("prompt", sid_w, "/slow 60")
+    wait_until(lambda: k.show(sid_w)["state"] == "RUNNING", timeout=30)
+    proc = k.run("task", "delete", task_w, "--stop")
+    assert proc.returncode == 1 and '"conflict"' in proc.stdout and "kandev cancel" in proc.stdout, proc
+    assert ws_w.is_dir() and (sessions / sid_w).is_dir()
+    k.cli("cancel", sid_w)
+    wait_until(lambda: k.show(sid_w)["state"] == "WAITING_FOR_INPUT", timeout=30)
+    _exit_agent(k, sid_w)
+    human = k.human("task", "delete", task_w)
+    assert human.returncode == 0, human
+    assert "deleted with 1 session" in human.stdout and f"branch kandev/{task_w} is kept" in human.stdout
+    assert not ws_w.exists() and not (sessions / sid_w).exists()
+    assert str(ws_w) not in _git("worktree", "list", cwd=repo)
+    assert f"kandev/{task_w}" in _git("branch", "--list", cwd=repo)
+
+    own = short_tmp / "own"
+    own.mkdir()
+    (own / "work.txt").write_text("mine")
+    task_o = k.cli("task", "create", "--title", "o", "--workspace", str(own))["task_id"]
+    sid_o = k.cli("session", "start", task_o)["session_id"]
+    k.show(sid_o)
+    _exit_agent(k, sid_o)
+    out = k.cli("task", "delete", task_o)
+    assert out["worktree"] == "kept (not created by kandev)"
+    assert (own / "work.txt").read_text() == "mine" and not (sessions / sid_o).exists()
+    assert (home_b / "note").read_text() == "kept" and k.show(sid_b)["live"]
