@@ -1,4 +1,4 @@
-"""Fixtures shared by tests/unit, tests/integration and tests/systemd (helpers: tests/helpers.py)."""
+"""Fixtures shared by tests/unit, tests/integration and tests/systemd (helpers: tests/support)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from daemon.store.db import Store, sqlite_url
-from tests.helpers import REPO_ROOT, venv_python_path
-from tests.postgres import PgCluster
-from tests.postgres import require as postgres_bin
+from tests.support.paths import REPO_ROOT, venv_python_path
+from tests.support.postgres import PgCluster
+from tests.support.postgres import require as postgres_bin
 
 
 @pytest.fixture(scope="session")
@@ -30,7 +30,7 @@ def venv_python() -> Path:
 
 @pytest.fixture(scope="session")
 def postgres() -> Iterator[PgCluster]:
-    """One throwaway PostgreSQL server per test process (tests/postgres.py); ``new_database()``
+    """One throwaway PostgreSQL server per test process (tests/support/postgres.py); ``new_database()``
     gives each test an empty database."""
     cluster = PgCluster(postgres_bin()).start()
     try:
