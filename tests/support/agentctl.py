@@ -78,6 +78,8 @@ class Server:
 
 
 def write_launch(root: Path, **overrides: Any) -> Server:
+    """A private home under ``root`` (credential, installation id, launch file; ``overrides`` go
+    into the launch file) and the ``Server`` that will run on it, not started yet."""
     home = root / "home"
     home.mkdir(mode=0o700)
     (home / "agentctl").mkdir(mode=0o700)
@@ -114,12 +116,14 @@ def write_launch(root: Path, **overrides: Any) -> Server:
 
 
 def server_env() -> dict[str, str]:
+    """This environment without kandev's, systemd's notify and credentials variables."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KANDEV_", "NOTIFY_", "CREDENTIALS_"))}
     env["PYTHONPATH"] = str(REPO_ROOT)
     return env
 
 
 def start_server(server: Server, *, stderr: Any = None, env: dict[str, str] | None = None) -> None:
+    """Start the server in its own session; return once it answers ``identify`` (``STEP`` at most)."""
     with open(server.stderr_path, "ab") as err:
         server.proc = subprocess.Popen(
             [sys.executable, "-m", "daemon.agentctl.main", "--launch-file", str(server.launch_file), "-v"],
@@ -144,6 +148,7 @@ def start_server(server: Server, *, stderr: Any = None, env: dict[str, str] | No
 
 
 def stop_server(server: Server) -> None:
+    """SIGTERM (SIGKILL after 15 s) the server if it runs, then kill every agent group it had."""
     proc = server.proc
     if proc is not None and proc.poll() is None:
         proc.send_signal(signal.SIGTERM)

@@ -31,6 +31,8 @@ TASK_DUMP = "task dump requested (SIGUSR1)"
 
 
 class CliError(RuntimeError):
+    """A ``kandev`` command that exited non-zero, with its exit code and output."""
+
     def __init__(self, code: int, stdout: str, stderr: str) -> None:
         super().__init__(f"kandev exited {code}: {stderr.strip()} {stdout.strip()}")
         self.code = code
@@ -146,6 +148,8 @@ class Kandev:
 
 
 def make_env(config: Path, **overrides: str) -> dict[str, str]:
+    """The environment of a home's CLI: this one without kandev's and systemd's variables, the
+    config file ``config`` (never the host's /etc/kandev), ``overrides`` on top."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KANDEV_")}
     env.pop("NOTIFY_SOCKET", None)
     env.pop("INVOCATION_ID", None)

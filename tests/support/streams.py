@@ -61,6 +61,7 @@ class TimedOutput:
 
 
 def agent_chunks(show: dict[str, Any]) -> list[str]:
+    """The agent's message chunks in a ``session show`` transcript, in order."""
     return [m["text"] for m in show["transcript"] if m["kind"] == "agent_message_chunk"]
 
 
@@ -80,6 +81,7 @@ async def collect_until(stream: EventStream, stop: Callable[[Event], bool], time
 
 
 def chunks(events: list[Event]) -> list[str]:
+    """The text of the agent's message chunks among control-server events, in order."""
     return [
         e.data["update"]["content"]["text"]
         for e in events
@@ -88,10 +90,12 @@ def chunks(events: list[Event]) -> list[str]:
 
 
 def turn_ended(turn_id: str) -> Callable[[Event], bool]:
+    """A ``collect_until`` stop condition: the ``turn_ended`` event of ``turn_id``."""
     return lambda e: e.kind == EventKind.TURN_ENDED and e.data["turn_id"] == turn_id
 
 
 async def wait_outcome(client: AgentctlClient, instance_id: str, turn_id: str) -> dict[str, Any]:
+    """Poll ``turn_status`` until it reports the outcome of ``turn_id`` (``2 * STEP`` at most)."""
     deadline = time.monotonic() + STEP * 2
     while True:
         status = await client.turn_status(instance_id)
