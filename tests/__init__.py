@@ -1,1 +1,1 @@
-"""kandev test suite (a package so that `from tests.helpers import ...` works everywhere)."""
+"""kandev test suite (a package so that `from tests.support.waiting import ...` works everywhere)."""

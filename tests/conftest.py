@@ -1,4 +1,4 @@
-"""Fixtures shared by tests/unit, tests/integration and tests/systemd (helpers: tests/helpers.py)."""
+"""Fixtures shared by tests/unit, tests/integration and tests/systemd (helpers: tests/support)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from daemon.store.db import Store, sqlite_url
-from tests import claude_runtime
-from tests.helpers import REPO_ROOT, venv_python_path
-from tests.postgres import PgCluster
-from tests.postgres import require as postgres_bin
+from tests.support import claude_runtime
+from tests.support.paths import REPO_ROOT, venv_python_path
+from tests.support.postgres import PgCluster
+from tests.support.postgres import require as postgres_bin
 
 
 @pytest.fixture(scope="session")
@@ -32,7 +32,7 @@ def venv_python() -> Path:
 
 @pytest.fixture(scope="session")
 def postgres() -> Iterator[PgCluster]:
-    """One throwaway PostgreSQL server per test process (tests/postgres.py); ``new_database()``
+    """One throwaway PostgreSQL server per test process (tests/support/postgres.py); ``new_database()``
     gives each test an empty database."""
     cluster = PgCluster(postgres_bin()).start()
     try:
@@ -58,7 +58,7 @@ def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]
 
 @pytest.fixture(scope="session")
 def claude_npm_cache() -> Path:
-    """An npm cache with the pinned claude-code runtime prepared in it (tests/claude_runtime.py),
+    """An npm cache with the pinned claude-code runtime prepared in it (tests/support/claude_runtime.py),
     once per machine; give it to daemons as ``npm_config_cache``."""
     try:
         return claude_runtime.prepare_cache()

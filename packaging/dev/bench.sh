@@ -6,7 +6,7 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)
 REPO=$(cd "$HERE/../.." && pwd -P)
 VENV=$(bash "$HERE/setup.sh" | tail -n 1)
 cd "$REPO"
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"   # so benchmarks can import tests.helpers
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"   # so benchmarks can import tests.support
 shopt -s nullglob
 scripts=(tests/bench/bench_*.py)
 [ "${#scripts[@]}" -gt 0 ] || { echo "bench.sh: no tests/bench/bench_*.py scripts yet"; exit 0; }

@@ -19,7 +19,7 @@ APT_PKGS=(python3 python3-venv python3-dev gcc pkg-config libsystemd-dev systemd
           util-linux iproute2)
 # every agent runs in a bubblewrap sandbox (daemon/agentctl/sandbox.py; the package depends on it)
 APT_PKGS+=(bubblewrap)
-# the store tests also run against a throwaway PostgreSQL server (tests/postgres.py)
+# the store tests also run against a throwaway PostgreSQL server (tests/support/postgres.py)
 APT_PKGS+=(postgresql)
 # tests/systemd/test_package*.py build the .deb (dpkg-buildpackage, lintian) and install it inside a
 # sdbox, which has no network: apt there resolves the package's Depends from what is installed here.

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.helpers import wait_until
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 

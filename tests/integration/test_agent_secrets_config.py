@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import wait_until
-from tests.integration.conftest import CliError
+from tests.support.kandev import CliError
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(180)
 

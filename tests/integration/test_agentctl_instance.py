@@ -21,6 +21,7 @@ import pytest
 
 from daemon.agentctl.instance import KILL_GRACE, Instance, InstanceSpec, InstanceState, TurnIds
 from ipc.errors import ErrorCode, IpcError
+from tests.support.aio import run
 
 REPO = Path(__file__).resolve().parents[2]
 MOCK = [sys.executable, "-m", "daemon.agents.mock"]
@@ -60,13 +61,6 @@ def _instance(tmp_path: Path, command: list[str], **kw: Any) -> Instance:
     return Instance(spec, agent_log_dir=tmp_path / "agents", turn_ids=TurnIds("test"), **kw)
 
 
-def _run(coro: Any, timeout: float = 60) -> Any:
-    async def bounded() -> Any:
-        return await asyncio.wait_for(coro, timeout)
-
-    return asyncio.run(bounded())
-
-
 def test_handshake_timeout_kills_the_group(tmp_path: Path, groups: set[int]):
     """An agent that never answers initialize: agent_error after the bound, group killed."""
 
@@ -79,7 +73,7 @@ def test_handshake_timeout_kills_the_group(tmp_path: Path, groups: set[int]):
             groups.add(inst.pid)
         return info.value, inst, time.monotonic() - started
 
-    error, inst, elapsed = _run(scenario())
+    error, inst, elapsed = run(scenario())
     assert error.code == ErrorCode.AGENT_ERROR and "no answer to initialize within 1 s" in error.message
     assert elapsed < 1.0 + KILL_GRACE + 2
     assert inst.state is InstanceState.STOPPED
@@ -99,7 +93,7 @@ def test_stop_during_start_leaves_nothing(tmp_path: Path, groups: set[int]):
         assert await inst.stop() is False  # already stopped
         return inst
 
-    inst = _run(scenario())
+    inst = run(scenario())
     assert inst.state is InstanceState.STOPPED
     assert not _group_exists(inst.pid)
 
@@ -121,7 +115,7 @@ def test_stop_escalates_to_sigkill_and_never_blocks(tmp_path: Path, groups: set[
         await inst.stop()
         return inst, time.monotonic() - started
 
-    inst, elapsed = _run(scenario())
+    inst, elapsed = run(scenario())
     assert KILL_GRACE - 0.2 <= elapsed < KILL_GRACE + 5
     assert inst.exit_code == -signal.SIGKILL
     assert not _group_exists(inst.pid)
@@ -154,7 +148,7 @@ def test_identity_check_refuses_a_reused_pid(tmp_path: Path, groups: set[int]):
         await inst.stop()
         return sent, signalled_own
 
-    sent, signalled_own = _run(scenario())
+    sent, signalled_own = run(scenario())
     assert sent is False and signalled_own is True
     assert other.poll() is None  # the stranger was not touched
     other.kill()

@@ -29,16 +29,10 @@ from daemon.agentctl.protocol import TABLE, EventKind
 from ipc.client import AsyncClient, EventStream
 from ipc.errors import ErrorCode, IpcError
 from ipc.framing import ConnectionClosed
-from tests.integration.test_agentctl_server import (
-    STEP,
-    Server,
-    _start,
-    _teardown,
-    _write_launch,
-    group_exists,
-    run,
-    wait_for,
-)
+from tests.support.agentctl import STEP, Server, start_server, stop_server, write_launch
+from tests.support.aio import run
+from tests.support.processes import group_exists
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -47,26 +41,13 @@ TIMER_SLACK = 6.0  # timer tick (1 s) + stopping a TERM-ignoring group (3 s grac
 
 
 @pytest.fixture
-def private_root() -> Iterator[Path]:
-    import shutil
-    import tempfile
-
-    root = Path(tempfile.mkdtemp(prefix="kd-own-", dir="/var/tmp"))
-    os.chmod(root, 0o700)
-    try:
-        yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-
-@pytest.fixture
 def server(private_root: Path) -> Iterator[Server]:
-    srv = _write_launch(private_root)
+    srv = write_launch(private_root)
     try:
-        _start(srv)
+        start_server(srv)
         yield srv
     finally:
-        _teardown(srv)
+        stop_server(srv)
 
 
 # ---------------------------------------------------------------- helpers
@@ -452,16 +433,16 @@ def test_scenario_g_intruders_get_typed_refusals_while_the_owner_is_served(serve
 )
 def test_resolved_period_is_reported_and_adjustments_are_logged(private_root: Path, period, idle, resolved,
                                                                 adjusted):
-    srv = _write_launch(private_root, unowned_period_s=period, idle_timeout_s=idle)
+    srv = write_launch(private_root, unowned_period_s=period, idle_timeout_s=idle)
     try:
-        _start(srv)
+        start_server(srv)
         info = run(identify(srv.socket_path))
         assert info is not None and info["unowned_period_s"] == resolved
         assert set(info) == {"server_identity", "capabilities", "protocol_version", "unowned_period_s"}
         log = srv.log_text()
         assert ("unowned_period_adjusted" in log) is adjusted
     finally:
-        _teardown(srv)
+        stop_server(srv)
 
 
 def test_scenario_d_unowned_shutdown_and_renewal(private_root: Path):
@@ -488,9 +469,9 @@ def test_scenario_d_unowned_shutdown_and_renewal(private_root: Path):
     try:
         for name in names:
             (private_root / name).mkdir()
-            servers[name] = _write_launch(private_root / name, unowned_period_s=PERIOD, idle_timeout_s=0)
+            servers[name] = write_launch(private_root / name, unowned_period_s=PERIOD, idle_timeout_s=0)
             popen_at[name] = time.monotonic()
-            _start(servers[name])
+            start_server(servers[name])
         a, b, c, e = (servers[n] for n in ("a", "b", "c", "e"))
         exited_at: dict[str, float] = {}
 
@@ -586,7 +567,7 @@ def test_scenario_d_unowned_shutdown_and_renewal(private_root: Path):
         assert a.proc.wait(STEP) == 0
         assert exited_at["a"] <= facts["rotate_after"] + PERIOD + TIMER_SLACK
         for pgid in a.agent_groups:
-            wait_for(lambda pgid=pgid: not group_exists(pgid), 10, f"A's agent group {pgid} gone")
+            wait_until(lambda pgid=pgid: not group_exists(pgid), 10, message=f"A's agent group {pgid} gone")
         log_a = a.log_text()
         assert "unowned_shutdown" in log_a and "reason=unowned_shutdown" in log_a
 
@@ -608,5 +589,5 @@ def test_scenario_d_unowned_shutdown_and_renewal(private_root: Path):
         assert b.proc.wait(STEP) == 0
     finally:
         for srv in servers.values():
-            _teardown(srv)
+            stop_server(srv)
 

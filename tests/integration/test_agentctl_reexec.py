@@ -33,17 +33,12 @@ from daemon.agentctl.client import AgentctlClient, identify
 from daemon.agentctl.protocol import EventKind
 from daemon.version import VERSION
 from ipc.client import Event
-from tests.helpers import REPO_ROOT, wait_until
+from tests.support.aio import run
+from tests.support.paths import REPO_ROOT
+from tests.support.waiting import wait_until
 
 STEP = 30.0
 pytestmark = pytest.mark.timeout(300)
-
-
-def run(coro: Any, timeout: float = 180.0) -> Any:
-    async def bounded() -> Any:
-        return await asyncio.wait_for(coro, timeout)
-
-    return asyncio.run(bounded())
 
 
 @dataclass
@@ -253,7 +248,7 @@ def test_reload_hands_over_turns_permissions_and_held_back_output(server: Server
         await again.close()
         await client.close()
 
-    run(scenario())
+    run(scenario(), timeout=180.0)
     assert srv.proc.poll() is None
     assert srv.events("agentctl_reexecuted") and not srv.events("reload_refused")
     assert not srv.events("handover_incomplete")
@@ -373,7 +368,7 @@ def test_sandboxed_agents_survive_reloads_and_stop_still_ends_their_whole_sandbo
             assert still_running(trees[name]) == [], f"{name}: processes of its sandbox outlived the stop"
         await client.close()
 
-    run(scenario())
+    run(scenario(), timeout=180.0)
     stopped = {line.split("session_id=")[1].split()[0]: line for line in srv.events("instance_stopped")}
     assert "stop_signal=SIGTERM" in stopped["plain"], stopped
     assert "stop_signal=SIGKILL" in stopped["stubborn"], stopped
@@ -450,7 +445,7 @@ def test_broken_new_version_is_refused_and_the_old_code_keeps_serving(server: Se
         assert info["pid"] == srv.proc.pid and identity(inst["pid"]) == agent
         await client.close()
 
-    run(scenario())
+    run(scenario(), timeout=180.0)
     refusals = srv.events("reload_refused")
     assert len(refusals) == 2
     assert "broken on purpose" in refusals[0] and "installed_version=0.2.1" in refusals[0]
@@ -510,7 +505,7 @@ def test_nothing_is_imported_after_ready_and_replaced_files_change_nothing(serve
         await client.claim()
         await client.close()
 
-    run(scenario())
+    run(scenario(), timeout=180.0)
     assert srv.events("agentctl_reexecuted")
     late = srv.events("agentctl_late_import")
     assert late == [], "modules imported after READY=1:\n" + "\n".join(late)

@@ -6,7 +6,7 @@ while an instance's stream is not attached, at most ``detached_event_limit`` und
 are retained; then the agent's output is no longer read, so the agent blocks on its own stdout
 pipe and nothing is dropped. An attach resumes production; a stop releases everything at once.
 
-The fixtures are those of ``test_agentctl_server.py``; every wait is bounded and the teardown
+The server is ``tests/support/agentctl.py``'s; every wait is bounded and the teardown
 SIGTERMs/SIGKILLs the server and every agent process group a test saw.
 """
 
@@ -24,43 +24,33 @@ import pytest
 from daemon.agentctl.client import AgentctlClient
 from daemon.agentctl.protocol import EventKind
 from ipc.client import Event
-from tests.integration.test_agentctl_server import (
-    STEP,
-    Server,
-    _start,
-    _teardown,
-    _write_launch,
-    chunks,
-    collect_until,
-    group_exists,
-    private_root,  # noqa: F401  (fixture)
-    run,
-    turn_ended,
-    wait_for,
-    wait_outcome,
-)
+from tests.support.agentctl import STEP, Server, start_server, stop_server, write_launch
+from tests.support.aio import run
+from tests.support.processes import group_exists
+from tests.support.streams import chunks, collect_until, turn_ended, wait_outcome
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture
-def make_server(private_root: Path) -> Iterator[Callable[..., Server]]:  # noqa: F811
+def make_server(private_root: Path) -> Iterator[Callable[..., Server]]:
     """Start a control server with launch-file overrides (e.g. ``detached_event_limit``)."""
     started: list[Server] = []
 
     def make(**overrides: Any) -> Server:
         root = private_root / f"s{len(started)}"
         root.mkdir(mode=0o700)
-        srv = _write_launch(root, **overrides)
+        srv = write_launch(root, **overrides)
         started.append(srv)
-        _start(srv)
+        start_server(srv)
         return srv
 
     try:
         yield make
     finally:
         for srv in started:
-            _teardown(srv)
+            stop_server(srv)
 
 
 async def entry_of(client: AgentctlClient, iid: str) -> dict[str, Any]:
@@ -215,7 +205,7 @@ def test_stop_of_a_paused_instance_is_prompt_and_kills_the_group(make_server):
     elapsed, pgid, listed = run(scenario())
     assert elapsed < 5.0, f"stop took {elapsed:.1f} s"
     assert listed == []
-    wait_for(lambda: not group_exists(pgid), 10, "agent group gone")
+    wait_until(lambda: not group_exists(pgid), 10, message="agent group gone")
     assert server.proc is not None and server.proc.poll() is None
 
 
@@ -240,7 +230,7 @@ def test_sigterm_with_paused_instances_exits_promptly(make_server):
     assert server.proc.wait(20) == 0
     assert time.monotonic() - started < 10
     for pid in pids:
-        wait_for(lambda pid=pid: not group_exists(pid), 10, f"group {pid} gone")
+        wait_until(lambda pid=pid: not group_exists(pid), 10, message=f"group {pid} gone")
 
 
 # ---------------------------------------------------------------- the bounds of the limit
@@ -383,7 +373,7 @@ def test_agent_exit_while_paused_is_reported_after_its_held_back_output(make_ser
             iid = created["instance_id"]
             turn = await client.prompt(iid, "/exit 7")
             await until_paused(client, iid)
-            wait_for(lambda: not agent_alive(created["pid"]), 10, "the agent exited")
+            wait_until(lambda: not agent_alive(created["pid"]), 10, message="the agent exited")
             await asyncio.sleep(3.0)  # longer than the stdout drain grace
             entry = await entry_of(client, iid)
             stream = await client.attach(iid, 0)

@@ -10,67 +10,37 @@ test saw. AC ids are cited where a test proves one.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import struct
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import msgpack
 import psutil
 import pytest
 
-from daemon.agentctl import auth, launch
-from daemon.agentctl.client import AgentctlClient, OwnershipRefused, identify
+from daemon.agentctl import auth
+from daemon.agentctl.client import OwnershipRefused, identify
 from daemon.agentctl.protocol import CAPABILITIES, EventKind
 from daemon.agentctl.protocol import VERSION as PROTOCOL_VERSION
-from ipc.client import AsyncClient, Event, EventStream
+from ipc.client import AsyncClient, Event
 from ipc.errors import ErrorCode, IpcError
-
-REPO = Path(__file__).resolve().parents[2]
-MOCK = [sys.executable, "-m", "daemon.agents.mock"]
-STEP = 20.0  # bound on one exchange or one wait, seconds
-T = TypeVar("T")
+from tests.support.agentctl import MOCK, STEP, Server, server_env, start_server, stop_server, write_launch
+from tests.support.aio import run
+from tests.support.paths import REPO_ROOT
+from tests.support.processes import group_exists
+from tests.support.streams import chunks, collect_until, turn_ended, wait_outcome
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def run(coro: Awaitable[T], timeout: float = 120.0) -> T:
-    """Run one test scenario on a fresh loop, bounded."""
-
-    async def bounded() -> T:
-        return await asyncio.wait_for(coro, timeout)
-
-    return asyncio.run(bounded())
-
-
-def group_exists(pgid: int) -> bool:
-    """Whether a process of the group still runs. A zombie does not count: a sandboxed agent's
-    bwrap init is reaped by whoever inherited it (init), which may take a moment after it died."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    for proc in psutil.process_iter(["pid"]):
-        try:
-            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
-                return True
-        except (ProcessLookupError, psutil.NoSuchProcess):
-            continue
-    return False
 
 
 def _killpg_refused(pgid: int) -> bool:
@@ -81,216 +51,17 @@ def _killpg_refused(pgid: int) -> bool:
     return False
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float = STEP, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"{what}: still false after {timeout} s")
-        time.sleep(0.05)
-
-
-def kill_group(pgid: int) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return
-        with contextlib.suppress(AssertionError):
-            wait_for(lambda: not group_exists(pgid), 5, "group gone")
-            return
-
-
 # ---------------------------------------------------------------- the server fixture
-
-
-@dataclass
-class Server:
-    """One running control server and what a test needs to talk to it."""
-
-    root: Path
-    home: Path
-    launch_file: Path
-    socket_path: str
-    log_path: Path
-    stderr_path: Path
-    credential: bytes
-    installation_id: str
-    workspace: Path
-    mock_state: Path
-    proc: subprocess.Popen[bytes] | None = None
-    agent_groups: set[int] = field(default_factory=set)
-
-    def connect(self, **kw: Any) -> Awaitable[AgentctlClient]:
-        kw.setdefault("credential", self.credential)
-        kw.setdefault("installation_id", self.installation_id)
-        return AgentctlClient.connect(self.socket_path, **kw)
-
-    async def create(self, client: AgentctlClient, **kw: Any) -> dict[str, Any]:
-        kw.setdefault("session_id", "sess-1")
-        kw.setdefault("task_id", "task-1")
-        kw.setdefault("command", MOCK)
-        kw.setdefault("cwd", str(self.workspace))
-        kw.setdefault("env", {"KANDEV_MOCK_STATE_DIR": str(self.mock_state), "PYTHONPATH": str(REPO)})
-        kw.setdefault("agent", "mock")
-        # The agent runs in its sandbox (the server's default); the mock keeps its sessions here.
-        kw.setdefault("sandbox", {"policy": "required", "writable": [str(self.mock_state)]})
-        created = await client.create_instance(**kw)
-        self.agent_groups.add(created["pid"])
-        return created
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def ops_by_connection(self) -> dict[int, list[str]]:
-        """From the -v log: the ops each connection sent, in order (refused ones included)."""
-        ops: dict[int, list[str]] = {}
-        for m in re.finditer(r"conn (\d+) \(pid \d+\) op (\w+)", self.log_text()):
-            ops.setdefault(int(m.group(1)), []).append(m.group(2))
-        return ops
-
-
-def _write_launch(root: Path, **overrides: Any) -> Server:
-    home = root / "home"
-    home.mkdir(mode=0o700)
-    (home / "agentctl").mkdir(mode=0o700)
-    workspace = root / "ws"
-    workspace.mkdir()
-    credential = auth.new_credential()
-    cred_file = home / "agentctl" / "credential"
-    launch.write_credential(cred_file, credential)
-    installation_id = os.urandom(16).hex()
-    config = launch.LaunchConfig(
-        socket_path=str(home / "run" / "agentctl.sock"),
-        log_path=str(home / "logs" / "agentctl.log"),
-        agent_log_dir=str(home / "logs" / "agents"),
-        installation_id=installation_id,
-        credential_file=str(cred_file),
-        mode="detached",
-    )
-    config = launch.from_json({**config.to_json(), **overrides})
-    launch_file = home / "agentctl" / "launch.json"
-    launch.dump(config, launch_file)
-    (root / "mock-state").mkdir(mode=0o700)  # bound read-write into the agents' sandboxes
-    return Server(
-        root=root,
-        home=home,
-        launch_file=launch_file,
-        socket_path=config.socket_path,
-        log_path=Path(config.log_path),
-        stderr_path=root / "server.stderr",
-        credential=credential,
-        installation_id=installation_id,
-        workspace=workspace,
-        mock_state=root / "mock-state",
-    )
-
-
-def _server_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KANDEV_", "NOTIFY_", "CREDENTIALS_"))}
-    env["PYTHONPATH"] = str(REPO)
-    return env
-
-
-def _start(server: Server, *, stderr: Any = None, env: dict[str, str] | None = None) -> None:
-    with open(server.stderr_path, "ab") as err:
-        server.proc = subprocess.Popen(
-            [sys.executable, "-m", "daemon.agentctl.main", "--launch-file", str(server.launch_file), "-v"],
-            cwd=REPO,
-            env={**_server_env(), **(env or {})},
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=err if stderr is None else stderr,
-            start_new_session=True,
-        )
-
-    async def answered() -> bool:
-        return await identify(server.socket_path, timeout=1.0) is not None
-
-    deadline = time.monotonic() + STEP
-    while not run(answered(), 5):
-        if server.proc.poll() is not None:
-            raise AssertionError(f"agentctl exited {server.proc.returncode}: {server.stderr_path.read_text()}")
-        if time.monotonic() > deadline:
-            raise AssertionError("agentctl did not answer identify in time")
-        time.sleep(0.05)
-
-
-def _teardown(server: Server) -> None:
-    proc = server.proc
-    if proc is not None and proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-    for pgid in server.agent_groups:
-        kill_group(pgid)
-
-
-@pytest.fixture
-def private_root() -> Iterator[Path]:
-    """A 0700 directory with a short path (socket paths are limited to 107 bytes)."""
-    root = Path(tempfile.mkdtemp(prefix="kd-actl-", dir="/var/tmp"))
-    os.chmod(root, 0o700)
-    try:
-        yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture
 def server(private_root: Path) -> Iterator[Server]:
-    srv = _write_launch(private_root)
+    srv = write_launch(private_root)
     try:
-        _start(srv)
+        start_server(srv)
         yield srv
     finally:
-        _teardown(srv)
-
-
-# ---------------------------------------------------------------- helpers on streams
-
-
-async def collect_until(stream: EventStream, stop: Callable[[Event], bool], timeout: float = STEP) -> list[Event]:
-    """Read events until ``stop(event)`` is true (that event included)."""
-    events: list[Event] = []
-
-    async def read() -> None:
-        async for event in stream:
-            events.append(event)
-            if stop(event):
-                return
-        raise AssertionError(f"stream ended before the awaited event; got {events[-3:]}")
-
-    await asyncio.wait_for(read(), timeout)
-    return events
-
-
-def chunks(events: list[Event]) -> list[str]:
-    return [
-        e.data["update"]["content"]["text"]
-        for e in events
-        if e.kind == EventKind.SESSION_UPDATE and e.data["update"].get("sessionUpdate") == "agent_message_chunk"
-    ]
-
-
-def turn_ended(turn_id: str) -> Callable[[Event], bool]:
-    return lambda e: e.kind == EventKind.TURN_ENDED and e.data["turn_id"] == turn_id
-
-
-async def wait_outcome(client: AgentctlClient, instance_id: str, turn_id: str) -> dict[str, Any]:
-    deadline = time.monotonic() + STEP * 2
-    while True:
-        status = await client.turn_status(instance_id)
-        for outcome in status["outcomes"]:
-            if outcome["turn_id"] == turn_id:
-                return outcome
-        assert time.monotonic() < deadline, f"turn {turn_id} never ended: {status}"
-        await asyncio.sleep(0.05)
+        stop_server(srv)
 
 
 # ---------------------------------------------------------------- ownership and authentication
@@ -319,15 +90,15 @@ def test_identify_helper_returns_none_when_nothing_answers(private_root: Path):
 
 
 def test_identity_is_per_launch(private_root: Path):
-    srv = _write_launch(private_root)
+    srv = write_launch(private_root)
     identities = []
     try:
         for _ in range(2):
-            _start(srv)
+            start_server(srv)
             identities.append(run(identify(srv.socket_path))["server_identity"])
-            _teardown(srv)
+            stop_server(srv)
     finally:
-        _teardown(srv)
+        stop_server(srv)
     assert identities[0] != identities[1]
 
 
@@ -428,7 +199,7 @@ def test_instance_runs_in_its_own_process_group_and_is_enumerated(server: Server
 
     async def scenario() -> dict[str, Any]:
         async with await server.connect() as client:
-            env = {"KANDEV_MOCK_STATE_DIR": str(server.mock_state), "PYTHONPATH": str(REPO), "TOKEN": secret}
+            env = {"KANDEV_MOCK_STATE_DIR": str(server.mock_state), "PYTHONPATH": str(REPO_ROOT), "TOKEN": secret}
             created = await server.create(client, session_id="S-42", task_id="T-7", env=env,
                                           workspace_roots=[str(server.workspace)])
             listed = await client.list_instances()
@@ -736,9 +507,9 @@ def test_stop_instance_kills_the_whole_group_and_is_idempotent(server: Server):
             return pid, children
 
     pgid, children = run(scenario())
-    wait_for(lambda: not group_exists(pgid), 10, "agent group gone")
+    wait_until(lambda: not group_exists(pgid), 10, message="agent group gone")
     # the group is gone: nothing of it runs; at most bwrap's init is left for init to reap
-    wait_for(lambda: _killpg_refused(pgid), 30, "group reaped")
+    wait_until(lambda: _killpg_refused(pgid), 30, message="group reaped")
     assert not any(psutil.pid_exists(c) and psutil.Process(c).status() != psutil.STATUS_ZOMBIE for c in children)
 
 
@@ -843,7 +614,7 @@ def test_handshake_failures_are_agent_errors_and_leave_nothing(server: Server):
     assert load.code == ErrorCode.AGENT_ERROR and "session/load" in load.message
     assert spawn.code == ErrorCode.AGENT_ERROR and "/nonexistent/agent" in spawn.message
     for pid in list(server.agent_groups):
-        wait_for(lambda pid=pid: not group_exists(pid), 10, "failed agent's group gone")
+        wait_until(lambda pid=pid: not group_exists(pid), 10, message="failed agent's group gone")
 
 
 # ---------------------------------------------------------------- robustness
@@ -937,11 +708,11 @@ def _frame_raw(body: bytes) -> bytes:
 def test_out_of_range_retention_limit_refuses_to_start(private_root: Path, limit: Any):
     """AC-EXECUTORS-SURVIVAL-001.8: validated when the control server starts; rejected, not clamped;
     exit code 2, the message names key, value and range, and nothing is bound."""
-    srv = _write_launch(private_root, detached_event_limit=limit)
+    srv = write_launch(private_root, detached_event_limit=limit)
     proc = subprocess.run(
         [sys.executable, "-m", "daemon.agentctl.main", "--launch-file", str(srv.launch_file)],
-        cwd=REPO,
-        env=_server_env(),
+        cwd=REPO_ROOT,
+        env=server_env(),
         capture_output=True,
         text=True,
         timeout=60,
@@ -954,14 +725,14 @@ def test_out_of_range_retention_limit_refuses_to_start(private_root: Path, limit
 
 
 def test_bad_launch_file_or_credential_refuses_to_start(private_root: Path):
-    srv = _write_launch(private_root)
+    srv = write_launch(private_root)
     os.chmod(srv.launch_file, 0o644)
     cmd = [sys.executable, "-m", "daemon.agentctl.main", "--launch-file", str(srv.launch_file)]
-    proc = subprocess.run(cmd, cwd=REPO, env=_server_env(), capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=server_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "0600" in proc.stderr
     os.chmod(srv.launch_file, 0o600)
     os.chmod(srv.home / "agentctl" / "credential", 0o644)
-    proc = subprocess.run(cmd, cwd=REPO, env=_server_env(), capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=server_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "credential" in proc.stderr
     assert not os.path.exists(srv.socket_path)
     # --home finds <home>/agentctl/launch.json
@@ -969,7 +740,7 @@ def test_bad_launch_file_or_credential_refuses_to_start(private_root: Path):
     srv.launch_file.rename(srv.home / "agentctl" / "other.json")
     proc = subprocess.run(
         [sys.executable, "-m", "daemon.agentctl.main", "--home", str(srv.home)],
-        cwd=REPO, env=_server_env(), capture_output=True, text=True, timeout=60,
+        cwd=REPO_ROOT, env=server_env(), capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == 2 and str(srv.home / "agentctl" / "launch.json") in proc.stderr
 
@@ -988,7 +759,7 @@ def test_sigterm_stops_every_agent_group(server: Server):
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(20) == 0
     for pid in pids:
-        wait_for(lambda pid=pid: not group_exists(pid), 10, f"group {pid} gone")
+        wait_until(lambda pid=pid: not group_exists(pid), 10, message=f"group {pid} gone")
     assert not os.path.exists(server.socket_path)
     assert "agentctl_stopped" in server.log_text()
 
@@ -1003,8 +774,8 @@ def test_sigkill_of_the_server_takes_its_agents_along(server: Server):
     pid = run(scenario())
     server.proc.kill()
     server.proc.wait(10)
-    wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
-             10, "agent died with its server")
+    wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
+             10, message="agent died with its server")
 
 
 def test_ownership_shutdown_stops_everything_and_exits(server: Server):
@@ -1026,9 +797,9 @@ def test_ownership_shutdown_stops_everything_and_exits(server: Server):
 def test_survives_dead_stdio(private_root: Path):
     """AC-EXECUTORS-SURVIVAL-001.3: with stderr a pipe nobody reads any more, log writes never kill
     the server; its own file keeps the log."""
-    srv = _write_launch(private_root)
+    srv = write_launch(private_root)
     try:
-        _start(srv, stderr=subprocess.PIPE)
+        start_server(srv, stderr=subprocess.PIPE)
         assert srv.proc is not None and srv.proc.stderr is not None
         srv.proc.stderr.close()  # the reader is gone: every stderr write now fails with EPIPE
 
@@ -1045,7 +816,7 @@ def test_survives_dead_stdio(private_root: Path):
         assert run(identify(srv.socket_path)) is not None
         assert "instance_stopped" in srv.log_text()
     finally:
-        _teardown(srv)
+        stop_server(srv)
 
 
 def test_socket_directory_is_private(server: Server):
@@ -1068,7 +839,7 @@ def test_sd_notify_ready_and_status(private_root: Path):
     sink = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sink.bind(str(notify_path))
     sink.settimeout(STEP)
-    srv = _write_launch(private_root)
+    srv = write_launch(private_root)
     messages: list[str] = []
 
     def receive_until(message: str, start: int = 0) -> int:
@@ -1080,7 +851,7 @@ def test_sd_notify_ready_and_status(private_root: Path):
             messages.extend(m for m in sink.recv(4096).decode().split("\n"))
 
     try:
-        _start(srv, env={"NOTIFY_SOCKET": str(notify_path)})
+        start_server(srv, env={"NOTIFY_SOCKET": str(notify_path)})
         ready = receive_until("READY=1")
         receive_until("STATUS=serving 0 instances", ready)
 
@@ -1095,5 +866,5 @@ def test_sd_notify_ready_and_status(private_root: Path):
     except TimeoutError as exc:
         raise AssertionError(f"missing notification; got {messages}") from exc
     finally:
-        _teardown(srv)
+        stop_server(srv)
         sink.close()

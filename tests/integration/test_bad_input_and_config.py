@@ -20,7 +20,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from tests.integration.conftest import REPO
+from tests.support.paths import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -151,7 +151,7 @@ def _start_backend_once(k) -> subprocess.CompletedProcess[str]:
         text=True,
         env=k.env,
         timeout=60,
-        cwd=REPO,
+        cwd=REPO_ROOT,
     )
 
 

@@ -24,8 +24,11 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import wait_until
-from tests.integration.conftest import REPO, Kandev, agent_chunks, alive, db_row, mock_agents
+from tests.support.kandev import Kandev, db_row, mock_agents
+from tests.support.paths import REPO_ROOT
+from tests.support.processes import alive
+from tests.support.streams import agent_chunks
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(300)
 PROMPTS = ("/slow 300", "/slow 300", "/flood 4000")
@@ -128,7 +131,7 @@ def test_chaos_control_server_and_backend_sigkills_interleaved(kandev_factory):
     task = k.cli("task", "create", "--title", "in flight")["task_id"]
     starting = subprocess.Popen(
         [sys.executable, "-m", "daemon.cli", "--home", str(k.home), "--json", "session", "start", task],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=k.env, cwd=REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=k.env, cwd=REPO_ROOT,
     )
     try:
         wait_until(lambda: db_row(k, "SELECT id FROM task_sessions WHERE task_id = ?", task), timeout=30)

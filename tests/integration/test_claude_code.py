@@ -1,9 +1,9 @@
 """A real Claude Code doing real turns through kandev (Issue 12 scenario A, Issue 12 scenario B, Issue 12 scenario C and Issue 12 scenario D).
 
 The agent is the pinned ``claude-code`` runtime (``@zed-industries/claude-code-acp``, prepared once
-per machine: ``tests/claude_runtime.py``), started by the real daemons in its bubblewrap sandbox
+per machine: ``tests/support/claude_runtime.py``), started by the real daemons in its bubblewrap sandbox
 as ``kandev session start --agent claude-code`` starts it; the model API is the tests' own local
-stand-in (``tests/messages_standin.py``), reached through ``[agents.claude-code] env =
+stand-in (``tests/support/messages_standin.py``), reached through ``[agents.claude-code] env =
 {ANTHROPIC_BASE_URL}``, with the key in a 0600 file named by ``secret_env``. One backend (survival
 on, detached control server) serves the module; the tests run as root, so every one of them is also
 Issue 12 scenario D (kandev running as root).
@@ -24,9 +24,11 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.helpers import wait_until
-from tests.integration.conftest import Kandev, agent_chunks, alive, make_env
-from tests.messages_standin import MessagesStandIn
+from tests.support.kandev import Kandev, make_env
+from tests.support.messages_standin import MessagesStandIn
+from tests.support.processes import alive
+from tests.support.streams import agent_chunks
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(300)
 

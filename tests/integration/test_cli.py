@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import wait_until
-from tests.integration.conftest import REPO, agent_chunks
+from tests.support.paths import REPO_ROOT
+from tests.support.streams import agent_chunks
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -100,7 +101,7 @@ def test_second_backend_on_the_same_home_is_refused(kandev_factory):
     st = k.up()
     proc = subprocess.run(
         [sys.executable, "-m", "daemon.backend.main", "--home", str(k.home)],
-        capture_output=True, text=True, env=k.env, timeout=60, cwd=REPO,
+        capture_output=True, text=True, env=k.env, timeout=60, cwd=REPO_ROOT,
     )
     assert proc.returncode == 1
     assert f"pid {st['backend']['pid']}" in proc.stderr
@@ -118,7 +119,7 @@ def test_second_backend_on_the_same_external_sqlite_file_is_refused(kandev_facto
     second = kandev_factory("two", config)
     proc = subprocess.run(
         [sys.executable, "-m", "daemon.backend.main", "--home", str(second.home)],
-        capture_output=True, text=True, env=second.env, timeout=60, cwd=REPO,
+        capture_output=True, text=True, env=second.env, timeout=60, cwd=REPO_ROOT,
     )
     assert proc.returncode == 1, proc.stderr
     assert f"pid {st['backend']['pid']}" in proc.stderr and f"{shared}.lock is locked" in proc.stderr
@@ -129,7 +130,7 @@ def test_second_backend_on_the_same_external_sqlite_file_is_refused(kandev_facto
     # (Issue 10 item 5): another installation is still refused, naming both ids.
     proc = subprocess.run(
         [sys.executable, "-m", "daemon.backend.main", "--home", str(second.home)],
-        capture_output=True, text=True, env=second.env, timeout=60, cwd=REPO,
+        capture_output=True, text=True, env=second.env, timeout=60, cwd=REPO_ROOT,
     )
     assert proc.returncode == 1 and "belongs to installation" in proc.stderr, proc.stderr
     assert first.up()["backend"]["state"] == "ready"

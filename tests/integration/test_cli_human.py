@@ -38,11 +38,14 @@ import pytest
 
 from daemon.backend import api
 from ipc.client import SyncClient
-from tests.helpers import wait_until
-from tests.integration.conftest import REPO, Kandev, TimedOutput, alive, make_env
+from tests.support.kandev import Kandev, make_env
+from tests.support.paths import REPO_ROOT
+from tests.support.processes import alive
+from tests.support.streams import TimedOutput
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(300)
-COMPLETION = REPO / "packaging" / "bash-completion" / "kandev"
+COMPLETION = REPO_ROOT / "packaging" / "bash-completion" / "kandev"
 ESC = "\x1b"
 
 
@@ -216,7 +219,7 @@ def _pty_run(k: Kandev, *args: str, columns: int = 200, **env: str) -> str:
     # COLUMNS (pytest-xdist workers export it) would override the terminal's own size, as it should
     base = {key: v for key, v in k.env.items() if key not in ("COLUMNS", "LINES")}
     proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "--home", str(k.home), *args],
-                            stdout=slave, stderr=subprocess.PIPE, env={**base, "TERM": "xterm", **env}, cwd=REPO)
+                            stdout=slave, stderr=subprocess.PIPE, env={**base, "TERM": "xterm", **env}, cwd=REPO_ROOT)
     os.close(slave)
     chunks = []
     try:

@@ -26,8 +26,10 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.helpers import wait_until
-from tests.integration.conftest import CliError, Kandev, agent_chunks, alive, db_row, mock_agents
+from tests.support.kandev import CliError, Kandev, db_row, mock_agents
+from tests.support.processes import alive
+from tests.support.streams import agent_chunks
+from tests.support.waiting import wait_until
 
 N = 120  # /slow long enough that every turn is still open when the server is killed
 pytestmark = pytest.mark.timeout(240)

@@ -41,9 +41,10 @@ from daemon.paths import Paths
 from daemon.store import transitions
 from daemon.store.db import Store, sqlite_url
 from daemon.store.models import CredentialLease, TaskSession, new_id
-from tests.helpers import wait_until
-from tests.integration.conftest import Kandev, alive, db_row
-from tests.integration.test_resume import metadata
+from tests.support.kandev import Kandev, db_row
+from tests.support.processes import alive
+from tests.support.sessions import metadata
+from tests.support.waiting import wait_until
 
 UPSTREAM = "ghp_INTEGRATIONupstreamToken0123456789abcd"
 FILL = "protocol=https\nhost=github.com\npath=example/repo.git\n\n"

@@ -43,7 +43,7 @@ from ipc import (
     read_frame_sync,
 )
 from ipc.framing import ConnectionClosed, decode_body
-from tests.helpers import wait_until
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 

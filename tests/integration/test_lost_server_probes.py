@@ -22,8 +22,8 @@ import pytest
 from daemon.backend.launcher import ControlServerHandle
 from daemon.backend.liveness import live_groups, stop_leftover_group
 from daemon.backend.server_watch import ServerWatch, describe_status
-from tests.helpers import wait_until
-from tests.integration.conftest import alive, group_alive
+from tests.support.processes import alive, group_alive
+from tests.support.waiting import wait_until
 
 # A group leader that starts a child in its own group, prints the child's pid, then waits.
 LEADER = (

@@ -12,7 +12,7 @@ import json
 import os
 import signal
 import subprocess
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,8 @@ from acp.schema import (
 )
 
 from daemon.agents.registry import get_agent
-from tests.helpers import REPO_ROOT
+from tests.support.aio import run
+from tests.support.paths import REPO_ROOT
 
 STEP = 15.0  # bound on any single protocol exchange, in seconds
 
@@ -148,13 +149,6 @@ def spawn(tmp_path: Path, state_dir: Path) -> Callable[..., Any]:
             print(f"--- {stderr_path.name}\n{stderr_path.read_text()}")  # shown when the test fails
 
     return _spawn
-
-
-def run(coro: Coroutine[Any, Any, Any], timeout: float = 45.0) -> Any:
-    async def bounded() -> Any:
-        return await asyncio.wait_for(coro, timeout)
-
-    return asyncio.run(bounded())
 
 
 def expected_stream(n: int) -> list[str]:

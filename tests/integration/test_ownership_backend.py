@@ -27,8 +27,11 @@ import pytest
 from daemon.agentctl import launch as launch_file
 from daemon.agentctl.client import AgentctlClient, OwnershipRefused
 from ipc.errors import IpcError
-from tests.helpers import wait_until
-from tests.integration.conftest import REPO, Kandev, agent_chunks, alive, db_row
+from tests.support.kandev import Kandev, db_row
+from tests.support.paths import REPO_ROOT
+from tests.support.processes import alive
+from tests.support.streams import agent_chunks
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -158,7 +161,7 @@ def test_scenario_c_killed_between_rotate_and_confirm(kandev_factory, fault):
     faulty = dict(k.env, KANDEV_FAULT=fault)
     proc = subprocess.run(
         [sys.executable, "-m", "daemon.backend.main", "--home", str(k.home)],
-        capture_output=True, text=True, env=faulty, timeout=120, cwd=REPO,
+        capture_output=True, text=True, env=faulty, timeout=120, cwd=REPO_ROOT,
     )
     assert proc.returncode == -signal.SIGKILL, proc.stderr  # it died at the fault point
     assert alive(st["control_server"]["pid"]) and alive(pid)  # nothing was stopped

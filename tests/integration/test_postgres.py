@@ -15,8 +15,10 @@ import sys
 import pytest
 from sqlalchemy import create_engine, text
 
-from tests.helpers import wait_until
-from tests.integration.conftest import REPO, agent_chunks, alive
+from tests.support.paths import REPO_ROOT
+from tests.support.processes import alive
+from tests.support.streams import agent_chunks
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -71,7 +73,7 @@ def test_one_postgresql_database_serves_one_home(kandev_factory, postgres):
     st = first.up()
     second = kandev_factory("two", f'[database]\nurl = "{url}"\n')
     proc = subprocess.run([sys.executable, "-m", "daemon.backend.main", "--home", str(second.home)],
-                          capture_output=True, text=True, env=second.env, timeout=60, cwd=REPO)
+                          capture_output=True, text=True, env=second.env, timeout=60, cwd=REPO_ROOT)
     assert proc.returncode == 1 and "already uses this PostgreSQL database" in proc.stderr, proc.stderr
     assert not (second.home / "logs" / "backend.log").exists()
     assert first.status()["backend"]["pid"] == st["backend"]["pid"]
@@ -80,7 +82,7 @@ def test_one_postgresql_database_serves_one_home(kandev_factory, postgres):
 
     def refused_as_foreign() -> str | None:
         proc = subprocess.run([sys.executable, "-m", "daemon.backend.main", "--home", str(second.home)],
-                              capture_output=True, text=True, env=second.env, timeout=60, cwd=REPO)
+                              capture_output=True, text=True, env=second.env, timeout=60, cwd=REPO_ROOT)
         assert proc.returncode == 1, proc.stderr
         return proc.stderr if "belongs to installation" in proc.stderr else None
 

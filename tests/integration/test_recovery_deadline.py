@@ -22,8 +22,11 @@ import sys
 
 import pytest
 
-from tests.helpers import wait_until
-from tests.integration.conftest import REPO, Kandev, agent_chunks, alive
+from tests.support.kandev import Kandev
+from tests.support.paths import REPO_ROOT
+from tests.support.processes import alive
+from tests.support.streams import agent_chunks
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(240)
 DEADLINE = {"KANDEV_AGENTCTL_RECOVERY_DEADLINE": "5s", "KANDEV_AGENTCTL_RECOVERY_READ_TIMEOUT": "500ms",
@@ -45,7 +48,7 @@ def _survivor(k: Kandev) -> tuple[dict, str, str, int]:
 def _start_backend(k: Kandev) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "daemon.backend.main", "--home", str(k.home)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=k.env, cwd=REPO,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=k.env, cwd=REPO_ROOT,
     )
     k.backend_pids.add(proc.pid)
     return proc

@@ -15,9 +15,11 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import wait_until
-from tests.integration.conftest import Kandev, agent_chunks, alive, db_row, group_alive
-from tests.integration.test_retracking import _ctl
+from tests.support.kandev import Kandev, db_row
+from tests.support.processes import alive, group_alive
+from tests.support.sessions import agentctl_caller
+from tests.support.streams import agent_chunks
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(240)
 MOCK = [sys.executable, "-m", "daemon.agents.mock"]
@@ -45,7 +47,7 @@ def test_unstoppable_duplicate_keeps_the_session_guarded(kandev_factory, short_t
     _kill_backend(k)
     workspace = short_tmp / "ws"
     workspace.mkdir()
-    extra = _ctl(k)(lambda c: c.create_instance(session_id=sid, task_id=show["task_id"], command=MOCK,
+    extra = agentctl_caller(k)(lambda c: c.create_instance(session_id=sid, task_id=show["task_id"], command=MOCK,
                                                 cwd=str(workspace)))
     k.agent_pids.add(extra["pid"])
     st = k.up()

@@ -28,8 +28,11 @@ import pytest
 
 from daemon.agentctl.reload_client import read_status
 from daemon.version import VERSION
-from tests.helpers import REPO_ROOT, wait_until
-from tests.integration.conftest import CliError, Kandev, agent_chunks, alive, db_row, db_rows
+from tests.support.kandev import CliError, Kandev, db_row, db_rows
+from tests.support.paths import REPO_ROOT
+from tests.support.processes import alive
+from tests.support.streams import agent_chunks
+from tests.support.waiting import wait_until
 
 SLOW = 60
 FLOOD = 20000

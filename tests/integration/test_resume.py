@@ -26,8 +26,21 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import wait_until
-from tests.integration.conftest import REPO, Kandev, agent_chunks, alive, db_row, mock_state_file
+from tests.support.kandev import Kandev, db_row, mock_state_file
+from tests.support.paths import REPO_ROOT
+from tests.support.processes import alive
+from tests.support.sessions import (
+    agent_log,
+    identities,
+    metadata,
+    new_task,
+    refused,
+    restart,
+    start,
+    switches,
+)
+from tests.support.streams import agent_chunks
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -44,47 +57,8 @@ def db_write(k: Kandev, sql: str, *params: Any) -> None:
         con.close()
 
 
-def identities(k: Kandev, sid: str) -> tuple[str | None, str | None]:
-    """RESUME-3: (task_sessions.metadata.acp.session_id, executors_running.resume_token)."""
-    session = db_row(k, "SELECT metadata_json FROM task_sessions WHERE id = ?", sid)
-    row = db_row(k, "SELECT resume_token FROM executors_running WHERE session_id = ?", sid)
-    assert session is not None
-    meta = json.loads(session["metadata_json"])
-    return (meta.get("acp") or {}).get("session_id"), (row or {}).get("resume_token")
-
-
-def metadata(k: Kandev, sid: str) -> dict[str, Any]:
-    row = db_row(k, "SELECT metadata_json FROM task_sessions WHERE id = ?", sid)
-    assert row is not None
-    return json.loads(row["metadata_json"])
-
-
-def agent_log(k: Kandev, instance_id: str) -> str:
-    path = k.home / "logs" / "agents" / f"{instance_id}.stderr.log"
-    return path.read_text(errors="replace") if path.exists() else ""
-
-
 def all_agent_logs(k: Kandev) -> str:
     return "".join(p.read_text(errors="replace") for p in sorted((k.home / "logs" / "agents").glob("*.stderr.log")))
-
-
-def new_task(k: Kandev, title: str, *extra: str) -> tuple[str, Path]:
-    out = k.cli("task", "create", "--title", title, *extra)
-    return out["task_id"], Path(out["workspace"])
-
-
-def start(k: Kandev, task: str) -> str:
-    sid = k.cli("session", "start", task)["session_id"]
-    k.show(sid)
-    return sid
-
-
-def switches(ws: Path, text: str | None) -> None:
-    path = ws / ".kandev-mock.toml"
-    if text is None:
-        path.unlink(missing_ok=True)
-    else:
-        path.write_text(text)
 
 
 def failed_session(k: Kandev, title: str) -> tuple[str, str, Path, str]:
@@ -98,12 +72,6 @@ def failed_session(k: Kandev, title: str) -> tuple[str, str, Path, str]:
     return task, sid, ws, show["resume_token"]
 
 
-def refused(k: Kandev, *args: str) -> dict[str, Any]:
-    proc = k.run(*args)
-    assert proc.returncode == 1, (proc.returncode, proc.stdout, proc.stderr)
-    return json.loads(proc.stdout)["error"]
-
-
 def up_in_background(k: Kandev) -> tuple[subprocess.Popen[str], int]:
     """``kandev up`` left running while the test watches the backend start; returns it and the
     offset in backend.log where this backend's lines begin. (``kandev up`` detaches the backend,
@@ -112,7 +80,7 @@ def up_in_background(k: Kandev) -> tuple[subprocess.Popen[str], int]:
     offset = log.stat().st_size if log.exists() else 0
     proc = subprocess.Popen(
         [sys.executable, "-m", "daemon.cli", "--home", str(k.home), "--json", "up"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=k.env, cwd=REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=k.env, cwd=REPO_ROOT,
     )
     return proc, offset
 
@@ -121,12 +89,6 @@ def settle_up(k: Kandev, proc: subprocess.Popen[str]) -> None:
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out
     k.backend_pids.add(int(json.loads(out)["status"]["backend"]["pid"]))
-
-
-def restart(k: Kandev, **env: str) -> dict[str, Any]:
-    k.cli("down", timeout=90)
-    k.env.update(env)
-    return k.up()
 
 
 # ---------------------------------------------------------------- Issue 5 scenario A

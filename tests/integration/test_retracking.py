@@ -22,35 +22,16 @@ from typing import Any
 
 import pytest
 
-from daemon.agentctl import launch as launch_file
 from daemon.agentctl.client import AgentctlClient
 from ipc.client import SyncClient
-from tests.helpers import wait_until
-from tests.integration.conftest import Kandev, agent_chunks, alive, db_row, group_alive
+from tests.support.kandev import Kandev, db_row
+from tests.support.processes import alive, group_alive
+from tests.support.sessions import agentctl_caller
+from tests.support.streams import agent_chunks
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(300)
 MOCK = [sys.executable, "-m", "daemon.agents.mock"]
-
-
-def _ctl(k: Kandev):
-    """Run ``fn(client)`` against the control server with this home's current credential."""
-    rec = db_row(k, "SELECT * FROM control_server_record WHERE id = 1")
-    assert rec is not None
-    credential = launch_file.read_credential_file(k.home / "secrets" / rec["credential_ref"])
-    installation = (k.home / "installation-id").read_text().strip()
-
-    def run(fn):
-        async def go():
-            client = await AgentctlClient.connect(rec["endpoint"], credential=credential,
-                                                  installation_id=installation)
-            try:
-                return await fn(client)
-            finally:
-                await client.close()
-
-        return asyncio.run(go())
-
-    return run
 
 
 def _kill_backend(k: Kandev) -> None:
@@ -73,7 +54,7 @@ def test_scenario_a_turn_finished_while_away_applied_once(kandev_factory):
     wait_until(lambda: agent_chunks(k.show(sid)), timeout=30)
     os.kill(backend, signal.SIGKILL)  # at once: the turn must end while no backend is attached
     wait_until(lambda: not alive(backend), timeout=10)
-    ctl = _ctl(k)
+    ctl = agentctl_caller(k)
     status = wait_until(lambda: s if (s := ctl(lambda c: c.turn_status(instance)))["outcomes"] else None,
                         timeout=30)
     assert ctl(lambda c: c.turn_status(instance)) == status  # reading never discards (AC-EXECUTORS-SURVIVAL-004.6)
@@ -85,7 +66,7 @@ def test_scenario_a_turn_finished_while_away_applied_once(kandev_factory):
     done = wait_until(lambda: s if len(agent_chunks(s := k.show(sid))) == 10 else None, timeout=30)
     assert agent_chunks(done) == [f"{i}/10 " for i in range(1, 11)]
     assert [(t["turn_id"], t["state"], t["stop_reason"]) for t in done["turns"]] == [(turn_id, "finished", "end_turn")]
-    ctl = _ctl(k)  # the credential rotated on adoption
+    ctl = agentctl_caller(k)  # the credential rotated on adoption
     wait_until(lambda: not ctl(lambda c: c.turn_status(instance))["outcomes"], timeout=10)  # acked
     # A second restart applies nothing new.
     _kill_backend(k)
@@ -103,7 +84,7 @@ def test_scenario_b_flood_while_away_pauses_and_loses_nothing(kandev_factory):
     instance = k.show(sid)["instance_id"]
     pid = k.show(sid)["agent_pid"]
     _kill_backend(k)
-    ctl = _ctl(k)
+    ctl = agentctl_caller(k)
     # The bound applies while detached: wait until the server has noticed the dead backend's stream
     # (until then the instance is still attached and whatever it sends counts as sent, not parked).
     wait_until(lambda: not ctl(lambda c: c.list_instances())[0]["attached"], timeout=10)
@@ -127,7 +108,7 @@ def test_scenario_c_permission_raised_while_detached_stays_open(kandev_factory):
     _, sid = k.start_session("permission")
     instance = k.show(sid)["instance_id"]
     _kill_backend(k)
-    ctl = _ctl(k)
+    ctl = agentctl_caller(k)
     ctl(lambda c: c.prompt(instance, "/permission"))  # raised while no backend is attached
     with pytest.raises(TimeoutError):  # still open several seconds later
         wait_until(lambda: ctl(lambda c: c.turn_status(instance))["outcomes"], timeout=4)
@@ -155,7 +136,7 @@ def test_scenario_d_orphans_duplicates_and_missing_instances(kandev_factory, sho
     workspace = short_tmp / "ws"
     workspace.mkdir()
     _kill_backend(k)
-    ctl = _ctl(k)
+    ctl = agentctl_caller(k)
     orphan = ctl(lambda c: c.create_instance(session_id="no-such-session", task_id="t", command=MOCK,
                                              cwd=str(workspace)))
     extra = ctl(lambda c: c.create_instance(session_id=dup_sid, task_id=dup["task_id"], command=MOCK,

@@ -16,9 +16,8 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import wait_until
-from tests.integration.conftest import Kandev, agent_chunks, mock_state_file
-from tests.integration.test_resume import (
+from tests.support.kandev import Kandev, mock_state_file
+from tests.support.sessions import (
     agent_log,
     identities,
     metadata,
@@ -28,6 +27,8 @@ from tests.integration.test_resume import (
     start,
     switches,
 )
+from tests.support.streams import agent_chunks
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(300)
 

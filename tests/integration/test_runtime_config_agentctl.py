@@ -15,7 +15,8 @@ import pytest
 
 from daemon.agentctl.protocol import EventKind
 from ipc.errors import ErrorCode, IpcError
-from tests.integration.test_agentctl_server import STEP, Server, _start, _teardown, _write_launch, run
+from tests.support.agentctl import STEP, Server, start_server, stop_server, write_launch
+from tests.support.aio import run
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -23,12 +24,12 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture
 def ctl(short_tmp: Path) -> Iterator[Server]:
     """A real control server on a private home (the agentctl server tests' set-up)."""
-    srv = _write_launch(short_tmp)
+    srv = write_launch(short_tmp)
     try:
-        _start(srv)
+        start_server(srv)
         yield srv
     finally:
-        _teardown(srv)
+        stop_server(srv)
 
 
 def _options(options: list[dict[str, Any]]) -> dict[str, Any]:

@@ -19,10 +19,11 @@ import pytest
 from daemon.backend import api
 from daemon.runtimes.npx_cache import NPX_DIR, npx_key
 from ipc.client import SyncClient
-from tests.claude_runtime import CLAUDE, is_prepared
-from tests.helpers import wait_until
-from tests.integration.conftest import agent_chunks, make_env
-from tests.messages_standin import MessagesStandIn
+from tests.support.claude_runtime import CLAUDE, is_prepared
+from tests.support.kandev import make_env
+from tests.support.messages_standin import MessagesStandIn
+from tests.support.streams import agent_chunks
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(300)
 

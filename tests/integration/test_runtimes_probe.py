@@ -7,28 +7,20 @@ group whatever happened. The runner's time limit kills npm's whole group too.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 import acp
 import pytest
 
 from daemon.runtimes.probe import acp_probe
 from daemon.runtimes.proc import CommandRunner
-from tests.helpers import wait_until
-from tests.integration.conftest import alive, group_alive
+from tests.support.aio import run
+from tests.support.processes import alive, group_alive
+from tests.support.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def run(coro: Any, timeout: float = 60.0) -> Any:
-    async def bounded() -> Any:
-        return await asyncio.wait_for(coro, timeout)
-
-    return asyncio.run(bounded())
 
 
 def env(tmp_path: Path) -> dict[str, str]:

@@ -36,8 +36,10 @@ import pytest
 
 from daemon.agentctl.sandbox import sandbox_ids
 from daemon.session_dirs import SessionDirs
-from tests.helpers import attack_script, attack_verdicts, connect_argv, wait_until
-from tests.integration.conftest import Kandev, alive, db_row
+from tests.support.kandev import Kandev, db_row
+from tests.support.processes import alive
+from tests.support.sandbox_attacks import attack_script, attack_verdicts, connect_argv
+from tests.support.waiting import wait_until
 
 UPSTREAM = "ghp_SANDBOXupstreamToken0123456789abcdef"
 DIGEST = hashlib.sha256(UPSTREAM.encode()).hexdigest()[:12]

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import Kandev, agent_chunks, make_env
+from tests.support.kandev import Kandev, make_env
+from tests.support.streams import agent_chunks
 
 pytestmark = pytest.mark.timeout(600)
 

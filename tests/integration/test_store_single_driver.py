@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-from tests.integration.conftest import REPO, db_row
+from tests.support.kandev import db_row
+from tests.support.paths import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -25,7 +26,7 @@ def _backend(k) -> subprocess.CompletedProcess[str]:
     """Start a backend of ``k``'s home in the foreground (it exits at once when refused)."""
     return subprocess.run(
         [sys.executable, "-m", "daemon.backend.main", "--home", str(k.home)],
-        capture_output=True, text=True, env=k.env, timeout=60, cwd=REPO,
+        capture_output=True, text=True, env=k.env, timeout=60, cwd=REPO_ROOT,
     )
 
 

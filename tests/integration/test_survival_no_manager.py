@@ -15,8 +15,9 @@ import signal
 import psutil
 import pytest
 
-from tests.helpers import wait_until
-from tests.integration.conftest import agent_chunks, alive, group_alive
+from tests.support.processes import alive, group_alive
+from tests.support.streams import agent_chunks
+from tests.support.waiting import wait_until
 
 N = 40  # long enough that the turn outlives the restart even on a loaded machine
 EXPECTED = [f"{i}/{N} " for i in range(1, N + 1)]

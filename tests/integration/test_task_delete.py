@@ -7,8 +7,9 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from tests.helpers import wait_until
-from tests.integration.conftest import alive, db_row
+from tests.support.kandev import db_row
+from tests.support.processes import alive
+from tests.support.waiting import wait_until
 
 
 def _git(*args: str, cwd: Path) -> str:

@@ -11,8 +11,8 @@ import signal
 
 import pytest
 
-from tests.helpers import wait_until
-from tests.integration.conftest import alive
+from tests.support.processes import alive
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 

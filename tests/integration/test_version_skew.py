@@ -1,6 +1,6 @@
 """Backend N with control server N-1 (Issue 15 item 5), with the real previous release.
 
-The previous release is built from this repository's history (``tests/releases.py``: the tag
+The previous release is built from this repository's history (``tests/support/releases.py``: the tag
 ``v<version>`` or the recorded commit, a ``git clone`` and a venv of its own, cached under
 /var/tmp). Its backend and control server run with agent survival on and no service manager, a
 mock session mid-``/slow``; its backend is SIGKILLed; the current backend starts on the same home,
@@ -23,9 +23,11 @@ from typing import Any
 import pytest
 
 from daemon.version import VERSION
-from tests.helpers import wait_until
-from tests.integration.conftest import Kandev, agent_chunks, alive
-from tests.releases import previous_release, release_venv
+from tests.support.kandev import Kandev
+from tests.support.processes import alive
+from tests.support.releases import previous_release, release_venv
+from tests.support.streams import agent_chunks
+from tests.support.waiting import wait_until
 
 N = 20
 pytestmark = pytest.mark.timeout(900)  # the first run builds the previous release's venv

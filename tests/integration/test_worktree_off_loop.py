@@ -21,8 +21,8 @@ import pytest
 from daemon.backend import api
 from daemon.backend.worktree import ADD_TIMEOUT_S
 from ipc.client import SyncClient
-from tests.helpers import wait_until
-from tests.integration.conftest import REPO
+from tests.support.paths import REPO_ROOT
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -55,7 +55,7 @@ def _create_in_background(k, repo: Path) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "daemon.cli", "--home", str(k.home), "--json",
          "task", "create", "--title", "wt", "--executor", "worktree", "--workspace", str(repo)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=k.env, cwd=REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=k.env, cwd=REPO_ROOT,
     )
 
 

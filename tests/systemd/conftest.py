@@ -1,24 +1,19 @@
 """The `sdbox` fixture: one throw-away systemd (tests/systemd/sdbox.sh) per test module.
 
-Helper API (see harness.SdBox): run, systemctl, prop, journal_json, alive, wait_for, write_file,
+Helper API (see tests.support.sdbox.SdBox): run, systemctl, prop, journal_json, alive, wait_for, write_file,
 read_file, install_units; attributes leader, lab, share (host side of /sdbox), venv_bin, repo_root.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.systemd.harness import SdBox, SdBoxError, unavailable_reason
+from tests.support.sdbox import SdBox, SdBoxError, on_ci, unavailable_reason
 
 _HERE = Path(__file__).resolve().parent
-
-
-def _on_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -36,7 +31,7 @@ def sdbox(repo_root: Path, venv_python: Path) -> Iterator[SdBox]:
     """
     reason = unavailable_reason()
     if reason:
-        if _on_ci():
+        if on_ci():
             pytest.fail(f"systemd tests cannot run on this CI machine: {reason}", pytrace=False)
         pytest.skip(f"systemd harness (tests/systemd/sdbox.sh) unavailable: {reason}")
     box = SdBox(repo_root=repo_root, venv_bin=venv_python.parent)

@@ -6,7 +6,7 @@ under /etc/kandev included), while its own work and ``/git-credential`` succeed;
 credential is gone once the control server consumed it, and the home stays private.
 
 The .deb is built once per content of what goes into it, with a rebuild of a higher version (the
-upgrade) and the lintian report (``tests/systemd/debs.py``, cached in /var/tmp/kandev-deb-cache/).
+upgrade) and the lintian report (``tests/support/debs.py``, cached in /var/tmp/kandev-deb-cache/).
 
 Inside the box (no network: apt resolves the Depends from what set-up installed on the host) the
 tests run in file order on one box, each step starting from the state the previous one left:
@@ -26,9 +26,9 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import attack_script, attack_verdicts, connect_argv
-from tests.systemd.debs import build_packages
-from tests.systemd.harness import SdBox
+from tests.support.debs import build_packages
+from tests.support.sandbox_attacks import attack_script, attack_verdicts, connect_argv
+from tests.support.sdbox import SdBox
 
 BACKEND, AGENTCTL = "kandev-backend.service", "kandev-agentctl.service"
 HOME = "/var/lib/kandev"
@@ -390,7 +390,7 @@ def test_issue12_e_claude_code_with_its_key_from_a_systemd_credential(pkg: Box, 
     box.run("chown", "-R", "kandev:kandev", f"{HOME}/.npm")
     record = "/var/tmp/standin.jsonl"
     box.run("systemd-run", "--unit=messages-standin", "--quiet", "/usr/bin/python3",
-            str(REPO / "tests/messages_standin.py"), "--port", str(STANDIN_PORT), "--record", record,
+            str(REPO / "tests/support/messages_standin.py"), "--port", str(STANDIN_PORT), "--record", record,
             "--deltas", json.dumps(["Hello", " from", " the", " box."]))
     box.run("mkdir", "-p", "-m", "0750", "/etc/kandev/secrets")
     box.run("chown", "root:kandev", "/etc/kandev/secrets")

@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 
 from daemon.version import VERSION
-from tests.releases import Release, previous_release
-from tests.systemd.debs import build_packages, build_release_package
-from tests.systemd.harness import SdBox
+from tests.support.debs import build_packages, build_release_package
+from tests.support.releases import Release, previous_release
+from tests.support.sdbox import SdBox
 
 BACKEND, AGENTCTL = "kandev-backend.service", "kandev-agentctl.service"
 N = 40

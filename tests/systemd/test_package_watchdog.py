@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.systemd.harness import SdBox
+from tests.support.sdbox import SdBox
 
 BACKEND = "kandev-backend.service"
 DROPIN = f"/etc/systemd/system/{BACKEND}.d/zz-test-watchdog.conf"

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.systemd.harness import SdBox
+from tests.support.sdbox import SdBox
 
 HOME = "/var/lib/kandev"
 AGENTCTL = "kandev-agentctl.service"

@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import attack_script, attack_verdicts, connect_argv
-from tests.systemd.harness import SdBox
+from tests.support.sandbox_attacks import attack_script, attack_verdicts, connect_argv
+from tests.support.sdbox import SdBox
 
 HOME = "/var/lib/kandev"
 TOKEN_FILE = "/etc/kandev/github-token"

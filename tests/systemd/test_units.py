@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.systemd.harness import SdBox
+from tests.support.sdbox import SdBox
 
 BACKEND = "kandev-backend.service"
 AGENTCTL = "kandev-agentctl.service"

@@ -22,15 +22,9 @@ import pytest
 from daemon.agentctl.events import EXCLUDED_KINDS, RETAINED_KINDS, EventLog
 from daemon.agentctl.instance import AGENT_STDOUT_LIMIT, AgentPipeTransport
 from daemon.agentctl.protocol import EventKind
+from tests.support.aio import run
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def run(coro: Any, timeout: float = 30.0) -> Any:
-    async def bounded() -> Any:
-        return await asyncio.wait_for(coro, timeout)
-
-    return asyncio.run(bounded())
 
 
 def all_kinds() -> set[str]:

@@ -39,7 +39,7 @@ from daemon.agentctl.ownership import Ownership
 from daemon.agentctl.reexec import interpreter_flags
 from daemon.agentctl.sandbox import SandboxSupport
 from ipc.errors import IpcError
-from tests.helpers import REPO_ROOT
+from tests.support.paths import REPO_ROOT
 
 
 def _instance(**over: object) -> InstanceHandover:

@@ -23,6 +23,7 @@ from daemon.agentctl.instance import (
 )
 from daemon.agentctl.launch import LaunchConfig, LaunchError
 from daemon.config import ConfigError
+from tests.support.aio import run
 
 CRED = bytes(range(32))
 
@@ -213,10 +214,6 @@ def test_systemd_credential_wins_over_the_file(tmp_path):
 # ---------------------------------------------------------------- event log
 
 
-def _run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 10))
-
-
 def test_event_log_numbers_and_retains_in_order():
     log = EventLog()
     for i in range(5):
@@ -254,7 +251,7 @@ def test_subscription_replays_then_follows_and_is_exclusive():
         log.close()
         assert log.append("k", {}) is None and log.retained_count == 0
 
-    _run(scenario())
+    run(scenario())
 
 
 def test_subscription_skips_events_discarded_under_it():
@@ -266,7 +263,7 @@ def test_subscription_skips_events_discarded_under_it():
         log.discard_through(2)
         assert (await sub.next()).seq == 3
 
-    _run(scenario())
+    run(scenario())
 
 
 def test_events_are_always_sendable():

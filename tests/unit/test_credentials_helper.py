@@ -26,7 +26,8 @@ from daemon.paths import write_secret_file
 from ipc.errors import IpcError
 
 
-def run(argv: list[str], stdin: str, env: dict[str, str]) -> tuple[int, str, str]:
+def run_helper(argv: list[str], stdin: str, env: dict[str, str]) -> tuple[int, str, str]:
+    """The git credential helper's main, in process: (exit code, stdout, stderr)."""
     out, err = io.StringIO(), io.StringIO()
     code = helper.main(argv, stdin=io.StringIO(stdin), stdout=out, stderr=err, env=env)
     return code, out.getvalue(), err.getvalue()
@@ -80,14 +81,14 @@ def test_lease_file_is_private_and_checked(tmp_path: Path) -> None:
     write_secret_file(bare, b"kgl_bare\n")
     assert read_lease_file(bare) == ("kgl_bare", None)
     path.chmod(0o644)
-    code, out, err = run(["get"], GET, {"KANDEV_GIT_LEASE_FILE": str(path), "KANDEV_BACKEND_SOCKET": "/x"})
+    code, out, err = run_helper(["get"], GET, {"KANDEV_GIT_LEASE_FILE": str(path), "KANDEV_BACKEND_SOCKET": "/x"})
     assert code == 1 and out == "quit=1\n" and "0644" in err and "kgl_z" not in err
 
 
 @pytest.mark.parametrize("action", ["store", "erase", "unknown-action"])
 def test_store_and_erase_keep_nothing(action: str, tmp_path: Path, lease_env: dict[str, str]) -> None:
     before = Path(lease_env["KANDEV_GIT_LEASE_FILE"]).read_bytes()
-    code, out, err = run([action], GET.replace("\n\n", "\nusername=x-access-token\npassword=UPSTREAM\n\n"),
+    code, out, err = run_helper([action], GET.replace("\n\n", "\nusername=x-access-token\npassword=UPSTREAM\n\n"),
                          lease_env)
     assert (code, out, err) == (0, "", "")
     assert Path(lease_env["KANDEV_GIT_LEASE_FILE"]).read_bytes() == before
@@ -102,13 +103,13 @@ def test_store_and_erase_keep_nothing(action: str, tmp_path: Path, lease_env: di
 ])
 def test_requests_for_other_hosts_get_an_empty_answer(request_text: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(helper, "_call", lambda *a: pytest.fail("must not call the backend"))
-    assert run(["get"], request_text, {}) == (0, "", "")
+    assert run_helper(["get"], request_text, {}) == (0, "", "")
 
 
 def test_missing_environment_or_path_fails_closed(lease_env: dict[str, str]) -> None:
-    code, out, err = run(["get"], GET, {})
+    code, out, err = run_helper(["get"], GET, {})
     assert code == 1 and out == "quit=1\n" and "KANDEV_GIT_LEASE_FILE" in err
-    code, out, err = run(["get"], "protocol=https\nhost=github.com\n\n", lease_env)
+    code, out, err = run_helper(["get"], "protocol=https\nhost=github.com\n\n", lease_env)
     assert code == 1 and "useHttpPath" in err
 
 
@@ -128,7 +129,7 @@ class FakeBackend:
 def test_get_prints_the_redeemed_credential(lease_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
     fake = FakeBackend([{"username": "x-access-token", "password": "UPSTREAM"}])
     monkeypatch.setattr(helper, "_call", fake)
-    code, out, err = run(["get"], GET, lease_env)
+    code, out, err = run_helper(["get"], GET, lease_env)
     assert (code, out, err) == (0, "username=x-access-token\npassword=UPSTREAM\n", "")
     assert fake.calls == [("credential_redeem", {"lease_token": "kgl_old", "host": "github.com",
                                                  "path": "example/repo.git", "protocol": "https"})]
@@ -142,7 +143,7 @@ def test_one_reissue_after_a_lease_failure(code: str, lease_env: dict[str, str],
     fake = FakeBackend([IpcError(code, "x"), {"lease_token": "kgl_new", "lease_id": "l2"},
                         {"username": "x-access-token", "password": "UPSTREAM"}])
     monkeypatch.setattr(helper, "_call", fake)
-    rc, out, _ = run(["get"], GET, lease_env)
+    rc, out, _ = run_helper(["get"], GET, lease_env)
     assert rc == 0 and out.endswith("password=UPSTREAM\n")
     assert [c[0] for c in fake.calls] == ["credential_redeem", "credential_reissue", "credential_redeem"]
     assert fake.calls[1][1] == {"capability": "kgc_cap"} and fake.calls[2][1]["lease_token"] == "kgl_new"
@@ -150,7 +151,7 @@ def test_one_reissue_after_a_lease_failure(code: str, lease_env: dict[str, str],
 
     fake = FakeBackend([IpcError(code, "x"), {"lease_token": "kgl_3", "lease_id": "l3"}, IpcError(code, "again")])
     monkeypatch.setattr(helper, "_call", fake)
-    rc, out, err = run(["get"], GET, lease_env)
+    rc, out, err = run_helper(["get"], GET, lease_env)
     assert rc == 1 and out == "quit=1\n" and len(fake.calls) == 3 and code in err
 
 
@@ -159,7 +160,7 @@ def test_one_reissue_after_a_lease_failure(code: str, lease_env: dict[str, str],
 def test_other_failures_are_final(code: str, lease_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
     fake = FakeBackend([IpcError(code, "refused")])
     monkeypatch.setattr(helper, "_call", fake)
-    rc, out, err = run(["get"], GET, lease_env)
+    rc, out, err = run_helper(["get"], GET, lease_env)
     assert (rc, out) == (1, "quit=1\n") and f"{code}: refused" in err and len(fake.calls) == 1
 
 
@@ -167,10 +168,10 @@ def test_no_reissue_without_a_capability(tmp_path: Path, monkeypatch: pytest.Mon
     lease = write_lease_file(tmp_path / "l" / "s.json", "kgl_only")
     fake = FakeBackend([IpcError("lease_expired", "expired")])
     monkeypatch.setattr(helper, "_call", fake)
-    rc, _, _ = run(["get"], GET, {"KANDEV_GIT_LEASE_FILE": str(lease), "KANDEV_BACKEND_SOCKET": "/x"})
+    rc, _, _ = run_helper(["get"], GET, {"KANDEV_GIT_LEASE_FILE": str(lease), "KANDEV_BACKEND_SOCKET": "/x"})
     assert rc == 1 and len(fake.calls) == 1
 
 
 def test_unreachable_backend_fails_closed(lease_env: dict[str, str]) -> None:
-    rc, out, err = run(["get"], GET, lease_env)  # nothing listens on the socket
+    rc, out, err = run_helper(["get"], GET, lease_env)  # nothing listens on the socket
     assert rc == 1 and out == "quit=1\n" and "unavailable" in err and "kgl_old" not in err

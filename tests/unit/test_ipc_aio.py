@@ -17,16 +17,9 @@ import pytest
 
 from ipc.aio import cancel_and_wait, within
 from ipc.client import AsyncClient
+from tests.support.aio import run
 
 pytestmark = pytest.mark.timeout(30)
-
-
-def run(coro: Any) -> Any:
-    async def bounded() -> Any:
-        async with asyncio.timeout(10):
-            return await coro
-
-    return asyncio.run(bounded())
 
 
 async def _complete_and_cancel(waiting: asyncio.Task[Any], fut: asyncio.Future[Any]) -> Any:

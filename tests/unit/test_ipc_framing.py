@@ -7,7 +7,6 @@ import socket
 import struct
 import threading
 import tracemalloc
-from collections.abc import Coroutine
 from typing import Any
 
 import msgpack
@@ -28,6 +27,7 @@ from ipc.framing import (
     read_frame_sync,
     write_frame_sync,
 )
+from tests.support.aio import run
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -38,10 +38,6 @@ SAMPLES: list[dict[str, Any]] = [
     {"big": 2**63 - 1, "neg": -(2**63), "nested": {"a": {"b": {"c": [{"d": []}]}}}},
     {"blob": b"x" * (1024 * 1024)},
 ]
-
-
-def run(coro: Coroutine[Any, Any, Any]) -> Any:
-    return asyncio.run(asyncio.wait_for(coro, 10))
 
 
 def frame_of(body: bytes) -> bytes:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from ipc.peercred import PeerCredentials, peer_admitted, peer_credentials, supplementary_groups
-from tests.helpers import wait_until
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(30)
 

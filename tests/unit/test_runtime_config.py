@@ -7,7 +7,6 @@ into the "store" before restore runs, as the backend's event consumer does).
 
 from __future__ import annotations
 
-import asyncio
 import copy
 from collections.abc import Mapping
 from typing import Any
@@ -16,6 +15,7 @@ import pytest
 
 from daemon.backend import runtime_config as rc
 from ipc.errors import ErrorCode, IpcError
+from tests.support.aio import run
 
 
 def _option(option_id: str, category: str | None, value: Any, values: list[str]) -> dict[str, Any]:
@@ -69,10 +69,6 @@ class FakeAgent:
         self.state[config_id] = value
         self.seq += 1
         return {"config_options": self._options(), "last_seq": self.seq}
-
-
-def run(coro: Any) -> Any:
-    return asyncio.run(coro)
 
 
 # ---------------------------------------------------------------- capture

@@ -27,18 +27,12 @@ from daemon.runtimes.update import Job, RuntimeJobs, RuntimeUpdater, stage_argv
 from daemon.store.db import Store, sqlite_url
 from daemon.store.models import RuntimeUpdateJob
 from ipc.errors import IpcError
+from tests.support.aio import run
 
 CLAUDE = BUILTIN_AGENTS["claude-code"]
 KEY = npx_key(CLAUDE.npm_spec)
 OK_PROBE = ProbeResult(True, 1, "@zed-industries/claude-code-acp", "0.16.2", "", 0.5)
 SECRET = "npm_SuperSecretToken1234567890"
-
-
-def run(coro: Any, timeout: float = 20.0) -> Any:
-    async def bounded() -> Any:
-        return await asyncio.wait_for(coro, timeout)
-
-    return asyncio.run(bounded())
 
 
 def ok(argv: Sequence[str], stdout: str = "") -> RunResult:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from daemon import version
 from daemon.version import VERSION, installed_version, version_key
-from tests.helpers import REPO_ROOT
+from tests.support.paths import REPO_ROOT
 
 
 def test_pyproject_reads_the_version_from_daemon_version() -> None:

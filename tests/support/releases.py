@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from daemon.version import VERSION, version_key
-from tests.helpers import REPO_ROOT
+from tests.support.paths import REPO_ROOT
 
 CACHE = Path("/var/tmp/kandev-release-cache")
 RECORD = REPO_ROOT / "packaging" / "releases.txt"

@@ -6,7 +6,7 @@ it (daemon/, ipc/, debian/, packaging/, units/, README.md, pyproject.toml) by
 whose debian/changelog and daemon/version.py carry a higher version (the upgrade: its code reports
 that version) and the lintian report; the three are cached in /var/tmp/kandev-deb-cache/<hash>/.
 ``build_release_package(release)`` builds the .deb of an earlier release from a clone of its
-commit (``tests/releases.py``), cached in /var/tmp/kandev-deb-cache/release-<commit>/.
+commit (``tests/support/releases.py``), cached in /var/tmp/kandev-deb-cache/release-<commit>/.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from typing import Any
 
 import pytest
 
-from tests.releases import Release, release_tree
+from tests.support.paths import REPO_ROOT
+from tests.support.releases import Release, release_tree
 
-REPO = Path(__file__).resolve().parents[2]
 CACHE = Path("/var/tmp/kandev-deb-cache")
 SOURCES = ("daemon", "ipc", "debian", "packaging", "units", "README.md", "pyproject.toml")
 BUILD_TIMEOUT = 600
@@ -41,19 +41,19 @@ def source_hash() -> str:
     """sha256 over path, mode and content of every file the package is built from."""
     h = hashlib.sha256()
     for top in SOURCES:
-        root = REPO / top
+        root = REPO_ROOT / top
         files = [root] if root.is_file() else sorted(
             p for p in root.rglob("*") if (p.is_file() or p.is_symlink()) and not any(_skip(x) for x in p.parts)
         )
         for f in files:
-            rel = f.relative_to(REPO).as_posix()
+            rel = f.relative_to(REPO_ROOT).as_posix()
             data = os.readlink(f).encode() if f.is_symlink() else f.read_bytes()
             h.update(f"{rel}\0{f.lstat().st_mode:o}\0{len(data)}\0".encode() + data)
     return h.hexdigest()[:16]
 
 
 def _version() -> str:
-    first = (REPO / "debian/changelog").read_text().splitlines()[0]
+    first = (REPO_ROOT / "debian/changelog").read_text().splitlines()[0]
     m = re.match(r"^kandev \(([^)]+)\)", first)
     assert m, first
     return m.group(1)
@@ -90,7 +90,7 @@ def build_packages() -> dict[str, Any]:
                 tree = work / f"kandev-{version}"
                 tree.mkdir()
                 for top in SOURCES:
-                    src = REPO / top
+                    src = REPO_ROOT / top
                     if src.is_dir():
                         shutil.copytree(src, tree / top, symlinks=True,
                                         ignore=lambda d, names: [n for n in names if _skip(n)])

@@ -27,7 +27,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-SDBOX_SH = Path(__file__).resolve().with_name("sdbox.sh")
+from tests.support.paths import REPO_ROOT
+from tests.support.waiting import wait_until
+
+SDBOX_SH = REPO_ROOT / "tests" / "systemd" / "sdbox.sh"
 
 # The command sdbox.sh runs on the host once the box has booted.
 # $1 = control dir, $2 = pid of the test process (if it dies, e.g. SIGKILL, tear the box down too).
@@ -70,6 +73,11 @@ def _mounts() -> dict[str, str]:
     except OSError:
         pass
     return out
+
+
+def on_ci() -> bool:
+    """Whether this run is CI's (``CI=true``), where a harness that cannot run is a failure, not a skip."""
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
 
 
 def unavailable_reason() -> str | None:
@@ -295,15 +303,12 @@ class SdBox:
 
     @staticmethod
     def wait_for(fn: Callable[[], Any], timeout: float = 10, interval: float = 0.1) -> Any:
-        """Poll fn every 0.1 s until it returns something truthy; return that, or False after timeout."""
-        deadline = time.monotonic() + timeout
-        while True:
-            value = fn()
-            if value:
-                return value
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(interval)
+        """Poll fn every 0.1 s until it returns something truthy; return that, or False after timeout
+        (``wait_until`` with a falsy answer instead of ``TimeoutError``, for ``assert box.wait_for(...)``)."""
+        try:
+            return wait_until(fn, timeout, interval)
+        except TimeoutError:
+            return False
 
     def write_file(self, path: str | os.PathLike[str], text: str, mode: int | str = 0o644) -> None:
         """Create or replace a file inside the box (parent directories are created)."""

@@ -1,0 +1,83 @@
+"""Looking at and stopping processes a test started (never by name: by pid or process group)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+
+import psutil
+
+from tests.support.waiting import wait_until
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not count)."""
+    try:
+        proc = psutil.Process(pid)
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` runs (zombies do not count)."""
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                return True
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            continue
+    return False
+
+
+def group_exists(pgid: int) -> bool:
+    """Whether a process of the group still runs. A zombie does not count: a sandboxed agent's
+    bwrap init is reaped by whoever inherited it (init), which may take a moment after it died."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                return True
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            continue
+    return False
+
+
+def kill_group(pgid: int) -> None:
+    """SIGTERM, then SIGKILL, a process group this test run started; each given 5 s to go."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        with contextlib.suppress(TimeoutError):
+            wait_until(lambda: not group_exists(pgid), 5, message="group gone")
+            return
+
+
+def terminate(pid: int, group: bool = False) -> None:
+    """SIGTERM then SIGKILL a pid (or the group it leads) that this test run started."""
+    kill = os.killpg if group else os.kill
+    try:
+        kill(pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return
+    try:
+        wait_until(lambda: not alive(pid), timeout=10)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            kill(pid, signal.SIGKILL)
+
+
+def cmdline(pid: int) -> list[str]:
+    """The argv of ``pid`` ([] when it is gone or unreadable)."""
+    try:
+        return psutil.Process(pid).cmdline()
+    except psutil.Error:
+        return []
