@@ -41,12 +41,12 @@ import os
 import signal
 from pathlib import Path
 
+from daemon import faults
 from daemon.agentctl import launch, preflight, preload, reload_client, resume
 from daemon.agentctl.handover import HandoverError
 from daemon.agentctl.launch import LaunchConfig, LaunchError
 from daemon.agentctl.reexec import Reloader
 from daemon.config import ConfigError, ResolvedAgentctl
-from daemon.faults import fault_point
 from daemon.journal import log_event
 from daemon.paths import resolve_home
 from daemon.service import (
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     except LaunchError as exc:
         return _refuse(f"refusing to start: {exc}", logged=False)
     _setup_logging(config, args.verbose)
-    fault_point("agentctl_dies_at_start")  # test fault, off unless $KANDEV_FAULT(_FILE) says so
+    faults.hit("agentctl_dies_at_start")  # test fault, off unless $KANDEV_FAULT(_FILE) says so
     try:
         resolved = launch.validate(config)
     except ConfigError as exc:
