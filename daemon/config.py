@@ -587,7 +587,7 @@ def _agentctl_value(kind: Kind, key: str, value: Any, origin: str | None) -> tup
 
 
 def validate_agentctl(
-    detached_event_limit: int | str,
+    detached_event_limit: int | float | str,
     unowned_period: float | str,
     idle_timeout: float | str,
     *,

@@ -51,7 +51,7 @@ class Fault:
     name: str
     kind: FaultKind
     doc: str
-    error: ErrorCode | None = None  # FAIL: the error code answered
+    error: str | None = None  # FAIL: the error code answered (an ``ErrorCode``)
     message: str = ""  # FAIL: the error message answered
 
 
@@ -59,7 +59,7 @@ def _kill(name: str, doc: str) -> Fault:
     return Fault(name, FaultKind.KILL, doc)
 
 
-def _fail(name: str, doc: str, error: ErrorCode, message: str) -> Fault:
+def _fail(name: str, doc: str, error: str, message: str) -> Fault:
     return Fault(name, FaultKind.FAIL, doc, error, message)
 
 
