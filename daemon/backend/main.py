@@ -5,6 +5,10 @@ installation (another one's is refused) → logging → platform check → store
 without an owner is adopted) → CLI socket (guards make early requests safe) →
 recovery and reconciliation → READY=1. Shutdown detaches from the control server when survival is enabled
 (its agents keep running) and stops it when it is our child.
+
+Process set-up, signals (SIGTERM/SIGINT stop, SIGUSR1 task dump, SIGHUP ignored), sd_notify, the
+watchdog and the exit codes (0 stopped, 1 could not serve, 2 invalid configuration) are the daemon
+skeleton both daemons share (``daemon.service``).
 """
 
 from __future__ import annotations
