@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from daemon import doctor
 from daemon.agents.registry import BUILTIN_AGENTS
@@ -46,7 +46,7 @@ class Usage(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse exits 2 already; keep the message format ours
+    def error(self, message: str) -> NoReturn:  # argparse exits 2 already; keep the message format ours
         self.print_usage(sys.stderr)
         print(f"kandev: {message}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
@@ -215,7 +215,8 @@ def _print(result: Any) -> None:
 
 def _reachable(socket: Path) -> dict[str, Any] | None:
     try:
-        return _call(socket, "status", timeout=5.0)
+        status: dict[str, Any] = _call(socket, "status", timeout=5.0)
+        return status
     except IpcError:
         return None
 

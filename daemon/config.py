@@ -12,6 +12,9 @@ Durations are written with a unit: ``ms``, ``s``, ``min`` or ``h`` (``500ms``,
 ``30s``, ``10min``, ``1h``, decimals allowed); bare numbers are refused, except
 ``0`` for ``agentctl.idle_timeout`` (reaping disabled).
 
+Every key is declared once, in ``SETTINGS``: its type, default, accepted range and the line the
+README's configuration table shows (the table is generated from it, and a unit test checks it).
+
 ``load_config`` only parses: types, units, unknown keys. Ranges are checked by
 the daemon that reads the key (README.md#configuration): ``validate_backend`` for the
 recovery keys, ``validate_agentctl`` (run by the control server at its start,
@@ -34,6 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
 from difflib import get_close_matches
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -69,28 +73,211 @@ class ConfigError(ValueError):
         self.env_var = env_var
 
 
+# ---------------------------------------------------------------- the declaration of every key
+
+
+class Kind(Enum):
+    """How a value is written."""
+
+    BOOL = "bool"  # true/false (and 1/0/yes/no from the environment)
+    INT = "int"  # a whole number
+    DURATION = "duration"  # a number with a unit: ms, s, min, h
+    DURATION_OR_ZERO = "duration_or_zero"  # a duration, or a bare 0
+    STR = "str"  # a non-empty string
+    CHOICE = "choice"  # one of ``Setting.choices``
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One operator setting, declared once: its type, default, accepted range and documentation.
+
+    ``low``/``high`` are inclusive bounds (seconds for durations) checked by the daemon that reads
+    the key, at its start; ``accepted`` is what a refusal quotes (derived from the kind and the
+    bounds when left empty; ``note`` is added inside its parentheses); ``doc`` is the README's
+    "accepted" column (``accepted`` when left empty). ``secret``: the value as given is never
+    repeated (it may hold a password).
+
+    Adding a key: one ``Setting`` in ``SETTINGS``, a field of the same name in its section's
+    dataclass (default ``_default(key)``), the range check in the ``validate_*`` function of the
+    daemon that reads it, a commented line in packaging/etc/kandev.toml; then regenerate the
+    README's table (``markdown_table``). A new section also needs its dataclass in
+    ``SECTION_TYPES`` and a field in ``Config``.
+    """
+
+    key: str  # "<section>.<name>"
+    kind: Kind
+    default: Any  # None: unset
+    doc: str
+    low: float | None = None
+    high: float | None = None
+    choices: tuple[str, ...] = ()
+    accepted: str = ""
+    note: str = ""
+    secret: bool = False
+
+    @property
+    def section(self) -> str:
+        return self.key.split(".")[0]
+
+    @property
+    def name(self) -> str:
+        return self.key.split(".")[1]
+
+    @property
+    def env_var(self) -> str:
+        return f"KANDEV_{self.key.replace('.', '_').upper()}"
+
+    def accepts(self) -> str:
+        """What the key accepts, as quoted in every refusal."""
+        if self.accepted:
+            return self.accepted
+        fmt = _render_bound_int if self.kind is Kind.INT else _render_bound_duration
+        note = f"; {self.note}" if self.note else ""
+        if self.low is not None and self.high is not None:
+            whole = "whole number, " if self.kind is Kind.INT else ""
+            return f"{fmt(self.low)}..{fmt(self.high)} ({whole}inclusive{note})"
+        if self.low is not None:
+            return f">= {fmt(self.low)}" + (f" ({self.note})" if self.note else "")
+        raise ValueError(f"{self.key}: declare accepted= or bounds")
+
+    def in_range(self, value: float) -> bool:
+        low = -math.inf if self.low is None else self.low
+        high = math.inf if self.high is None else self.high
+        return low - _EPSILON <= value <= high + _EPSILON
+
+    def default_text(self) -> str:
+        """The default as the README's table shows it."""
+        if self.default is None:
+            return "unset"
+        if self.kind in (Kind.DURATION, Kind.DURATION_OR_ZERO):
+            return f"`{format_duration(self.default)}`"
+        return f"`{_render(self.default)}`"
+
+
+def _render_bound_int(value: float) -> str:
+    return str(int(value))
+
+
+def _render_bound_duration(value: float) -> str:
+    return format_duration(value)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A rule between keys, shown in the README's table after the key ``after``."""
+
+    label: str
+    after: str
+    doc: str
+
+
+SANDBOX_POLICIES = ("required", "off")
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("features.agent_survival", Kind.BOOL, False,
+            "`true`/`false`; takes effect at the next backend start", accepted="true or false"),
+    Setting("features.auto_resume", Kind.BOOL, False,
+            "`true`/`false`; at start, after recovery, resume the sessions the restart interrupted",
+            accepted="true or false"),
+    Setting("agentctl.detached_event_limit", Kind.INT, 100, "",
+            low=EVENT_LIMIT_MIN, high=EVENT_LIMIT_MAX),
+    Setting("agentctl.recovery_deadline", Kind.DURATION, 30.0, "",
+            low=DEADLINE_MIN, high=DEADLINE_MAX),
+    Setting("agentctl.recovery_read_timeout", Kind.DURATION, 2.0, "", low=READ_TIMEOUT_MIN),
+    Setting("agentctl.recovery_read_retries", Kind.INT, 2, "", low=0, high=READ_RETRIES_MAX),
+    Setting("agentctl.unowned_period", Kind.DURATION, 10 * MINUTE,
+            "up to 24 h (above: rejected); below 1 min raised to 1 min; halved below `idle_timeout` when idle"
+            " reaping is on (adjusted and logged)",
+            low=0.0, high=UNOWNED_PERIOD_MAX, note="below 1min it is raised to 1min"),
+    Setting("agentctl.idle_timeout", Kind.DURATION_OR_ZERO, HOUR, "a duration; `<= 0` disables idle reaping",
+            accepted="a duration; 0 (or any duration <= 0) disables idle reaping"),
+    Setting("database.url", Kind.STR, None,
+            "a SQLAlchemy URL, e.g. `postgresql+psycopg://kandev@/kandev?host=/run/postgresql` (peer"
+            " authentication over the Unix socket, no password in the file); unset means SQLite WAL at"
+            " `<home>/kandev.db`. One backend per store: a second one is refused at start (a `<file>.lock`"
+            " beside an SQLite file outside the home; a session advisory lock on PostgreSQL)",
+            accepted="a non-empty SQLAlchemy URL; leave it unset for SQLite at <home>/kandev.db", secret=True),
+    Setting("credentials.github_token_file", Kind.STR, None,
+            "path of a 0600 file holding the upstream GitHub token; unset means no git credential leases",
+            accepted="an absolute path to a 0600 file holding the upstream GitHub token (never the token"
+            " itself); unset: no git credential leases"),
+    Setting("credentials.lease_ttl", Kind.DURATION, HOUR, "", low=LEASE_TTL_MIN, high=LEASE_TTL_MAX),
+    Setting("agents.sandbox", Kind.CHOICE, "required",
+            '`"required"`: every agent in its bubblewrap sandbox; where none can be made, starting an agent'
+            " fails with `sandbox_unavailable` (the reason and this key in the message). `\"off\"`: agents"
+            " run unsandboxed, with a warning in the journal at every agent start",
+            choices=SANDBOX_POLICIES,
+            accepted='"required" (every agent in its bubblewrap sandbox) or "off" (agents unsandboxed)'),
+)
+RULES: tuple[Rule, ...] = (
+    Rule("(read budget)", "agentctl.recovery_read_retries",
+         "`recovery_read_timeout x (recovery_read_retries + 1) <= min(6 s, recovery_deadline / 5)`"),
+)
+SETTING: dict[str, Setting] = {s.key: s for s in SETTINGS}
+# section -> its keys, in declaration order
+SECTIONS: dict[str, tuple[str, ...]] = {
+    section: tuple(s.name for s in SETTINGS if s.section == section)
+    for section in dict.fromkeys(s.section for s in SETTINGS)
+}
+
+
+def _default(key: str) -> Any:
+    return SETTING[key].default
+
+
+@dataclass(frozen=True)
+class TableSetting:
+    """A key of a per-name table (``[agents.NAME]``): not a scalar setting, but declared here too so
+    the README's table is generated from one place (validated by ``daemon.agents.settings``)."""
+
+    key: str
+    default: str
+    doc: str
+
+
+TABLE_SETTINGS: tuple[TableSetting, ...] = (
+    TableSetting("agents.NAME.env", "`{}`", 'that agent\'s plain settings (NAME: claude-code, codex, gemini, opencode, mock), e.g. `{ ANTHROPIC_BASE_URL = "...", ANTHROPIC_MODEL = "..." }`; at most 64 variables; not `HOME`, `PATH`, `USER`, `LOGNAME`, `PWD`, `SHELL`, `KANDEV_*`, `GIT_*`'),
+    TableSetting("agents.NAME.secret_env", "`{}`", 'that agent\'s keys: `VARIABLE = "/absolute/path"` (a regular file, no symlink, mode 0600/0640/0400/0440, owner root or the service user, group root or the service group) or `VARIABLE = "credential:NAME"` (a systemd credential of `kandev-agentctl.service`: `LoadCredential=NAME:/path` in a drop-in)'),
+)
+
+
+def markdown_table() -> str:
+    """The README's configuration table, generated from ``SETTINGS`` and ``RULES`` (a unit test
+    checks README.md holds exactly this; print it with
+    ``python -c 'from daemon.config import markdown_table; print(markdown_table(), end="")'``)."""
+    lines = ["| key | default | accepted |", "|---|---|---|"]
+    for s in SETTINGS:
+        lines.append(f"| `{s.key}` | {s.default_text()} | {s.doc or s.accepts()} |")
+        lines.extend(f"| {r.label} | | {r.doc} |" for r in RULES if r.after == s.key)
+    lines.extend(f"| `{t.key}` | {t.default} | {t.doc} |" for t in TABLE_SETTINGS)
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- the parsed configuration
+
+
 @dataclass(frozen=True)
 class FeaturesConfig:
-    agent_survival: bool = False
+    agent_survival: bool = _default("features.agent_survival")
     # Resume (ACP session/load) the sessions a restart interrupted, once startup recovery is done.
-    auto_resume: bool = False
+    auto_resume: bool = _default("features.auto_resume")
 
 
 @dataclass(frozen=True)
 class AgentctlConfig:
     """Durations are float seconds; ``unowned_period`` is the configured, unresolved value."""
 
-    detached_event_limit: int = 100
-    recovery_deadline: float = 30.0
-    recovery_read_timeout: float = 2.0
-    recovery_read_retries: int = 2
-    unowned_period: float = 10 * MINUTE
-    idle_timeout: float = HOUR
+    detached_event_limit: int = _default("agentctl.detached_event_limit")
+    recovery_deadline: float = _default("agentctl.recovery_deadline")
+    recovery_read_timeout: float = _default("agentctl.recovery_read_timeout")
+    recovery_read_retries: int = _default("agentctl.recovery_read_retries")
+    unowned_period: float = _default("agentctl.unowned_period")
+    idle_timeout: float = _default("agentctl.idle_timeout")
 
 
 @dataclass(frozen=True)
 class DatabaseConfig:
-    url: str | None = None  # None: SQLite at <home>/kandev.db
+    url: str | None = _default("database.url")  # None: SQLite at <home>/kandev.db
 
 
 @dataclass(frozen=True)
@@ -99,11 +286,8 @@ class CredentialsConfig:
     file holding the upstream GitHub token (the token itself is never a setting); ``lease_ttl``
     is in float seconds."""
 
-    github_token_file: str | None = None
-    lease_ttl: float = HOUR
-
-
-SANDBOX_POLICIES = ("required", "off")
+    github_token_file: str | None = _default("credentials.github_token_file")
+    lease_ttl: float = _default("credentials.lease_ttl")
 
 
 @dataclass(frozen=True)
@@ -111,9 +295,22 @@ class AgentsConfig:
     """How agents run. ``sandbox``: ``required`` (every agent in its bubblewrap sandbox; a launch
     where none can be made fails with ``sandbox_unavailable``) or ``off`` (unsandboxed, warned)."""
 
-    sandbox: str = "required"
-    # ``[agents.NAME]`` tables: each agent's env and secret_env (daemon/agents/settings.py).
+    sandbox: str = _default("agents.sandbox")
+    # ``[agents.NAME]`` tables: each agent's env and secret_env (daemon/agents/settings.py); a table
+    # per agent rather than a declared key (see TABLE_FIELDS)
     settings: Mapping[str, AgentSettings] = field(default_factory=dict)
+
+
+# section -> the dataclass holding its keys (a field per declared key; a unit test checks both agree)
+SECTION_TYPES: dict[str, type] = {
+    "features": FeaturesConfig,
+    "agentctl": AgentctlConfig,
+    "database": DatabaseConfig,
+    "credentials": CredentialsConfig,
+    "agents": AgentsConfig,
+}
+# section -> its fields that hold sub-tables ([agents.NAME]) instead of declared keys
+TABLE_FIELDS: dict[str, tuple[str, ...]] = {"agents": ("settings",)}
 
 
 @dataclass(frozen=True)
@@ -138,40 +335,6 @@ class ResolvedAgentctl:
     unowned_period: float
     idle_timeout: float
     notes: list[str]
-
-
-_KINDS: dict[str, dict[str, str]] = {
-    "features": {"agent_survival": "bool", "auto_resume": "bool"},
-    "agentctl": {
-        "detached_event_limit": "int",
-        "recovery_deadline": "duration",
-        "recovery_read_timeout": "duration",
-        "recovery_read_retries": "int",
-        "unowned_period": "duration",
-        "idle_timeout": "duration_or_zero",
-    },
-    "database": {"url": "str"},
-    "credentials": {"github_token_file": "str", "lease_ttl": "duration"},
-    "agents": {"sandbox": "sandbox_policy"},
-}
-
-
-# What each key accepts, quoted in every refusal.
-_ACCEPTED = {
-    "features.agent_survival": "true or false",
-    "features.auto_resume": "true or false",
-    "agentctl.detached_event_limit": "1..10000 (whole number, inclusive)",
-    "agentctl.recovery_deadline": "1s..5min (inclusive)",
-    "agentctl.recovery_read_timeout": ">= 100ms",
-    "agentctl.recovery_read_retries": "0..10 (whole number, inclusive)",
-    "agentctl.unowned_period": "0s..24h (inclusive; below 1min it is raised to 1min)",
-    "agentctl.idle_timeout": "a duration; 0 (or any duration <= 0) disables idle reaping",
-    "database.url": "a non-empty SQLAlchemy URL; leave it unset for SQLite at <home>/kandev.db",
-    "credentials.github_token_file": "an absolute path to a 0600 file holding the upstream GitHub token"
-    " (never the token itself); unset: no git credential leases",
-    "credentials.lease_ttl": "1min..24h (inclusive)",
-    "agents.sandbox": '"required" (every agent in its bubblewrap sandbox) or "off" (agents unsandboxed)',
-}
 
 
 # ---------------------------------------------------------------- durations
@@ -234,29 +397,29 @@ class _Where:
         return self.key
 
     def error(self, given: str, problem: str, accepted: str | None = None) -> ConfigError:
-        accepted = accepted or _ACCEPTED[self.key]
+        accepted = accepted or SETTING[self.key].accepts()
         return ConfigError(
             f"{self.label()} = {given} {problem}: accepted {accepted}", key=self.key, env_var=self.env_var
         )
 
 
-def _convert(kind: str, value: Any, where: _Where, *, text: bool) -> Any:
+def _convert(kind: Kind, value: Any, where: _Where, *, text: bool) -> Any:
     """Type-check one value. ``text``: it came as a string (environment, argument), so "3" is 3."""
     given = _render(value)
-    if kind == "bool":
+    if kind is Kind.BOOL:
         if isinstance(value, bool):
             return value
         if text and isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
             return value.strip().lower() in _TRUE
         raise where.error(given, "is not a boolean", "true/false/1/0/yes/no" if text else None)
-    if kind == "int":
+    if kind is Kind.INT:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         if text and isinstance(value, str) and _INTEGER.match(value.strip()):
             return int(value.strip())
         raise where.error(given, "is not a whole number")
-    if kind in ("duration", "duration_or_zero"):
-        zero_ok = kind == "duration_or_zero"
+    if kind in (Kind.DURATION, Kind.DURATION_OR_ZERO):
+        zero_ok = kind is Kind.DURATION_OR_ZERO
         if zero_ok and isinstance(value, int) and not isinstance(value, bool) and value == 0:
             return 0.0
         if isinstance(value, str):
@@ -265,10 +428,10 @@ def _convert(kind: str, value: Any, where: _Where, *, text: bool) -> Any:
             except ValueError as e:
                 raise where.error(given, str(e)) from None
         raise where.error(given, 'is not a duration (write a string with a unit: ms, s, min or h, "30s")')
-    if kind == "sandbox_policy":
-        if isinstance(value, str) and value.strip() in SANDBOX_POLICIES:
+    if kind is Kind.CHOICE:
+        if isinstance(value, str) and value.strip() in SETTING[where.key].choices:
             return value.strip()
-        raise where.error(given, "is not a sandbox policy")
+        raise where.error(given, "is not one of the choices")
     if isinstance(value, str) and value.strip():
         return value.strip()
     raise where.error(given, "is not a non-empty string")
@@ -312,28 +475,28 @@ def _agent_tables(doc: dict[str, Any], source: str | None) -> dict[str, AgentSet
 
 
 def _collect(doc: dict[str, Any], source: str | None, env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
-    known = [f"{s}.{k}" for s, keys in _KINDS.items() for k in keys]
+    """Every value given, by dotted key, with where it came from; unknown keys are refused."""
+    known = list(SETTING)
     raw: dict[str, tuple[Any, str]] = {}
     for section, table in doc.items():
-        if section not in _KINDS:
-            raise _unknown(section, list(_KINDS), f"in {source} (a section)")
+        if section not in SECTIONS:
+            raise _unknown(section, list(SECTIONS), f"in {source} (a section)")
         if not isinstance(table, dict):
             raise ConfigError(f"{section} in {source} must be a table ([{section}])", key=section)
         for key, value in table.items():
             dotted = f"{section}.{key}"
             if section == "agents" and isinstance(value, dict):
                 continue  # an [agents.NAME] table: _agent_tables
-            if key not in _KINDS[section]:
+            if dotted not in SETTING:
                 raise _unknown(dotted, known, f"in {source}")
             raw[dotted] = (value, str(source))
     for name, value in env.items():
-        for section in _KINDS:
+        for section in SECTIONS:
             prefix = f"KANDEV_{section.upper()}_"
             if name.startswith(prefix):
                 key = name[len(prefix):].lower()
-                if key not in _KINDS[section]:
-                    env_names = [f"KANDEV_{k.replace('.', '_').upper()}" for k in known]
-                    raise _unknown(name, env_names, "in the environment")
+                if key not in SECTIONS[section]:
+                    raise _unknown(name, [s.env_var for s in SETTINGS], "in the environment")
                 raw[f"{section}.{key}"] = (value, f"env {name}")
     return raw
 
@@ -342,20 +505,17 @@ def load_config(config_file: str | None, env: Mapping[str, str] | None = None) -
     """Parse the file and the environment into a ``Config``; ranges are not checked here."""
     environ = os.environ if env is None else env
     doc, source = _read_file(config_file, environ)
-    values: dict[str, dict[str, Any]] = {s: {} for s in _KINDS}
+    values: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
     origins: dict[str, str] = {}
     given: dict[str, str] = {}
     for dotted, (value, origin) in _collect(doc, source, environ).items():
-        section, key = dotted.split(".")
+        setting = SETTING[dotted]
         where = _Where(dotted, origin)
-        values[section][key] = _convert(_KINDS[section][key], value, where, text=where.env_var is not None)
+        values[setting.section][setting.name] = _convert(setting.kind, value, where, text=where.env_var is not None)
         origins[dotted] = origin
-        given[dotted] = '"<hidden>"' if dotted == "database.url" else _render(value)  # may hold a password
+        given[dotted] = '"<hidden>"' if setting.secret else _render(value)
     return Config(
-        features=FeaturesConfig(**values["features"]),
-        agentctl=AgentctlConfig(**values["agentctl"]),
-        database=DatabaseConfig(**values["database"]),
-        credentials=CredentialsConfig(**values["credentials"]),
+        **{section: SECTION_TYPES[section](**values[section]) for section in SECTIONS if section != "agents"},
         agents=AgentsConfig(**values["agents"], settings=_agent_tables(doc, source)),
         source=source,
         origins=origins,
@@ -372,13 +532,21 @@ def _given(config: Config, key: str, value: float, duration: bool = True) -> str
     return json.dumps(format_duration(value)) if duration else str(value)
 
 
+def _check_range(key: str, value: float, given: str, origin: str | None) -> None:
+    """Refuse ``value`` outside the declared bounds of ``key``, naming key, value and range."""
+    if not SETTING[key].in_range(value):
+        raise _Where(key, origin).error(given, "is out of range")
+
+
+def _check_config_range(config: Config, key: str, value: float) -> None:
+    duration = SETTING[key].kind is not Kind.INT
+    _check_range(key, value, _given(config, key, value, duration), config.origins.get(key))
+
+
 def validate_credentials(config: Config) -> None:
     """Check the credential broker's keys (read by the backend; called by ``validate_backend``)."""
     c = config.credentials
-    if not LEASE_TTL_MIN - _EPSILON <= c.lease_ttl <= LEASE_TTL_MAX + _EPSILON:
-        raise _Where("credentials.lease_ttl", config.origins.get("credentials.lease_ttl")).error(
-            _given(config, "credentials.lease_ttl", c.lease_ttl), "is out of range"
-        )
+    _check_config_range(config, "credentials.lease_ttl", c.lease_ttl)
     if c.github_token_file is not None and not os.path.isabs(c.github_token_file):
         raise _Where("credentials.github_token_file", config.origins.get("credentials.github_token_file")).error(
             config.given.get("credentials.github_token_file", json.dumps(c.github_token_file)),
@@ -406,19 +574,9 @@ def validate_backend(config: Config) -> None:
         return _Where(f"agentctl.{key}", config.origins.get(f"agentctl.{key}"))
 
     d, t, r = a.recovery_deadline, a.recovery_read_timeout, a.recovery_read_retries
-    if not DEADLINE_MIN - _EPSILON <= d <= DEADLINE_MAX + _EPSILON:
-        raise where("recovery_deadline").error(
-            _given(config, "agentctl.recovery_deadline", d), "is out of range"
-        )
-    if t < READ_TIMEOUT_MIN - _EPSILON:
-        raise where("recovery_read_timeout").error(
-            _given(config, "agentctl.recovery_read_timeout", t), "is out of range"
-        )
-    if not 0 <= r <= READ_RETRIES_MAX:
-        raise where("recovery_read_retries").error(
-            _given(config, "agentctl.recovery_read_retries", r, duration=False),
-            "is out of range",
-        )
+    _check_config_range(config, "agentctl.recovery_deadline", d)
+    _check_config_range(config, "agentctl.recovery_read_timeout", t)
+    _check_config_range(config, "agentctl.recovery_read_retries", r)
     budget, ceiling = t * (r + 1), min(READ_BUDGET_CAP, d / 5)
     if budget > ceiling + _EPSILON:
         parts = ", ".join(
@@ -471,10 +629,10 @@ def resolve_unowned_period(period: float, idle_timeout: float) -> tuple[float, l
     return effective, notes
 
 
-def _agentctl_value(kind: str, key: str, value: Any, origin: str | None) -> tuple[Any, str]:
+def _agentctl_value(kind: Kind, key: str, value: Any, origin: str | None) -> tuple[Any, str]:
     """A control-server value (number, or text as handed over) and its rendering for messages."""
     where = _Where(f"agentctl.{key}", origin)
-    if kind != "int" and isinstance(value, int | float) and not isinstance(value, bool):
+    if kind is not Kind.INT and isinstance(value, int | float) and not isinstance(value, bool):
         if not math.isfinite(value):
             raise where.error(_render(value), "is not a duration")
         return float(value), json.dumps(format_duration(float(value)))
@@ -482,7 +640,7 @@ def _agentctl_value(kind: str, key: str, value: Any, origin: str | None) -> tupl
 
 
 def validate_agentctl(
-    detached_event_limit: int | str,
+    detached_event_limit: int | float | str,
     unowned_period: float | str,
     idle_timeout: float | str,
     *,
@@ -496,20 +654,14 @@ def validate_agentctl(
     whole number in 1..10000, else refused (never clamped).
     """
     o = origins or {}
-    limit, limit_given = _agentctl_value("int", "detached_event_limit", detached_event_limit,
+    limit, limit_given = _agentctl_value(Kind.INT, "detached_event_limit", detached_event_limit,
                                          o.get("agentctl.detached_event_limit"))
-    if not EVENT_LIMIT_MIN <= limit <= EVENT_LIMIT_MAX:
-        raise _Where("agentctl.detached_event_limit", o.get("agentctl.detached_event_limit")).error(
-            limit_given, "is out of range"
-        )
-    idle, _ = _agentctl_value("duration_or_zero", "idle_timeout", idle_timeout,
+    _check_range("agentctl.detached_event_limit", limit, limit_given, o.get("agentctl.detached_event_limit"))
+    idle, _ = _agentctl_value(Kind.DURATION_OR_ZERO, "idle_timeout", idle_timeout,
                               o.get("agentctl.idle_timeout"))
-    period, period_given = _agentctl_value("duration", "unowned_period", unowned_period,
+    period, period_given = _agentctl_value(Kind.DURATION, "unowned_period", unowned_period,
                                            o.get("agentctl.unowned_period"))
-    if not 0 <= period <= UNOWNED_PERIOD_MAX + _EPSILON:
-        raise _Where("agentctl.unowned_period", o.get("agentctl.unowned_period")).error(
-            period_given, "is out of range"
-        )
+    _check_range("agentctl.unowned_period", period, period_given, o.get("agentctl.unowned_period"))
     resolved, notes = resolve_unowned_period(period, idle)
     return ResolvedAgentctl(limit, resolved, idle, notes)
 

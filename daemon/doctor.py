@@ -71,7 +71,8 @@ def _backend_status(socket: Path) -> dict[str, Any] | None:
 
     try:
         with SyncClient(str(socket), protocol_major=api.VERSION[0], timeout=2.0) as client:
-            return client.call("status", {}, timeout=3.0)
+            status: dict[str, Any] = client.call("status", {}, timeout=3.0)
+            return status
     except (IpcError, OSError):
         return None
 
@@ -416,13 +417,13 @@ def _store(r: _Report, config: Config | None, paths: Paths, probes: DoctorProbes
                   f"start the backend (`systemctl start {BACKEND_UNIT}` or `kandev up`): it creates and migrates it")
             return
         try:
-            conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=2.0)
+            lite = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=2.0)
             try:
-                known = conn.execute(
+                known = lite.execute(
                     "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'alembic_version'").fetchone()
-                row = conn.execute("SELECT version_num FROM alembic_version").fetchone() if known else None
+                row = lite.execute("SELECT version_num FROM alembic_version").fetchone() if known else None
             finally:
-                conn.close()
+                lite.close()
         except sqlite3.Error as exc:
             hint = (f"run `sudo kandev doctor`: {db} is readable by its owner only" if not os.access(db, os.R_OK)
                     else (

@@ -64,7 +64,7 @@ def encode_frame(obj: dict[str, Any]) -> bytes:
     if not isinstance(obj, dict):
         raise IpcError(ErrorCode.INVALID_ARGUMENT, f"a frame must be a map, not {type(obj).__name__}")
     try:
-        body = msgpack.packb(obj, use_bin_type=True)
+        body: bytes = msgpack.packb(obj, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
         raise IpcError(ErrorCode.INVALID_ARGUMENT, f"value cannot be encoded: {exc}") from None
     if len(body) > MAX_FRAME:
@@ -72,7 +72,7 @@ def encode_frame(obj: dict[str, Any]) -> bytes:
     return HEADER.pack(len(body)) + body
 
 
-def decode_body(body: bytes) -> dict[str, Any]:
+def decode_body(body: bytes | memoryview) -> dict[str, Any]:
     """Decode a frame body (without its prefix) into a map, or raise ``InvalidFrame``."""
     try:
         obj = msgpack.unpackb(
@@ -93,7 +93,7 @@ def decode_body(body: bytes) -> dict[str, Any]:
 
 def frame_length(header: bytes, max_size: int) -> int:
     """Parse a length prefix and check it against ``max_size``."""
-    (size,) = HEADER.unpack(header)
+    size: int = HEADER.unpack(header)[0]
     if size > max_size:
         raise FrameTooLarge(size, max_size)
     return size
@@ -198,7 +198,7 @@ class FrameBuffer:
         """Body size of the next frame if its header is complete (checked against the limit)."""
         if self._end - self._start < HEADER_SIZE:
             return None
-        (size,) = HEADER.unpack_from(self._buf, self._start)
+        size: int = HEADER.unpack_from(self._buf, self._start)[0]
         if size > self.max_size:
             raise FrameTooLarge(size, self.max_size)
         return size

@@ -19,7 +19,9 @@ HELLO_OP = Op(HELLO, optional={"v": int, "client": str}, auth=False)
 
 def check_hello(result: Any, protocol_major: int, where: str) -> dict[str, Any]:
     """Validate a hello result and refuse a server of another major version."""
-    version = result.get("version") if isinstance(result, dict) else None
+    if not isinstance(result, dict):
+        raise IpcError(ErrorCode.INVALID_FRAME, f"malformed hello answer from {where}")
+    version = result.get("version")
     if (
         not isinstance(version, list)
         or len(version) < 2

@@ -26,7 +26,8 @@ RECEIVE_TASK_NAME = "acp.Connection.receive"
 
 
 def _connection(conn: acp.ClientSideConnection) -> Connection:
-    return conn._conn  # type: ignore[attr-defined]
+    inner: Connection = conn._conn
+    return inner
 
 
 def stop_receiving(conn: acp.ClientSideConnection) -> asyncio.Task[Any] | None:
@@ -74,9 +75,9 @@ def replay_request(conn: acp.ClientSideConnection, message: dict[str, Any]) -> N
     _connection(conn)._process_message(message)
 
 
-def buffered_bytes(reader: asyncio.StreamReader) -> bytes:
+def buffered_bytes(reader: asyncio.StreamReader | None) -> bytes:
     """What ``reader`` holds: read from the pipe, not yet consumed."""
-    return bytes(reader._buffer)  # type: ignore[attr-defined]
+    return b"" if reader is None else bytes(reader._buffer)  # type: ignore[attr-defined]
 
 
 def _pipe_fd(transport: Any) -> int | None:
@@ -86,10 +87,10 @@ def _pipe_fd(transport: Any) -> int | None:
     return int(pipe.fileno())
 
 
-def pause_pipe(reader: asyncio.StreamReader) -> bool:
+def pause_pipe(reader: asyncio.StreamReader | None) -> bool:
     """Stop the pipe transport under ``reader`` from reading more into the reader's buffer (what
     the agent writes meanwhile stays in the pipe); True if it was reading and is paused now."""
-    transport = reader._transport  # type: ignore[attr-defined]
+    transport = None if reader is None else reader._transport  # type: ignore[attr-defined]
     # asyncio's pipe transport has no is_reading(); _paused is also set when the reader itself
     # paused it (its buffer is full), and then it is left to the reader
     if transport is None or transport.is_closing() or getattr(transport, "_paused", True):
@@ -98,21 +99,21 @@ def pause_pipe(reader: asyncio.StreamReader) -> bool:
     return True
 
 
-def resume_pipe(reader: asyncio.StreamReader) -> None:
+def resume_pipe(reader: asyncio.StreamReader | None) -> None:
     """Undo ``pause_pipe`` (only call it when that returned True)."""
-    transport = reader._transport  # type: ignore[attr-defined]
+    transport = None if reader is None else reader._transport  # type: ignore[attr-defined]
     if transport is not None and not transport.is_closing():
         transport.resume_reading()
 
 
-def reader_fd(reader: asyncio.StreamReader) -> int | None:
+def reader_fd(reader: asyncio.StreamReader | None) -> int | None:
     """The fd of the pipe ``reader`` reads (a subprocess's stdout); None once it is closed."""
-    return _pipe_fd(reader._transport)  # type: ignore[attr-defined]
+    return None if reader is None else _pipe_fd(reader._transport)  # type: ignore[attr-defined]
 
 
-def writer_fd(writer: asyncio.StreamWriter) -> int | None:
+def writer_fd(writer: asyncio.StreamWriter | None) -> int | None:
     """The fd of the pipe ``writer`` writes (a subprocess's stdin); None once it is closed."""
-    return _pipe_fd(writer.transport)
+    return None if writer is None else _pipe_fd(writer.transport)
 
 
 async def adopt_pipes(
@@ -161,7 +162,7 @@ def check() -> None:
     async def _noop(*_args: Any) -> None:
         return None
 
-    c = Connection(_noop, _NoTransport(), listening=False)  # type: ignore[arg-type]
+    c = Connection(_noop, _NoTransport(), listening=False)
     for name in ("_pending", "_next_request_id", "_recv_task", "_tasks"):
         if not hasattr(c, name):
             missing.append(f"acp.connection.Connection().{name}")

@@ -326,6 +326,12 @@ class AgentctlClient:
                 await conn.close()  # the server closes it anyway: send it again on a new one
                 await asyncio.sleep(_RETRY_PAUSE_S)  # it never ran
 
+    async def _map(self, op: str, args: dict[str, Any] | None = None, *, timeout: float | None = None
+                   ) -> dict[str, Any]:
+        """``call`` of an op whose result is a map."""
+        result: dict[str, Any] = await self.call(op, args, timeout=timeout)
+        return result
+
     async def _reconnect(self, patient_until: float | None) -> AsyncClient:
         """The connection, re-established if it is closed (one reconnection at a time: concurrent
         callers share it): same server (identity checked), this client's credential; retried until
@@ -373,7 +379,7 @@ class AgentctlClient:
 
     async def claim(self) -> dict[str, Any]:
         """Renew ownership (current credential) -> ``{unowned_period_s}``."""
-        return await self.call("claim")
+        return await self._map("claim")
 
     async def rotate(self, *, timeout: float | None = None) -> tuple[int, bytes]:
         """Replace the credential, presenting this connection's -> ``(rotation_id, new_credential)``.
@@ -410,14 +416,14 @@ class AgentctlClient:
         """The replacement of ``rotation_id`` is durably stored (connection authenticated with it)
         -> ``{rotation_id, changed}``. Earlier or repeated ids are accepted no-ops; an id never
         issued is refused with ``unknown_rotation``."""
-        return await self.call("confirm_rotation", {"rotation_id": rotation_id}, timeout=timeout)
+        return await self._map("confirm_rotation", {"rotation_id": rotation_id}, timeout=timeout)
 
     async def ownership_shutdown(self, *, timeout: float = SHUTDOWN_TIMEOUT) -> dict[str, Any]:
         """Stop every instance; the server then exits -> ``{stopped: [instance_id]}``.
 
         Works with the superseded credential too (``purpose="adopt"``) and succeeds again while the
         server is already stopping."""
-        return await self.call("ownership_shutdown", timeout=timeout)
+        return await self._map("ownership_shutdown", timeout=timeout)
 
     # -- instances ----------------------------------------------------------
 
@@ -454,7 +460,7 @@ class AgentctlClient:
         if secret_env:  # references only ({VAR: path | credential:NAME}); never sent to a server without them
             self.check_secret_env(secret_env)
             args["secret_env"] = secret_env
-        return await self.call("create_instance", args, timeout=timeout)
+        return await self._map("create_instance", args, timeout=timeout)
 
     def check_sandbox(self, sandbox: dict[str, Any]) -> bool:
         """Whether this server takes ``create_instance``'s ``sandbox`` field. A server without
@@ -495,15 +501,15 @@ class AgentctlClient:
     async def sandbox_status(self, *, refresh: bool = False) -> dict[str, Any]:
         """Whether the server can sandbox agents -> ``{available, reason, mechanism, bwrap, version}``;
         a server older than the sandbox answers ``unknown_op``."""
-        return await self.call("sandbox_status", {"refresh": refresh} if refresh else {}, timeout=CREATE_TIMEOUT)
+        return await self._map("sandbox_status", {"refresh": refresh} if refresh else {}, timeout=CREATE_TIMEOUT)
 
     async def set_mode(self, instance_id: str, mode_id: str) -> dict[str, Any]:
         """ACP session/set_mode -> ``{acp_session_id, mode_id, last_seq}`` (refused: agent_error)."""
-        return await self.call("set_mode", {"instance_id": instance_id, "mode_id": mode_id}, timeout=CREATE_TIMEOUT)
+        return await self._map("set_mode", {"instance_id": instance_id, "mode_id": mode_id}, timeout=CREATE_TIMEOUT)
 
     async def set_config_option(self, instance_id: str, config_id: str, value: str | bool) -> dict[str, Any]:
         """ACP session/set_config_option -> ``{acp_session_id, config_options, last_seq}``."""
-        return await self.call(
+        return await self._map(
             "set_config_option",
             {"instance_id": instance_id, "config_id": config_id, "value": value},
             timeout=CREATE_TIMEOUT,
@@ -511,12 +517,13 @@ class AgentctlClient:
 
     async def reset_context(self, instance_id: str) -> dict[str, Any]:
         """A new ACP session on the same process -> ``{acp_session_id, modes, config_options, last_seq}``."""
-        return await self.call("reset_context", {"instance_id": instance_id}, timeout=CREATE_TIMEOUT)
+        return await self._map("reset_context", {"instance_id": instance_id}, timeout=CREATE_TIMEOUT)
 
     async def prompt(self, instance_id: str, text: str) -> str:
         """Open a turn -> its server-assigned turn id."""
         result = await self.call("prompt", {"instance_id": instance_id, "text": text})
-        return result["turn_id"]
+        turn_id: str = result["turn_id"]
+        return turn_id
 
     async def cancel(self, instance_id: str) -> None:
         await self.call("cancel", {"instance_id": instance_id})
@@ -535,28 +542,28 @@ class AgentctlClient:
 
     async def stop_instance(self, instance_id: str, *, timeout: float = STOP_TIMEOUT) -> dict[str, Any]:
         """Kill the instance's group -> ``{stopped, already_absent}`` (absent counts as success)."""
-        return await self.call("stop_instance", {"instance_id": instance_id}, timeout=timeout)
+        return await self._map("stop_instance", {"instance_id": instance_id}, timeout=timeout)
 
     async def ack_events(self, instance_id: str, seq: int) -> dict[str, Any]:
         """Every event <= ``seq`` is durably applied; the server may drop them -> ``{discarded}``."""
-        return await self.call("ack_events", {"instance_id": instance_id, "seq": seq})
+        return await self._map("ack_events", {"instance_id": instance_id, "seq": seq})
 
     async def turn_status(self, instance_id: str) -> dict[str, Any]:
         """Pure read -> ``{current_turn_id, outcomes: [{turn_id, stop_reason, error}]}``."""
-        return await self.call("turn_status", {"instance_id": instance_id})
+        return await self._map("turn_status", {"instance_id": instance_id})
 
     async def server_info(self, *, timeout: float | None = None) -> dict[str, Any]:
         """Protocol 1.1 (``reload.v1``): ``{version, pid, reload: {...}}``; ``unknown_op`` from 1.0."""
-        return await self.call("server_info", timeout=timeout)
+        return await self._map("server_info", timeout=timeout)
 
     async def reload(self) -> dict[str, Any]:
         """Start (or join) a re-exec of the installed code -> ``{attempt, version, pid}``; follow
         ``server_info()['reload']`` for its outcome."""
-        return await self.call("reload")
+        return await self._map("reload")
 
     async def ack_turn(self, turn_id: str) -> dict[str, Any]:
         """Drop a retained outcome; an unknown id is accepted and changes nothing -> ``{acked}``."""
-        return await self.call("ack_turn", {"turn_id": turn_id})
+        return await self._map("ack_turn", {"turn_id": turn_id})
 
     async def attach(self, instance_id: str, after_seq: int = 0) -> EventStream:
         """Open the instance's event stream on a new authenticated connection.

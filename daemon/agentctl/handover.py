@@ -283,7 +283,8 @@ def from_fields(cls: type[T], value: Any, where: str, lost: list[str]) -> T:
 
 
 def encode(state: ServerHandover) -> bytes:
-    return msgpack.packb(to_plain(state), use_bin_type=True)
+    data: bytes = msgpack.packb(to_plain(state), use_bin_type=True)
+    return data
 
 
 def decode(data: bytes) -> ServerHandover:

@@ -544,7 +544,7 @@ class Instance:
             raise IpcError(ErrorCode.SHUTTING_DOWN, f"instance {self.instance_id} was stopped while starting")
         self._transport = AgentPipeTransport(proc.stdout, proc.stdin, self._on_garbage, self.log.wait_for_room)
         self._exit_task = asyncio.create_task(self._watch_exit(), name=f"agentctl.exit.{self.instance_id}")
-        self._conn = acp.connect_to_agent(_AcpClient(self), self._transport, observers=[self._observe])
+        self._conn = acp.connect_to_agent(_AcpClient(self), self._transport, observers=[self._observe])  # type: ignore[arg-type]  # partial acp.Client: acp answers method_not_found for the rest
         step = "initialize"
         try:
             init = await within(
@@ -637,8 +637,9 @@ class Instance:
         self.log.append(EventKind.AGENT_ERROR, {"message": f"the agent wrote a line that is not JSON-RPC: {line}"})
 
     def _permission_requested(self, rpc_id: Any, params: dict[str, Any], message: dict[str, Any]) -> None:
-        tool_call = params.get("toolCall") if isinstance(params.get("toolCall"), dict) else {}
-        options = params.get("options") if isinstance(params.get("options"), list) else []
+        raw_tool_call, raw_options = params.get("toolCall"), params.get("options")
+        tool_call: dict[str, Any] = raw_tool_call if isinstance(raw_tool_call, dict) else {}
+        options: list[Any] = raw_options if isinstance(raw_options, list) else []
         option_ids = [str(o.get("optionId")) for o in options if isinstance(o, dict)]
         request_id = os.urandom(16).hex()
         future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
@@ -942,7 +943,7 @@ class Instance:
         init = self._sandbox_init
         if init is not None and self._proc is not None and self._proc.returncode is not None:
             try:
-                return init.is_running() and init.status() != psutil.STATUS_ZOMBIE
+                return bool(init.is_running() and init.status() != psutil.STATUS_ZOMBIE)
             except psutil.Error:
                 return False
         return True
@@ -1200,7 +1201,7 @@ class Instance:
         self._proc = AdoptedProcess(self.pid, reader, writer, h.reaped_returncode)  # type: ignore[assignment]
         self._transport = AgentPipeTransport(reader, writer, self._on_garbage, self.log.wait_for_room)
         self._exit_task = asyncio.create_task(self._watch_exit(), name=f"agentctl.exit.{self.instance_id}")
-        conn = self._conn = acp.connect_to_agent(_AcpClient(self), self._transport, observers=[self._observe])
+        conn = self._conn = acp.connect_to_agent(_AcpClient(self), self._transport, observers=[self._observe])  # type: ignore[arg-type]  # partial acp.Client
         # Synchronous from here on: the connection's receive loop has not run yet.
         answers = acp_internals.restore_requests(conn, h.next_request_id, [r.rpc_id for r in h.requests])
         turn_resumed = False

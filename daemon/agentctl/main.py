@@ -27,8 +27,9 @@ main thread and children are watched through pidfds (no watcher thread): the
 thread that spawned them is the one that execs, so their parent-death signal
 never fires on a reload.
 
-Exit codes: 0 clean stop, 1 could not serve (e.g. the socket is in use),
-2 refused to start (bad launch file, settings or credential).
+Exit codes (``daemon.service.ExitCode``): 0 clean stop, 1 could not serve (e.g. the socket is in
+use), 2 refused to start (bad launch file, settings or credential). The process set-up, signals,
+sd_notify and logging are the daemon skeleton both daemons share (``daemon.service``).
 """
 
 from __future__ import annotations
@@ -38,19 +39,25 @@ import asyncio
 import logging
 import os
 import signal
-import sys
 from pathlib import Path
 
-from daemon import task_dump
+from daemon import faults
 from daemon.agentctl import launch, preflight, preload, reload_client, resume
 from daemon.agentctl.handover import HandoverError
 from daemon.agentctl.launch import LaunchConfig, LaunchError
 from daemon.agentctl.reexec import Reloader
 from daemon.config import ConfigError, ResolvedAgentctl
-from daemon.faults import fault_point
-from daemon.journal import log_event, setup_logging
-from daemon.limits import raise_open_file_limit
+from daemon.journal import log_event
 from daemon.paths import resolve_home
+from daemon.service import (
+    ExitCode,
+    Notifier,
+    install_signal_handlers,
+    prepare_process,
+    say,
+    setup_daemon_logging,
+    watched,
+)
 from ipc.errors import IpcError
 
 log = logging.getLogger("kandev.agentctl")
@@ -60,10 +67,8 @@ LOG_FILE_MAX_BYTES = 10 * 1024 * 1024
 LOG_FILE_BACKUPS = 5
 LOG_FILE_MAX_AGE_DAYS = 14
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_REFUSED = 2
-
+PROGRAM = "kandev-agentctl"
+# Blocked by the previous image across a re-exec (daemon.agentctl.reexec); unblocked once handled.
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -84,50 +89,26 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _ensure_std_fds() -> None:
-    """Make sure fds 0-2 are open (on /dev/null if need be) so no file lands on them."""
-    for fd in (0, 1, 2):
-        try:
-            os.fstat(fd)
-        except OSError:
-            null = os.open(os.devnull, os.O_RDWR)
-            if null != fd:
-                os.dup2(null, fd)
-                os.close(null)
-
-
-def _say(message: str) -> None:
-    """One line on stderr; never raises (stderr may be closed or a dead pipe)."""
-    try:
-        print(f"kandev-agentctl: {message}", file=sys.stderr, flush=True)
-    except (OSError, ValueError):
-        pass
-
-
 def _refuse(message: str, *, logged: bool = True) -> int:
     """Say why the server will not start (stderr, and the log once it is set up); exit code 2."""
-    _say(message)
+    say(PROGRAM, message)
     if logged:
         try:
             log_event("agentctl_refused", message, priority=3)
         except Exception:
             pass
-    return EXIT_REFUSED
+    return ExitCode.REFUSED
 
 
 def _setup_logging(config: LaunchConfig, verbose: bool) -> None:
-    try:
-        setup_logging(
-            "agentctl",
-            verbose=verbose,
-            log_file=Path(config.log_path),
-            file_max_bytes=LOG_FILE_MAX_BYTES,
-            file_backups=LOG_FILE_BACKUPS,
-            file_max_age_days=LOG_FILE_MAX_AGE_DAYS,
-        )
-    except OSError as exc:
-        setup_logging("agentctl", verbose=verbose)
-        log.error("cannot open the log file %s: %s; logging to the journal/stderr only", config.log_path, exc)
+    setup_daemon_logging(
+        "agentctl",
+        verbose=verbose,
+        log_file=Path(config.log_path),
+        file_max_bytes=LOG_FILE_MAX_BYTES,
+        file_backups=LOG_FILE_BACKUPS,
+        file_max_age_days=LOG_FILE_MAX_AGE_DAYS,
+    )
 
 
 def _ensure_socket_dir(socket_path: str) -> None:
@@ -151,29 +132,9 @@ def _request_reload(reloader: Reloader) -> None:
         log.warning("reload signal ignored: %s", exc.message)
 
 
-class _Notifier:
-    """sd_notify: READY=1 and STATUS=; a no-op without $NOTIFY_SOCKET."""
-
-    def __init__(self) -> None:
-        self._notifier = None
-        if os.environ.get("NOTIFY_SOCKET"):
-            try:
-                import sdnotify
-
-                self._notifier = sdnotify.SystemdNotifier()
-            except Exception:
-                self._notifier = None
-        self._last_status: str | None = None
-
-    def notify(self, state: str) -> None:
-        if self._notifier is not None:
-            self._notifier.notify(state)
-
-    def status(self, count: int) -> None:
-        text = f"serving {count} instance{'' if count == 1 else 's'}"
-        if text != self._last_status:
-            self._last_status = text
-            self.notify(f"STATUS={text}")
+def _serving(count: int) -> str:
+    """The control server's sd_notify status line."""
+    return f"serving {count} instance{'' if count == 1 else 's'}"
 
 
 async def _serve(
@@ -184,51 +145,62 @@ async def _serve(
     resumed: resume.Resumed | None = None,
     reexec_args: tuple[str, ...] = (),
 ) -> int:
+    _use_pidfd_child_watcher()
+    notifier = Notifier()
+    async with watched(notifier):
+        return await _serve_until_stopped(config, resolved, credential, notifier, resumed, reexec_args)
+
+
+async def _serve_until_stopped(
+    config: LaunchConfig,
+    resolved: ResolvedAgentctl,
+    credential: bytes | None,
+    notifier: Notifier,
+    resumed: resume.Resumed | None,
+    reexec_args: tuple[str, ...],
+) -> int:
     # Imported here, not at the top: ``--reload`` (the unit's ExecReload=, new code too) must run
     # even when a module only the server needs is broken; the preflight then refuses that version.
     # preload.import_everything() has imported it already, before anything serves.
     from daemon.agentctl.server import AgentctlServer
 
-    _use_pidfd_child_watcher()
-    notifier = _Notifier()
+    def on_instances_changed(count: int) -> None:
+        notifier.status(_serving(count))
+
     if resumed is None:
         assert credential is not None
-        server = AgentctlServer(config, resolved, credential, on_instances_changed=notifier.status)
+        server = AgentctlServer(config, resolved, credential, on_instances_changed=on_instances_changed)
         del credential
         try:
             _ensure_socket_dir(config.socket_path)
             await server.start()
         except (OSError, ValueError) as exc:
-            _say(f"cannot listen on {config.socket_path}: {exc}")
+            say(PROGRAM, f"cannot listen on {config.socket_path}: {exc}")
             log_event("agentctl_failed", f"cannot listen on {config.socket_path}: {exc}", priority=3,
                       SOCKET=config.socket_path)
-            return EXIT_FAILED
+            return ExitCode.FAILED
     else:
         try:
             server = AgentctlServer.from_handover(resumed.state, config, resolved,
-                                                  on_instances_changed=notifier.status)
+                                                  on_instances_changed=on_instances_changed)
             await server.start_handed_over(resumed.state, resume.listener(resumed.state))
         except Exception as exc:  # the preflight ran this very code on this very state: a bug
             log.exception("cannot resume from the handed-over state")
             log_event("agentctl_failed", f"the re-executed control server cannot resume: {exc}", priority=2)
             resume.close_inherited(resumed.state)
-            return EXIT_FAILED
+            return ExitCode.FAILED
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGUSR1, task_dump.log_tasks)
     reloader = Reloader(server, notify=notifier.notify, stop_requested=stop.is_set, extra_args=reexec_args)
     server.reloader = reloader
-    loop.add_signal_handler(signal.SIGHUP, _request_reload, reloader)
+    install_signal_handlers(loop, stop=stop.set, hangup=lambda: _request_reload(reloader))
     # A stop signal that arrived while the previous image was exec'ing waited, blocked, until now.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
     if resumed is not None:
         resume.reexecuted(server, resumed)
-        count = len(server.instances)
-        notifier.notify(f"READY=1\nSTATUS=serving {count} instance{'' if count == 1 else 's'}")
+        notifier.ready(_serving(len(server.instances)))
     else:
-        notifier.notify("READY=1\nSTATUS=serving 0 instances")
+        notifier.ready(_serving(0))
         log_event(
             "agentctl_started",
             f"control server {server.server_identity} serving on {config.socket_path} (mode {config.mode},"
@@ -246,7 +218,7 @@ async def _serve(
         waiter.cancel()
     await reloader.idle.wait()  # a reload under way ends first (it sees the stop and is refused)
     reason = "signal" if stop.is_set() else (server.exit_reason or "ownership_shutdown")
-    notifier.notify("STOPPING=1")
+    notifier.stopping()
     stopped = await server.shutdown()
     log_event(
         "agentctl_stopped",
@@ -254,19 +226,15 @@ async def _serve(
         REASON=reason,
         SERVER_IDENTITY=server.server_identity,
     )
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     if args.preflight:
         return preflight.run()
-    _ensure_std_fds()
-    os.umask(0o077)
-    raise_open_file_limit()  # three pipes per agent, one stream per instance
+    prepare_process()
     logging.raiseExceptions = False  # a log write must never kill the server (AC-EXECUTORS-SURVIVAL-001.3)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
 
     if args.launch_file:
         launch_path = Path(args.launch_file)
@@ -289,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     except LaunchError as exc:
         return _refuse(f"refusing to start: {exc}", logged=False)
     _setup_logging(config, args.verbose)
-    fault_point("agentctl_dies_at_start")  # test fault, off unless $KANDEV_FAULT(_FILE) says so
+    faults.hit("agentctl_dies_at_start")  # test fault, off unless $KANDEV_FAULT(_FILE) says so
     try:
         resolved = launch.validate(config)
     except ConfigError as exc:
@@ -303,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return asyncio.run(_serve(config, resolved, credential, reexec_args=reexec_args))
     except KeyboardInterrupt:
-        return EXIT_OK
+        return ExitCode.OK
 
 
 def _resume(state_fd: int, verbose: bool, reexec_args: tuple[str, ...]) -> int:
@@ -321,8 +289,8 @@ def _resume(state_fd: int, verbose: bool, reexec_args: tuple[str, ...]) -> int:
     try:
         return asyncio.run(_serve(resumed.config, resolved, None, resumed=resumed, reexec_args=reexec_args))
     except KeyboardInterrupt:
-        return EXIT_OK
+        return ExitCode.OK
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -142,11 +142,12 @@ class Reloader:
         """Start a reload, or join the one in progress; returns its attempt number."""
         history = self.server.reload_history
         if self.in_progress:
-            return history.attempts
+            attempts: int = history.attempts
+            return attempts
         if self.server.shutting_down:
             raise IpcError(ErrorCode.SHUTTING_DOWN, "reload: the control server is shutting down")
         history.attempts += 1
-        attempt = history.attempts
+        attempt: int = history.attempts
         self._busy = True
         self.idle.clear()
         self._task = asyncio.get_running_loop().create_task(self._run(attempt, origin), name="agentctl.reload")
@@ -267,7 +268,7 @@ class Reloader:
 
     def _blocker(self) -> str | None:
         for inst in self.server.instances.values():
-            blocker = inst.handover_blocker()
+            blocker: str | None = inst.handover_blocker()
             if blocker is None:
                 blocker = _reaped_unseen(inst)
             if blocker is not None:

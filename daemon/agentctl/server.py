@@ -52,6 +52,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from daemon import faults
 from daemon.agentctl import agent_env, agent_logs, auth, sandbox
 from daemon.agentctl.handover import HANDOVER_FORMAT, ReloadHistory, ServerHandover, to_plain
 from daemon.agentctl.instance import Instance, InstanceSpec, TurnIds
@@ -61,7 +62,6 @@ from daemon.agentctl.protocol import TABLE
 from daemon.agentctl.sandbox import SandboxPolicy, SandboxRequest, SandboxSupport
 from daemon.agents.settings import SettingsError
 from daemon.config import ResolvedAgentctl
-from daemon.faults import fault_delay, fault_fails
 from daemon.journal import log_event
 from daemon.limits import BUFFER_LIMIT, IDLE_CONNECTION_TIMEOUT_S, connection_limit
 from daemon.version import VERSION
@@ -363,7 +363,7 @@ class AgentctlServer:
         return {
             "server_identity": self.server_identity,
             "capabilities": [c for c in TABLE.capabilities
-                             if not (c == "turns.v1" and fault_fails("agentctl_lacks_turns"))],
+                             if not (c == "turns.v1" and faults.active("agentctl_lacks_turns"))],
             "protocol_version": list(TABLE.version),
             "unowned_period_s": self.unowned_period_s,
         }
@@ -519,14 +519,12 @@ class AgentctlServer:
         return cred_id
 
     async def op_rotate(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
-        if delay := fault_delay("agentctl_slow_rotate"):  # test fault, off unless $KANDEV_FAULT says so
-            await asyncio.sleep(delay)
+        await faults.delay("agentctl_slow_rotate")  # test fault, off unless $KANDEV_FAULT says so
         if "proof" in args:
             self._authenticate(ctx, args["proof"], "rotate")
         elif ctx.state.get("authenticated") is not True:
             raise IpcError(ErrorCode.UNAUTHENTICATED, "rotate needs an authenticated connection or a proof")
-        if fault_fails("agentctl_rotate_fails"):  # test fault, off unless $KANDEV_FAULT says so
-            raise IpcError(ErrorCode.INTERNAL, "injected fault: rotate fails")
+        faults.hit("agentctl_rotate_fails")  # test fault, off unless $KANDEV_FAULT says so
         rotation = self.ownership.rotate_as(ctx.state.get("cred_id"))
         cut = self._cut(rotation.cut, f"rotation {rotation.rotation_id} left its credential no power")
         log_event(
@@ -560,10 +558,8 @@ class AgentctlServer:
         return {"unowned_period_s": self.unowned_period_s}
 
     async def op_ownership_shutdown(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
-        if fault_fails("agentctl_shutdown_fails"):  # test fault, off unless $KANDEV_FAULT says so
-            raise IpcError(ErrorCode.INTERNAL, "injected fault: ownership_shutdown fails")
-        if fault_fails("agentctl_lacks_shutdown"):  # test fault: answers as a server without the op would
-            raise IpcError(ErrorCode.UNKNOWN_OP, "unknown op 'ownership_shutdown' (injected fault)")
+        faults.hit("agentctl_shutdown_fails")  # test fault, off unless $KANDEV_FAULT says so
+        faults.hit("agentctl_lacks_shutdown")  # test fault: answers as a server without the op would
         # Already stopping (an unowned shutdown, an earlier call, a signal) counts as success (AC-EXECUTORS-CONTROL-OWNERSHIP-004.7):
         # the reply still comes only once every instance is stopped.
         if self.ownership.begin_shutdown("ownership_shutdown"):
@@ -734,13 +730,11 @@ class AgentctlServer:
         return {}
 
     async def op_list_instances(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
-        if delay := fault_delay("agentctl_slow_enumeration"):  # test fault, off unless $KANDEV_FAULT says so
-            await asyncio.sleep(delay)
+        await faults.delay("agentctl_slow_enumeration")  # test fault, off unless $KANDEV_FAULT says so
         return {"instances": [inst.describe() for inst in self.instances.values()]}
 
     async def op_stop_instance(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
-        if fault_fails("agentctl_stop_fails"):  # test fault, off unless $KANDEV_FAULT says so
-            raise IpcError(ErrorCode.INTERNAL, "injected fault: stop_instance fails")
+        faults.hit("agentctl_stop_fails")  # test fault, off unless $KANDEV_FAULT says so
         instance_id = args["instance_id"]
         inst = self.instances.get(instance_id)
         if inst is None:
@@ -779,8 +773,7 @@ class AgentctlServer:
         return {"discarded": discarded}
 
     async def op_turn_status(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
-        if fault_fails("agentctl_turn_status_fails"):  # test fault, off unless $KANDEV_FAULT says so
-            raise IpcError(ErrorCode.INTERNAL, "injected fault: turn_status fails")
+        faults.hit("agentctl_turn_status_fails")  # test fault, off unless $KANDEV_FAULT says so
         return self._get(args["instance_id"]).turn_status()
 
     async def op_ack_turn(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:

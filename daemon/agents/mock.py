@@ -57,7 +57,7 @@ import os
 import signal
 import sys
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 import acp
 import psutil
@@ -74,6 +74,7 @@ from acp.schema import (
     NewSessionResponse,
     PermissionOption,
     PromptResponse,
+    SessionConfigOptionBoolean,
     SessionConfigOptionSelect,
     SessionConfigSelectOption,
     SessionMode,
@@ -102,7 +103,8 @@ PERMISSION_OPTIONS = [
     PermissionOption(option_id="allow", name="Allow", kind="allow_once"),
     PermissionOption(option_id="reject", name="Reject", kind="reject_once"),
 ]
-_CONFIG_LABELS = {"model": ("Model", "model"), "effort": ("Effort", "thought_level")}
+_CONFIG_LABELS: dict[str, tuple[str, Literal["model", "thought_level"]]] = {
+    "model": ("Model", "model"), "effort": ("Effort", "thought_level")}
 
 
 def _rejected(switch: Any, value: str) -> bool:
@@ -126,7 +128,7 @@ def _modes(rec: SessionRecord) -> SessionModeState:
     )
 
 
-def _config_options(rec: SessionRecord) -> list[SessionConfigOptionSelect]:
+def _config_options(rec: SessionRecord) -> list[SessionConfigOptionSelect | SessionConfigOptionBoolean]:
     return [
         SessionConfigOptionSelect(
             id=config_id,
@@ -329,7 +331,7 @@ async def _serve() -> None:
     # Every send waits until its bytes are in the pipe: a slow reader blocks the
     # agent (real backpressure), and /exit never loses its last chunk.
     writer.transport.set_write_buffer_limits(high=0)
-    await acp.run_agent(MockAgent(), writer, reader)
+    await acp.run_agent(MockAgent(), writer, reader)  # type: ignore[arg-type]  # partial acp.Agent: the rest is method_not_found
 
 
 async def _git_credential(cwd: str) -> str:

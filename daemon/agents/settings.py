@@ -129,7 +129,7 @@ def parse_agent_table(name: str, table: Any, where: str = "") -> AgentSettings:
         raise SettingsError(f"{base}.{unknown[0]}", f"unknown setting{suffix}; known: env, secret_env")
     env: dict[str, str] = {}
     secrets: dict[str, SecretRef] = {}
-    for part, out in (("env", env), ("secret_env", secrets)):
+    for part in ("env", "secret_env"):
         value = table.get(part, {})
         if not isinstance(value, dict):
             raise SettingsError(f"{base}.{part}", f'must be a table of VARIABLE = "..."{suffix}')
@@ -141,9 +141,9 @@ def parse_agent_table(name: str, table: Any, where: str = "") -> AgentSettings:
             if part == "env":
                 if not isinstance(text, str) or "\0" in text or len(text) > MAX_VALUE:
                     raise SettingsError(key, f"must be a string of at most {MAX_VALUE} characters{suffix}")
-                out[var] = text
+                env[var] = text
             else:
-                out[var] = SecretRef.parse(text, key)
+                secrets[var] = SecretRef.parse(text, key)
     both = sorted(set(env) & set(secrets))
     if both:
         raise SettingsError(f"{base}.secret_env.{both[0]}", "is also in env; a variable is either plain or secret")

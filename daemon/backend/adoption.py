@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from daemon import faults
 from daemon.agentctl import launch as launch_file
 from daemon.agentctl.client import (
     RELOAD_WINDOW_S,
@@ -43,7 +44,6 @@ from daemon.agentctl.client import (
     reload_seen_recently,
 )
 from daemon.agentctl.protocol import REQUIRED_CAPABILITIES
-from daemon.faults import fault_point
 from daemon.paths import Paths
 from daemon.store.db import Store
 from daemon.store.models import ControlServerRecord
@@ -203,20 +203,20 @@ class Adopter:
             if exc.code == ErrorCode.SHUTTING_DOWN:  # the one-way door: treat as no server (AC-EXECUTORS-CONTROL-OWNERSHIP-003.9)
                 return Adoption("no_server", None, record=record, answered=True)
             return Adoption("refused", "credential_rotation_failure", record=record, answered=True)
-        fault_point("adopt_after_rotate")
+        faults.hit("adopt_after_rotate")
         old_ref = record.credential_ref
         new_ref = f"agentctl-cred-{secrets.token_hex(6)}"
         try:
             # Both writes durable before confirm; either order recovers (AC-EXECUTORS-CONTROL-OWNERSHIP-002.7).
             launch_file.write_credential(self.paths.secrets_dir / new_ref, new_credential)
-            fault_point("adopt_after_secret")
+            faults.hit("adopt_after_secret")
             with self.store.session() as db:
                 stored = db.get(ControlServerRecord, 1)
                 if stored is None:
                     raise RuntimeError("control-server record vanished during adoption")
                 stored.credential_ref = new_ref
                 stored.updated_at = datetime.now(UTC)
-            fault_point("adopt_after_record")
+            faults.hit("adopt_after_record")
         except Exception as exc:
             log.error("could not persist the rotated credential: %s", exc)
             await client.close()
@@ -228,7 +228,7 @@ class Adopter:
         except (IpcError, OwnershipRefused) as exc:
             log.error("confirming rotation %s failed: %s", rotation_id, exc)
             return Adoption("refused", "credential_rotation_failure", record=record, answered=True)
-        fault_point("adopt_after_confirm")
+        faults.hit("adopt_after_confirm")
         if self.on_claim_ready is not None:  # the claim loop starts now, not after re-tracking (AC-EXECUTORS-CONTROL-OWNERSHIP-003.8)
             self.on_claim_ready(current, new_credential)
         if old_ref and old_ref != new_ref:

@@ -5,6 +5,10 @@ installation (another one's is refused) → logging → platform check → store
 without an owner is adopted) → CLI socket (guards make early requests safe) →
 recovery and reconciliation → READY=1. Shutdown detaches from the control server when survival is enabled
 (its agents keep running) and stops it when it is our child.
+
+Process set-up, signals (SIGTERM/SIGINT stop, SIGUSR1 task dump, SIGHUP ignored), sd_notify, the
+watchdog and the exit codes (0 stopped, 1 could not serve, 2 invalid configuration) are the daemon
+skeleton both daemons share (``daemon.service``).
 """
 
 from __future__ import annotations
@@ -14,26 +18,30 @@ import asyncio
 import grp
 import logging
 import os
-import signal
-import sys
-from collections.abc import Awaitable, Mapping
 
-import sdnotify
-
-from daemon import task_dump
 from daemon.backend import api
 from daemon.backend.app import Backend
 from daemon.backend.lock import HomeLock, LockHeld, StoreLock, StoreLocked
 from daemon.config import Config, ConfigError, load_config, validate_agentctl, validate_backend
-from daemon.journal import log_event, setup_logging
-from daemon.limits import BUFFER_LIMIT, IDLE_CONNECTION_TIMEOUT_S, connection_limit, raise_open_file_limit
+from daemon.journal import log_event
+from daemon.limits import BUFFER_LIMIT, IDLE_CONNECTION_TIMEOUT_S, connection_limit
 from daemon.paths import Paths, installation_id, resolve_home
 from daemon.platform import check_capability
+from daemon.service import (
+    ExitCode,
+    Notifier,
+    install_signal_handlers,
+    prepare_process,
+    say,
+    setup_daemon_logging,
+    watched,
+)
 from daemon.store.db import Store, sqlite_url
 from daemon.store.owner import ForeignStore, check_store_owner, claim_store, describe_store
 from ipc.server import IpcServer
 
 log = logging.getLogger("kandev.backend")
+PROGRAM = "kandev-backend"
 SERVICE_GROUP = "kandev"
 
 
@@ -63,44 +71,13 @@ def _status_line(backend: Backend) -> str:
     )
 
 
-def watchdog_interval(env: Mapping[str, str] | None = None) -> float | None:
-    """Seconds between WATCHDOG=1 pings: half of $WATCHDOG_USEC (WatchdogSec= of the unit), or None
-    when systemd expects none (unset, unparsable, or $WATCHDOG_PID naming another process)."""
-    environ = os.environ if env is None else env
-    pid = environ.get("WATCHDOG_PID")
-    if pid and pid != str(os.getpid()):
-        return None
-    try:
-        usec = int(environ.get("WATCHDOG_USEC", ""))
-    except ValueError:
-        return None
-    return usec / 2 / 1_000_000 if usec > 0 else None
+async def _run(paths: Paths, backend: Backend, notifier: Notifier) -> int:
+    async with watched(notifier):
+        return await _serve_until_stopped(paths, backend, notifier)
 
 
-async def _watchdog(notifier: sdnotify.SystemdNotifier, interval: float) -> None:
-    """Ping from the event loop itself: a wedged loop stops the pings and systemd restarts us."""
-    while True:
-        notifier.notify("WATCHDOG=1")
-        await asyncio.sleep(interval)
-
-
-async def _watched(run: Awaitable[int], notifier: sdnotify.SystemdNotifier) -> int:
-    """``run`` with the watchdog pinging beside it (recovery included) when the unit asks for it."""
-    interval = watchdog_interval()
-    watchdog = asyncio.create_task(_watchdog(notifier, interval)) if interval else None
-    try:
-        return await run
-    finally:
-        if watchdog is not None:
-            watchdog.cancel()
-
-
-async def _run(paths: Paths, backend: Backend, notifier: sdnotify.SystemdNotifier) -> int:
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, backend.shutdown_requested.set)
-    loop.add_signal_handler(signal.SIGHUP, lambda: None)
-    loop.add_signal_handler(signal.SIGUSR1, task_dump.log_tasks)
+async def _serve_until_stopped(paths: Paths, backend: Backend, notifier: Notifier) -> int:
+    install_signal_handlers(asyncio.get_running_loop(), stop=backend.shutdown_requested.set)
 
     server = IpcServer(
         paths.backend_socket,
@@ -113,10 +90,9 @@ async def _run(paths: Paths, backend: Backend, notifier: sdnotify.SystemdNotifie
         buffer_limit=BUFFER_LIMIT,
     )
     await server.start()
-    notifier.notify("STATUS=recovering")
+    notifier.status("recovering")
     # Recovery may take up to the deadline (max 5 min): keep systemd's start timeout ahead of it.
-    extend_us = int((backend.config.agentctl.recovery_deadline + 60) * 1_000_000)
-    notifier.notify(f"EXTEND_TIMEOUT_USEC={extend_us}")
+    notifier.extend_timeout(backend.config.agentctl.recovery_deadline + 60)
     try:
         await backend.recover()
     except Exception as exc:
@@ -124,10 +100,9 @@ async def _run(paths: Paths, backend: Backend, notifier: sdnotify.SystemdNotifie
         log_event("backend_start_failed", f"startup failed: {exc}", priority=3, REASON=type(exc).__name__)
         await server.close()
         await backend.shutdown()
-        return 1
+        return ExitCode.FAILED
     status = _status_line(backend)
-    notifier.notify("READY=1")
-    notifier.notify(f"STATUS={status}")
+    notifier.ready(status)
     log_event(
         "backend_ready",
         f"backend ready: {status}",
@@ -137,24 +112,23 @@ async def _run(paths: Paths, backend: Backend, notifier: sdnotify.SystemdNotifie
         RECOVERY_MS=round(backend.report.duration_ms),
     )
     await backend.shutdown_requested.wait()
-    notifier.notify("STOPPING=1")
+    notifier.stopping()
     await server.close()
     await backend.shutdown()
-    return 0
+    return ExitCode.OK
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    os.umask(0o077)  # everything under the home is private; the run dir and CLI socket are set explicitly
-    raise_open_file_limit()  # one event stream per tracked session
+    prepare_process()  # everything under the home is private; the run dir and CLI socket set their modes
     paths = Paths.for_home(resolve_home(args.home))
     paths.ensure()
     lock = HomeLock(paths.lock_path)
     try:
         lock.acquire()  # before anything else: a second backend stops here
     except LockHeld as exc:
-        print(f"kandev-backend: {exc}", file=sys.stderr)
-        return 1
+        say(PROGRAM, str(exc))
+        return ExitCode.FAILED
     try:
         try:
             config = load_config(args.config, os.environ)
@@ -167,28 +141,28 @@ def main(argv: list[str] | None = None) -> int:
                 origins=config.origins,
             )
         except ConfigError as exc:
-            print(f"kandev-backend: invalid configuration: {exc}", file=sys.stderr)
-            return 2
+            say(PROGRAM, f"invalid configuration: {exc}")
+            return ExitCode.REFUSED
         url = config.database.url or sqlite_url(paths.db_path)
         store_lock = StoreLock(url)
         try:
             store_lock.acquire()  # one backend per store too, whatever home names it; before logging
         except StoreLocked as exc:
-            print(f"kandev-backend: {exc}", file=sys.stderr)
-            return 1
+            say(PROGRAM, str(exc))
+            return ExitCode.FAILED
         except Exception as exc:  # e.g. the database server is down
-            print(f"kandev-backend: cannot lock the store: {type(exc).__name__}: {exc}", file=sys.stderr)
-            return 1
+            say(PROGRAM, f"cannot lock the store: {type(exc).__name__}: {exc}")
+            return ExitCode.FAILED
         ours = installation_id(paths)
         try:
             # A store of another installation is refused before anything reads or migrates it.
             check_store_owner(url, ours, describe_store(url))
         except ForeignStore as exc:
-            print(f"kandev-backend: {exc}", file=sys.stderr)
-            return 1
+            say(PROGRAM, str(exc))
+            return ExitCode.FAILED
         except Exception as exc:
-            print(f"kandev-backend: cannot read the store: {type(exc).__name__}: {exc}", file=sys.stderr)
-            return 1
+            say(PROGRAM, f"cannot read the store: {type(exc).__name__}: {exc}")
+            return ExitCode.FAILED
         try:
             return _serve(args, paths, config, url)
         finally:
@@ -199,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(args: argparse.Namespace, paths: Paths, config: Config, url: str) -> int:
     """Logging → platform check → store (migrations) → the event loop, with both locks held."""
-    setup_logging("backend", verbose=args.verbose)
+    setup_daemon_logging("backend", verbose=args.verbose)
     capability = check_capability(config)
     log_event(
         "capability",
@@ -216,15 +190,14 @@ def _serve(args: argparse.Namespace, paths: Paths, config: Config, url: str) -> 
             log_event("store_adopted", f"the store now belongs to installation {ours}", INSTALLATION_ID=ours)
     except ForeignStore as exc:
         store.close()
-        print(f"kandev-backend: {exc}", file=sys.stderr)
-        return 1
+        say(PROGRAM, str(exc))
+        return ExitCode.FAILED
     backend = Backend(paths, config, capability, store, ours)
-    notifier = sdnotify.SystemdNotifier()
     try:
-        return asyncio.run(_watched(_run(paths, backend, notifier), notifier))
+        return asyncio.run(_run(paths, backend, Notifier()))
     finally:
         store.close()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -44,7 +44,7 @@ def render_table(term: Term, headers: Sequence[str], rows: Sequence[Sequence[Cel
 
 def _join(term: Term, row: Sequence[Cell], widths: Sequence[int]) -> str:
     """One row; on a terminal still too narrow for it, the row is cut at the width (with an ellipsis)."""
-    parts = []
+    parts: list[str] = []
     last = len(row) - 1
     used = 0
     for i, c in enumerate(row):

@@ -147,7 +147,8 @@ class ConversationWriter:
     def _permission_request(self, data: dict[str, Any], still_open: bool | None) -> None:
         t = self.term
         request = str(data.get("request_id") or "")
-        tool = data.get("tool_call") if isinstance(data.get("tool_call"), dict) else {}
+        raw_tool = data.get("tool_call")
+        tool: dict[str, Any] = raw_tool if isinstance(raw_tool, dict) else {}
         options = [o for o in data.get("options") or [] if isinstance(o, dict)]
         ids = [str(o.get("optionId") or o.get("option_id")) for o in options]
         self.line(t.magenta(f"[permission {short(request)}] {tool.get('title') or 'the agent asks for permission'}"

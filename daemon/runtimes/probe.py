@@ -74,7 +74,7 @@ async def acp_probe(
         return ProbeResult(False, detail=sanitize(f"cannot start {argv[0]}: {exc}"), duration_s=0.0)
     stderr_task = asyncio.create_task(_drain(proc.stderr, STDERR_KEEP))
     assert proc.stdin is not None and proc.stdout is not None
-    conn = acp.connect_to_agent(_ProbeClient(), proc.stdin, proc.stdout)
+    conn = acp.connect_to_agent(_ProbeClient(), proc.stdin, proc.stdout)  # type: ignore[arg-type]  # partial acp.Client
     result: ProbeResult
     try:
         init = await within(

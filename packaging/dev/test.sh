@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The whole test suite: set-up, lint, then pytest over tests/unit, tests/integration and
-# tests/systemd (the systemd tests boot throw-away systemd containers with tests/systemd/sdbox.sh).
+# The whole test suite: set-up, lint (ruff), type check (mypy), then pytest over tests/unit,
+# tests/integration and tests/systemd (the systemd tests boot throw-away systemd containers with
+# tests/systemd/sdbox.sh).
 # usage: bash packaging/dev/test.sh [PYTEST ARGS...]     e.g.  -k ownership   or   -x
-# Exit 0 only if ruff is clean and pytest passed (or collected no tests at all, exit code 5).
+# Exit 0 only if ruff and mypy are clean and pytest passed (or collected no tests at all, exit code 5).
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)
 REPO=$(cd "$HERE/../.." && pwd -P)
@@ -15,6 +16,18 @@ for d in daemon ipc tests; do [ -d "$d" ] && lint_dirs+=("$d"); done
 echo "== ruff check ${lint_dirs[*]}"
 if "$VENV/bin/ruff" check "${lint_dirs[@]}"; then ruff_rc=0; ruff_msg="ruff: clean"
 else ruff_rc=$?; ruff_msg="ruff: FAILED (exit $ruff_rc)"; fi
+
+# the packages and options are in pyproject.toml ([tool.mypy]); a few seconds with a warm cache
+echo "== mypy"
+mypy_log=$(mktemp /var/tmp/kandev-mypy.XXXXXX)
+mypy_rc=0
+"$VENV/bin/mypy" >"$mypy_log" 2>&1 || mypy_rc=$?
+cat "$mypy_log"
+# mypy's last line is its summary, e.g. "Found 3 errors in 2 files (checked 114 source files)"
+mypy_summary=$(grep -v '^[[:space:]]*$' "$mypy_log" | tail -n 1)
+rm -f "$mypy_log"
+if [ "$mypy_rc" = 0 ]; then mypy_msg="mypy: clean"
+else mypy_msg="mypy: FAILED (exit $mypy_rc): ${mypy_summary:-see output above}"; fi
 
 echo "== pytest"
 log=$(mktemp /var/tmp/kandev-pytest.XXXXXX)
@@ -37,5 +50,5 @@ case $pytest_rc in
   *) pytest_msg="pytest: FAILED (exit $pytest_rc): ${summary:-see output above}" ;;
 esac
 
-echo "== summary: $ruff_msg; $pytest_msg"
-[ "$ruff_rc" = 0 ] && [ "$pytest_rc" = 0 ]
+echo "== summary: $ruff_msg; $mypy_msg; $pytest_msg"
+[ "$ruff_rc" = 0 ] && [ "$mypy_rc" = 0 ] && [ "$pytest_rc" = 0 ]

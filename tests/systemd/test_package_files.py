@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from daemon import cli
-from daemon.config import _KINDS, Config, load_config
+from daemon.config import SECTIONS, Config, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 PKG = REPO / "packaging"
@@ -25,10 +25,10 @@ def test_default_config_lists_every_key_commented_with_its_default(tmp_path: Pat
     exactly the built-in defaults (so the file documents them truthfully), survival off."""
     text = CONF.read_text()
     def sections(cfg: Config) -> dict[str, object]:
-        return {section: getattr(cfg, section) for section in _KINDS}
+        return {section: getattr(cfg, section) for section in SECTIONS}
 
     assert sections(load_config(str(CONF), {})) == sections(Config())  # as shipped: nothing set
-    for section, keys in _KINDS.items():
+    for section, keys in SECTIONS.items():
         hint = "packaging/etc/kandev.toml (the packaged conffile) must list every key, commented out"
         assert f"[{section}]" in text, f"section [{section}] missing: {hint}"
         for key in keys:
