@@ -104,7 +104,7 @@ class Adopter:
         except launch_file.LaunchError as exc:
             raise ValueError(str(exc)) from None
 
-    async def _budget(self, fn: Callable[[], Awaitable[Any]]) -> Any:
+    async def budget(self, fn: Callable[[], Awaitable[Any]]) -> Any:
         """Timeout T, R retries, no pause between attempts (AC-EXECUTORS-SURVIVAL-002.13).
 
         An attempt that failed while the server said it is re-executing (``reloading``, within
@@ -132,7 +132,7 @@ class Adopter:
     async def _identify(self, endpoint: str) -> tuple[bool, dict[str, Any] | None]:
         """(answered, identity). A listener that answers with an error has answered."""
         try:
-            info = await self._budget(lambda: _identify_or_raise(endpoint, self.read_timeout_s))
+            info = await self.budget(lambda: _identify_or_raise(endpoint, self.read_timeout_s))
         except IpcError as exc:
             if exc.code == ErrorCode.TIMEOUT:
                 return False, None
@@ -260,7 +260,7 @@ class Adopter:
     async def _shutdown(self, client: AgentctlClient) -> bool:
         """ownership_shutdown on the read budget; already stopping/absent counts as success (004.7)."""
         try:
-            await self._budget(client.ownership_shutdown)
+            await self.budget(client.ownership_shutdown)
             return True
         except IpcError as exc:
             if exc.code in (ErrorCode.SHUTTING_DOWN, ErrorCode.UNAVAILABLE):

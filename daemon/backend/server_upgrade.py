@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +46,7 @@ from ipc.aio import cancel_and_wait, within
 from ipc.errors import ErrorCode, IpcError
 
 if TYPE_CHECKING:
-    from daemon.backend.app import Backend
+    from daemon.backend.context import BackendContext
 
 log = logging.getLogger(__name__)
 
@@ -58,41 +57,6 @@ STATUS_READ_S = 2.0
 REPLACE_UNIT_WAIT_S = 30.0
 
 
-class LaunchGate:
-    """Launches (``create_instance`` and what must stay with it) share the gate; a replacement of
-    the control server takes it alone: it waits for launches in flight and holds new ones back."""
-
-    def __init__(self) -> None:
-        self._launches = 0
-        self._exclusive = False
-        self._changed = asyncio.Condition()
-
-    @contextlib.asynccontextmanager
-    async def launch(self) -> AsyncIterator[None]:
-        async with self._changed:
-            await self._changed.wait_for(lambda: not self._exclusive)
-            self._launches += 1
-        try:
-            yield
-        finally:
-            async with self._changed:
-                self._launches -= 1
-                self._changed.notify_all()
-
-    @contextlib.asynccontextmanager
-    async def exclusive(self) -> AsyncIterator[None]:
-        async with self._changed:
-            await self._changed.wait_for(lambda: not self._exclusive)
-            self._exclusive = True
-            await self._changed.wait_for(lambda: self._launches == 0)
-        try:
-            yield
-        finally:
-            async with self._changed:
-                self._exclusive = False
-                self._changed.notify_all()
-
-
 def _iso(ts: Any) -> str | None:
     if not isinstance(ts, int | float):
         return None
@@ -100,7 +64,7 @@ def _iso(ts: Any) -> str | None:
 
 
 class ServerUpgrade:
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: BackendContext) -> None:
         self.backend = backend
         self.info: dict[str, Any] | None = None  # the last server_info answer
         self.replacement: str | None = None  # "when_idle" while an old server waits to be replaced
@@ -230,7 +194,7 @@ class ServerUpgrade:
             await cancel_and_wait(claims)
         with contextlib.suppress(Exception):
             await old.close()
-        b.client = None
+        b.servers.survival.client = None
         if await self._wait_gone(handle.pid):
             b.launcher.remove_files(handle)
 
