@@ -185,8 +185,9 @@ class AsyncClient:
             try:
                 await self._send(data)
             except IpcError:
-                if fut.done() and not fut.cancelled() and fut.exception() is not None:
-                    raise fut.exception() from None  # e.g. the server's refusal, read meanwhile
+                refusal = fut.exception() if fut.done() and not fut.cancelled() else None
+                if refusal is not None:
+                    raise refusal from None  # e.g. the server's refusal, read meanwhile
                 raise
             if timeout is None:
                 return await fut

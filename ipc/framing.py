@@ -72,7 +72,7 @@ def encode_frame(obj: dict[str, Any]) -> bytes:
     return HEADER.pack(len(body)) + body
 
 
-def decode_body(body: bytes) -> dict[str, Any]:
+def decode_body(body: bytes | memoryview) -> dict[str, Any]:
     """Decode a frame body (without its prefix) into a map, or raise ``InvalidFrame``."""
     try:
         obj = msgpack.unpackb(

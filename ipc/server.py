@@ -360,7 +360,7 @@ class IpcServer:
             if op.stream:
                 ctx.close()
             # Bookkeeping here rather than in a done-callback: one loop iteration less per request.
-            self._handler_tasks.discard(asyncio.current_task())  # type: ignore[arg-type]
+            self._handler_tasks.discard(asyncio.current_task())
             conn.task_done()
 
     # -- hand-over of the listening socket (the control server's re-exec) -----------------

@@ -43,6 +43,7 @@ from daemon.agentctl.client import (
     reload_seen_recently,
 )
 from daemon.agentctl.protocol import REQUIRED_CAPABILITIES
+from daemon.agentctl.replies import ServerIdentity
 from daemon.faults import fault_point
 from daemon.paths import Paths
 from daemon.store.db import Store
@@ -301,7 +302,7 @@ class Adopter:
         )
 
 
-async def _identify_or_raise(endpoint: str, timeout: float) -> dict[str, Any]:
+async def _identify_or_raise(endpoint: str, timeout: float) -> ServerIdentity:
     info = await identify(endpoint, timeout=timeout)
     if info is None:
         raise IpcError(ErrorCode.UNAVAILABLE, "no answer")

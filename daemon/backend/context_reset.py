@@ -105,7 +105,7 @@ class ContextReset:
         client = self.live.client(ex)
         if not restart:
             try:
-                info = dict(await client.reset_context(ex.instance_id))
+                info: dict[str, Any] = dict(await client.reset_context(ex.instance_id))
                 ex.acp_session_id = info.get("acp_session_id")
                 return ex, info, "acp", None
             except IpcError as exc:
@@ -139,10 +139,8 @@ class ContextReset:
             await self.live.untrack(ex)
 
         launched = await self.launcher.launch(plan, before_create=drained)
-        info = dict(launched.info)
-        info["endpoint"] = launched.endpoint
         new = self.launcher.track(launched, last_seq=launched.handshake_seq)
-        return new, info, "restart", launched
+        return new, {**launched.info, "endpoint": launched.endpoint}, "restart", launched
 
     def _reset_not_started(self, session_id: str, exc: BaseException) -> None:
         """No new provider session: the old conversation stays; back to WAITING_FOR_INPUT (tokens kept)."""

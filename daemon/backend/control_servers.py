@@ -20,9 +20,9 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
 
 from daemon.agentctl.client import AgentctlClient, OwnershipRefused, identify
+from daemon.agentctl.replies import ServerIdentity
 from daemon.backend.control_link import Attached, ControlServerLink, LinkState, Loss
 from daemon.backend.credential_endpoints import CredentialEndpoints
 from daemon.backend.executions import Execution, ExecutionStore
@@ -141,7 +141,7 @@ class ControlServers:
                   f" credential by someone else: {len(lost)} execution(s) no longer tracked, nothing stopped",
                   priority=4, REASON="superseded_credential", COUNT=len(lost))
 
-    async def connect(self, handle: ControlServerHandle, credential: bytes) -> tuple[AgentctlClient, dict[str, Any]]:
+    async def connect(self, handle: ControlServerHandle, credential: bytes) -> tuple[AgentctlClient, ServerIdentity]:
         info = await identify(handle.endpoint, timeout=5.0)
         if info is None:
             raise IpcError(ErrorCode.UNAVAILABLE, f"control server at {handle.endpoint} does not answer")

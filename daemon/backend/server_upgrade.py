@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from daemon.agentctl.protocol import RELOAD_CAPABILITY
+from daemon.agentctl.replies import ServerInfo
 from daemon.backend.control_link import LinkState
 from daemon.journal import log_event
 from daemon.version import VERSION, installed_version, version_key
@@ -66,7 +67,7 @@ def _iso(ts: Any) -> str | None:
 class ServerUpgrade:
     def __init__(self, backend: BackendContext) -> None:
         self.backend = backend
-        self.info: dict[str, Any] | None = None  # the last server_info answer
+        self.info: ServerInfo | None = None  # the last server_info answer
         self.replacement: str | None = None  # "when_idle" while an old server waits to be replaced
         self.last_replaced: dict[str, Any] | None = None
         self.reloading = False  # a reload asked by this backend is under way (status says so)
@@ -83,7 +84,7 @@ class ServerUpgrade:
     def can_reload(client: Any) -> bool:
         return RELOAD_CAPABILITY in client.capabilities
 
-    async def refresh(self, timeout: float = STATUS_READ_S) -> dict[str, Any] | None:
+    async def refresh(self, timeout: float = STATUS_READ_S) -> ServerInfo | None:
         client = self.backend.client
         if client is None or not self.can_reload(client):
             return None
@@ -95,10 +96,10 @@ class ServerUpgrade:
 
     def status(self) -> dict[str, Any]:
         client = self.backend.client
-        reload_info = (self.info or {}).get("reload") or {}
+        reload_info = (self.info.get("reload") if self.info else None) or {}
         can_reload = client is not None and self.can_reload(client)
         return {
-            "version": (self.info or {}).get("version") if can_reload else None,
+            "version": (self.info.get("version") if self.info else None) if can_reload else None,
             "installed_version": installed_version(),
             "protocol_version": list(client.protocol_version) if client is not None else None,
             "can_reload": can_reload,
@@ -132,7 +133,7 @@ class ServerUpgrade:
         installed = installed_version() or VERSION
         if self.can_reload(client):
             info = await self.refresh()
-            running = (info or {}).get("version")
+            running = info.get("version") if info else None
             if isinstance(running, str) and version_key(installed) > version_key(running):
                 log_event("control_server_outdated", f"the control server runs {running}, {installed} is installed:"
                           " asking it to re-execute in place", RUNNING_VERSION=running, INSTALLED_VERSION=installed)
@@ -176,7 +177,7 @@ class ServerUpgrade:
                                   "at": datetime.now(UTC).isoformat(timespec="seconds")}
             await self.refresh()
             log_event("control_server_replaced", f"the old control server (pid {old_pid}) ran no instance any more:"
-                      f" replaced by version {(self.info or {}).get('version')} (pid {self.last_replaced['new_pid']})",
+                      f" replaced by version {(self.info.get('version') if self.info else None)} (pid {self.last_replaced['new_pid']})",
                       OLD_PID=old_pid, NEW_PID=self.last_replaced["new_pid"])
             return True
 

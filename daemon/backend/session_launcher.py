@@ -32,6 +32,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from daemon.agentctl.client import AgentctlClient
+from daemon.agentctl.replies import CreatedInstance
 from daemon.agents.registry import BuiltinAgent
 from daemon.backend import agent_launch
 from daemon.backend.executions import Execution
@@ -88,14 +89,14 @@ class Launched:
     """A created instance: the control server's answer and where it runs."""
 
     plan: LaunchPlan
-    info: dict[str, Any]
+    info: CreatedInstance
     endpoint: str
     credentials: GitCredentials | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def instance_id(self) -> str:
-        return str(self.info["instance_id"])
+        return self.info["instance_id"]
 
     @property
     def acp_session_id(self) -> str | None:
@@ -136,10 +137,10 @@ class SessionLauncher:
             if plan.replaces is not None:
                 client.check_sandbox(prep.sandbox)  # refused before the agent is stopped, not after
                 await client.stop_instance(plan.replaces)
-            info = dict(await client.create_instance(
+            info = await client.create_instance(
                 session_id=plan.session_id, task_id=plan.task_id, command=prep.command, cwd=plan.workspace,
                 env=prep.env, agent=plan.agent_name, resume_session_id=plan.resume_token, sandbox=prep.sandbox,
-            ))
+            )
         endpoint = handle.endpoint if handle is not None else ""
         return Launched(plan, info, endpoint, prep.credentials)
 

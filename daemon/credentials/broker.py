@@ -31,9 +31,9 @@ import math
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import CursorResult, delete, select, update
 from sqlalchemy.orm import Session
 
 from daemon.config import CredentialsConfig
@@ -260,12 +260,12 @@ def record_credential_snapshot(db: Session, session_id: str, snapshot: dict[str,
         raise SessionNotFound(f"no session with id {session_id!r:.80}")
     meta = dict(session.metadata_json or {})
     meta[SNAPSHOT_KEY] = dict(snapshot)
-    result = db.execute(
+    result = cast("CursorResult[Any]", db.execute(
         update(TaskSession)
         .where(TaskSession.id == session_id, TaskSession.state == "STARTING")
         .values(metadata_json=meta)
         .execution_options(synchronize_session="fetch")
-    )
+    ))
     if result.rowcount != 1:
         db.refresh(session)
         raise SessionNotStarting(f"session {session_id} is {session.state}, not STARTING: snapshot not stored")
@@ -405,12 +405,12 @@ def revoke_lease(db: Session, lease_id: str) -> bool:
 
 def revoke_session_leases(db: Session, session_id: str) -> int:
     """Revoke every lease of a session (and so every capability issued with them)."""
-    result = db.execute(
+    result = cast("CursorResult[Any]", db.execute(
         update(CredentialLease)
         .where(CredentialLease.session_id == session_id, CredentialLease.revoked.is_(False))
         .values(revoked=True)
         .execution_options(synchronize_session="fetch")
-    )
+    ))
     count = int(result.rowcount or 0)
     if count:
         log_event("credential_lease_revoked", f"{count} git credential lease(s) of session {session_id} revoked",

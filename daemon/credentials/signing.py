@@ -31,7 +31,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -70,7 +70,7 @@ def ensure_signing_key(engine: Engine) -> None:
             return
     try:
         with engine.begin() as conn:
-            conn.execute(Installation.__table__.insert().values(
+            conn.execute(insert(Installation).values(
                 key=SIGNING_KEY_NAME, value=secrets.token_bytes(KEY_BYTES).hex()))
     except IntegrityError:
         pass
