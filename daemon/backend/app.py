@@ -29,7 +29,7 @@ import daemon.backend.sessions_api as sessions_api
 import daemon.backend.status_api as status_api
 import daemon.backend.tasks_api as tasks_api
 import daemon.backend.workflow_api as workflow_api
-from daemon.backend.adoption import Adopter
+from daemon.backend.adoption import Adopter, AdoptionOutcome
 from daemon.backend.api import TABLE
 from daemon.backend.context import BackendContext, BackendState
 from daemon.backend.context_reset import ContextReset
@@ -138,7 +138,7 @@ class Backend:
             enabled=ctx.enabled, start_own_server=ctx.servers.first_server, publish=self._publish
         )
         ctx.report = report
-        adopted = report.adoption.record if report.adoption.outcome == "adopted" else None
+        adopted = report.adoption.record if report.adoption.outcome == AdoptionOutcome.ADOPTED else None
         ctx.servers.use(client, adopted)
         for ex in list(ctx.executions.executions.values()):
             if ex.consumer is None:

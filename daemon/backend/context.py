@@ -30,6 +30,7 @@ from daemon.credentials import GitCredentials, prepare_git_credentials, record_c
 from daemon.paths import Paths
 from daemon.platform import CapabilityStatus
 from daemon.store.db import Store
+from daemon.store.states import LaunchMode
 
 
 class BackendState(StrEnum):
@@ -61,9 +62,9 @@ class BackendContext:
         self.state = BackendState.STARTING
         self.enabled = capability.state == "enabled"
         if self.enabled:
-            mode = "unit" if capability.supervisor == "systemd" else "detached"
+            mode = LaunchMode.UNIT if capability.supervisor == "systemd" else LaunchMode.DETACHED
         else:
-            mode = "child"
+            mode = LaunchMode.CHILD
         self.executions = ExecutionStore()
         # Each live session's git credential endpoint: all an agent can reach of the backend.
         self.endpoints = CredentialEndpoints(store, paths.home, config.credentials)

@@ -34,6 +34,7 @@ from daemon.journal import log_event
 from daemon.paths import Paths
 from daemon.store.db import Store
 from daemon.store.models import ControlServerRecord
+from daemon.store.states import LaunchMode
 from ipc.aio import cancel_and_wait
 from ipc.errors import ErrorCode, IpcError
 
@@ -57,7 +58,7 @@ class ServerSide:
 class ControlServers:
     """The survival and the passthrough control server of one backend lifetime."""
 
-    def __init__(self, paths: Paths, config: Config, installation_id: str, mode: str, store: Store,
+    def __init__(self, paths: Paths, config: Config, installation_id: str, mode: LaunchMode, store: Store,
                  executions: ExecutionStore, endpoints: CredentialEndpoints,
                  on_gone: Callable[[Execution], None]) -> None:
         self.paths = paths
@@ -83,7 +84,7 @@ class ControlServers:
         self.passthrough = ServerSide(
             ControlServerLink("passthrough", start=self.start_passthrough_server, on_restarted=self._restarted,
                               on_lost=lambda attached, loss: self.server_lost(attached, loss, passthrough=True)),
-            Launcher(paths, config, installation_id, "child"))
+            Launcher(paths, config, installation_id, LaunchMode.CHILD))
 
     # The survival side's parts under the names the rest of the backend has always used.
     @property
@@ -291,7 +292,7 @@ class ControlServers:
             if client is not None:
                 with contextlib.suppress(Exception):
                     await client.close()
-        if self.survival.handle is not None and self.survival.handle.mode == "child":
+        if self.survival.handle is not None and self.survival.handle.mode == LaunchMode.CHILD:
             await Launcher.terminate(self.survival.handle)
         if self.passthrough.handle is not None:
             await Launcher.terminate(self.passthrough.handle)
@@ -342,7 +343,7 @@ class ControlServers:
     async def restart_own_server(self) -> Attached:
         """The survival link's restart: a fresh server the way startup starts one (unit, detached or child;
         a fresh credential and control-server record, its own claim loop)."""
-        if self.survival.launcher.mode == "unit":
+        if self.survival.launcher.mode == LaunchMode.UNIT:
             await self.survival.launcher.wait_unit_settled()  # systemd may still be killing the old unit's cgroup
         client = await self.start_own_server()
         client.on_superseded = self.superseded

@@ -35,7 +35,7 @@ from typing import Any
 from sqlalchemy import select
 
 from daemon.agentctl.client import AgentctlClient
-from daemon.backend.adoption import Adopter, Adoption
+from daemon.backend.adoption import Adopter, Adoption, AdoptionOutcome
 from daemon.backend.events import apply_turn_outcome, ensure_turn, mark_running
 from daemon.backend.executions import Execution, ExecutionStore
 from daemon.backend.liveness import DEAD, Scope, classify, live_groups, stop_leftover_group
@@ -72,7 +72,7 @@ class RecoveryReport:
     failed_stops: dict[str, str] = field(default_factory=dict)  # instance_id -> reason
     unknown: list[str] = field(default_factory=list)  # rows left untouched (liveness unknown)
     duration_ms: float = 0.0
-    adoption: Adoption = field(default_factory=lambda: Adoption("disabled"))
+    adoption: Adoption = field(default_factory=lambda: Adoption(AdoptionOutcome.DISABLED))
 
 
 class MissingInput(Exception):
