@@ -26,7 +26,7 @@ from daemon.agentctl.protocol import EventKind
 from daemon.store import transitions
 from daemon.store.models import ExecutorRunning, Message, TaskSession, Turn
 from daemon.store.session_metadata import SessionMetadata
-from daemon.store.states import SessionState
+from daemon.store.states import SessionState, TaskState
 
 # ACP session updates that carry text for the transcript, and the role they get.
 _TEXT_UPDATES = {
@@ -99,7 +99,7 @@ def apply_turn_outcome(
             reason=f"turn {turn_id} ended: {stop_reason}",
             last_error=error,
         )
-        transitions.set_task_state(db, session.task_id, "review")
+        transitions.set_task_state(db, session.task_id, TaskState.REVIEW)
     return True
 
 
@@ -225,7 +225,7 @@ def mark_running(db: DbSession, session: TaskSession, reason: str) -> None:
     started just before it died reaches us only through its events)."""
     if session.state == SessionState.WAITING_FOR_INPUT:
         transitions.transition_session(db, session.id, SessionState.RUNNING, expected_from={SessionState.WAITING_FOR_INPUT}, reason=reason)
-        transitions.set_task_state(db, session.task_id, "in_progress")
+        transitions.set_task_state(db, session.task_id, TaskState.IN_PROGRESS)
 
 
 def mark_agent_gone(db: DbSession, session_id: str, reason: str) -> None:

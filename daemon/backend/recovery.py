@@ -43,7 +43,7 @@ from daemon.journal import log_event
 from daemon.store import transitions
 from daemon.store.db import Store
 from daemon.store.models import ControlServerRecord, ExecutorRunning, Message, TaskSession, Turn
-from daemon.store.states import SessionState
+from daemon.store.states import SessionState, TaskState
 from ipc.errors import ErrorCode, IpcError
 
 log = logging.getLogger(__name__)
@@ -534,7 +534,7 @@ def repair_interrupted(
     transitions.transition_session(
         db, session_id, SessionState.WAITING_FOR_INPUT, expected_from={session.state}, reason=reason,
     )
-    transitions.set_task_state(db, session.task_id, "review", interrupted=True)
+    transitions.set_task_state(db, session.task_id, TaskState.REVIEW, interrupted=True)
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from daemon.backend.executions import Execution
 from daemon.credentials import GitCredentials
 from daemon.store import transitions
 from daemon.store.models import ExecutorRunning
-from daemon.store.states import SessionState
+from daemon.store.states import SessionState, TaskState
 
 if TYPE_CHECKING:
     from daemon.backend.context import BackendContext
@@ -179,7 +179,7 @@ class SessionLauncher:
         transitions.transition_session(db, session_id, SessionState.WAITING_FOR_INPUT, expected_from={SessionState.STARTING},
                                        reason=reason, **fields)
         if task_review:
-            transitions.set_task_state(db, task_id, "review")
+            transitions.set_task_state(db, task_id, TaskState.REVIEW)
 
     def track(self, launched: Launched, *, last_seq: int = 0) -> Execution:
         """Step 5: the execution is this backend's, its events consumed."""

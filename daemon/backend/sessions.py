@@ -29,7 +29,7 @@ from daemon.journal import log_event
 from daemon.store import transitions
 from daemon.store.models import Message, Task, TaskSession
 from daemon.store.session_metadata import SessionMetadata
-from daemon.store.states import SessionState
+from daemon.store.states import SessionState, TaskState
 from ipc.errors import ErrorCode, IpcError
 
 
@@ -153,7 +153,7 @@ class SessionService:
             transitions.transition_session(
                 db, session_id, SessionState.RUNNING, expected_from={SessionState.WAITING_FOR_INPUT}, reason="prompt"
             )
-            transitions.set_task_state(db, session.task_id, "in_progress")
+            transitions.set_task_state(db, session.task_id, TaskState.IN_PROGRESS)
         client = b.servers.client_for(ex)
         try:
             if client is None:
@@ -166,7 +166,7 @@ class SessionService:
                         db, session_id, SessionState.WAITING_FOR_INPUT, expected_from={SessionState.RUNNING}, reason="prompt refused",
                         last_error=exc.message,
                     )
-                    transitions.set_task_state(db, ex.task_id, "review")
+                    transitions.set_task_state(db, ex.task_id, TaskState.REVIEW)
             raise
         waiter = ex.wait_turn(turn_id) if wait else None
         with b.store.session() as db:

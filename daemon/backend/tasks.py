@@ -18,6 +18,7 @@ from daemon.paths import Paths
 from daemon.store.board import board
 from daemon.store.db import Store
 from daemon.store.models import Task
+from daemon.store.states import TaskState
 from ipc.errors import ErrorCode, IpcError
 
 EXECUTORS = ("local", "worktree")
@@ -47,7 +48,7 @@ class TaskService:
                     title=title,
                     workspace=workspace,
                     executor=executor,
-                    state="backlog",
+                    state=TaskState.BACKLOG,
                     interrupted=False,
                     created_at=_now(),
                     updated_at=_now(),
