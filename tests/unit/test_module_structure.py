@@ -145,6 +145,10 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 THIRD_PARTY_INTERNALS = ("daemon.agentctl.acp_internals",)
 
 
+def _shown(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def _private_uses(module: str, path: Path, own: set[str]) -> Iterator[str]:
     """Private imports from other product modules, and ``x._y`` on anything but ``self``/``cls``,
     except an underscore attribute the module itself defines (an object of one of its own classes,
@@ -154,7 +158,7 @@ def _private_uses(module: str, path: Path, own: set[str]) -> Iterator[str]:
     tree = _tree(path)
     for target, name, line in _imports(module, path):
         if name is not None and _is_private(name) and _product(target) not in (None, module):
-            yield f"{path.relative_to(ROOT)}:{line}: from {target} import {name}"
+            yield f"{_shown(path)}:{line}: from {target} import {name}"
     if module in THIRD_PARTY_INTERNALS:
         return
     for node in ast.walk(tree):
@@ -162,7 +166,7 @@ def _private_uses(module: str, path: Path, own: set[str]) -> Iterator[str]:
             owner = node.value
             if (isinstance(owner, ast.Name) and owner.id in ("self", "cls")) or node.attr in own:
                 continue
-            yield f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}"
+            yield f"{_shown(path)}:{node.lineno}: {ast.unparse(node)}"
 
 
 @functools.cache
@@ -203,6 +207,16 @@ def _defined_privates() -> dict[str, set[str]]:
     return where
 
 
+def _problems(module: str, path: Path, defined: dict[str, set[str]]) -> list[str]:
+    out = []
+    for problem in _private_uses(module, path, _own_private_attrs(path)):
+        attr = problem.rsplit(".", 1)[-1]
+        if " import " not in problem and not (defined.get(attr, set()) - {module}):
+            continue  # a name no other product module defines: the standard library's or a package's
+        out.append(problem)
+    return out
+
+
 def test_no_private_name_used_across_modules() -> None:
     """Issue 13 scenario B: no ``from X import _private`` across modules, no ``other._private``.
 
@@ -211,23 +225,28 @@ def test_no_private_name_used_across_modules() -> None:
     ``os._exit`` is documented API, and the one module whose job is to reach into the ACP SDK's
     internals (``THIRD_PARTY_INTERNALS``) says so in its docstring."""
     defined = _defined_privates()
-    problems: list[str] = []
-    for module, path in MODULES.items():
-        for problem in _private_uses(module, path, _own_private_attrs(path)):
-            attr = problem.rsplit(".", 1)[-1]
-            if " import " not in problem and not (defined.get(attr, set()) - {module}):
-                continue  # a name no other product module defines: the standard library's or a package's
-            problems.append(problem)
+    problems = [p for module, path in MODULES.items() for p in _problems(module, path, defined)]
     assert problems == [], "private names used across modules:\n" + "\n".join(problems)
 
 
-def test_the_checker_sees_a_cycle_and_a_private_import() -> None:
-    """The checks can fail: a planted cycle and a planted private import are found."""
+def test_the_checker_finds_a_planted_cycle_and_planted_private_uses(tmp_path: Path) -> None:
+    """The checks can fail: a planted cycle, a private import and another module's private
+    attribute are found; dunders, ``self._x`` and the standard library's ``os._exit`` are not."""
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
-    tree = ast.parse("from daemon.backend.events import _ensure_turn\n")
-    node = tree.body[0]
-    assert isinstance(node, ast.ImportFrom)
-    assert _is_private(node.names[0].name)
-    assert _product("daemon.backend.events") == "daemon.backend.events"
-    assert not _is_private("__name__") and _is_private("_budget")
+    planted = tmp_path / "planted.py"
+    planted.write_text(
+        "import os\n"
+        "from daemon.backend.events import _now\n"
+        "def f(servers, obj):\n"
+        "    obj.__class__\n"
+        "    os._exit\n"
+        "    return servers._claim_loop\n"
+        "class C:\n"
+        "    def g(self):\n"
+        "        return self._mine\n"
+    )
+    found = _problems("planted", planted, _defined_privates())
+    assert len(found) == 2, found
+    assert found[0].endswith("from daemon.backend.events import _now")
+    assert found[1].endswith("servers._claim_loop")
