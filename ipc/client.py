@@ -185,9 +185,9 @@ class AsyncClient:
             try:
                 await self._send(data)
             except IpcError:
-                answered = fut.exception() if fut.done() and not fut.cancelled() else None
-                if answered is not None:
-                    raise answered from None  # e.g. the server's refusal, read meanwhile
+                refusal = fut.exception() if fut.done() and not fut.cancelled() else None
+                if refusal is not None:
+                    raise refusal from None  # e.g. the server's refusal, read meanwhile
                 raise
             if timeout is None:
                 return await fut

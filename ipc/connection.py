@@ -21,7 +21,13 @@ _NO_STREAM: Any = object()
 
 
 class ConnectionContext:
-    """Per-connection state handed to every handler and to ``authorize``."""
+    """Per-connection state handed to every handler and to ``authorize``.
+
+    Handlers use ``peer``, ``state``, ``closed``, ``streaming``, ``close``, ``start_stream`` and
+    ``send_event``. The rest (``send_frame``, ``send_soon``, the flow-control callbacks and the
+    ``closing`` / ``write_paused`` / ``stream_*`` / ``discarding`` flags) is the interface of the
+    server that owns the connection (``ipc.server``, ``ipc.server_protocol``), not of handlers.
+    """
 
     def __init__(self, peer: PeerCredentials, transport: asyncio.WriteTransport) -> None:
         self.peer = peer
@@ -29,14 +35,14 @@ class ConnectionContext:
         self.closed = asyncio.Event()
         self._transport = transport
         self._write_lock = asyncio.Lock()
-        self._write_paused = False
+        self.write_paused = False
         self._drain_waiters: list[asyncio.Future[None]] = []
-        self._closing = False
-        self._stream_id: Any = _NO_STREAM  # request id of this connection's stream op
-        self._stream_task: asyncio.Task[None] | None = None
+        self.closing = False
+        self.stream_id: Any = _NO_STREAM  # request id of this connection's stream op
+        self.stream_task: asyncio.Task[None] | None = None
         self._streaming = False
         self._background: set[asyncio.Task[None]] = set()
-        self._discarding = False  # lingering: our side is shut for writing, their input is dropped
+        self.discarding = False  # lingering: our side is shut for writing, their input is dropped
 
     def __repr__(self) -> str:
         p = self.peer
@@ -53,9 +59,9 @@ class ConnectionContext:
         """Close the connection from the server side (e.g. a credential was
         rotated). Idempotent. Frames already written are flushed first;
         ``closed`` is set at once."""
-        if self._closing:
+        if self.closing:
             return
-        self._closing = True
+        self.closing = True
         self.closed.set()
         self._transport.close()
         self._wake_writers("connection closed")
@@ -64,10 +70,10 @@ class ConnectionContext:
         """Close the way a refused peer is closed: shut our side for writing (the peer reads what
         was written, then EOF), drop whatever it still sends, and let the peer close; ``closed`` is
         set at once. Used by a hand-over, so a client sending meanwhile never gets a reset."""
-        if self._closing:
+        if self.closing:
             return
-        self._closing = True
-        self._discarding = True
+        self.closing = True
+        self.discarding = True
         self.closed.set()
         self._wake_writers("connection closed")
         if self._transport.can_write_eof():
@@ -77,7 +83,7 @@ class ConnectionContext:
 
     def abort(self) -> None:
         """Drop the connection now, discarding unsent frames."""
-        self._closing = True
+        self.closing = True
         self.closed.set()
         self._transport.abort()
         self._wake_writers("connection aborted")
@@ -90,11 +96,11 @@ class ConnectionContext:
         Only valid inside the handler of an ``Op`` with ``stream=True``;
         afterwards the connection carries only event frames.
         """
-        if self._stream_id is _NO_STREAM:
+        if self.stream_id is _NO_STREAM:
             raise RuntimeError("start_stream() is only valid in the handler of a stream op")
         if self._streaming:
             raise RuntimeError("start_stream() called twice")
-        await self._send_frame(encode_frame({"id": self._stream_id, "ok": True, "result": result}))
+        await self.send_frame(encode_frame({"id": self.stream_id, "ok": True, "result": result}))
         self._streaming = True
 
     async def send_event(self, seq: int, kind: str, data: Any) -> None:
@@ -104,17 +110,17 @@ class ConnectionContext:
         """
         if not self._streaming:
             raise RuntimeError("send_event() before start_stream()")
-        await self._send_frame(encode_frame({"seq": seq, "kind": kind, "data": data}))
+        await self.send_frame(encode_frame({"seq": seq, "kind": kind, "data": data}))
 
     # -- the write path ----------------------------------------------------
 
-    async def _send_frame(self, data: bytes) -> None:
+    async def send_frame(self, data: bytes) -> None:
         """Write one encoded frame; return once the transport is below its high-water mark."""
-        if self._closing or self._transport.is_closing():
+        if self.closing or self._transport.is_closing():
             raise ConnectionClosed("connection closed")
-        if not self._write_paused and not self._write_lock.locked():
+        if not self.write_paused and not self._write_lock.locked():
             self._transport.write(data)  # fast path: nobody is waiting on the peer
-            if not self._write_paused:
+            if not self.write_paused:
                 return
             async with self._write_lock:  # that write filled the pipe: later writers queue
                 await self._drain()
@@ -124,11 +130,11 @@ class ConnectionContext:
             self._transport.write(data)
             await self._drain()
 
-    def _send_soon(self, data: bytes) -> None:
+    def send_soon(self, data: bytes) -> None:
         """``send_frame`` from synchronous code (protocol callbacks); errors are dropped."""
-        if self._closing:
+        if self.closing:
             return
-        if not self._write_paused and not self._write_lock.locked():
+        if not self.write_paused and not self._write_lock.locked():
             self._transport.write(data)
             return
         task = asyncio.get_running_loop().create_task(self._send_quietly(data))
@@ -137,18 +143,18 @@ class ConnectionContext:
 
     async def _send_quietly(self, data: bytes) -> None:
         try:
-            await self._send_frame(data)
+            await self.send_frame(data)
         except ConnectionClosed:
             pass
 
     async def _drain(self) -> None:
-        while self._write_paused:
-            if self._closing:
+        while self.write_paused:
+            if self.closing:
                 raise ConnectionClosed("connection closed")
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._drain_waiters.append(fut)
             await fut
-        if self._closing:
+        if self.closing:
             raise ConnectionClosed("connection closed")
 
     def _wake_writers(self, closed_reason: str | None) -> None:
@@ -163,14 +169,14 @@ class ConnectionContext:
 
     # -- called by the protocol ----------------------------------------------
 
-    def _pause_writing(self) -> None:
-        self._write_paused = True
+    def pause_writing(self) -> None:
+        self.write_paused = True
 
-    def _resume_writing(self) -> None:
-        self._write_paused = False
+    def resume_writing(self) -> None:
+        self.write_paused = False
         self._wake_writers(None)
 
-    def _connection_lost(self) -> None:
-        self._closing = True
+    def connection_lost(self) -> None:
+        self.closing = True
         self.closed.set()
         self._wake_writers("connection lost")

@@ -253,8 +253,8 @@ class IpcServer:
     def forget(self, ctx: ConnectionContext) -> None:
         """The connection is gone (after ``ctx.closed`` was set)."""
         self._connections.discard(ctx)
-        if ctx._stream_task is not None:  # cancelled, maybe before it ran its own cleanup
-            ctx._stream_task.add_done_callback(self._handler_tasks.discard)
+        if ctx.stream_task is not None:  # cancelled, maybe before it ran its own cleanup
+            ctx.stream_task.add_done_callback(self._handler_tasks.discard)
         if not self._connections:
             self._all_gone.set()
         if self._on_disconnect is not None:
@@ -269,22 +269,22 @@ class IpcServer:
         """Answer a request inline when it can be refused (or is ``hello``), else start its handler."""
         rid = frame.get("id")
         if self._refusing is not None:  # quiesced for a hand-over: never run, so safe to retry
-            ctx._send_soon(error_frame(rid if _valid_id(rid) else None, self._refusing))
+            ctx.send_soon(error_frame(rid if _valid_id(rid) else None, self._refusing))
             return
         try:
             op, args = self._admit_request(ctx, frame, rid)
         except IpcError as exc:
-            ctx._send_soon(error_frame(rid if _valid_id(rid) else None, exc))
+            ctx.send_soon(error_frame(rid if _valid_id(rid) else None, exc))
             return
         if op is None:  # hello
-            ctx._send_soon(encode_frame({"id": rid, "ok": True, "result": args}))
+            ctx.send_soon(encode_frame({"id": rid, "ok": True, "result": args}))
             return
         conn.inflight += 1
         task = asyncio.get_running_loop().create_task(self._run(conn, ctx, op, rid, args))
         self._handler_tasks.add(task)
         if op.stream:
-            ctx._stream_id = rid
-            ctx._stream_task = task
+            ctx.stream_id = rid
+            ctx.stream_task = task
 
     def _admit_request(
         self, ctx: ConnectionContext, frame: dict[str, Any], rid: Any
@@ -340,9 +340,9 @@ class IpcServer:
                 error = IpcError(ErrorCode.INTERNAL, f"internal error in {op.name}")
             else:
                 error = None
-            if op.stream and ctx._streaming:
+            if op.stream and ctx.streaming:
                 if error is not None:  # the stream ends with the error, then closes
-                    await ctx._send_frame(error_frame(rid, error))
+                    await ctx.send_frame(error_frame(rid, error))
                 return
             if error is None:
                 try:
@@ -353,7 +353,7 @@ class IpcServer:
                     data = error_frame(rid, IpcError(code, f"result of {op.name} not sendable"))
             else:
                 data = error_frame(rid, error)
-            await ctx._send_frame(data)
+            await ctx.send_frame(data)
         except ConnectionClosed:
             pass  # the peer left: nobody to answer
         finally:
@@ -393,7 +393,7 @@ class IpcServer:
             await asyncio.wait(busy, timeout=left)
 
     def _stream_tasks(self) -> set[asyncio.Task[None]]:
-        return {c._stream_task for c in self._connections if c._stream_task is not None}
+        return {c.stream_task for c in self._connections if c.stream_task is not None}
 
     def stop_accepting(self) -> socket.socket:
         """Stop accepting and return the listening socket, still open (a duplicate of it): peers
@@ -422,11 +422,11 @@ class IpcServer:
         frame = error_frame(None, final)
 
         async def finish(ctx: ConnectionContext) -> None:
-            if ctx._streaming or ctx._stream_task is not None:
+            if ctx.streaming or ctx.stream_task is not None:
                 ctx.close()  # a stream peer sends nothing: it reads to a frame boundary, then EOF
                 return
             try:  # after every frame already queued on this connection
-                await within(ctx._send_frame(frame), timeout)
+                await within(ctx.send_frame(frame), timeout)
             except (ConnectionClosed, TimeoutError):
                 pass
             ctx.linger()  # the peer reads the final frame and closes; what it sent meanwhile is dropped

@@ -104,7 +104,7 @@ class ServerProtocol(asyncio.BufferedProtocol):
         """Whether what the peer sends is read and dropped: the connection was refused at once,
         refused mid-frame (``buffers_full``), or is lingering after a hand-over closed it
         (``ConnectionContext.linger``)."""
-        return self.ctx is None or self._discarding or self.ctx._discarding
+        return self.ctx is None or self._discarding or self.ctx.discarding
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._dropping_input:  # refused, or closed by a hand-over: what the peer still sends is discarded
@@ -137,15 +137,15 @@ class ServerProtocol(asyncio.BufferedProtocol):
         self._cancel_stream()
         # A peer that only half-closed still gets the responses in flight;
         # task_done closes the connection after the last one.
-        return self.inflight > 0 and ctx._stream_task is None
+        return self.inflight > 0 and ctx.stream_task is None
 
     def pause_writing(self) -> None:
         if self.ctx is not None:
-            self.ctx._pause_writing()
+            self.ctx.pause_writing()
 
     def resume_writing(self) -> None:
         if self.ctx is not None:
-            self.ctx._resume_writing()
+            self.ctx.resume_writing()
             if not self._done:
                 self.process()
 
@@ -156,7 +156,7 @@ class ServerProtocol(asyncio.BufferedProtocol):
         self._frames.close()  # its bytes go back to the server's budget
         ctx = self.ctx
         if ctx is not None:
-            ctx._connection_lost()
+            ctx.connection_lost()
             self._cancel_stream()
             self._dispatcher.forget(ctx)
 
@@ -167,9 +167,9 @@ class ServerProtocol(asyncio.BufferedProtocol):
         ctx = self.ctx
         assert ctx is not None
         frames = self._frames
-        while not self._done and not ctx._closing:
-            streaming = ctx._stream_task is not None
-            if not streaming and (self.inflight >= self._max_inflight or ctx._write_paused):
+        while not self._done and not ctx.closing:
+            streaming = ctx.stream_task is not None
+            if not streaming and (self.inflight >= self._max_inflight or ctx.write_paused):
                 self._pause_reading()  # our doing, not the peer's: no incomplete-frame clock
                 self._stop_frame_timer()
                 return
@@ -181,12 +181,12 @@ class ServerProtocol(asyncio.BufferedProtocol):
                 frame = frames.next_frame()
             except FrameTooLarge as exc:  # the body was not read: cannot resynchronise
                 self._done = True
-                if not ctx._streaming:
-                    ctx._send_soon(error_frame(None, exc))
+                if not ctx.streaming:
+                    ctx.send_soon(error_frame(None, exc))
                 ctx.close()
                 return
             except InvalidFrame as exc:  # the frame was consumed: still in sync
-                ctx._send_soon(error_frame(None, exc))
+                ctx.send_soon(error_frame(None, exc))
                 continue
             if frame is None:
                 break
@@ -209,8 +209,8 @@ class ServerProtocol(asyncio.BufferedProtocol):
         error = InvalidFrame(
             f"incomplete frame: {self._frames.pending} bytes, then nothing for {self._frame_timeout:g} s"
         )
-        if not ctx._streaming:
-            ctx._send_soon(error_frame(None, error))
+        if not ctx.streaming:
+            ctx.send_soon(error_frame(None, error))
         ctx.close()
 
     def _stop_frame_timer(self) -> None:
@@ -222,9 +222,9 @@ class ServerProtocol(asyncio.BufferedProtocol):
         """Close the connection if it has been idle for the idle timeout, else look again later."""
         self._idle_timer = None
         ctx, timeout = self.ctx, self._limits.idle_timeout
-        if self._done or ctx is None or ctx._closing or timeout is None:
+        if self._done or ctx is None or ctx.closing or timeout is None:
             return
-        if ctx._stream_task is not None:
+        if ctx.stream_task is not None:
             return  # a stream connection is never idle: it lives as long as its stream
         loop = asyncio.get_running_loop()
         exempt = self._limits.idle_exempt
@@ -238,7 +238,7 @@ class ServerProtocol(asyncio.BufferedProtocol):
             return
         self._done = True
         error = IpcError(ErrorCode.IDLE_TIMEOUT, f"no request for {timeout:g} s: connection closed; reconnect")
-        ctx._send_soon(error_frame(None, error))
+        ctx.send_soon(error_frame(None, error))
         ctx.close()
 
     def _stop_idle_timer(self) -> None:
@@ -256,9 +256,9 @@ class ServerProtocol(asyncio.BufferedProtocol):
         self._stop_frame_timer()
         self._stop_idle_timer()
         self._frames.close()
-        if not ctx._streaming:
-            ctx._send_soon(error_frame(None, error))
-        if transport.can_write_eof() and not ctx._write_paused:
+        if not ctx.streaming:
+            ctx.send_soon(error_frame(None, error))
+        if transport.can_write_eof() and not ctx.write_paused:
             # Half-close so the peer reads the refusal and EOF, and drop its input for a moment:
             # closing with its unread bytes queued would reset the connection and lose the refusal.
             transport.write_eof()
@@ -282,8 +282,8 @@ class ServerProtocol(asyncio.BufferedProtocol):
 
     def _cancel_stream(self) -> None:
         ctx = self.ctx
-        if ctx is not None and ctx._stream_task is not None and not ctx._stream_task.done():
-            ctx._stream_task.cancel()  # its peer is gone
+        if ctx is not None and ctx.stream_task is not None and not ctx.stream_task.done():
+            ctx.stream_task.cancel()  # its peer is gone
 
     def _pause_reading(self) -> None:
         transport = self._transport

@@ -57,10 +57,20 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from daemon.agentctl import auth
 from daemon.agentctl.protocol import AGENT_SECRETS_CAPABILITY, RELOAD_CAPABILITY, SANDBOX_CAPABILITY, VERSION
+from daemon.agentctl.replies import (
+    CreatedInstance,
+    InstanceEntry,
+    NewProviderSession,
+    ReloadStarted,
+    ServerIdentity,
+    ServerInfo,
+    StopResult,
+    TurnStatus,
+)
 from daemon.agentctl.sandbox import SANDBOX_UNAVAILABLE, SandboxPolicy
 from ipc.client import AsyncClient, EventStream
 from ipc.errors import ErrorCode, IpcError
@@ -96,7 +106,7 @@ class OwnershipRefused(Exception):
         self.detail = detail
 
 
-async def identify(socket_path: str | os.PathLike[str], timeout: float = 2.0) -> dict[str, Any] | None:
+async def identify(socket_path: str | os.PathLike[str], timeout: float = 2.0) -> ServerIdentity | None:
     """The server's unauthenticated identity, or None if nothing answers.
 
     Raises ``IpcError`` when something answers with an error (it is then not a
@@ -118,7 +128,7 @@ async def identify(socket_path: str | os.PathLike[str], timeout: float = 2.0) ->
         raise
     finally:
         await conn.close()
-    return result if isinstance(result, dict) else None
+    return cast(ServerIdentity, result) if isinstance(result, dict) else None  # the wire, as the server sends it
 
 
 async def _handshake(
@@ -441,7 +451,7 @@ class AgentctlClient:
         sandbox: dict[str, Any] | None = None,
         secret_env: dict[str, str] | None = None,
         timeout: float = CREATE_TIMEOUT,
-    ) -> dict[str, Any]:
+    ) -> CreatedInstance:
         """Spawn an agent -> ``{instance_id, pid, pid_start_time, acp_session_id, modes, config_options,
         handshake_seq, sandboxed}`` (the last four from servers that know them). ``sandbox``: the
         wire form of ``daemon.agentctl.sandbox.SandboxRequest``; ``secret_env``: the agent's secrets by
@@ -460,7 +470,7 @@ class AgentctlClient:
         if secret_env:  # references only ({VAR: path | credential:NAME}); never sent to a server without them
             self.check_secret_env(secret_env)
             args["secret_env"] = secret_env
-        return await self._map("create_instance", args, timeout=timeout)
+        return cast(CreatedInstance, await self.call("create_instance", args, timeout=timeout))
 
     def check_sandbox(self, sandbox: dict[str, Any]) -> bool:
         """Whether this server takes ``create_instance``'s ``sandbox`` field. A server without
@@ -515,9 +525,9 @@ class AgentctlClient:
             timeout=CREATE_TIMEOUT,
         )
 
-    async def reset_context(self, instance_id: str) -> dict[str, Any]:
+    async def reset_context(self, instance_id: str) -> NewProviderSession:
         """A new ACP session on the same process -> ``{acp_session_id, modes, config_options, last_seq}``."""
-        return await self._map("reset_context", {"instance_id": instance_id}, timeout=CREATE_TIMEOUT)
+        return cast(NewProviderSession, await self.call("reset_context", {"instance_id": instance_id}, timeout=CREATE_TIMEOUT))
 
     async def prompt(self, instance_id: str, text: str) -> str:
         """Open a turn -> its server-assigned turn id."""
@@ -535,31 +545,31 @@ class AgentctlClient:
             args["option_id"] = option_id
         await self.call("respond_permission", args)
 
-    async def list_instances(self) -> list[dict[str, Any]]:
+    async def list_instances(self) -> list[InstanceEntry]:
         """Every instance with the session and task ids the server holds (AC-EXECUTORS-SURVIVAL-002.1)."""
         result = await self.call("list_instances")
         return list(result["instances"])
 
-    async def stop_instance(self, instance_id: str, *, timeout: float = STOP_TIMEOUT) -> dict[str, Any]:
+    async def stop_instance(self, instance_id: str, *, timeout: float = STOP_TIMEOUT) -> StopResult:
         """Kill the instance's group -> ``{stopped, already_absent}`` (absent counts as success)."""
-        return await self._map("stop_instance", {"instance_id": instance_id}, timeout=timeout)
+        return cast(StopResult, await self.call("stop_instance", {"instance_id": instance_id}, timeout=timeout))
 
     async def ack_events(self, instance_id: str, seq: int) -> dict[str, Any]:
         """Every event <= ``seq`` is durably applied; the server may drop them -> ``{discarded}``."""
         return await self._map("ack_events", {"instance_id": instance_id, "seq": seq})
 
-    async def turn_status(self, instance_id: str) -> dict[str, Any]:
+    async def turn_status(self, instance_id: str) -> TurnStatus:
         """Pure read -> ``{current_turn_id, outcomes: [{turn_id, stop_reason, error}]}``."""
-        return await self._map("turn_status", {"instance_id": instance_id})
+        return cast(TurnStatus, await self.call("turn_status", {"instance_id": instance_id}))
 
-    async def server_info(self, *, timeout: float | None = None) -> dict[str, Any]:
+    async def server_info(self, *, timeout: float | None = None) -> ServerInfo:
         """Protocol 1.1 (``reload.v1``): ``{version, pid, reload: {...}}``; ``unknown_op`` from 1.0."""
-        return await self._map("server_info", timeout=timeout)
+        return cast(ServerInfo, await self.call("server_info", timeout=timeout))
 
-    async def reload(self) -> dict[str, Any]:
+    async def reload(self) -> ReloadStarted:
         """Start (or join) a re-exec of the installed code -> ``{attempt, version, pid}``; follow
         ``server_info()['reload']`` for its outcome."""
-        return await self._map("reload")
+        return cast(ReloadStarted, await self.call("reload"))
 
     async def ack_turn(self, turn_id: str) -> dict[str, Any]:
         """Drop a retained outcome; an unknown id is accepted and changes nothing -> ``{acked}``."""

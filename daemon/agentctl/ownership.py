@@ -167,6 +167,10 @@ class Ownership:
     def acceptable_ids(self) -> frozenset[int]:
         return frozenset(self._credentials)
 
+    def current_credential(self) -> bytes:
+        """The credential with the highest id: the one a re-executed server starts with."""
+        return self._credentials[self.highest]
+
     def allows(self, cred_id: int | None, purpose: str) -> bool:
         role = self.role(cred_id)
         return role == CURRENT or (role == SUPERSEDED and purpose in SUPERSEDED_PURPOSES)

@@ -443,7 +443,7 @@ class AgentctlServer:
         """The server of the previous process image, instances included (pipes not yet taken
         back: ``start_handed_over``)."""
         ownership = Ownership.from_snapshot(state.ownership, clock=time.monotonic)
-        server = cls(config, resolved, ownership._credentials[ownership.highest],
+        server = cls(config, resolved, ownership.current_credential(),
                      on_instances_changed=on_instances_changed)
         server.server_identity = state.server_identity
         server.ownership = ownership

@@ -32,6 +32,7 @@ import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from enum import StrEnum
 from typing import Any
 
 from daemon import faults
@@ -44,6 +45,7 @@ from daemon.agentctl.client import (
     reload_seen_recently,
 )
 from daemon.agentctl.protocol import REQUIRED_CAPABILITIES
+from daemon.agentctl.replies import ServerIdentity
 from daemon.paths import Paths
 from daemon.store.db import Store
 from daemon.store.models import ControlServerRecord
@@ -57,6 +59,13 @@ log = logging.getLogger(__name__)
 ADOPTION_STEP_TIMEOUT_S = 360.0
 
 
+class AdoptionOutcome(StrEnum):
+    ADOPTED = "adopted"
+    NO_SERVER = "no_server"  # nothing recorded, nothing answered, or it is shutting down: no refusal
+    REFUSED = "refused"  # with one reason
+    DISABLED = "disabled"  # no attempt: the capability is off
+
+
 @dataclass
 class Adoption:
     """The outcome of one adoption attempt.
@@ -68,7 +77,7 @@ class Adoption:
     ``stopped``: this backend stopped that server (incompatible, or disabled cleanup).
     """
 
-    outcome: str
+    outcome: AdoptionOutcome
     reason: str | None = None
     client: AgentctlClient | None = None
     record: ControlServerRecord | None = None
@@ -104,7 +113,7 @@ class Adopter:
         except launch_file.LaunchError as exc:
             raise ValueError(str(exc)) from None
 
-    async def _budget(self, fn: Callable[[], Awaitable[Any]]) -> Any:
+    async def budget(self, fn: Callable[[], Awaitable[Any]]) -> Any:
         """Timeout T, R retries, no pause between attempts (AC-EXECUTORS-SURVIVAL-002.13).
 
         An attempt that failed while the server said it is re-executing (``reloading``, within
@@ -132,7 +141,7 @@ class Adopter:
     async def _identify(self, endpoint: str) -> tuple[bool, dict[str, Any] | None]:
         """(answered, identity). A listener that answers with an error has answered."""
         try:
-            info = await self._budget(lambda: _identify_or_raise(endpoint, self.read_timeout_s))
+            info = await self.budget(lambda: _identify_or_raise(endpoint, self.read_timeout_s))
         except IpcError as exc:
             if exc.code == ErrorCode.TIMEOUT:
                 return False, None
@@ -155,37 +164,37 @@ class Adopter:
     async def adopt(self, record: ControlServerRecord | None) -> Adoption:
         # 1. no answer
         if record is None or not record.endpoint:
-            return Adoption("no_server", None)
+            return Adoption(AdoptionOutcome.NO_SERVER, None)
         answered, info = await self._identify(record.endpoint)
         if not answered:
-            return Adoption("no_server", "no_answer", record=record)
+            return Adoption(AdoptionOutcome.NO_SERVER, "no_answer", record=record)
         # 2. identity (a server advertising no identity or capabilities is unprovable, AC-EXECUTORS-CONTROL-OWNERSHIP-001.5)
         if not info or not info.get("server_identity") or not info.get("capabilities"):
-            return Adoption("refused", "identity_mismatch", record=record, answered=True)
+            return Adoption(AdoptionOutcome.REFUSED, "identity_mismatch", record=record, answered=True)
         if info["server_identity"] != record.server_identity:
-            return Adoption("refused", "identity_mismatch", record=record, answered=True)
+            return Adoption(AdoptionOutcome.REFUSED, "identity_mismatch", record=record, answered=True)
         # 3. credential unavailable: nothing is sent, the secret is kept (AC-EXECUTORS-CONTROL-OWNERSHIP-001.9)
         try:
             credential = self.read_credential(record.credential_ref)
         except (OSError, ValueError) as exc:
             log.warning("stored control-server credential unreadable: %s", exc)
-            return Adoption("refused", "credential_unavailable", record=record, answered=True)
+            return Adoption(AdoptionOutcome.REFUSED, "credential_unavailable", record=record, answered=True)
         # 4. authentication: the server proves possession first (AC-EXECUTORS-CONTROL-OWNERSHIP-001.10)
         try:
             client = await self._prove(record, credential)
         except OwnershipRefused as exc:
-            return Adoption("refused", exc.reason, record=record, answered=True)
+            return Adoption(AdoptionOutcome.REFUSED, exc.reason, record=record, answered=True)
         except IpcError as exc:
             if exc.code == ErrorCode.SHUTTING_DOWN:
-                return Adoption("no_server", None, record=record, answered=True)
-            return Adoption("refused", "authentication_failure", record=record, answered=True)
+                return Adoption(AdoptionOutcome.NO_SERVER, None, record=record, answered=True)
+            return Adoption(AdoptionOutcome.REFUSED, "authentication_failure", record=record, answered=True)
         # 5. capabilities: set inclusion, never version ordering (AC-EXECUTORS-CONTROL-OWNERSHIP-004.2)
         missing = set(REQUIRED_CAPABILITIES) - set(client.capabilities)
         if missing:
             log.warning("control server lacks capabilities %s", sorted(missing))
             stopped = await self._shutdown(client)
             return Adoption(
-                "refused",
+                AdoptionOutcome.REFUSED,
                 "capability_incompatibility",
                 record=record,
                 answered=True,
@@ -201,8 +210,8 @@ class Adopter:
         except IpcError as exc:
             await client.close()
             if exc.code == ErrorCode.SHUTTING_DOWN:  # the one-way door: treat as no server (AC-EXECUTORS-CONTROL-OWNERSHIP-003.9)
-                return Adoption("no_server", None, record=record, answered=True)
-            return Adoption("refused", "credential_rotation_failure", record=record, answered=True)
+                return Adoption(AdoptionOutcome.NO_SERVER, None, record=record, answered=True)
+            return Adoption(AdoptionOutcome.REFUSED, "credential_rotation_failure", record=record, answered=True)
         faults.hit("adopt_after_rotate")
         old_ref = record.credential_ref
         new_ref = f"agentctl-cred-{secrets.token_hex(6)}"
@@ -220,14 +229,14 @@ class Adopter:
         except Exception as exc:
             log.error("could not persist the rotated credential: %s", exc)
             await client.close()
-            return Adoption("refused", "credential_rotation_failure", record=record, answered=True)
+            return Adoption(AdoptionOutcome.REFUSED, "credential_rotation_failure", record=record, answered=True)
         await client.close()
         try:
             current = await self._connect_to_confirm(record, new_credential)
             await current.confirm_rotation(rotation_id, timeout=ADOPTION_STEP_TIMEOUT_S)
         except (IpcError, OwnershipRefused) as exc:
             log.error("confirming rotation %s failed: %s", rotation_id, exc)
-            return Adoption("refused", "credential_rotation_failure", record=record, answered=True)
+            return Adoption(AdoptionOutcome.REFUSED, "credential_rotation_failure", record=record, answered=True)
         faults.hit("adopt_after_confirm")
         if self.on_claim_ready is not None:  # the claim loop starts now, not after re-tracking (AC-EXECUTORS-CONTROL-OWNERSHIP-003.8)
             self.on_claim_ready(current, new_credential)
@@ -235,7 +244,7 @@ class Adopter:
             with contextlib.suppress(OSError):
                 (self.paths.secrets_dir / old_ref).unlink()
         record.credential_ref = new_ref
-        return Adoption("adopted", None, client=current, record=record, answered=True)
+        return Adoption(AdoptionOutcome.ADOPTED, None, client=current, record=record, answered=True)
 
     async def _connect_to_confirm(self, record: ControlServerRecord, credential: bytes) -> AgentctlClient:
         """The connection that confirms the rotation. The server answered the rotate a moment ago, so
@@ -260,7 +269,7 @@ class Adopter:
     async def _shutdown(self, client: AgentctlClient) -> bool:
         """ownership_shutdown on the read budget; already stopping/absent counts as success (AC-EXECUTORS-CONTROL-OWNERSHIP-004.7)."""
         try:
-            await self._budget(client.ownership_shutdown)
+            await self.budget(client.ownership_shutdown)
             return True
         except IpcError as exc:
             if exc.code in (ErrorCode.SHUTTING_DOWN, ErrorCode.UNAVAILABLE):
@@ -274,25 +283,25 @@ class Adopter:
     async def shutdown_own(self, record: ControlServerRecord | None) -> Adoption:
         """Capability off: stop a provably-own survivor from an earlier launch (AC-EXECUTORS-SURVIVAL-005.5)."""
         if record is None or not record.endpoint:
-            return Adoption("disabled", None)
+            return Adoption(AdoptionOutcome.DISABLED, None)
         answered, info = await self._identify(record.endpoint)
         if not answered:
-            return Adoption("disabled", None, record=record)
+            return Adoption(AdoptionOutcome.DISABLED, None, record=record)
         if not info or info.get("server_identity") != record.server_identity:
-            return Adoption("disabled", "identity_mismatch", record=record, answered=True)
+            return Adoption(AdoptionOutcome.DISABLED, "identity_mismatch", record=record, answered=True)
         try:
             credential = self.read_credential(record.credential_ref)
         except (OSError, ValueError):
-            return Adoption("disabled", "credential_unavailable", record=record, answered=True)
+            return Adoption(AdoptionOutcome.DISABLED, "credential_unavailable", record=record, answered=True)
         try:
             client = await self._prove(record, credential)
         except OwnershipRefused as exc:
-            return Adoption("disabled", exc.reason, record=record, answered=True)
+            return Adoption(AdoptionOutcome.DISABLED, exc.reason, record=record, answered=True)
         except IpcError:
-            return Adoption("disabled", "authentication_failure", record=record, answered=True)
+            return Adoption(AdoptionOutcome.DISABLED, "authentication_failure", record=record, answered=True)
         stopped = await self._shutdown(client)
         return Adoption(
-            "disabled",
+            AdoptionOutcome.DISABLED,
             None if stopped else "stop_failed",
             record=record,
             answered=True,
@@ -301,7 +310,7 @@ class Adopter:
         )
 
 
-async def _identify_or_raise(endpoint: str, timeout: float) -> dict[str, Any]:
+async def _identify_or_raise(endpoint: str, timeout: float) -> ServerIdentity:
     info = await identify(endpoint, timeout=timeout)
     if info is None:
         raise IpcError(ErrorCode.UNAVAILABLE, "no answer")

@@ -43,7 +43,7 @@ from daemon.session_dirs import SessionDirs
 from ipc.errors import ErrorCode, IpcError
 
 if TYPE_CHECKING:
-    from daemon.backend.app import Backend
+    from daemon.backend.context import BackendContext as Backend
 
 __all__ = ["RUNTIME_NOT_PREPARED", "SANDBOX_UNAVAILABLE", "AgentCommand", "LaunchPrep", "agent_command", "prepare",
            "prepare_relaunch", "sandbox_request", "sandbox_status"]

@@ -209,7 +209,8 @@ class ControlServerLink:
         try:
             await retire(old)
         except BaseException:
-            if not self._closed and self.state == LinkState.REPLACING:
+            # (the state may have changed during the await; mypy keeps its narrowing from above)
+            if not self._closed and self.state == LinkState.REPLACING:  # type: ignore[comparison-overlap]
                 self.attach(old)
             raise
         try:

@@ -23,12 +23,12 @@ from daemon.credentials import CredentialError, ensure_signing_key, redeem_lease
 from ipc.server import ConnectionContext
 
 if TYPE_CHECKING:
-    from daemon.backend.app import Backend
+    from daemon.backend.context import BackendContext
 
 Handler = Callable[[ConnectionContext, dict[str, Any]], Awaitable[Any]]
 
 
-def handlers(backend: Backend) -> dict[str, Handler]:
+def handlers(backend: BackendContext) -> dict[str, Handler]:
     """The op handlers. Creating them also creates the signing key if this home has none yet, so
     a start without OS randomness fails before any launch (LEASE-CTX-5)."""
     ensure_signing_key(backend.store.engine)

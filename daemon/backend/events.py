@@ -25,6 +25,8 @@ from sqlalchemy.orm import Session as DbSession
 from daemon.agentctl.protocol import EventKind
 from daemon.store import transitions
 from daemon.store.models import ExecutorRunning, Message, TaskSession, Turn
+from daemon.store.session_metadata import SessionMetadata
+from daemon.store.states import SessionState, TaskState
 
 # ACP session updates that carry text for the transcript, and the role they get.
 _TEXT_UPDATES = {
@@ -48,7 +50,8 @@ class ApplyResult:
     agent_exited: bool = False
 
 
-def _ensure_turn(db: DbSession, session_id: str, turn_id: str, prompt: str | None) -> Turn:
+def ensure_turn(db: DbSession, session_id: str, turn_id: str, prompt: str | None) -> Turn:
+    """The session's turn ``turn_id``, created open (with the next ordinal) if the store has none yet."""
     turn = db.get(Turn, turn_id)
     if turn is None:
         ordinal = db.scalar(select(func.count()).select_from(Turn).where(Turn.session_id == session_id)) or 0
@@ -71,7 +74,7 @@ def apply_turn_outcome(
     db: DbSession, session_id: str, turn_id: str, stop_reason: str | None, error: str | None
 ) -> bool:
     """Apply one terminal turn outcome; returns False if durable state already shows it."""
-    turn = _ensure_turn(db, session_id, turn_id, None)
+    turn = ensure_turn(db, session_id, turn_id, None)
     if turn.state in ("finished", "abandoned"):
         return False
     turn.state = "finished"
@@ -87,22 +90,22 @@ def apply_turn_outcome(
     open_turns = db.scalar(
         select(func.count()).select_from(Turn).where(Turn.session_id == session_id, Turn.state == "open")
     )
-    if session.state == "RUNNING" and not open_turns:
+    if session.state == SessionState.RUNNING and not open_turns:
         transitions.transition_session(
             db,
             session_id,
-            "WAITING_FOR_INPUT",
-            expected_from={"RUNNING"},
+            SessionState.WAITING_FOR_INPUT,
+            expected_from={SessionState.RUNNING},
             reason=f"turn {turn_id} ended: {stop_reason}",
             last_error=error,
         )
-        transitions.set_task_state(db, session.task_id, "review")
+        transitions.set_task_state(db, session.task_id, TaskState.REVIEW)
     return True
 
 
 def _set_runtime_config(session: TaskSession, key: str, value: Any) -> None:
-    meta = dict(session.metadata_json or {})
-    runtime = dict(meta.get("runtime_config") or {"model": None, "mode": None, "options": {}})
+    meta = SessionMetadata.load(session)
+    runtime = dict(meta.runtime_config_or_empty())
     if key == "options":
         runtime["options"] = value
         model = value.pop("model", None) if isinstance(value, dict) else None
@@ -110,8 +113,8 @@ def _set_runtime_config(session: TaskSession, key: str, value: Any) -> None:
             runtime["model"] = model
     else:
         runtime[key] = value
-    meta["runtime_config"] = runtime
-    session.metadata_json = meta
+    meta.set_runtime_config(runtime)
+    meta.save(session)
 
 
 def _config_options(update: dict[str, Any]) -> dict[str, Any]:
@@ -132,7 +135,7 @@ def apply_events(db: DbSession, session_id: str, instance_id: str, events: list[
         data = ev.data if isinstance(ev.data, dict) else {}
         turn_id = data.get("turn_id")
         if ev.kind == EventKind.TURN_STARTED:
-            turn = _ensure_turn(db, session_id, str(turn_id), str(data.get("text") or ""))
+            turn = ensure_turn(db, session_id, str(turn_id), str(data.get("text") or ""))
             if turn.state == "open":
                 mark_running(db, session, f"turn {turn_id} started")
             db.add(
@@ -148,10 +151,12 @@ def apply_events(db: DbSession, session_id: str, instance_id: str, events: list[
                 )
             )
         elif ev.kind == EventKind.SESSION_UPDATE:
-            update = data.get("update") if isinstance(data.get("update"), dict) else {}
+            raw_update = data.get("update")
+            update: dict[str, Any] = raw_update if isinstance(raw_update, dict) else {}
             kind = str(update.get("sessionUpdate") or "unknown")
             if kind in _TEXT_UPDATES:
-                content = update.get("content") if isinstance(update.get("content"), dict) else {}
+                raw_content = update.get("content")
+                content: dict[str, Any] = raw_content if isinstance(raw_content, dict) else {}
                 text = str(content.get("text") or "")
                 role = _TEXT_UPDATES[kind]
             else:
@@ -218,9 +223,9 @@ def apply_events(db: DbSession, session_id: str, instance_id: str, events: list[
 def mark_running(db: DbSession, session: TaskSession, reason: str) -> None:
     """A turn is open: the session runs and its task is in progress (a turn a previous backend
     started just before it died reaches us only through its events)."""
-    if session.state == "WAITING_FOR_INPUT":
-        transitions.transition_session(db, session.id, "RUNNING", expected_from={"WAITING_FOR_INPUT"}, reason=reason)
-        transitions.set_task_state(db, session.task_id, "in_progress")
+    if session.state == SessionState.WAITING_FOR_INPUT:
+        transitions.transition_session(db, session.id, SessionState.RUNNING, expected_from={SessionState.WAITING_FOR_INPUT}, reason=reason)
+        transitions.set_task_state(db, session.task_id, TaskState.IN_PROGRESS)
 
 
 def mark_agent_gone(db: DbSession, session_id: str, reason: str) -> None:
@@ -232,11 +237,11 @@ def mark_agent_gone(db: DbSession, session_id: str, reason: str) -> None:
         turn.state = "abandoned"
         turn.stop_reason = _AGENT_DIED
         turn.ended_at = _now()
-    if session.state in ("STARTING", "RUNNING", "WAITING_FOR_INPUT"):
+    if session.state in (SessionState.STARTING, SessionState.RUNNING, SessionState.WAITING_FOR_INPUT):
         transitions.transition_session(
             db,
             session_id,
-            "FAILED",
+            SessionState.FAILED,
             expected_from={session.state},
             reason=reason,
             last_error=reason,

@@ -19,6 +19,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from daemon.agentctl.client import AgentctlClient, OwnershipRefused
@@ -83,29 +84,36 @@ class Guarded(IpcError):
     pass
 
 
+class GuardReason(StrEnum):
+    """Why a session refuses launches (``ExecutionStore.check_launch``)."""
+
+    RECOVERING = "recovering"  # startup recovery decides it (retryable)
+    UNSTOPPED_AGENT = "unstopped_agent"  # an agent of it could not be stopped: until the next backend start
+
+
 class ExecutionStore:
     """Tracked executions and recovery guards, keyed by session id."""
 
     def __init__(self) -> None:
         self.executions: dict[str, Execution] = {}
-        self.guards: dict[str, str] = {}  # session_id -> "recovering" | "unstopped_agent"
+        self.guards: dict[str, GuardReason] = {}  # session_id -> why it is guarded
         self.holds: dict[str, int] = {}  # session_id -> stops in flight that keep its guard (AC-EXECUTORS-SURVIVAL-003.7)
 
     def acquire_guard(self, session_id: str) -> bool:
         """Guard a session unless it is already guarded or tracked (then only observe)."""
         if session_id in self.guards or session_id in self.executions:
             return False
-        self.guards[session_id] = "recovering"
+        self.guards[session_id] = GuardReason.RECOVERING
         return True
 
     def release_guard(self, session_id: str) -> None:
         """Release a recovery guard, unless a stop for this session is still in flight."""
-        if self.guards.get(session_id) == "recovering" and not self.holds.get(session_id):
+        if self.guards.get(session_id) == GuardReason.RECOVERING and not self.holds.get(session_id):
             del self.guards[session_id]
 
     def hold_guard(self, session_id: str) -> None:
         """A stop for this session is in flight: its guard outlives the deadline until the stop resolves."""
-        self.guards.setdefault(session_id, "recovering")
+        self.guards.setdefault(session_id, GuardReason.RECOVERING)
         self.holds[session_id] = self.holds.get(session_id, 0) + 1
 
     def _unhold(self, session_id: str) -> None:
@@ -122,7 +130,7 @@ class ExecutionStore:
     def mark_unstopped(self, session_id: str) -> None:
         """An agent of this session could not be stopped: guarded for the rest of this lifetime (AC-EXECUTORS-SURVIVAL-002.16)."""
         self._unhold(session_id)
-        self.guards[session_id] = "unstopped_agent"
+        self.guards[session_id] = GuardReason.UNSTOPPED_AGENT
 
     async def drop(self, predicate: Callable[[Execution], bool], reason: str) -> list[Execution]:
         """Stop tracking every execution ``predicate`` picks (its control server is gone): untracked,
@@ -140,9 +148,9 @@ class ExecutionStore:
     def check_launch(self, session_id: str) -> None:
         """Refuse a launch for a guarded session (retryable while recovering)."""
         reason = self.guards.get(session_id)
-        if reason == "recovering":
+        if reason == GuardReason.RECOVERING:
             raise IpcError("session_guarded", f"session {session_id} is being recovered; retry shortly", True)
-        if reason == "unstopped_agent":
+        if reason == GuardReason.UNSTOPPED_AGENT:
             raise IpcError(
                 "session_guarded",
                 f"session {session_id} has an agent that could not be stopped; restart the backend",

@@ -57,6 +57,7 @@ from daemon.backend.session_view import PAGE_TEXT_BYTES, permissions, transcript
 from daemon.backend.transcript_hub import TranscriptHub
 from daemon.store.db import Store
 from daemon.store.models import Message, TaskSession, Turn
+from daemon.store.states import SessionState
 from ipc.errors import ErrorCode, IpcError
 from ipc.framing import ConnectionClosed
 from ipc.server import ConnectionContext
@@ -213,7 +214,7 @@ def read_round(
             return _end(out, pos, FollowEnd.TURN_ENDED)
     if not pos.follow_all and pos.turn_id is None and not live:
         session = db.get(TaskSession, pos.session_id)
-        if session is None or session.state not in ("CREATED", "STARTING"):
+        if session is None or session.state not in (SessionState.CREATED, SessionState.STARTING):
             return _end(out, pos, FollowEnd.NO_AGENT)
     return out
 

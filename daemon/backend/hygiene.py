@@ -45,7 +45,7 @@ from ipc.client import AsyncClient
 from ipc.errors import ErrorCode, IpcError
 
 if TYPE_CHECKING:
-    from daemon.backend.app import Backend
+    from daemon.backend.context import BackendContext
 
 CREDENTIAL_PREFIX = "agentctl-cred-"
 BOOTSTRAP = "agentctl-bootstrap"
@@ -190,7 +190,7 @@ async def _proven(socket_path: Path, candidates: dict[str, bytes], installation_
             if any(auth.verify(auth.server_proof(cred, challenge, identity, installation_id), p) for p in proofs[:2])}
 
 
-async def credentials_in_use(backend: Backend) -> set[str]:
+async def credentials_in_use(backend: BackendContext) -> set[str]:
     """The ``agentctl-cred-*`` names that must stay (see the module docstring)."""
     keep = {h.credential_ref for h in (backend.handle, backend.passthrough_handle) if h is not None}
     with backend.store.session() as db:
@@ -210,7 +210,7 @@ async def credentials_in_use(backend: Backend) -> set[str]:
     return keep
 
 
-async def tidy_home_async(backend: Backend) -> Tidied:
+async def tidy_home_async(backend: BackendContext) -> Tidied:
     """``tidy_home`` for a backend whose startup recovery is done (the pass runs off the event loop)."""
     keep = await credentials_in_use(backend)
     out = await asyncio.to_thread(tidy_home, backend.paths, keep)

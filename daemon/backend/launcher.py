@@ -62,7 +62,7 @@ class ControlServerHandle:
     endpoint: str
     mode: str  # "unit" | "detached" | "child"
     credential_ref: str
-    log_path: str
+    log_path: str | None  # None: an adopted server whose record names no log
     pid: int | None = None
     process: subprocess.Popen[bytes] | None = None  # only while it is our child
     pid_start_time: float | None = None  # psutil create_time of ``pid``, read right after the start
@@ -73,7 +73,7 @@ def _start_time(pid: int | None) -> float | None:
     if not pid:
         return None
     try:
-        return psutil.Process(pid).create_time()
+        return float(psutil.Process(pid).create_time())
     except psutil.Error:
         return None
 

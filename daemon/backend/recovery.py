@@ -24,6 +24,7 @@ with no server left (``daemon.backend.control_link`` calls it through the backen
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -34,19 +35,20 @@ from typing import Any
 from sqlalchemy import select
 
 from daemon.agentctl.client import AgentctlClient
-from daemon.backend.adoption import Adopter, Adoption
-from daemon.backend.events import _ensure_turn, apply_turn_outcome, mark_running
+from daemon.backend.adoption import Adopter, Adoption, AdoptionOutcome
+from daemon.backend.events import apply_turn_outcome, ensure_turn, mark_running
 from daemon.backend.executions import Execution, ExecutionStore
 from daemon.backend.liveness import DEAD, Scope, classify, live_groups, stop_leftover_group
 from daemon.journal import log_event
 from daemon.store import transitions
 from daemon.store.db import Store
 from daemon.store.models import ControlServerRecord, ExecutorRunning, Message, TaskSession, Turn
+from daemon.store.states import SessionState, TaskState
 from ipc.errors import ErrorCode, IpcError
 
 log = logging.getLogger(__name__)
 
-ACTIVE_STATES = ("STARTING", "RUNNING")
+ACTIVE_STATES = (SessionState.STARTING, SessionState.RUNNING)
 
 
 @dataclass
@@ -70,7 +72,7 @@ class RecoveryReport:
     failed_stops: dict[str, str] = field(default_factory=dict)  # instance_id -> reason
     unknown: list[str] = field(default_factory=list)  # rows left untouched (liveness unknown)
     duration_ms: float = 0.0
-    adoption: Adoption = field(default_factory=lambda: Adoption("disabled"))
+    adoption: Adoption = field(default_factory=lambda: Adoption(AdoptionOutcome.DISABLED))
 
 
 class MissingInput(Exception):
@@ -265,8 +267,8 @@ class Recovery:
         if self.stops:
             await asyncio.wait(self.stops.values(), timeout=max(0.0, deadline - time.monotonic()))
         in_flight = {iid for iid, t in self.stops.items() if not t.done()}
-        for iid, task in self.stops.items():
-            if task.done() and not task.result():
+        for iid, stop in self.stops.items():
+            if stop.done() and not stop.result():
                 report.failed_stops[iid] = "stop failed after retries"
         for session_id, reason in report.not_retracked.items():
             log_event("session_not_retracked", f"session {session_id} not re-tracked: {reason}",
@@ -334,7 +336,7 @@ class Recovery:
             session = db.get(TaskSession, rec.session_id)
             current = status.get("current_turn_id")
             if current and session is not None:  # a turn still running is published as running (AC-EXECUTORS-SURVIVAL-003.3)
-                _ensure_turn(db, rec.session_id, str(current), None)
+                ensure_turn(db, rec.session_id, str(current), None)
                 mark_running(db, session, f"turn {current} still running at re-tracking")
             row = db.get(ExecutorRunning, rec.session_id)
             if row is not None:
@@ -408,7 +410,7 @@ class Recovery:
             return rec
 
     async def _budget(self, fn: Callable[[], Awaitable[Any]]) -> Any:
-        return await self.adopter._budget(fn)
+        return await self.adopter.budget(fn)
 
     def _stop(self, client: AgentctlClient, instance_id: str, session_id: str | None) -> asyncio.Task[bool]:
         """Stop an instance on the read budget, once; the task is never cancelled (AC-EXECUTORS-SURVIVAL-003.7)."""
@@ -432,7 +434,7 @@ class Recovery:
         if session_id is not None:
             self.stop_sessions[instance_id] = session_id
             self.executions.hold_guard(session_id)
-            task.add_done_callback(lambda t, s=session_id: self._stop_resolved(s, t))
+            task.add_done_callback(functools.partial(self._stop_resolved, session_id))
         return task
 
     def _stop_resolved(self, session_id: str, task: asyncio.Task[bool]) -> None:
@@ -530,9 +532,9 @@ def repair_interrupted(
         turn.stop_reason = "interrupted"
         turn.ended_at = now
     transitions.transition_session(
-        db, session_id, "WAITING_FOR_INPUT", expected_from={session.state}, reason=reason,
+        db, session_id, SessionState.WAITING_FOR_INPUT, expected_from={session.state}, reason=reason,
     )
-    transitions.set_task_state(db, session.task_id, "review", interrupted=True)
+    transitions.set_task_state(db, session.task_id, TaskState.REVIEW, interrupted=True)
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,11 @@ from daemon.agents.registry import BUILTIN_AGENTS, BuiltinAgent
 from daemon.runtimes.launch import RUNTIME_NOT_PREPARED, RuntimeNotPrepared, npm_cache_root, prepared_runtime
 from daemon.runtimes.update import MAX_WAIT_S, TERMINAL, Job, RuntimeJobs
 from daemon.store.models import TaskSession
+from daemon.store.session_metadata import SessionMetadata
 from ipc.errors import ErrorCode, IpcError
 
 if TYPE_CHECKING:
-    from daemon.backend.app import Backend
+    from daemon.backend.context import BackendContext as Backend
 
 PROGRESS_KEY = "runtime_prepare"
 
@@ -68,9 +69,9 @@ def _record(backend: Backend, session_id: str | None, job: Job) -> None:
         session = db.get(TaskSession, session_id)
         if session is None:
             return
-        meta = dict(session.metadata_json or {})
-        meta[PROGRESS_KEY] = _progress(job)
-        session.metadata_json = meta
+        meta = SessionMetadata.load(session)
+        meta.set_runtime_prepare(_progress(job))
+        meta.save(session)
 
 
 async def ensure(backend: Backend, agent: BuiltinAgent, session_id: str | None = None) -> Job | None:

@@ -23,7 +23,7 @@ from daemon.runtimes.update import RuntimeJobs
 from ipc.server import ConnectionContext
 
 if TYPE_CHECKING:
-    from daemon.backend.app import Backend
+    from daemon.backend.context import BackendContext as Backend
 
 Handler = Callable[[ConnectionContext, dict[str, Any]], Awaitable[Any]]
 

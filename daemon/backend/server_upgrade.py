@@ -33,13 +33,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import psutil
 
 from daemon.agentctl.protocol import RELOAD_CAPABILITY
+from daemon.agentctl.replies import ServerInfo
 from daemon.backend.control_link import LinkState
 from daemon.journal import log_event
 from daemon.version import VERSION, installed_version, version_key
@@ -47,7 +47,7 @@ from ipc.aio import cancel_and_wait, within
 from ipc.errors import ErrorCode, IpcError
 
 if TYPE_CHECKING:
-    from daemon.backend.app import Backend
+    from daemon.backend.context import BackendContext
 
 log = logging.getLogger(__name__)
 
@@ -58,41 +58,6 @@ STATUS_READ_S = 2.0
 REPLACE_UNIT_WAIT_S = 30.0
 
 
-class LaunchGate:
-    """Launches (``create_instance`` and what must stay with it) share the gate; a replacement of
-    the control server takes it alone: it waits for launches in flight and holds new ones back."""
-
-    def __init__(self) -> None:
-        self._launches = 0
-        self._exclusive = False
-        self._changed = asyncio.Condition()
-
-    @contextlib.asynccontextmanager
-    async def launch(self) -> AsyncIterator[None]:
-        async with self._changed:
-            await self._changed.wait_for(lambda: not self._exclusive)
-            self._launches += 1
-        try:
-            yield
-        finally:
-            async with self._changed:
-                self._launches -= 1
-                self._changed.notify_all()
-
-    @contextlib.asynccontextmanager
-    async def exclusive(self) -> AsyncIterator[None]:
-        async with self._changed:
-            await self._changed.wait_for(lambda: not self._exclusive)
-            self._exclusive = True
-            await self._changed.wait_for(lambda: self._launches == 0)
-        try:
-            yield
-        finally:
-            async with self._changed:
-                self._exclusive = False
-                self._changed.notify_all()
-
-
 def _iso(ts: Any) -> str | None:
     if not isinstance(ts, int | float):
         return None
@@ -100,9 +65,9 @@ def _iso(ts: Any) -> str | None:
 
 
 class ServerUpgrade:
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: BackendContext) -> None:
         self.backend = backend
-        self.info: dict[str, Any] | None = None  # the last server_info answer
+        self.info: ServerInfo | None = None  # the last server_info answer
         self.replacement: str | None = None  # "when_idle" while an old server waits to be replaced
         self.last_replaced: dict[str, Any] | None = None
         self.reloading = False  # a reload asked by this backend is under way (status says so)
@@ -119,7 +84,7 @@ class ServerUpgrade:
     def can_reload(client: Any) -> bool:
         return RELOAD_CAPABILITY in client.capabilities
 
-    async def refresh(self, timeout: float = STATUS_READ_S) -> dict[str, Any] | None:
+    async def refresh(self, timeout: float = STATUS_READ_S) -> ServerInfo | None:
         client = self.backend.client
         if client is None or not self.can_reload(client):
             return None
@@ -131,10 +96,10 @@ class ServerUpgrade:
 
     def status(self) -> dict[str, Any]:
         client = self.backend.client
-        reload_info = (self.info or {}).get("reload") or {}
+        reload_info = (self.info.get("reload") if self.info else None) or {}
         can_reload = client is not None and self.can_reload(client)
         return {
-            "version": (self.info or {}).get("version") if can_reload else None,
+            "version": (self.info.get("version") if self.info else None) if can_reload else None,
             "installed_version": installed_version(),
             "protocol_version": list(client.protocol_version) if client is not None else None,
             "can_reload": can_reload,
@@ -168,7 +133,7 @@ class ServerUpgrade:
         installed = installed_version() or VERSION
         if self.can_reload(client):
             info = await self.refresh()
-            running = (info or {}).get("version")
+            running = info.get("version") if info else None
             if isinstance(running, str) and version_key(installed) > version_key(running):
                 log_event("control_server_outdated", f"the control server runs {running}, {installed} is installed:"
                           " asking it to re-execute in place", RUNNING_VERSION=running, INSTALLED_VERSION=installed)
@@ -212,7 +177,7 @@ class ServerUpgrade:
                                   "at": datetime.now(UTC).isoformat(timespec="seconds")}
             await self.refresh()
             log_event("control_server_replaced", f"the old control server (pid {old_pid}) ran no instance any more:"
-                      f" replaced by version {(self.info or {}).get('version')} (pid {self.last_replaced['new_pid']})",
+                      f" replaced by version {(self.info.get('version') if self.info else None)} (pid {self.last_replaced['new_pid']})",
                       OLD_PID=old_pid, NEW_PID=self.last_replaced["new_pid"])
             return True
 
@@ -230,7 +195,7 @@ class ServerUpgrade:
             await cancel_and_wait(claims)
         with contextlib.suppress(Exception):
             await old.close()
-        b.client = None
+        b.servers.survival.client = None
         if await self._wait_gone(handle.pid):
             b.launcher.remove_files(handle)
 

@@ -176,7 +176,7 @@ def turns(db: Session, session_id: str) -> tuple[list[dict[str, Any]], int]:
     shown = []
     for t in reversed(rows):
         prompt, cut = _cut(t.prompt)
-        turn = {"turn_id": t.id, "state": t.state, "stop_reason": t.stop_reason, "prompt": prompt}
+        turn: dict[str, Any] = {"turn_id": t.id, "state": t.state, "stop_reason": t.stop_reason, "prompt": prompt}
         if cut:
             turn["prompt_truncated"] = True
         shown.append(turn)

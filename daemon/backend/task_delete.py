@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select
 
+from daemon.backend.executions import Execution
 from daemon.backend.worktree import remove_worktree
 from daemon.journal import log_event
 from daemon.session_dirs import SessionDirs
@@ -38,7 +39,7 @@ from ipc.errors import ErrorCode, IpcError
 from ipc.server import ConnectionContext
 
 if TYPE_CHECKING:
-    from daemon.backend.app import Backend
+    from daemon.backend.context import BackendContext as Backend
 
 Handler = Callable[[ConnectionContext, dict[str, Any]], Awaitable[Any]]
 
@@ -98,7 +99,7 @@ async def _stop_agents(backend: Backend, task_id: str, session_ids: list[str]) -
         ex = backend.executions.executions.get(sid)
         if ex is None:
             continue
-        client = backend._client_for(ex)
+        client = backend.servers.client_for(ex)
         if client is None:
             raise IpcError(ErrorCode.UNAVAILABLE, f"task {task_id} was not deleted: session {sid}'s control"
                            " server is not reachable; retry shortly", True)
@@ -107,7 +108,7 @@ async def _stop_agents(backend: Backend, task_id: str, session_ids: list[str]) -
         except IpcError as exc:
             raise IpcError(exc.code, f"task {task_id} was not deleted: stopping session {sid}'s agent failed:"
                            f" {exc.message}", exc.retryable) from None
-        await backend.executions.drop(lambda e, sid=sid: e.session_id == sid, "task_deleted")
+        await backend.executions.drop(_session_is(sid), "task_deleted")
         with backend.store.session() as db:  # should the removal fail, a later try is not refused
             row = db.get(ExecutorRunning, sid)
             if row is not None:
@@ -154,3 +155,7 @@ def handlers(backend: Backend) -> dict[str, Handler]:
         return await delete_task(backend, args["task_id"], stop=bool(args.get("stop", False)))
 
     return {"task_delete": op_task_delete}
+
+
+def _session_is(session_id: str) -> Callable[[Execution], bool]:
+    return lambda ex: ex.session_id == session_id

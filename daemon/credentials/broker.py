@@ -41,6 +41,7 @@ from daemon.journal import log_event
 from daemon.paths import Paths, SecretFileError, read_secret_file
 from daemon.session_dirs import SessionDirs
 from daemon.store.models import CredentialLease, Task, TaskSession, new_id
+from daemon.store.states import SessionState
 
 from .agent_env import agent_git_env, lease_file_path, write_lease_file
 from .errors import (
@@ -71,7 +72,7 @@ from .signing import (
     token_hash,
 )
 
-TERMINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED"})
+TERMINAL_STATES = frozenset({SessionState.COMPLETED, SessionState.FAILED, SessionState.CANCELLED})
 POLICY_GITHUB_LEASE = "github-lease"
 POLICY_NONE = "none"
 SNAPSHOT_KEY = "git_credential_snapshot"
@@ -260,9 +261,9 @@ def record_credential_snapshot(db: Session, session_id: str, snapshot: dict[str,
         raise SessionNotFound(f"no session with id {session_id!r:.80}")
     meta = dict(session.metadata_json or {})
     meta[SNAPSHOT_KEY] = dict(snapshot)
-    result = cast(CursorResult[Any], db.execute(
+    result = cast("CursorResult[Any]", db.execute(
         update(TaskSession)
-        .where(TaskSession.id == session_id, TaskSession.state == "STARTING")
+        .where(TaskSession.id == session_id, TaskSession.state == SessionState.STARTING)
         .values(metadata_json=meta)
         .execution_options(synchronize_session="fetch")
     ))
@@ -405,7 +406,7 @@ def revoke_lease(db: Session, lease_id: str) -> bool:
 
 def revoke_session_leases(db: Session, session_id: str) -> int:
     """Revoke every lease of a session (and so every capability issued with them)."""
-    result = cast(CursorResult[Any], db.execute(
+    result = cast("CursorResult[Any]", db.execute(
         update(CredentialLease)
         .where(CredentialLease.session_id == session_id, CredentialLease.revoked.is_(False))
         .values(revoked=True)

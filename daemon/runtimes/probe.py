@@ -21,7 +21,7 @@ from typing import Any
 import acp
 from acp.schema import ClientCapabilities, Implementation
 
-from daemon.runtimes.proc import DETAIL_LIMIT, _drain, sanitize, stop_group
+from daemon.runtimes.proc import DETAIL_LIMIT, drain, sanitize, stop_group
 from daemon.version import VERSION
 from ipc.aio import within
 
@@ -72,7 +72,7 @@ async def acp_probe(
         )
     except OSError as exc:
         return ProbeResult(False, detail=sanitize(f"cannot start {argv[0]}: {exc}"), duration_s=0.0)
-    stderr_task = asyncio.create_task(_drain(proc.stderr, STDERR_KEEP))
+    stderr_task = asyncio.create_task(drain(proc.stderr, STDERR_KEEP))
     assert proc.stdin is not None and proc.stdout is not None
     conn = acp.connect_to_agent(_ProbeClient(), proc.stdin, proc.stdout)  # type: ignore[arg-type]  # partial acp.Client
     result: ProbeResult

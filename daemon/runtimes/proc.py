@@ -75,7 +75,7 @@ class RunResult:
         return f"{head}: {tail}" if tail else head
 
 
-async def _drain(stream: asyncio.StreamReader | None, limit: int) -> bytes:
+async def drain(stream: asyncio.StreamReader | None, limit: int) -> bytes:
     """Read to EOF, keeping the last ``limit`` bytes."""
     if stream is None:
         return b""
@@ -131,7 +131,7 @@ class CommandRunner:
             )
         except OSError as exc:
             return RunResult(argv, None, "", "", False, time.monotonic() - start, f"cannot run {argv[0]}: {exc}")
-        reads = asyncio.gather(_drain(proc.stdout, self.output_limit), _drain(proc.stderr, self.output_limit))
+        reads = asyncio.gather(drain(proc.stdout, self.output_limit), drain(proc.stderr, self.output_limit))
         timed_out = False
         try:
             out, err = await within(asyncio.shield(reads), timeout)

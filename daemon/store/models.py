@@ -33,13 +33,15 @@ from sqlalchemy import (
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-TASK_STATES = ("backlog", "in_progress", "review", "done")
+from daemon.store.states import InventoryStatus, LaunchMode, SessionState, TaskState
+
+TASK_STATES = tuple(s.value for s in TaskState)
 EXECUTORS = ("local", "worktree")
-SESSION_STATES = ("CREATED", "STARTING", "RUNNING", "WAITING_FOR_INPUT", "COMPLETED", "FAILED", "CANCELLED")
+SESSION_STATES = tuple(s.value for s in SessionState)
 TURN_STATES = ("open", "finished", "abandoned")
 MESSAGE_ROLES = ("user", "agent", "system")
-INVENTORY_STATUSES = ("live", "stale")
-LAUNCH_MODES = ("unit", "detached", "child")
+INVENTORY_STATUSES = tuple(s.value for s in InventoryStatus)
+LAUNCH_MODES = tuple(s.value for s in LaunchMode)
 WORKFLOW_STEP_STATUSES = ("pending", "active", "blocked", "done")
 
 NAMING_CONVENTION = {

@@ -11,7 +11,7 @@ that opens it.
 
 from __future__ import annotations
 
-from sqlalchemy import Engine, create_engine, inspect, select
+from sqlalchemy import Engine, create_engine, insert, inspect, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.pool import NullPool
@@ -78,7 +78,7 @@ def claim_store(engine: Engine, installation_id: str, where: str) -> bool:
         with engine.begin() as conn:
             owner = conn.execute(select(Installation.value).where(Installation.key == OWNER_KEY)).scalar()
             if owner is None:
-                conn.execute(Installation.__table__.insert().values(key=OWNER_KEY, value=installation_id))
+                conn.execute(insert(Installation).values(key=OWNER_KEY, value=installation_id))
                 owner, adopted = installation_id, True
     except IntegrityError:  # another process adopted it in between
         adopted = False

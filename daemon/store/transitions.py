@@ -20,18 +20,24 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import event, select, update
+from sqlalchemy import CursorResult, event, select, update
 from sqlalchemy.orm import Session, SessionTransaction
 
 from daemon.journal import log_event
 from daemon.store.models import SESSION_STATES, TASK_STATES, Task, TaskSession, utcnow
+from daemon.store.states import SessionState
+
+__all__ = ["ALLOWED", "CANCELLED", "COMPLETED", "CREATED", "FAILED", "RUNNING", "STARTING", "WAITING",
+           "InvalidTransition", "SessionState", "TransitionConflict", "TransitionError", "UnknownSession",
+           "UnknownTask", "add_listener", "remove_listener", "set_task_state", "transition_session"]
 
 log = logging.getLogger(__name__)
 
-CREATED, STARTING, RUNNING, WAITING = "CREATED", "STARTING", "RUNNING", "WAITING_FOR_INPUT"
-COMPLETED, FAILED, CANCELLED = "COMPLETED", "FAILED", "CANCELLED"
+CREATED, STARTING, RUNNING = SessionState.CREATED, SessionState.STARTING, SessionState.RUNNING
+WAITING, COMPLETED = SessionState.WAITING_FOR_INPUT, SessionState.COMPLETED
+FAILED, CANCELLED = SessionState.FAILED, SessionState.CANCELLED
 
 ALLOWED: Mapping[str, frozenset[str]] = {
     CREATED: frozenset({STARTING, FAILED, CANCELLED}),
@@ -183,12 +189,12 @@ def transition_session(
             raise TransitionConflict(current, expected_from)
         if current == to_state:
             return _load(db, session_id)
-        done = db.execute(
+        done = cast("CursorResult[Any]", db.execute(
             update(TaskSession)
             .where(TaskSession.id == session_id, TaskSession.state == current)
             .values(**values)
             .execution_options(synchronize_session=False)
-        )
+        ))
         if done.rowcount == 1:
             _queue(db, _Change(session_id, task_id, current, to_state, reason))
             return _load(db, session_id)

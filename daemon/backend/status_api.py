@@ -1,0 +1,99 @@
+"""Handlers of the backend's own ops: ``status``, ``shutdown``, ``agentctl_reload`` and
+``control_server_retry`` (``api.TABLE``): the backend, its control servers and their version."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from daemon.agentctl.client import identify
+from daemon.backend import agent_launch
+from daemon.backend.context import BackendContext, BackendState
+from daemon.backend.control_link import LinkState
+from daemon.backend.server_upgrade import ServerUpgrade
+from daemon.version import VERSION
+from ipc.errors import ErrorCode, IpcError
+from ipc.server import ConnectionContext, Handler
+
+
+def handlers(backend: BackendContext, upgrade: ServerUpgrade) -> dict[str, Handler]:
+    b = backend
+
+    async def op_status(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        handle = b.handle
+        link = b.link.snapshot()
+        if handle is not None and link["state"] == LinkState.RUNNING.value:
+            # running as far as its link can tell (its process is there): does it answer?
+            try:
+                if await identify(handle.endpoint, timeout=1.0) is None:
+                    # running, but it does not answer (for a moment while it re-executes)
+                    link["state"] = "reloading" if upgrade.reloading else "unreachable"
+            except IpcError as exc:
+                link["state"] = "reloading" if exc.code == ErrorCode.RELOADING else "unreachable"
+        if link["state"] == LinkState.RUNNING.value:
+            await upgrade.refresh()
+        report = b.report
+        return {
+            "backend": {
+                "pid": os.getpid(),
+                "version": VERSION,
+                "socket": b.socket_path,
+                "home": str(b.paths.home),
+                "state": b.state,
+            },
+            "capability": {
+                "state": b.capability.state,
+                "reason": b.capability.reason,
+                "detail": b.capability.detail,
+                "supervisor": b.capability.supervisor,
+            },
+            "control_server": {
+                **link,
+                "pid": handle.pid if handle else None,
+                "server_identity": b.servers.server_identity if handle else None,
+                "endpoint": handle.endpoint if handle else None,
+                "mode": handle.mode if handle else b.launcher.mode,
+                "log_path": handle.log_path if handle else None,
+                # running and installed versions, reload ability and history (Issue 15)
+                **upgrade.status(),
+                "passthrough": {**b.passthrough_link.snapshot(),
+                                "pid": b.passthrough_handle.pid if b.passthrough_handle else None},
+            },
+            "recovery": {
+                "retracked": len(report.retracked),
+                "not_retracked": len(report.not_retracked),
+                "reasons": dict(report.not_retracked),
+                "stopped_orphans": len(report.stopped_orphans),
+                "duration_ms": round(report.duration_ms, 1),
+            },
+            "adoption": {"outcome": report.adoption.outcome, "reason": report.adoption.reason},
+            "sandbox": await agent_launch.sandbox_status(b),
+        }
+
+    async def op_agentctl_reload(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        """``kandev agentctl reload``: the control server re-executes the installed code in place."""
+        if b.state != BackendState.READY:
+            raise IpcError(ErrorCode.UNAVAILABLE, f"backend is {b.state}; retry shortly", True)
+        result = await upgrade.reload()
+        if result["outcome"] != "reexecuted":
+            raise IpcError("reload_refused", f"the control server refused to reload: {result['reason']};"
+                           f" version {result['version']} keeps serving (see journal KANDEV_EVENT=reload_refused)",
+                           False)
+        return result
+
+    async def op_shutdown(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        b.shutdown_requested.set()
+        return {"ok": True, "detach": b.enabled}
+
+    async def op_control_server_retry(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        """``kandev up`` with a backend that runs: try again where it gave up restarting a server."""
+        retried = b.servers.retry()
+        return {"retried": retried, "state": b.link.state.value,
+                "passthrough_state": b.passthrough_link.state.value}
+
+    return {
+        "status": op_status,
+        "shutdown": op_shutdown,
+        "agentctl_reload": op_agentctl_reload,
+        "control_server_retry": op_control_server_retry,
+    }

@@ -1,0 +1,43 @@
+"""The named states of the store's rows, as ``StrEnum``s.
+
+A member compares equal to its string and formats as it (``str(SessionState.FAILED) ==
+"FAILED"``), so what the store holds and what the wire carries stay the plain strings they always
+were; code names the state instead of spelling it. The CHECK constraints of ``daemon.store.models``
+and the session state machine of ``daemon.store.transitions`` are built from these.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class SessionState(StrEnum):
+    CREATED = "CREATED"
+    STARTING = "STARTING"  # an agent is being launched (start, resume, context reset)
+    RUNNING = "RUNNING"  # a turn is in progress
+    WAITING_FOR_INPUT = "WAITING_FOR_INPUT"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+
+class TaskState(StrEnum):
+    BACKLOG = "backlog"
+    IN_PROGRESS = "in_progress"
+    REVIEW = "review"
+    DONE = "done"
+
+
+class InventoryStatus(StrEnum):
+    """An ``executors_running`` row: its agent believed running (``live``) or known gone (``stale``)."""
+
+    LIVE = "live"
+    STALE = "stale"
+
+
+class LaunchMode(StrEnum):
+    """How a control server was started: a systemd unit, detached from the backend, or its child."""
+
+    UNIT = "unit"
+    DETACHED = "detached"
+    CHILD = "child"
