@@ -95,8 +95,11 @@ def run(home: Path, keep: bool) -> int:
         say(f"backend gone; agent pid {pid} still alive ({agent.status()}); waiting 3 s with no backend")
         time.sleep(3)  # the agent keeps producing chunks that the control server retains
         up2 = kandev(home, "up", env=env)
-        say(f"new backend pid {up2['pid']}: adoption {up2['status']['adoption']}, "
-            f"recovery {up2['status']['recovery']}")
+        adoption, recovery = up2["status"]["adoption"], up2["status"]["recovery"]
+        say(f"new backend pid {up2['pid']}: control server {adoption['outcome']}"
+            + (f" ({adoption['reason']})" if adoption.get("reason") else "")
+            + f"; recovery re-tracked {recovery['retracked']}, not re-tracked {recovery['not_retracked']},"
+            f" in {recovery['duration_ms']} ms")
         after = kandev(home, "session", "show", sid, env=env)
         say(f"session {sid}: state {after['state']}, retracked {after['retracked']}, "
             f"agent pid {after['agent_pid']} (start time {after['agent_pid_start_time']})")
