@@ -2,8 +2,7 @@
 
 Run: ``python tests/requirement_ids.py`` lists every problem (exit 1 if there is one);
 ``python tests/requirement_ids.py --fix`` first rewrites every citation whose canonical form is
-certain, and applies the decisions a person recorded in ``tests/requirement_ids_decisions.py``
-(wherever their text now is), then lists what is left for a person to decide. ``tests/unit/test_requirement_ids.py``
+certain, then lists what is left for a person to decide. ``tests/unit/test_requirement_ids.py``
 runs the check in the suite.
 
 Canonical forms (docs/requirements.md, "How ids are written"): ``AC-EXECUTORS-SURVIVAL-001.6``,
@@ -408,32 +407,12 @@ def check(root: Path = ROOT) -> list[Problem]:
     return problems
 
 
-def decisions() -> tuple[tuple[str, str, str], ...]:
-    """The recorded decisions of a person (``tests/requirement_ids_decisions.py``), if it exists."""
-    path = Path(__file__).resolve().parent / "requirement_ids_decisions.py"
-    if not path.is_file():
-        return ()
-    namespace: dict[str, object] = {}
-    exec(compile(path.read_text(), str(path), "exec"), namespace)
-    return namespace["DECISIONS"]  # type: ignore[return-value]
-
-
-def apply_decisions(text: str, table: tuple[tuple[str, str, str], ...], name: str = "") -> str:
-    """``text`` with every recorded decision applied (those scoped to a file name only in that file)."""
-    for old, new, scope in table:
-        if old in text and (not scope or scope == name):
-            text = text.replace(old, new)
-    return text
-
-
 def fix(root: Path = ROOT) -> list[Path]:
-    """Apply ``fix_text``, then the recorded decisions, to every scanned file; returns the files
-    it changed."""
+    """Apply ``fix_text`` to every scanned file; returns the files it changed."""
     known = set(entries((root / "docs" / "requirements.md").read_text()))
-    table = decisions()
     changed: list[Path] = []
     for path, text in texts(root):
-        new = apply_decisions(fix_text(text, known), table, path.name)
+        new = fix_text(text, known)
         if new != text:
             path.write_text(new)
             changed.append(path)
