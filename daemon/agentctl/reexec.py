@@ -109,7 +109,10 @@ def interpreter_flags(orig_argv: list[str] | None = None) -> list[str]:
 
 def entry_argv(*args: str) -> list[str]:
     """How to run the installed control server: this interpreter, its options, ``-m`` the entry module."""
-    return [sys.executable, *interpreter_flags(), "-m", ENTRY_MODULE, *args]
+    flags = interpreter_flags()
+    if "-P" not in flags:  # the working directory never on the import path (see agentctl_argv)
+        flags.append("-P")
+    return [sys.executable, *flags, "-m", ENTRY_MODULE, *args]
 
 
 class Reloader:

@@ -289,7 +289,11 @@ def runtime_paths(env: Mapping[str, str] | None = None) -> list[str]:
 
     paths = {sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix,
              str(Path(daemon.__file__).resolve().parent.parent)}
-    paths.update(p for p in sys.path if p and os.path.isabs(p))
+    # The import path, but never the root nor the working directory: ``python -m``/``-c`` put the
+    # working directory first (``/`` for a systemd unit), and binding it would show the agent the
+    # whole filesystem (the servers start with -P; this holds whatever started them).
+    never = {"/", os.getcwd()}
+    paths.update(p for p in sys.path if p and os.path.isabs(p) and os.path.normpath(p) not in never)
     node = shutil.which("node", path=(os.environ if env is None else env).get("PATH", os.defpath))
     if node:
         paths.add(str(Path(node).resolve().parent.parent))

@@ -84,7 +84,8 @@ def _set_parent_death_signal() -> None:  # runs in the child between fork and ex
 
 
 def agentctl_argv(launch_path: str) -> list[str]:
-    return [sys.executable, "-m", "daemon.agentctl.main", "--launch-file", launch_path]
+    # -P: the working directory is not on the server's import path (nor, so, in its agents' sandboxes)
+    return [sys.executable, "-P", "-m", "daemon.agentctl.main", "--launch-file", launch_path]
 
 
 class Launcher:

@@ -18,6 +18,7 @@ from daemon.agentctl.sandbox import (
     SandboxView,
     build_argv,
     hidden_ok,
+    runtime_paths,
     sandbox_ids,
 )
 from ipc.errors import IpcError
@@ -171,3 +172,26 @@ def test_the_agent_is_never_root_inside() -> None:
     assert sandbox_ids(4242)[0] == 4242
     uid, gid = sandbox_ids(0)
     assert uid != 0 and gid != 0
+
+
+def test_the_import_path_never_brings_the_root_or_the_working_directory_into_a_sandbox(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 10 A: a control server started with ``python -m`` in a unit's working directory ``/``
+    had ``/`` first on its import path, and its agents then saw the whole filesystem read-only.
+    Neither the root nor the working directory is ever bound, whatever the import path says."""
+    import sys
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", ["/", str(tmp_path), *sys.path])
+    paths = runtime_paths({"PATH": "/usr/bin:/bin"})
+    assert "/" not in paths and str(tmp_path) not in paths
+    assert sys.prefix in paths  # the interpreter is still there
+
+
+def test_servers_start_without_the_working_directory_on_their_import_path() -> None:
+    """The same at the source: the backend's child server and a re-exec run ``python -P``."""
+    from daemon.agentctl.reexec import entry_argv
+    from daemon.backend.launcher import agentctl_argv
+
+    assert agentctl_argv("/h/launch.json")[1] == "-P"
+    assert "-P" in entry_argv("--reload")[1:entry_argv("--reload").index("-m")]
