@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from daemon.config import CredentialsConfig
-from daemon.credentials import CredentialError, ScopeDenied, redeem_lease, reissue_lease
-from daemon.credentials.errors import CapabilityInvalid
+from daemon.credentials import ScopeDenied, redeem_lease, reissue_lease
+from daemon.credentials.errors import CapabilityInvalid, off_loop_handler
 from daemon.credentials.signing import decode_capability, existing_signing_key, lease_claims_unverified
 from daemon.limits import IDLE_CONNECTION_TIMEOUT_S
 from daemon.session_dirs import SessionDirs
@@ -140,16 +140,4 @@ class CredentialEndpoints:
                 token, lease_id = reissue_lease(db, args["capability"], config=config)
                 return {"lease_token": token, "lease_id": lease_id}
 
-        async def op_redeem(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
-            try:
-                return await asyncio.to_thread(redeem, args)
-            except CredentialError as exc:
-                raise exc.to_ipc() from None
-
-        async def op_reissue(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
-            try:
-                return await asyncio.to_thread(reissue, args)
-            except CredentialError as exc:
-                raise exc.to_ipc() from None
-
-        return {"credential_redeem": op_redeem, "credential_reissue": op_reissue}
+        return {"credential_redeem": off_loop_handler(redeem), "credential_reissue": off_loop_handler(reissue)}

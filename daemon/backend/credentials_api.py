@@ -15,11 +15,11 @@ token nor the answer's password is ever logged.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from daemon.credentials import CredentialError, ensure_signing_key, redeem_lease, reissue_lease
+from daemon.credentials import ensure_signing_key, redeem_lease, reissue_lease
+from daemon.credentials.errors import off_loop_handler
 from ipc.server import ConnectionContext
 
 if TYPE_CHECKING:
@@ -46,16 +46,4 @@ def handlers(backend: BackendContext) -> dict[str, Handler]:
             token, lease_id = reissue_lease(db, args["capability"], config=config)
             return {"lease_token": token, "lease_id": lease_id}
 
-    async def op_credential_redeem(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
-        try:
-            return await asyncio.to_thread(_redeem, args)
-        except CredentialError as exc:
-            raise exc.to_ipc() from None
-
-    async def op_credential_reissue(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
-        try:
-            return await asyncio.to_thread(_reissue, args)
-        except CredentialError as exc:
-            raise exc.to_ipc() from None
-
-    return {"credential_redeem": op_credential_redeem, "credential_reissue": op_credential_reissue}
+    return {"credential_redeem": off_loop_handler(_redeem), "credential_reissue": off_loop_handler(_reissue)}

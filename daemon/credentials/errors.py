@@ -7,6 +7,11 @@ lease failures after which the git credential helper may try its one reissue (LE
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from ipc.connection import ConnectionContext
 from ipc.errors import ErrorCode, IpcError
 
 
@@ -80,3 +85,18 @@ class CapabilityInvalid(CredentialError):
 
 
 REISSUABLE_CODES = frozenset(c.code for c in (LeaseInvalid, LeaseExpired, LeaseRevoked))
+
+
+def off_loop_handler(
+    work: Callable[[dict[str, Any]], dict[str, Any]],
+) -> Callable[[ConnectionContext, dict[str, Any]], Awaitable[dict[str, Any]]]:
+    """An op handler running ``work`` (blocking: the store, signing) off the event loop, a refusal
+    answered as its typed error."""
+
+    async def handler(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return await asyncio.to_thread(work, args)
+        except CredentialError as exc:
+            raise exc.to_ipc() from None
+
+    return handler
