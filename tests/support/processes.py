@@ -40,13 +40,7 @@ def group_exists(pgid: int) -> bool:
         return False
     except PermissionError:
         return True
-    for proc in psutil.process_iter(["pid"]):
-        try:
-            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
-                return True
-        except (ProcessLookupError, psutil.NoSuchProcess):
-            continue
-    return False
+    return group_alive(pgid)
 
 
 def kill_group(pgid: int) -> None:
