@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-VERSION = "0.2.0"
+VERSION = "0.3.0"
 
 _ASSIGNMENT = re.compile(r'^VERSION = "([^"\n]{1,64})"$', re.MULTILINE)
 
