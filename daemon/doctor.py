@@ -232,7 +232,7 @@ def _platform(r: _Report, config: Config | None, env: Mapping[str, str], probes:
             caveat = f" (as seen by uid {me}: run `sudo kandev doctor` for the polkit rule check)"
     for c in platform.run_checks(cfg, env=plat_env, probes=plat_probes):
         detail = c.detail + (caveat if c.name == "unit_control" and not c.ok else "")
-        r.add(f"platform.{c.name}", c.ok, detail, c.hint or "see `kandev status` and README 'Operations'")
+        r.add(f"platform.{c.name}", c.ok, detail, c.hint or "see `kandev status` and docs/operations.md")
     return path
 
 

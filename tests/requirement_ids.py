@@ -124,7 +124,7 @@ _POINTER_REWRITES = (
     (re.compile(r"(?<![\w-])seed 004"), "docs/requirements.md#runtime-configuration-across-a-context-reset"),
 )
 # A pointer into this repository's pages: the heading it names must exist.
-POINTER = re.compile(r"(?<![\w/.-])(?P<page>docs/architecture\.md|docs/requirements\.md|README\.md)#(?P<anchor>[\w-]+)")
+POINTER = re.compile(r"(?<![\w/.-])(?P<page>docs/architecture\.md|docs/operations\.md|docs/requirements\.md|README\.md)#(?P<anchor>[\w-]+)")
 
 
 @dataclass(frozen=True)
@@ -300,7 +300,7 @@ def slug(heading: str) -> str:
 def anchors(root: Path = ROOT) -> set[str]:
     """Every ``page#anchor`` a pointer may name: the headings of the pages ``POINTER`` knows."""
     found: set[str] = set()
-    for page in ("docs/architecture.md", "docs/requirements.md", "README.md"):
+    for page in ("docs/architecture.md", "docs/operations.md", "docs/requirements.md", "README.md"):
         path = root / page
         if path.is_file():
             found |= {f"{page}#{slug(h)}" for h in re.findall(r"^#{1,6} (.+)$", path.read_text(), re.M)}

@@ -1,7 +1,7 @@
 """Building kandev's Debian packages for the package tests (host side), cached.
 
 ``build_packages()`` builds the .deb of the current sources once per content of what goes into
-it (daemon/, ipc/, debian/, packaging/, units/, README.md, pyproject.toml) by
+it (daemon/, ipc/, debian/, docs/, packaging/, units/, README.md, pyproject.toml) by
 ``dpkg-buildpackage -us -uc -b`` in a copy of the checkout under /var/tmp, together with a rebuild
 whose debian/changelog and daemon/version.py carry a higher version (the upgrade: its code reports
 that version) and the lintian report; the three are cached in /var/tmp/kandev-deb-cache/<hash>/.
@@ -30,7 +30,7 @@ from tests.support.paths import REPO_ROOT
 from tests.support.releases import Release, release_tree
 
 CACHE = Path("/var/tmp/kandev-deb-cache")
-SOURCES = ("daemon", "ipc", "debian", "packaging", "units", "README.md", "pyproject.toml")
+SOURCES = ("daemon", "ipc", "debian", "docs", "packaging", "units", "README.md", "pyproject.toml")
 BUILD_TIMEOUT = 600
 
 def _skip(name: str) -> bool:
