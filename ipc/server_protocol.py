@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from .errors import ErrorCode, IpcError
 from .framing import BufferBudget, BufferLimitExceeded, FrameBuffer, FrameTooLarge, InvalidFrame, encode_frame
@@ -88,7 +88,7 @@ class ServerProtocol(asyncio.BufferedProtocol):
     # -- asyncio callbacks -------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        transport = cast(asyncio.Transport, transport)  # uvloop's transports are not subclasses
         self._transport = transport
         self.ctx = self._dispatcher.admit(transport)
         if self.ctx is None:

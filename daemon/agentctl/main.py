@@ -25,7 +25,9 @@ reload and waits for the outcome (``daemon.agentctl.reload_client``, the unit's
 (``daemon.agentctl.preflight``). Agents are spawned by the event loop in the
 main thread and children are watched through pidfds (no watcher thread): the
 thread that spawned them is the one that execs, so their parent-death signal
-never fires on a reload.
+never fires on a reload. For that reason it runs on asyncio's own event loop, not on uvloop
+(``ipc.loop``, the backend's): uvloop spawns and reaps children its own way (libuv's SIGCHLD
+handler), ignoring the pidfd child watcher the reload depends on.
 
 Exit codes (``daemon.service.ExitCode``): 0 clean stop, 1 could not serve (e.g. the socket is in
 use), 2 refused to start (bad launch file, settings or credential). The process set-up, signals,

@@ -38,6 +38,7 @@ from daemon.service import (
 )
 from daemon.store.db import Store, sqlite_url
 from daemon.store.owner import ForeignStore, check_store_owner, claim_store, describe_store
+from ipc import loop as event_loop
 from ipc.server import IpcServer
 
 log = logging.getLogger("kandev.backend")
@@ -194,7 +195,7 @@ def _serve(args: argparse.Namespace, paths: Paths, config: Config, url: str) -> 
         return ExitCode.FAILED
     backend = Backend(paths, config, capability, store, ours)
     try:
-        return asyncio.run(_run(paths, backend, Notifier()))
+        return event_loop.run(_run(paths, backend, Notifier()))
     finally:
         store.close()
 

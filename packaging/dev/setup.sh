@@ -25,7 +25,7 @@ APT_PKGS+=(postgresql)
 # sdbox, which has no network: apt there resolves the package's Depends from what is installed here.
 APT_PKGS+=(build-essential dpkg-dev debhelper dh-python lintian python3-pip
            python3-msgpack python3-psutil python3-systemd python3-sdnotify python3-mako
-           python3-markupsafe polkitd dbus)
+           python3-markupsafe python3-uvloop polkitd dbus)
 # the managed npm agents (claude-code, ...) are prepared with npm and run on node: any node >= 18
 # will do; Debian's own packages only when none is on the PATH (a NodeSource node brings its npm)
 command -v npm >/dev/null 2>&1 && command -v node >/dev/null 2>&1 || APT_PKGS+=(nodejs npm)

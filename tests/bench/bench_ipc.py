@@ -48,6 +48,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from ipc import AsyncClient, Op, OpTable, SyncClient  # noqa: E402
+from ipc import loop as event_loop  # noqa: E402
 
 TARGET_RATIO = 3.0
 PAYLOAD = {"x": 12345, "s": "hello world"}
@@ -83,7 +84,7 @@ def run_ipc_server(path: str) -> None:
         await server.start()
         await asyncio.Event().wait()
 
-    asyncio.run(main())
+    event_loop.run(main())  # the loop the backend serves its socket on
 
 
 # -- client side ---------------------------------------------------------------
@@ -154,7 +155,7 @@ class SyncBench:
 
 class AsyncBench:
     def __init__(self, path: str) -> None:
-        self.loop = asyncio.new_event_loop()
+        self.loop = event_loop.new_event_loop()
         self.client = self.loop.run_until_complete(AsyncClient.connect(path))
 
     async def _run(self, n: int) -> float:
@@ -198,10 +199,12 @@ def main() -> int:
     if len(all_cpus) > 1:
         configs.append((f"spread over {len(all_cpus)} CPUs (unpinned)", set(all_cpus)))
     per_round = max(1, opts.n // opts.rounds)
+    loop = event_loop.new_event_loop()
     print(
         f"{per_round * opts.rounds} round trips per variant in {opts.rounds} interleaved rounds; "
-        "us per round trip: best round / median round"
+        f"us per round trip: best round / median round; event loop: {event_loop.loop_name(loop)}"
     )
+    loop.close()
     verdict_ratio = None
     for title, cpus in configs:
         os.sched_setaffinity(0, cpus)  # the servers started below inherit it
