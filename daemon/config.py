@@ -597,6 +597,22 @@ def validate_backend(config: Config) -> None:
         )
 
 
+def config_file(config_file: str | None, env: Mapping[str, str] | None = None) -> str:
+    """The file a daemon given ``config_file`` reads: that one, else ``$KANDEV_CONFIG``, else the default."""
+    environ = os.environ if env is None else env
+    return str(config_file or environ.get("KANDEV_CONFIG") or DEFAULT_CONFIG_FILE)
+
+
+def check_config(config_file: str | None, env: Mapping[str, str] | None = None) -> Config:
+    """What the backend checks at start (``kandev up`` and ``kandev doctor`` check the same, before
+    starting anything): the file and the environment, the backend's keys, the control server's."""
+    config = load_config(config_file, env)
+    validate_backend(config)
+    a = config.agentctl
+    validate_agentctl(a.detached_event_limit, a.unowned_period, a.idle_timeout, origins=config.origins)
+    return config
+
+
 def resolve_unowned_period(period: float, idle_timeout: float) -> tuple[float, list[str]]:
     """Apply the idle-timeout ordering and the 1 min floor; return the period and what changed.
 

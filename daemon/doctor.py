@@ -39,7 +39,7 @@ from typing import Any
 
 from daemon import platform
 from daemon.agents.settings import describe as describe_agent
-from daemon.config import Config, ConfigError, load_config, validate_agentctl, validate_backend
+from daemon.config import Config, ConfigError, check_config, config_file
 from daemon.paths import SERVICE_GROUP, Paths
 from daemon.platform import AGENTCTL_UNIT, Check, Probes
 
@@ -148,14 +148,11 @@ class _Report:
 
 def _config(r: _Report, config_path: str | None, env: Mapping[str, str]) -> Config | None:
     try:
-        config = load_config(config_path, env)
-        validate_backend(config)
-        a = config.agentctl
-        validate_agentctl(a.detached_event_limit, a.unowned_period, a.idle_timeout, origins=config.origins)
+        config = check_config(config_path, env)
     except (ConfigError, OSError) as exc:
         r.add("config", False, f"configuration refused: {exc}",
-              "fix the key named above in /etc/kandev/kandev.toml (or the KANDEV_* variable); "
-              "every key, its default and range are listed there")
+              f"fix the key named above in {config_file(config_path, env)} (or the KANDEV_* variable);"
+              " the packaged /etc/kandev/kandev.toml lists every key with its default and range")
         return None
     r.add("config", True, f"configuration valid ({config.source or 'defaults: no file'})")
     return config

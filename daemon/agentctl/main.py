@@ -60,6 +60,7 @@ from daemon.service import (
     setup_daemon_logging,
     watched,
 )
+from daemon.version import VERSION
 from ipc.errors import IpcError
 
 log = logging.getLogger("kandev.agentctl")
@@ -81,6 +82,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--home", help="Kandev home (default: $KANDEV_HOME, $STATE_DIRECTORY)")
     parser.add_argument("--launch-file", help="launch file (default: <home>/agentctl/launch.json)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {VERSION}")
     parser.add_argument("--reload", action="store_true",
                         help="ask the running control server to re-execute the installed code in place (its"
                         " agents keep running) and wait for the outcome; exit 0 done, 1 refused, 3 the server"

@@ -12,11 +12,14 @@ from enum import Enum
 from ipc.schema import Op, OpTable
 
 PROTOCOL = "kandev-backend"
-VERSION = (1, 1)  # 1.1 (release 0.2.0): agentctl_reload; fields are only ever added
+VERSION = (1, 2)  # 1.1 (release 0.2.0): agentctl_reload; 1.2: LIFECYCLE_OPS, shutdown agents, board reasons; fields are only ever added
 
 OPS = [
     Op("status", auth=False, doc="backend, capability, control_server, recovery, adoption"),
-    Op("shutdown", auth=False, doc="graceful stop (kandev down); with survival on, agents keep running"),
+    Op("shutdown", optional={"agents": bool}, auth=False,
+       doc="graceful stop (kandev down); with survival on, agents keep running unless agents (kandev down"
+       " --agents): then the control server stops every agent and exits -> {ok, detach, agents: how many"
+       " agents this backend tracked}"),
     Op(
         "agentctl_reload",
         auth=False,
@@ -46,7 +49,8 @@ OPS = [
         auth=False,
         doc="-> {turn_id, stop_reason (with wait)}",
     ),
-    Op("cancel", required={"session_id": str}, auth=False, doc="-> {ok}"),
+    Op("cancel", required={"session_id": str}, auth=False,
+       doc="cancel the session's running turn -> {ok}; no running turn: conflict"),
     Op(
         "permission_respond",
         required={"session_id": str, "request_id": str},
@@ -72,7 +76,8 @@ OPS = [
         " passthrough, last_error and last_turn{ordinal, state, stop_reason, started_at, ended_at}"
         " (daemon/backend/views.py)",
     ),
-    Op("board", auth=False, doc="-> {backlog, running, turn_finished, needs_attention, done}"),
+    Op("board", auth=False, doc="-> {backlog, running, turn_finished, needs_attention, done: [task ids],"
+       " reasons: {task id: {reason: permission|failed|cancelled|no agent, hint|None}} (needs_attention's)}"),
     Op(
         "control_server_retry",
         auth=False,
@@ -195,7 +200,7 @@ VIEW_OPS: list[Op] = [
     Op(
         "task_list",
         auth=False,
-        doc="-> {tasks: [{task_id, title, workspace, executor, state, bucket, created_at, sessions,"
+        doc="-> {tasks: [{task_id, title, workspace, executor, state, bucket, attention{reason, hint}|None, created_at, sessions,"
         " latest_session{session_id, agent, state, last_error, live, retracked, ...}|None,"
         " workflow{step, position, status, steps}|None}]} in creation order",
     ),
@@ -231,6 +236,30 @@ TASK_OPS: list[Op] = [
     ),
 ]
 
-OPS = OPS + RUNTIME_OPS + CREDENTIAL_OPS + RESUME_OPS + VIEW_OPS + TASK_OPS
+# Finishing things (Issue 23; daemon/backend/lifecycle.py).
+LIFECYCLE_OPS: list[Op] = [
+    Op(
+        "session_stop",
+        required={"session_id": str},
+        auth=False,
+        doc="stop the session's idle agent (SIGTERM, then its process group); the session stays readable and"
+        " resumable -> {session_id, task_id, instance_id, agent_pid, state}; no agent or a running turn: conflict",
+    ),
+    Op("task_done", required={"task_id": str}, auth=False,
+       doc="the task is done (board: done) -> {task_id, state, bucket}; a turn running: conflict"),
+    Op("task_reopen", required={"task_id": str}, auth=False,
+       doc="a done task back where its latest session puts it -> {task_id, state, bucket}; not done: conflict"),
+    Op(
+        "session_logs",
+        required={"session_id": str},
+        optional={"tail": int, "offset": int},
+        auth=False,
+        doc="the standard error of the session's current (or last) agent: its last `tail` lines (default 50),"
+        " or what follows byte `offset` -> {session_id, instance_id, path, text, offset (where the next read"
+        " starts), size, live}",
+    ),
+]
+
+OPS = OPS + RUNTIME_OPS + CREDENTIAL_OPS + RESUME_OPS + VIEW_OPS + TASK_OPS + LIFECYCLE_OPS
 
 TABLE = OpTable(PROTOCOL, VERSION, OPS)

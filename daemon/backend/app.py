@@ -22,6 +22,7 @@ import asyncio
 import daemon.backend.credentials_api as credentials_api
 import daemon.backend.hygiene as hygiene
 import daemon.backend.ids as ids
+import daemon.backend.lifecycle as lifecycle
 import daemon.backend.resume_api as resume_api
 import daemon.backend.runtime_config_api as runtime_config_api
 import daemon.backend.runtimes_api as runtimes_api
@@ -104,6 +105,7 @@ class Backend:
             **status_api.handlers(ctx, self.upgrade),
             **tasks_api.handlers(self.tasks),
             **task_delete.handlers(ctx),
+            **lifecycle.handlers(ctx),
             **sessions_api.handlers(self.sessions),
             # Handler tables of later features register here, one line each.
             **credentials_api.handlers(ctx),
@@ -139,6 +141,7 @@ class Backend:
         report, client = await recovery.recover(
             enabled=ctx.enabled, start_own_server=ctx.servers.first_server, publish=self._publish
         )
+        report.stopped_with_backend = await asyncio.to_thread(lifecycle.take_clean_stops, ctx.store)
         ctx.report = report
         adopted = report.adoption.record if report.adoption.outcome == AdoptionOutcome.ADOPTED else None
         ctx.servers.use(client, adopted)
@@ -156,16 +159,26 @@ class Backend:
         self.context.executions.executions[ex.session_id] = ex
 
     async def shutdown(self) -> None:
-        """Graceful stop. Enabled: detach, send no stop (AC-EXECUTORS-SURVIVAL-001.1). Disabled: stop it all."""
+        """Graceful stop. Enabled: detach, send no stop (AC-EXECUTORS-SURVIVAL-001.1), unless asked to
+        stop the agents too (kandev down --agents). Disabled: stop it all. Sessions whose agents
+        stop with the backend are recorded as stopped cleanly, so the next start has nothing to
+        re-track for them (information, not a warning)."""
         ctx = self.context
         ctx.state = BackendState.STOPPING
         await self.upgrade.stop()  # no replacement of an old server starts or goes on now
         await ctx.servers.close()  # what follows is no loss; no claim renewed
-        await ctx.consumer.stop(list(ctx.executions.executions.values()))
+        tracked = list(ctx.executions.executions.values())
+        await ctx.consumer.stop(tracked)
+        detach = ctx.enabled and not ctx.stop_agents_at_shutdown
+        if ctx.enabled and ctx.stop_agents_at_shutdown:
+            await ctx.servers.stop_survival_server()
         await ctx.servers.disconnect()
         await ctx.endpoints.close_all()
+        stopped = [ex.session_id for ex in tracked if ex.passthrough or not detach]
+        await asyncio.to_thread(lifecycle.record_clean_stop, ctx.store, stopped)
         log_event(
             "backend_stopped",
-            "backend stopped; " + ("agents left running (survival enabled)" if ctx.enabled else "agents stopped"),
-            DETACHED=int(ctx.enabled),
+            "backend stopped; " + ("agents left running (survival enabled)" if detach else "agents stopped")
+            + f"; {len(stopped)} session(s) wait for input without an agent",
+            DETACHED=int(detach), STOPPED_SESSIONS=len(stopped),
         )

@@ -78,6 +78,7 @@ class BackendContext:
         self.views = Views(store, self.executions)
         self.report = RecoveryReport()
         self.shutdown_requested = asyncio.Event()
+        self.stop_agents_at_shutdown = False  # kandev down --agents: the survival server stops them too
         self.socket_path = str(paths.backend_socket)
         # Keeping the control server on the installed version (Issue 15): launches share this gate
         # with a replacement of the server (daemon.backend.server_upgrade).

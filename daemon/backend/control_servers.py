@@ -287,6 +287,17 @@ class ControlServers:
         await asyncio.gather(self.survival.link.close(), self.passthrough.link.close())
         await asyncio.gather(*(cancel_and_wait(task) for task in self.claim_tasks.values()))
 
+    async def stop_survival_server(self) -> None:
+        """``kandev down --agents``: the survival server stops every agent and exits (its unit, if any,
+        goes inactive). A server that does not answer is left to its unowned period."""
+        client = self.survival.client
+        if client is None:
+            return
+        try:
+            await client.ownership_shutdown()
+        except IpcError as exc:
+            log.warning("kandev down --agents: the control server did not stop its agents: %s", exc)
+
     async def disconnect(self) -> None:
         for client in (self.survival.client, self.passthrough.client):
             if client is not None:

@@ -22,7 +22,7 @@ import os
 from daemon.backend import api
 from daemon.backend.app import Backend
 from daemon.backend.lock import HomeLock, LockHeld, StoreLock, StoreLocked
-from daemon.config import Config, ConfigError, load_config, validate_agentctl, validate_backend
+from daemon.config import Config, ConfigError, check_config
 from daemon.journal import log_event
 from daemon.limits import BUFFER_LIMIT, IDLE_CONNECTION_TIMEOUT_S, connection_limit
 from daemon.paths import Paths, installation_id, resolve_home
@@ -38,6 +38,7 @@ from daemon.service import (
 )
 from daemon.store.db import Store, sqlite_url
 from daemon.store.owner import ForeignStore, check_store_owner, claim_store, describe_store
+from daemon.version import VERSION
 from ipc import loop as event_loop
 from ipc.server import IpcServer
 
@@ -50,7 +51,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kandev-backend", description="kandev backend daemon")
     p.add_argument("--home", help="Kandev home (default: $KANDEV_HOME, $STATE_DIRECTORY, ~/.local/share/kandev)")
     p.add_argument("--config", help="config file (default: $KANDEV_CONFIG, /etc/kandev/kandev.toml)")
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("--version", action="version", version=f"%(prog)s {VERSION}")
     return p.parse_args(argv)
 
 
@@ -132,15 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         return ExitCode.FAILED
     try:
         try:
-            config = load_config(args.config, os.environ)
-            validate_backend(config)
             # The control server validates its own keys again at its start; checking them
             # here too means a bad value stops the backend before it launches anything.
-            agentctl = config.agentctl
-            validate_agentctl(
-                agentctl.detached_event_limit, agentctl.unowned_period, agentctl.idle_timeout,
-                origins=config.origins,
-            )
+            config = check_config(args.config, os.environ)
         except ConfigError as exc:
             say(PROGRAM, f"invalid configuration: {exc}")
             return ExitCode.REFUSED

@@ -42,7 +42,7 @@ from daemon.backend.liveness import DEAD, Scope, classify, live_groups, stop_lef
 from daemon.journal import log_event
 from daemon.store import transitions
 from daemon.store.db import Store
-from daemon.store.models import ControlServerRecord, ExecutorRunning, Message, TaskSession, Turn
+from daemon.store.models import ControlServerRecord, ExecutorRunning, Message, Task, TaskSession, Turn
 from daemon.store.states import SessionState, TaskState
 from ipc.errors import ErrorCode, IpcError
 
@@ -71,6 +71,7 @@ class RecoveryReport:
     stopped_orphans: list[str] = field(default_factory=list)
     failed_stops: dict[str, str] = field(default_factory=dict)  # instance_id -> reason
     unknown: list[str] = field(default_factory=list)  # rows left untouched (liveness unknown)
+    stopped_with_backend: int = 0  # sessions whose agents the last backend stopped cleanly (information)
     duration_ms: float = 0.0
     adoption: Adoption = field(default_factory=lambda: Adoption(AdoptionOutcome.DISABLED))
 
@@ -534,7 +535,9 @@ def repair_interrupted(
     transitions.transition_session(
         db, session_id, SessionState.WAITING_FOR_INPUT, expected_from={session.state}, reason=reason,
     )
-    transitions.set_task_state(db, session.task_id, TaskState.REVIEW, interrupted=True)
+    task = db.get(Task, session.task_id)
+    if task is not None and task.state != TaskState.DONE:  # a task the user marked done stays done
+        transitions.set_task_state(db, session.task_id, TaskState.REVIEW, interrupted=True)
 
 
 @dataclass(frozen=True)

@@ -185,10 +185,12 @@ class SessionService:
     async def cancel(self, session_id: str) -> dict[str, Any]:
         b = self.backend
         with b.store.session() as db:
-            get_session(db, session_id)
+            state = get_session(db, session_id).state
         ex = b.executions.executions.get(session_id)
         if ex is None:
             raise IpcError(ErrorCode.CONFLICT, f"session {session_id} has no running agent")
+        if state != SessionState.RUNNING:  # nothing to cancel: say so rather than "sent"
+            raise IpcError(ErrorCode.CONFLICT, f"session {session_id} has no running turn to cancel (it is {state})")
         client = b.servers.client_for(ex)
         if client is None:
             raise IpcError(ErrorCode.UNAVAILABLE, "no control server", True)

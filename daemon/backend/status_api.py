@@ -40,6 +40,7 @@ def handlers(backend: BackendContext, upgrade: ServerUpgrade) -> dict[str, Handl
                 "socket": b.socket_path,
                 "home": str(b.paths.home),
                 "state": b.state,
+                "config": b.config.source,  # the file it runs with (None: no file, defaults)
             },
             "capability": {
                 "state": b.capability.state,
@@ -62,6 +63,9 @@ def handlers(backend: BackendContext, upgrade: ServerUpgrade) -> dict[str, Handl
             "recovery": {
                 "retracked": len(report.retracked),
                 "not_retracked": len(report.not_retracked),
+                # of those, the ones still without an agent (resumed ones no longer count)
+                "without_agent": sum(1 for sid in report.not_retracked if sid not in b.executions.executions),
+                "stopped_with_backend": report.stopped_with_backend,
                 "reasons": dict(report.not_retracked),
                 "stopped_orphans": len(report.stopped_orphans),
                 "duration_ms": round(report.duration_ms, 1),
@@ -82,8 +86,10 @@ def handlers(backend: BackendContext, upgrade: ServerUpgrade) -> dict[str, Handl
         return result
 
     async def op_shutdown(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        agents = len(b.executions.executions)
+        b.stop_agents_at_shutdown = bool(args.get("agents", False))
         b.shutdown_requested.set()
-        return {"ok": True, "detach": b.enabled}
+        return {"ok": True, "detach": b.enabled and not b.stop_agents_at_shutdown, "agents": agents}
 
     async def op_control_server_retry(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         """``kandev up`` with a backend that runs: try again where it gave up restarting a server."""

@@ -1,4 +1,9 @@
-"""Tasks: create one (with its workspace) and read the board.
+"""Tasks: create one (with its workspace), mark one done (``kandev task done``) and take it back
+(``kandev task reopen``).
+
+A done task is in the board's done bucket whatever its sessions say, until a new prompt (which puts
+it in progress again) or ``reopen``. It is refused while a session of the task runs a turn or starts
+an agent: the turn's end would put the task back in review at once.
 
 A task's workspace is an existing absolute directory (``local`` with ``--workspace``), a fresh
 directory under the home's worktrees (``local`` without one), or a git worktree of the given
@@ -12,12 +17,14 @@ import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 
+from sqlalchemy import select
+
 from daemon.backend.worktree import add_worktree
 from daemon.journal import log_event
 from daemon.paths import Paths
-from daemon.store.board import board
+from daemon.store.board import bucket_for
 from daemon.store.db import Store
-from daemon.store.models import Task
+from daemon.store.models import Task, TaskSession
 from daemon.store.states import TaskState
 from ipc.errors import ErrorCode, IpcError
 
@@ -73,9 +80,34 @@ class TaskService:
         target.mkdir(parents=True, exist_ok=True)
         return str(target)
 
-    def _read_board(self) -> dict[str, list[str]]:
+    def _set_done(self, task_id: str, done: bool) -> dict[str, str]:
         with self.store.session() as db:
-            return board(db)
+            task = db.get(Task, task_id)
+            if task is None:
+                raise IpcError(ErrorCode.NOT_FOUND, f"no task with id {task_id!r}")
+            sessions = list(db.scalars(select(TaskSession).where(TaskSession.task_id == task_id)
+                                       .order_by(TaskSession.created_at.desc(), TaskSession.id.desc())))
+            if done:
+                busy = [s for s in sessions if s.state in ("RUNNING", "STARTING")]
+                if busy:
+                    raise IpcError(ErrorCode.CONFLICT, f"task {task_id} is not done: session {busy[0].id} is"
+                                   f" {busy[0].state} (kandev cancel {busy[0].id[:8]} ends its turn)")
+                state = TaskState.DONE
+            else:
+                if task.state != TaskState.DONE:
+                    raise IpcError(ErrorCode.CONFLICT, f"task {task_id} is not done (it is {task.state})")
+                state = TaskState.REVIEW if sessions else TaskState.BACKLOG
+            task.state = state
+            task.updated_at = _now()
+            latest = sessions[0].state if sessions else None
+            return {"task_id": task_id, "state": state.value, "bucket": bucket_for(state, latest)}
 
-    async def board(self) -> dict[str, list[str]]:
-        return await asyncio.to_thread(self._read_board)  # off the loop: every task of the store
+    async def done(self, task_id: str) -> dict[str, str]:
+        result = await asyncio.to_thread(self._set_done, task_id, True)
+        log_event("task_done", f"task {task_id} marked done", TASK_ID=task_id)
+        return result
+
+    async def reopen(self, task_id: str) -> dict[str, str]:
+        result = await asyncio.to_thread(self._set_done, task_id, False)
+        log_event("task_reopened", f"task {task_id} reopened ({result['state']})", TASK_ID=task_id)
+        return result

@@ -1,5 +1,5 @@
-"""Handlers of the task ops ``task_create`` and ``board`` (``api.TABLE``; the work is
-``daemon.backend.tasks``)."""
+"""Handlers of the task ops ``task_create``, ``task_done`` and ``task_reopen`` (``api.TABLE``; the work
+is ``daemon.backend.tasks``; ``board`` is a view: ``daemon.backend.views``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,10 @@ def handlers(tasks: TaskService) -> dict[str, Handler]:
     async def op_task_create(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         return await tasks.create(args["title"], args.get("executor", "local"), args.get("workspace"))
 
-    async def op_board(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
-        return await tasks.board()
+    async def op_task_done(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        return await tasks.done(args["task_id"])
 
-    return {"task_create": op_task_create, "board": op_board}
+    async def op_task_reopen(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        return await tasks.reopen(args["task_id"])
+
+    return {"task_create": op_task_create, "task_done": op_task_done, "task_reopen": op_task_reopen}

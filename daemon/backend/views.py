@@ -1,8 +1,8 @@
 """Read-only views for people: ``task_list``, ``task_show`` and ``session_list`` with ``detail``.
 
-``kandev task list``, ``kandev task show TASK``, the human ``kandev board`` and ``kandev session
-list`` need more than ids: titles, buckets, agents, the last turn, the workflow step. These ops
-return that in one answer each. Every read here is a plain blocking query: the handlers run them
+``kandev task list``, ``kandev task show TASK``, ``kandev board`` and ``kandev session
+list`` need more than ids: titles, buckets (with the reason a task needs its user), agents, the last
+turn, the workflow step. These ops return that in one answer each. Every read here is a plain blocking query: the handlers run them
 in a worker thread with their own store session, never on the event loop.
 """
 
@@ -18,7 +18,8 @@ from sqlalchemy.orm import Session
 
 from daemon.backend import workflow as wf
 from daemon.backend.executions import ExecutionStore
-from daemon.store.board import bucket_for
+from daemon.backend.session_view import permissions
+from daemon.store.board import BUCKETS, attention_hint, placement
 from daemon.store.db import Store
 from daemon.store.models import Task, TaskSession, Turn, WorkflowStep
 from ipc.errors import ErrorCode, IpcError
@@ -62,24 +63,46 @@ class Views:
         self.executions = executions
 
     def tracked(self) -> dict[str, bool]:
-        """Session id -> re-tracked, of every execution this backend tracks (read on the loop)."""
-        return {sid: bool(ex.retracked) for sid, ex in self.executions.executions.items()}
+        """Session id -> re-tracked, of every execution this backend tracks (read on the loop); a
+        session startup recovery still holds maps to None (whether it has an agent is not known yet)."""
+        tracked: dict[str, Any] = {sid: None for sid in self.executions.guards}
+        tracked.update({sid: bool(ex.retracked) for sid, ex in self.executions.executions.items()})
+        return tracked
 
     @staticmethod
     def _session_summary(s: TaskSession, tracked: dict[str, bool]) -> dict[str, Any]:
         return {"session_id": s.id, "agent": s.agent, "state": s.state, "last_error": s.last_error,
                 "created_at": _iso(s.created_at), "passthrough": bool(s.passthrough),
-                "live": s.id in tracked, "retracked": tracked.get(s.id, False)}
+                "live": tracked.get(s.id) is not None, "retracked": bool(tracked.get(s.id))}
 
-    def _task_row(self, task: Task, latest: TaskSession | None, sessions: int,
+    @staticmethod
+    def _placement(db: Session, task: Task, latest: TaskSession | None,
+                   tracked: dict[str, bool]) -> tuple[str, dict[str, Any] | None]:
+        """The task's bucket and, in needs_attention, {reason, hint}."""
+        if latest is None:
+            return placement(task.state, None, live=None)[0], None
+        last_stop = db.scalar(select(Turn.stop_reason).where(Turn.session_id == latest.id, Turn.state != "open")
+                              .order_by(Turn.ordinal.desc()).limit(1))
+        open_permission = latest.state == "RUNNING" and any(
+            p["state"] == "open" for p in permissions(db, latest.id))
+        live = None if latest.id in tracked and tracked[latest.id] is None else latest.id in tracked
+        bucket, reason = placement(task.state, latest.state, live=live, open_permission=open_permission,
+                                   last_stop_reason=last_stop)
+        if reason is None:
+            return bucket, None
+        return bucket, {"reason": reason.value, "hint": attention_hint(reason, latest.agent, latest.last_error)}
+
+    def _task_row(self, db: Session, task: Task, latest: TaskSession | None, sessions: int,
                   steps: list[WorkflowStep], tracked: dict[str, bool]) -> dict[str, Any]:
+        bucket, attention = self._placement(db, task, latest, tracked)
         return {
             "task_id": task.id,
             "title": task.title,
             "workspace": task.workspace,
             "executor": task.executor,
             "state": task.state,
-            "bucket": bucket_for(task.state, latest.state if latest is not None else None),
+            "bucket": bucket,
+            "attention": attention,
             "created_at": _iso(task.created_at),
             "sessions": sessions,
             "latest_session": self._session_summary(latest, tracked) if latest is not None else None,
@@ -96,7 +119,7 @@ class Views:
             steps: dict[str, list[WorkflowStep]] = {}
             for step in db.scalars(select(WorkflowStep).order_by(WorkflowStep.task_id, WorkflowStep.position)):
                 steps.setdefault(step.task_id, []).append(step)
-            return {"tasks": [self._task_row(t, latest.get(t.id), int(counts.get(t.id, 0)), steps.get(t.id, []),
+            return {"tasks": [self._task_row(db, t, latest.get(t.id), int(counts.get(t.id, 0)), steps.get(t.id, []),
                                              tracked) for t in tasks]}
 
     def read_task(self, task_id: str, tracked: dict[str, bool]) -> dict[str, Any]:
@@ -107,7 +130,7 @@ class Views:
             sessions = list(db.scalars(select(TaskSession).where(TaskSession.task_id == task_id)
                                        .order_by(TaskSession.created_at.desc(), TaskSession.id.desc())))
             steps = wf.load_steps(db, task_id)
-            row = self._task_row(task, sessions[0] if sessions else None, len(sessions), steps, tracked)
+            row = self._task_row(db, task, sessions[0] if sessions else None, len(sessions), steps, tracked)
             row["session_list"] = [self._session_summary(s, tracked) for s in sessions]
             row["steps"] = wf.describe(steps)
             return row
@@ -142,9 +165,16 @@ class Views:
     async def op_task_show(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         return await asyncio.to_thread(self.read_task, args["task_id"], self.tracked())
 
+    async def op_board(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        """Task ids by bucket (creation order), and why each task in needs_attention is there."""
+        tasks = (await asyncio.to_thread(self.read_tasks, self.tracked()))["tasks"]
+        board: dict[str, Any] = {b: [t["task_id"] for t in tasks if t["bucket"] == b] for b in BUCKETS}
+        board["reasons"] = {t["task_id"]: t["attention"] for t in tasks if t["attention"] is not None}
+        return board
+
     async def session_rows(self) -> dict[str, Any]:
         """``session_list`` with ``detail``: newest first, with agent, task title and last turn."""
         return await asyncio.to_thread(self.read_session_rows, self.tracked())
 
     def handlers(self) -> dict[str, Handler]:
-        return {"task_list": self.op_task_list, "task_show": self.op_task_show}
+        return {"task_list": self.op_task_list, "task_show": self.op_task_show, "board": self.op_board}

@@ -27,6 +27,9 @@ _HINTS: dict[str, str] = {
     "reload_unsupported": "the backend replaces it with the installed version once it runs no instance;"
     " end or stop its sessions to have that happen sooner",
     "backend_exited": "`kandev doctor` checks the installation; the backend's log is <home>/logs/backend.log",
+    "config_refused": "fix that key in that file; `kandev doctor --config FILE` checks a file without starting"
+    " anything",
+    "config_mismatch": "`kandev down`, then `kandev up --config FILE` starts it with that file",
 }
 
 
@@ -39,6 +42,8 @@ def hint_for(error: IpcError, command: str | None = None, session_id: str | None
         if "task" in message:
             return f"`kandev task list` lists the tasks; {_IDS}"
         return None
+    if code == ErrorCode.CONFLICT and "no agent to stop" in message and session_id:
+        return f"`kandev resume {session_id}` gives the session an agent again"
     if code == ErrorCode.CONFLICT and "no running agent" in message and session_id:
         return f"`kandev resume {session_id}` gives the session an agent again"
     if code == ErrorCode.CONFLICT and "turn is in progress" in message and session_id:

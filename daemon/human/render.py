@@ -21,8 +21,9 @@ Call = Callable[[str, dict[str, Any]], Any]
 
 _TASK_VIEWS = {"create": views.task_create_lines, "proceed": views.task_proceed_lines,
                "workflow": views.task_workflow_lines, "list": views.task_list_lines, "show": views.task_show_lines,
-               "delete": views.task_delete_lines}
-_SESSION_VIEWS = {"configure": views.session_configure_lines, "reset-context": views.session_reset_lines}
+               "delete": views.task_delete_lines, "done": views.task_done_lines, "reopen": views.task_reopen_lines}
+_SESSION_VIEWS = {"configure": views.session_configure_lines, "reset-context": views.session_reset_lines,
+                  "stop": views.session_stop_lines}
 
 
 def _lines(args: argparse.Namespace, result: Any, term: Term) -> list[str]:
@@ -49,6 +50,8 @@ def _lines(args: argparse.Namespace, result: Any, term: Term) -> list[str]:
         return views.prompt_lines(result, term, args.session_id)
     if cmd == "cancel":
         return views.cancel_lines(args.session_id)
+    if cmd == "logs":
+        return views.logs_lines(result, term)
     if cmd == "permission":
         return views.permission_lines(args.session_id, args.request_id, args.option)
     if cmd == "runtime":

@@ -17,7 +17,7 @@ from daemon.human.term import Term
 LABEL = 15  # label column width (right-aligned, as systemctl does)
 
 _KNOWN = {
-    "backend": {"pid", "version", "socket", "home", "state"},
+    "backend": {"pid", "version", "socket", "home", "state", "config"},
     "capability": {"state", "reason", "detail", "supervisor"},
     "control_server": {"state", "pid", "version", "server_identity", "endpoint", "mode", "log_path",
                        # versions and re-execution in place (Issue 15): shown by _version_lines
@@ -26,7 +26,8 @@ _KNOWN = {
                        # the backend's link to it: losses, restarts, the crash loop (shown by _link_lines)
                        "last_loss", "losses_in_window", "crash_loop", "gave_up", "restarts", "replacements",
                        "passthrough"},
-    "recovery": {"retracked", "not_retracked", "reasons", "stopped_orphans", "duration_ms"},
+    "recovery": {"retracked", "not_retracked", "reasons", "stopped_orphans", "duration_ms", "without_agent",
+                 "stopped_with_backend"},
     "adoption": {"outcome", "reason"},
 }
 _ORDER = ("backend", "capability", "control_server", "adoption", "recovery")
@@ -78,10 +79,12 @@ def warnings(status: dict[str, Any]) -> list[str]:
         out.append(f"the control server is {state}")
     out += _version_warnings(server)
     recovery = status.get("recovery") or {}
-    missed = int(recovery.get("not_retracked") or 0)
+    # the sessions the start could not re-track that still have no agent (resumed ones are fine)
+    missed = int(recovery.get("without_agent", recovery.get("not_retracked")) or 0)
     if missed:
-        out.append(f"{missed} session{'s' if missed != 1 else ''} could not be re-tracked at the last start"
-                   " (`kandev resume SESSION` gives one an agent again)")
+        out.append(f"{missed} session{'s' if missed != 1 else ''} could not be re-tracked at the last start and"
+                   f" still {'have' if missed != 1 else 'has'} no agent (`kandev resume SESSION` gives one an agent"
+                   " again)")
     adoption = status.get("adoption") or {}
     if adoption.get("outcome") == "refused":
         out.append(f"the control server could not be adopted: {adoption.get('reason')}")
@@ -177,6 +180,8 @@ def _backend_lines(backend: dict[str, Any]) -> list[str]:
         lines.append(f"home {backend['home']}")
     if backend.get("socket"):
         lines.append(f"socket {backend['socket']}")
+    if "config" in backend:
+        lines.append(f"config {backend['config'] or '- (no file: defaults)'}")
     return lines + _extras(backend, _KNOWN["backend"])
 
 
@@ -218,6 +223,11 @@ def _recovery_lines(term: Term, recovery: dict[str, Any]) -> list[str]:
             + f", {recovery.get('stopped_orphans', 0)} orphans stopped"
             + f", took {duration_ms(recovery.get('duration_ms'))}")
     lines = [head]
+    clean = int(recovery.get("stopped_with_backend") or 0)
+    if clean:
+        lines.append(f"{clean} session{'s' if clean != 1 else ''} had {'their agents' if clean != 1 else 'its agent'}"
+                     " stopped with the previous backend (kandev down): nothing to re-track; `kandev resume"
+                     " SESSION` gives one an agent again")
     reasons = recovery.get("reasons") or {}
     if isinstance(reasons, dict):
         for sid, reason in sorted(reasons.items()):

@@ -7,6 +7,7 @@ long (longer only where two shown ids would otherwise look the same).
 
 from __future__ import annotations
 
+import re
 from typing import IO, Any
 
 from daemon.human.fmt import age, duration_ms, short, state_styles, stop_reason_ok, unique_length, yes_no
@@ -15,8 +16,9 @@ from daemon.human.table import Cell, cell, render_table
 from daemon.human.term import Colour, Term
 from daemon.human.transcript import ConversationWriter, turn_end_line
 
-BUCKETS = (("backlog", "Backlog"), ("running", "Running"), ("turn_finished", "Turn finished"),
-           ("needs_attention", "Needs attention"), ("done", "Done"))
+BUCKETS = (("needs_attention", "Needs attention"), ("backlog", "Backlog"), ("running", "Running"),
+           ("turn_finished", "Turn finished"), ("done", "Done"))
+"""The board's sections, what needs the user first."""
 HIDDEN_BY_DEFAULT = frozenset({"COMPLETED", "CANCELLED"})
 """Session states `session list` leaves out unless --all (finished: nothing more will happen)."""
 
@@ -46,8 +48,14 @@ def up_lines(result: dict[str, Any], term: Term) -> list[str]:
 
 
 def down_lines(result: dict[str, Any], term: Term) -> list[str]:
-    tail = ("its agents keep running and the next backend re-tracks them" if result.get("detached")
-            else "its agents were stopped")
+    if not result.get("running", True):
+        return [f"No backend is running for {result.get('home')}: nothing to stop."]
+    agents = result.get("agents")
+    one = agents == 1
+    counted = f"{agents} agent{'' if one else 's'}" if agents is not None else "agents"
+    tail = (f"its {counted} {'keeps' if one else 'keep'} running and the next backend re-tracks"
+            f" {'it' if one else 'them'}" if result.get("detached")
+            else f"its {counted} {'was' if one else 'were'} stopped")
     return [f"Backend stopped (pid {result.get('pid')}); {tail}."]
 
 
@@ -175,6 +183,7 @@ def board_lines(result: dict[str, Any], term: Term) -> list[str]:
     tasks = result.get("tasks") or []
     n = unique_length(t["task_id"] for t in tasks) if tasks else 8
     lines: list[str] = []
+    hints: list[str] = []
     for bucket, title in BUCKETS:
         mine = [t for t in tasks if t.get("bucket") == bucket]
         lines.append(term.bold(f"{title.upper()} ({len(mine)})"))
@@ -182,14 +191,34 @@ def board_lines(result: dict[str, Any], term: Term) -> list[str]:
             continue
         rows = []
         for t in mine:
-            session = t.get("latest_session")
-            agent, state = _session_brief(session)
-            detail = (session or {}).get("last_error") if state == "FAILED" else None
-            rows.append([short(t["task_id"], n), t.get("title") or "-", agent, cell(state, *state_styles(state)),
-                         short((session or {}).get("session_id")), Cell(detail or "")])
-        table = render_table(term, ["TASK", "TITLE", "AGENT", "STATE", "SESSION", ""], rows, flex=1)
+            session = t.get("latest_session") or {}
+            agent, state = _session_brief(t.get("latest_session"))
+            attention = t.get("attention") or {}
+            reason = attention.get("reason")
+            detail = session.get("last_error") if reason == "failed" or state == "FAILED" else None
+            row = [short(t["task_id"], n), t.get("title") or "-", agent, cell(state, *state_styles(state)),
+                   short(session.get("session_id"))]
+            if bucket == "needs_attention":
+                row.insert(0, cell(reason or "-", Colour.YELLOW))
+            rows.append([*row, Cell(detail or "")])
+            if attention.get("hint"):
+                hints.append(_hint(term, f"{short(t['task_id'], n)}: {attention['hint']}"))
+        header = ["TASK", "TITLE", "AGENT", "STATE", "SESSION", ""]
+        if bucket == "needs_attention":
+            header.insert(0, "REASON")
+        table = render_table(term, header, rows, flex=2 if bucket == "needs_attention" else 1)
         lines += ["  " + line for line in table[1:]]  # the section title says what the columns are
-    return lines
+    return lines + hints
+
+
+def task_done_lines(result: dict[str, Any], term: Term) -> list[str]:
+    return [f"Task {short(result.get('task_id'))} is done: the board shows it under DONE"
+            " (kandev task reopen takes it back)."]
+
+
+def task_reopen_lines(result: dict[str, Any], term: Term) -> list[str]:
+    bucket = str(result.get("bucket") or "-").replace("_", " ").upper()
+    return [f"Task {short(result.get('task_id'))} is reopened: the board shows it under {bucket}."]
 
 
 # -- sessions ----------------------------------------------------------------------------------
@@ -351,7 +380,33 @@ def prompt_lines(result: dict[str, Any], term: Term, session: str) -> list[str]:
 
 
 def cancel_lines(session: str) -> list[str]:
-    return [f"Cancel sent to session {session}: a running turn ends with stop reason cancelled."]
+    return [f"Cancel sent to session {session}: its running turn ends with stop reason cancelled."]
+
+
+def session_stop_lines(result: dict[str, Any], term: Term) -> list[str]:
+    sid = short(result.get("session_id"))
+    pid = result.get("agent_pid")
+    return [f"Stopped the agent of session {sid}" + (f" (pid {pid}, its whole process group)" if pid else "")
+            + f"; the session stays readable (kandev session show {sid}) and kandev resume {sid} gives it an"
+            " agent again."]
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\x80-\x9f]")
+
+
+def log_text(text: str, term: Term) -> str:
+    """An agent's stderr for a person: its own bytes, but never a control sequence (the agent wrote
+    them, and a terminal would obey them): those are shown escaped."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+def logs_lines(result: dict[str, Any], term: Term) -> list[str]:
+    text = result.get("text") or ""
+    if not text:
+        where = "running" if result.get("live") else "last"
+        return [term.dim(f"(the {where} agent of session {short(result.get('session_id'))} wrote nothing to"
+                         f" its standard error: {result.get('path')})")]
+    return log_text(text, term).rstrip("\n").split("\n")
 
 
 def permission_lines(session: str, request: str, option: str | None) -> list[str]:

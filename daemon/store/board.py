@@ -5,10 +5,19 @@ RUNNING -> running; WAITING_FOR_INPUT -> turn_finished; FAILED or CANCELLED ->
 needs_attention; COMPLETED -> done. While that session is CREATED or STARTING
 the task's own state decides (backlog, in_progress -> running, review ->
 turn_finished, done), so a task never flickers out of review while it is
-resumed automatically. A task without sessions is in backlog.
+resumed automatically. A task without sessions is in backlog. A task marked done
+(``kandev task done``) is in done whatever its sessions say.
+
+``placement`` adds what only the backend knows (is the agent live, is a permission
+request open, how did the last turn end) and gives each task in needs_attention its
+reason in a word (``Attention``): an open permission request, a failed session or
+a failed turn, a cancelled session, a session whose agent is gone.
 """
 
 from __future__ import annotations
+
+import re
+from enum import Enum
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -26,11 +35,58 @@ _BY_SESSION = {
 _BY_TASK = {"backlog": "backlog", "in_progress": "running", "review": "turn_finished", "done": "done"}
 
 
+NEEDS_ATTENTION = "needs_attention"
+# Turn stop reasons that mean the turn failed (the agent's error, its refusal, its death).
+FAILED_STOPS = frozenset({"error", "refusal", "agent_exited"})
+# How providers say a key is missing or refused (Claude Code: "Authentication required", "Invalid API key").
+_AUTH_FAILURE = re.compile(r"authenticat|invalid (x-)?api[ _-]?key|api key|unauthori[sz]ed|\b401\b|login",
+                           re.IGNORECASE)
+
+
+class Attention(str, Enum):
+    """Why a task needs its user, in a word."""
+
+    PERMISSION = "permission"  # the agent waits for an answer to a permission request
+    FAILED = "failed"  # the session failed, or its last turn did
+    CANCELLED = "cancelled"  # the session was cancelled
+    NO_AGENT = "no agent"  # the session waits for input but has no agent to answer it
+
+
 def bucket_for(task_state: str, latest_session_state: str | None) -> str:
     """The bucket of a task given its state and its latest session's state (None: no session)."""
+    if task_state == "done":
+        return "done"
     if latest_session_state is None:
         return "backlog"
     return _BY_SESSION.get(latest_session_state) or _BY_TASK[task_state]
+
+
+def placement(task_state: str, latest_session_state: str | None, *, live: bool | None,
+              open_permission: bool = False, last_stop_reason: str | None = None) -> tuple[str, Attention | None]:
+    """The bucket and, in needs_attention, the reason. ``live``: whether the latest session's agent is
+    tracked (None: not known yet, e.g. startup recovery still holds it)."""
+    bucket = bucket_for(task_state, latest_session_state)
+    if bucket == "done" or latest_session_state is None:
+        return bucket, None
+    if open_permission and latest_session_state == "RUNNING":
+        return NEEDS_ATTENTION, Attention.PERMISSION
+    if latest_session_state == "FAILED":
+        return NEEDS_ATTENTION, Attention.FAILED
+    if latest_session_state == "CANCELLED":
+        return NEEDS_ATTENTION, Attention.CANCELLED
+    if latest_session_state == "WAITING_FOR_INPUT" and last_stop_reason in FAILED_STOPS:
+        return NEEDS_ATTENTION, Attention.FAILED
+    if latest_session_state in ("RUNNING", "WAITING_FOR_INPUT") and live is False:
+        return NEEDS_ATTENTION, Attention.NO_AGENT
+    return bucket, None
+
+
+def attention_hint(reason: Attention | None, agent: str | None, last_error: str | None) -> str | None:
+    """A known provider authentication failure names the setting that gives the agent its key."""
+    if reason is Attention.FAILED and agent and last_error and _AUTH_FAILURE.search(last_error):
+        return (f"the agent's provider refused its credentials: give it a key with agents.{agent}.secret_env"
+                " (`kandev agents` shows what it gets)")
+    return None
 
 
 def board(db: Session) -> dict[str, list[str]]:

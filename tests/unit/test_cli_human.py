@@ -233,3 +233,54 @@ def test_status_tells_the_link_story_in_sentences_not_fields() -> None:
     assert "passthrough server: running, pid 42" in text
     for raw in ("losses_in_window", "crash_loop", "passthrough.", "gave_up.", "last_loss."):
         assert raw not in text, raw
+
+
+def test_an_agents_stderr_is_shown_without_its_control_sequences() -> None:
+    """Issue 23 item 4: `kandev logs` never lets the agent's bytes drive the terminal."""
+    from daemon.human.views import log_text
+
+    shown = log_text("ok\tfine\n\x1b[2J\x1b]0;title\x07\x9bx\n", Term(colour=False, width=None))
+    assert shown == "ok\tfine\n\\x1b[2J\\x1b]0;title\\x07\\x9bx\n"
+
+
+def test_a_mistyped_command_gets_the_closest_one() -> None:
+    """Issue 23 item 4: "did you mean" for commands and subcommands, the choices otherwise."""
+    from daemon.cli import did_you_mean
+
+    m = "argument command: invalid choice: 'sesion' (choose from 'up', 'down', 'session', 'status')"
+    assert did_you_mean(m) == "unknown command 'sesion'; did you mean 'session'?"
+    m = "argument command: invalid choice: 'zz' (choose from 'up', 'down')"
+    assert did_you_mean(m) == "unknown command 'zz'; one of: up, down"
+    m = "argument --executor: invalid choice: 'wt' (choose from 'local', 'worktree')"
+    assert did_you_mean(m).startswith("--executor: 'wt' is not a choice")
+    assert did_you_mean("the following arguments are required: --title") == \
+        "the following arguments are required: --title"
+
+
+def test_the_board_places_tasks_that_need_their_user_with_a_reason() -> None:
+    """Issue 23 item 3: permission, failed (session or turn), cancelled, no agent; done wins."""
+    from daemon.store.board import Attention, placement
+
+    assert placement("in_progress", "RUNNING", live=True, open_permission=True) == (
+        "needs_attention", Attention.PERMISSION)
+    assert placement("in_progress", "RUNNING", live=True) == ("running", None)
+    assert placement("review", "WAITING_FOR_INPUT", live=True, last_stop_reason="error") == (
+        "needs_attention", Attention.FAILED)
+    assert placement("review", "WAITING_FOR_INPUT", live=True, last_stop_reason="end_turn") == ("turn_finished", None)
+    assert placement("review", "WAITING_FOR_INPUT", live=False) == ("needs_attention", Attention.NO_AGENT)
+    assert placement("review", "WAITING_FOR_INPUT", live=None) == ("turn_finished", None)  # recovery holds it
+    assert placement("review", "FAILED", live=False) == ("needs_attention", Attention.FAILED)
+    assert placement("review", "CANCELLED", live=False) == ("needs_attention", Attention.CANCELLED)
+    assert placement("done", "WAITING_FOR_INPUT", live=False) == ("done", None)
+    assert placement("backlog", None, live=None) == ("backlog", None)
+
+
+def test_a_provider_authentication_failure_names_the_agents_secret_env() -> None:
+    """Issue 23 item 3 (Why 8): Claude Code's "Authentication required" hints at its secret_env."""
+    from daemon.store.board import Attention, attention_hint
+
+    for error in ("Authentication required", "Invalid API key · Please run /login", "401 Unauthorized"):
+        hint = attention_hint(Attention.FAILED, "claude-code", error)
+        assert hint is not None and "agents.claude-code.secret_env" in hint, error
+    assert attention_hint(Attention.FAILED, "mock", 'Internal error ({"details": "mock /fail"})') is None
+    assert attention_hint(Attention.NO_AGENT, "claude-code", "Authentication required") is None

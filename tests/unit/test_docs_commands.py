@@ -90,7 +90,9 @@ def readme_commands(text: str) -> tuple[list[str], list[str]]:
         if line.startswith("    "):
             code = re.sub(r"\s#.*$", "", line.strip())
             calls += [part.strip() for part in code.split("&&") if part.strip().startswith("kandev ")]
-    return calls, re.findall(r"`(kandev [^`]+)`", text)
+    mentions = re.findall(r"`(kandev [^`]+)`", text)
+    pipe = re.compile(r"\s\|\s+(?=[a-z])")  # "kandev board | head -3": kandev's part (not "--wait | --follow")
+    return [pipe.split(c)[0] for c in calls], [pipe.split(m)[0] for m in mentions]
 
 
 def _troff(text: str) -> str:
@@ -152,3 +154,26 @@ def test_the_checks_fail_on_a_command_the_parser_refuses(line: str, capsys: pyte
     assert _parses(_concrete(line)) is not None
     if line != "kandev task":
         assert _names(_concrete(line)) is not None
+
+
+def _parsers(parser: argparse.ArgumentParser, name: str = "kandev") -> list[tuple[str, argparse.ArgumentParser]]:
+    out = [(name, parser)]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub_name, sub in action.choices.items():
+                out += _parsers(sub, f"{name} {sub_name}")
+    return out
+
+
+def test_every_option_of_every_command_is_described_in_its_help() -> None:
+    """Issue 23 item 4: ``--help`` describes every option and argument, of every command."""
+    undescribed = []
+    for name, parser in _parsers(cli.build_parser()):
+        if not parser.description:
+            undescribed.append(f"{name} (no description)")
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                continue
+            if not action.help or action.help == argparse.SUPPRESS:
+                undescribed.append(f"{name} {'/'.join(action.option_strings) or action.dest}")
+    assert not undescribed, undescribed
