@@ -40,6 +40,7 @@ from difflib import get_close_matches
 from enum import Enum
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from daemon.agents.settings import AgentSettings, SettingsError, parse_agent_table, validate_settings
 
@@ -55,6 +56,8 @@ EVENT_LIMIT_MIN, EVENT_LIMIT_MAX = 1, 10_000
 UNOWNED_PERIOD_MAX = 24 * HOUR
 UNOWNED_PERIOD_FLOOR = MINUTE
 LEASE_TTL_MIN, LEASE_TTL_MAX = MINUTE, 24 * HOUR
+DEFAULT_GITHUB_URL = "https://github.com"
+DEFAULT_PUSH_REFS = ("refs/heads/*", "!@default")  # every branch except the repository's default branch
 _EPSILON = 1e-9  # float slack for "<=" between sums of parsed durations
 
 _DURATION = re.compile(r"^(-?)(\d+(?:\.\d+)?)(ms|s|min|h)$")
@@ -84,6 +87,7 @@ class Kind(Enum):
     DURATION = "duration"  # a number with a unit: ms, s, min, h
     DURATION_OR_ZERO = "duration_or_zero"  # a duration, or a bare 0
     STR = "str"  # a non-empty string
+    STR_LIST = "str_list"  # a list of non-empty strings (from the environment: comma-separated)
     CHOICE = "choice"  # one of ``Setting.choices``
 
 
@@ -202,6 +206,16 @@ SETTINGS: tuple[Setting, ...] = (
             accepted="an absolute path to a 0600 file holding the upstream GitHub token (never the token"
             " itself); unset: no git credential leases"),
     Setting("credentials.lease_ttl", Kind.DURATION, HOUR, "", low=LEASE_TTL_MIN, high=LEASE_TTL_MAX),
+    Setting("credentials.github_url", Kind.STR, DEFAULT_GITHUB_URL,
+            "where the git host is: `https://github.com`, or a GitHub Enterprise Server's `https://HOST`;"
+            " agents' git reaches it only through kandev's per-session git endpoint",
+            accepted="an http(s) URL without user, query or fragment, e.g. https://github.com or"
+            " https://ghe.example.com"),
+    Setting("credentials.push_refs", Kind.STR_LIST, DEFAULT_PUSH_REFS,
+            "ref globs an agent's push may update (`*` also matches `/`); the last matching one decides,"
+            " `!` refuses, `@default` is the repository's default branch",
+            accepted='a list of ref globs, each "refs/..." or "!refs/..." or "@default" / "!@default",'
+            ' e.g. ["refs/heads/*", "!@default"]'),
     Setting("agents.sandbox", Kind.CHOICE, "required",
             '`"required"`: every agent in its bubblewrap sandbox; where none can be made, starting an agent'
             " fails with `sandbox_unavailable` (the reason and this key in the message). `\"off\"`: agents"
@@ -288,6 +302,8 @@ class CredentialsConfig:
 
     github_token_file: str | None = _default("credentials.github_token_file")
     lease_ttl: float = _default("credentials.lease_ttl")
+    github_url: str = _default("credentials.github_url")
+    push_refs: tuple[str, ...] = _default("credentials.push_refs")
 
 
 @dataclass(frozen=True)
@@ -378,6 +394,8 @@ def _render(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, str):
         return json.dumps(value)
+    if isinstance(value, list | tuple):
+        return json.dumps(list(value))
     return str(value)
 
 
@@ -432,6 +450,11 @@ def _convert(kind: Kind, value: Any, where: _Where, *, text: bool) -> Any:
         if isinstance(value, str) and value.strip() in SETTING[where.key].choices:
             return value.strip()
         raise where.error(given, "is not one of the choices")
+    if kind is Kind.STR_LIST:
+        items = value.split(",") if text and isinstance(value, str) else value
+        if isinstance(items, list | tuple) and items and all(isinstance(v, str) and v.strip() for v in items):
+            return tuple(v.strip() for v in items)
+        raise where.error(given, "is not a non-empty list of non-empty strings")
     if isinstance(value, str) and value.strip():
         return value.strip()
     raise where.error(given, "is not a non-empty string")
@@ -552,6 +575,22 @@ def validate_credentials(config: Config) -> None:
             config.given.get("credentials.github_token_file", json.dumps(c.github_token_file)),
             "is not an absolute path",
         )
+    url = urlsplit(c.github_url)
+    try:
+        url.port  # noqa: B018  (raises on a bad port)
+        bad_port = False
+    except ValueError:
+        bad_port = True
+    if (url.scheme not in ("http", "https") or not url.hostname or bad_port or url.username or url.password
+            or url.query or url.fragment):
+        raise _Where("credentials.github_url", config.origins.get("credentials.github_url")).error(
+            config.given.get("credentials.github_url", json.dumps(c.github_url)), "is not a usable git host URL")
+    for pattern in c.push_refs:
+        glob = pattern[1:] if pattern.startswith("!") else pattern
+        if glob != "@default" and (not glob.startswith("refs/") or any(ch.isspace() for ch in glob)):
+            raise _Where("credentials.push_refs", config.origins.get("credentials.push_refs")).error(
+                config.given.get("credentials.push_refs", json.dumps(list(c.push_refs))),
+                f"has an entry that is not a ref glob: {json.dumps(pattern)}")
 
 
 def validate_agents(config: Config) -> None:

@@ -1,24 +1,16 @@
-"""``kandev-git-credential``: the git credential helper kandev ships for its agents.
+"""The agent side of a session's git credential lease (Issue 5, Issue 20).
 
-git runs it as ``<helper> get|store|erase`` with the credential request on stdin (``key=value``
-lines, then a blank line or end of input; see gitcredentials(7)). For ``get`` on
-``protocol=https`` and ``host=github.com`` it reads the agent's lease from the 0600 file named by
-``$KANDEV_GIT_LEASE_FILE``, asks the backend at ``$KANDEV_BACKEND_SOCKET`` to redeem it
-(``credential_redeem``; the socket admits peers by ``SO_PEERCRED``) and prints::
+The lease token (and the reissue capability) live in the session's 0600 **lease file**; this
+module owns its format (``read_lease_file`` / ``write_lease_file``) and checks the lease with the
+session's credential endpoint before kandev's git transport (``daemon.git_transport``) presents it
+to the session's git endpoint (``valid_lease``): ``credential_redeem`` on the socket it is given,
+and, if the endpoint answers that the lease is invalid, expired or revoked and the file holds a
+capability, exactly one ``credential_reissue`` whose new lease is written back (LEASE-CTX-3).
 
-    username=x-access-token
-    password=<the upstream token>
-
-If the backend answers that the lease is invalid, expired or revoked and the lease file holds a
-reissue capability, it makes exactly one reissue attempt (``credential_reissue``), writes the new
-lease back to the file and redeems once more (LEASE-CTX-3). Every other refusal is final: it
-prints ``quit=1`` (so git asks nobody else) and exits 1 with the reason on stderr, never a token.
-Any other host or protocol gets an empty answer. ``store`` and ``erase`` are no-ops: the upstream
-token is never written anywhere.
-
-The lease token and the capability never appear in the environment, in argv or on stderr. This
-module also owns the lease file's format (``read_lease_file`` / ``write_lease_file``) and stays
-light (no database code), since git starts it for every credential request.
+The redemption gives no upstream credential: since Issue 20 the upstream GitHub token is used by
+kandev's git endpoint outside the sandbox only, and kandev configures no git credential helper for
+the agent. The lease token and the capability never appear in the environment, in argv or on
+stderr. The module stays light (no database code): git starts the transport for every fetch and push.
 """
 
 from __future__ import annotations
@@ -26,20 +18,16 @@ from __future__ import annotations
 import json
 import os
 import stat
-import sys
-from collections.abc import Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from daemon.paths import PathsError, read_secret_file, write_secret_file
 
 LEASE_FILE_ENV = "KANDEV_GIT_LEASE_FILE"
 SOCKET_ENV = "KANDEV_BACKEND_SOCKET"
-GITHUB_HOST = "github.com"
 # The broker's lease failures after which one reissue is tried (daemon.credentials.errors).
 REISSUABLE_CODES = frozenset({"lease_invalid", "lease_expired", "lease_revoked"})
 TIMEOUT_S = 15.0
-_MAX_INPUT = 64 * 1024
 
 
 class HelperError(Exception):
@@ -101,23 +89,6 @@ def read_lease_file(path: str | os.PathLike[str]) -> tuple[str, str | None]:
 # ---------------------------------------------------------------- the protocol
 
 
-def parse_request(stream: IO[str]) -> dict[str, str]:
-    """git's ``key=value`` lines up to a blank line or end of input (array keys keep the last)."""
-    attrs: dict[str, str] = {}
-    total = 0
-    for line in stream:
-        total += len(line)
-        if total > _MAX_INPUT:
-            raise HelperError("invalid_argument", "credential request too large")
-        line = line.rstrip("\n")
-        if not line:
-            break
-        key, sep, value = line.partition("=")
-        if sep:
-            attrs[key] = value
-    return attrs
-
-
 def _call(socket_path: str, op: str, args: dict[str, Any]) -> dict[str, Any]:
     from daemon.backend import api
     from ipc.sync_client import SyncClient
@@ -129,23 +100,22 @@ def _call(socket_path: str, op: str, args: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def fill(attrs: Mapping[str, str], env: Mapping[str, str]) -> dict[str, str]:
-    """The answer to ``get``: ``{}`` when the request is not ours, else username and password."""
+def valid_lease(lease_file: str, socket_path: str, host: str, path: str, *, protocol: str = "https") -> str:
+    """The session's lease token, checked by its credential endpoint for ``host``/``path``
+    (``credential_redeem``): if the endpoint answers that the lease is invalid, expired or revoked
+    and the lease file holds a reissue capability, exactly one reissue (``credential_reissue``), the
+    new lease written back to the file and checked once more (LEASE-CTX-3). Every other refusal is
+    final: ``HelperError`` with the endpoint's code and message, never a secret. The answer holds
+    no upstream credential: the token is used by kandev's git endpoint only (Issue 20)."""
     from ipc.errors import IpcError
 
-    if attrs.get("protocol", "").lower() != "https" or attrs.get("host", "").lower() != GITHUB_HOST:
-        return {}
-    lease_file, socket_path = env.get(LEASE_FILE_ENV), env.get(SOCKET_ENV)
-    if not lease_file or not socket_path:
-        raise HelperError("not_configured", f"${LEASE_FILE_ENV} and ${SOCKET_ENV} must both be set")
-    path = attrs.get("path", "")
-    if not path:
-        raise HelperError("invalid_argument", "git sent no repository path (set credential.useHttpPath=true)")
+    if host.strip().lower() == "" or not path:
+        raise HelperError("invalid_argument", "no host or repository path")
     try:
         token, capability = read_lease_file(lease_file)
     except (OSError, ValueError, PathsError) as exc:
         raise HelperError("lease_file", f"cannot read the lease file: {exc}") from None
-    request = {"host": attrs["host"], "path": path, "protocol": attrs["protocol"]}
+    request = {"host": host, "path": path, "protocol": protocol}
     try:
         try:
             result = _call(socket_path, "credential_redeem", {"lease_token": token, **request})
@@ -162,42 +132,6 @@ def fill(attrs: Mapping[str, str], env: Mapping[str, str]) -> dict[str, str]:
             result = _call(socket_path, "credential_redeem", {"lease_token": token, **request})
     except IpcError as exc:
         raise HelperError(exc.code, exc.message) from None
-    username, password = result.get("username"), result.get("password")
-    if not isinstance(username, str) or not isinstance(password, str) or not password:
-        raise HelperError("internal", "the backend answered without a credential")
-    return {"username": username, "password": password}
-
-
-def main(argv: list[str] | None = None, *, stdin: IO[str] | None = None, stdout: IO[str] | None = None,
-         stderr: IO[str] | None = None, env: Mapping[str, str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    inp, out, err = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
-    action = args[0] if args else ""
-    if action != "get":
-        # store / erase: never keep the upstream token; unknown actions are ignored (gitcredentials(7)).
-        for _ in inp:
-            pass
-        return 0
-    try:
-        answer = fill(parse_request(inp), os.environ if env is None else env)
-    except HelperError as exc:
-        print(f"kandev-git-credential: {exc.code}: {exc.message}", file=err)
-        out.write("quit=1\n")
-        out.flush()
-        return 1
-    except Exception as exc:  # fail closed, without a traceback that could quote a request
-        print(f"kandev-git-credential: internal: {type(exc).__name__}", file=err)
-        out.write("quit=1\n")
-        out.flush()
-        return 1
-    for key, value in answer.items():
-        if "\n" in value or "\0" in value:
-            print("kandev-git-credential: internal: unusable credential", file=err)
-            return 1
-        out.write(f"{key}={value}\n")
-    out.flush()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    if not isinstance(result.get("lease_id"), str):
+        raise HelperError("internal", "the credential endpoint answered without a lease id")
+    return token

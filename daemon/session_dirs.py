@@ -13,6 +13,8 @@
         endpoint/git.sock                the session's credential endpoint (served by the backend),
                                          read-only in the sandbox: the directory is bound, not the
                                          socket, so a restarted backend can re-create the socket
+        endpoint/git-proxy.sock          the session's git endpoint (served by the backend): the
+                                         agent's git reaches its repository through it
 
 Everything is bound at its own path, so an agent sees the same paths with the sandbox on or off;
 the rest of the home (store, secrets, sockets, logs, other sessions) stays out of its view.
@@ -32,6 +34,7 @@ GIT_DIR = "git"
 ENDPOINT_DIR = "endpoint"
 LEASE_FILE = "lease.json"
 ENDPOINT_SOCKET = "git.sock"
+PROXY_SOCKET = "git-proxy.sock"
 MOCK_STATE_DIR = "mock-sessions"
 HOME_DIR = "home"
 _SESSION_ID = re.compile(r"^[0-9A-Za-z_-]{1,64}$")
@@ -89,6 +92,11 @@ class SessionDirs:
     @property
     def endpoint_socket(self) -> Path:
         return self.endpoint / ENDPOINT_SOCKET
+
+    @property
+    def proxy_socket(self) -> Path:
+        """The session's git endpoint (Issue 20; ``daemon.backend.git_proxy``)."""
+        return self.endpoint / PROXY_SOCKET
 
     @property
     def mock_state(self) -> Path:

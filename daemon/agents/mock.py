@@ -18,11 +18,12 @@ Prompt scripts (on the text of the prompt)::
     /fail        the prompt is answered with a JSON-RPC error
     /exit C      chunk "exiting C", then the process exits with code C
     /git-credential
-                 runs ``git credential fill`` for the workspace's ``origin`` (in the
-                 session's cwd, with the agent's own environment), as git does before
-                 a push; one chunk "git-credential: ok username=U password-sha256=H"
-                 (first 12 hex of the password's SHA-256, never the password) or
-                 "git-credential: failed (exit C): <git's first error line>"
+                 checks the session's git lease for the workspace's ``origin`` with the
+                 session's credential endpoint, as kandev's git transport does before each
+                 fetch or push (``daemon.git_credential_helper.valid_lease``, with the
+                 agent's own environment); one chunk "git-credential: ok repository=H/O/N
+                 lease-sha256=D" (first 12 hex of the lease token's SHA-256, never the
+                 token) or "git-credential: failed: <reason>"
     /sh CMD      runs ``sh -c CMD`` as a child of the agent in the session's cwd (the way an
                  agent's terminal tool does); one chunk "sh: exit=<code>" followed by a
                  newline and the first 4 KiB of its combined stdout and stderr; a cancel
@@ -335,18 +336,25 @@ async def _serve() -> None:
 
 
 async def _git_credential(cwd: str) -> str:
-    """``git credential fill`` for ``origin`` of the repository at ``cwd``: what the credential
-    helpers configured for this process give git. Reports a digest of the password, never it."""
-    env = dict(os.environ, GIT_TERMINAL_PROMPT="0")  # no helper answered: fail, do not ask
-    remote = await _git(cwd, env, "remote", "get-url", "origin")
-    if remote[0] != 0:
-        return f"git-credential: failed (exit {remote[0]}): {_first_line(remote[2])}"
-    code, out, err = await _git(cwd, env, "credential", "fill", stdin=f"url={remote[1].strip()}\n\n")
+    """The session's git lease for ``origin`` of the repository at ``cwd``, checked with its
+    credential endpoint (no credential is handed out: Issue 20). Reports a digest, never the lease."""
+    from daemon.credentials.scope import parse_remote_url
+    from daemon.git_credential_helper import LEASE_FILE_ENV, SOCKET_ENV, HelperError, valid_lease
+
+    env = dict(os.environ)
+    code, out, err = await _git(cwd, env, "config", "--get", "remote.origin.url")  # as written, not rewritten
     if code != 0:
-        return f"git-credential: failed (exit {code}): {_first_line(err)}"
-    fields = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
-    digest = hashlib.sha256(fields.get("password", "").encode()).hexdigest()[:12]
-    return f"git-credential: ok username={fields.get('username', '')} password-sha256={digest}"
+        return f"git-credential: failed: git exit {code}: {_first_line(err)}"
+    scope = parse_remote_url(out.strip())
+    if scope is None or not env.get(LEASE_FILE_ENV) or not env.get(SOCKET_ENV):
+        return "git-credential: failed: no kandev git lease for this repository"
+    try:
+        token = await asyncio.to_thread(valid_lease, env[LEASE_FILE_ENV], env[SOCKET_ENV], scope.host,
+                                        f"{scope.repository}.git")
+    except HelperError as exc:
+        return f"git-credential: failed: {exc.code}: {_first_line(exc.message)}"
+    digest = hashlib.sha256(token.encode()).hexdigest()[:12]
+    return f"git-credential: ok repository={scope} lease-sha256={digest}"
 
 
 async def _git(cwd: str, env: dict[str, str], *args: str, stdin: str = "") -> tuple[int, str, str]:

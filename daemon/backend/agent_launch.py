@@ -136,7 +136,8 @@ async def prepare_relaunch(backend: Backend, session_id: str, agent: BuiltinAgen
     env = _base_env(dirs, command)
     if with_lease and await asyncio.to_thread(dirs.lease_file.exists):
         await backend.endpoints.open(session_id)
-        env.update(agent_git_env(dirs.lease_file, dirs.endpoint_socket, base_env=env))
+        env.update(agent_git_env(dirs.lease_file, dirs.endpoint_socket, base_env=env,
+                                 github_url=backend.config.credentials.github_url))
     request = sandbox_request(backend.config, backend.paths, dirs, command.readonly)
     return LaunchPrep(command.argv, env, request.to_wire(), secret_env=dict(command.secret_env))
 

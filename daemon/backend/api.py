@@ -112,15 +112,15 @@ RUNTIME_OPS: list[Op] = [
     ),
 ]
 
-# Git credential leases (docs/requirements.md#git-credential-leases-context-rules; daemon/backend/credentials_api.py). Called by the shipped git
-# credential helper; the lease token, the capability and the password are secrets (never logged).
+# Git credential leases (docs/requirements.md#git-credential-leases-context-rules; daemon/backend/credentials_api.py). Called by the agent's
+# git transport; the lease token and the capability are secrets (never logged). No op hands out the upstream token (Issue 20).
 CREDENTIAL_OPS: list[Op] = [
     Op(
         "credential_redeem",
         required={"lease_token": str, "host": str, "path": str},
         optional={"protocol": str},
         auth=False,
-        doc="-> {username, password, lease_id, host, repository, expires_at}; refused for terminal"
+        doc="a check of a lease -> {lease_id, host, repository, expires_at} (no credential); refused for terminal"
         " sessions, expired/revoked/unknown leases, out-of-scope host or path",
     ),
     Op(

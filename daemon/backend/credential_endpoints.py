@@ -1,8 +1,10 @@
-"""Per-session git credential endpoints: the only thing of the backend an agent can reach.
+"""Per-session credential and git endpoints: the only things of the backend an agent can reach.
 
-An agent's ``git`` asks the shipped helper (``daemon.git_credential_helper``), which reads the
-session's lease file and calls ``credential_redeem`` (and once ``credential_reissue``) on the socket
-named by ``$KANDEV_BACKEND_SOCKET``. For agents this backend launches that socket is the session's
+An agent's git transport (``daemon.git_transport``) reads the session's lease file and checks it
+with ``credential_redeem`` (and once ``credential_reissue``) on the socket named in its command
+line (also ``$KANDEV_BACKEND_SOCKET``); the answer holds no credential. It then carries git's
+protocol to the session's git endpoint, ``endpoint/git-proxy.sock`` (``daemon.backend.git_proxy``,
+``self.git``), opened and closed here with the credential endpoint. For agents this backend launches that socket is the session's
 own endpoint, ``<home>/sessions/<sid>/endpoint/git.sock`` (``daemon.session_dirs``), whose
 directory is bound read-only into the agent's sandbox. Each endpoint is a small ``IpcServer`` with
 exactly those two ops, and serves exactly one session: a lease or capability of any other session
@@ -23,6 +25,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from daemon.backend.git_proxy import GitProxy
 from daemon.config import CredentialsConfig
 from daemon.credentials import ScopeDenied, redeem_lease, reissue_lease
 from daemon.credentials.errors import CapabilityInvalid, off_loop_handler
@@ -38,10 +41,10 @@ from ipc.server import IpcServer
 log = logging.getLogger(__name__)
 
 PROTOCOL = "kandev-git-credential"
-VERSION = (1, 0)  # the helper checks the major version, like on the backend socket
+VERSION = (1, 1)  # the helper checks the major version, like on the backend socket; 1.1: redeem answers no credential
 TABLE = OpTable(PROTOCOL, VERSION, [
     Op("credential_redeem", required={"lease_token": str, "host": str, "path": str}, optional={"protocol": str},
-       auth=False, doc="this session's lease -> {username, password, lease_id, host, repository, expires_at}"),
+       auth=False, doc="check this session's lease -> {lease_id, host, repository, expires_at} (no credential)"),
     Op("credential_reissue", required={"capability": str}, auth=False,
        doc="a new lease for this session's capability -> {lease_token, lease_id}"),
 ])
@@ -62,6 +65,7 @@ class CredentialEndpoints:
         self.config = config
         self._servers: dict[str, IpcServer] = {}
         self._lock = asyncio.Lock()
+        self.git = GitProxy(store, config)  # each session's git endpoint, opened and closed with it
 
     def socket_path(self, session_id: str) -> Path:
         return SessionDirs.for_session(self.home, session_id).endpoint_socket
@@ -81,7 +85,9 @@ class CredentialEndpoints:
                                        max_inflight_per_connection=MAX_INFLIGHT,
                                        idle_timeout=IDLE_CONNECTION_TIMEOUT_S, buffer_limit=BUFFER_LIMIT)
                     await server.start()
+                    await asyncio.to_thread(self.git.open, session_id, dirs.proxy_socket)
                 except (OSError, ValueError) as exc:  # e.g. a home whose socket paths are too long
+                    await asyncio.to_thread(self.git.close, session_id)
                     raise IpcError(ErrorCode.INVALID_ARGUMENT,
                                    f"cannot serve session {session_id}'s git credential endpoint: {exc}") from None
                 self._servers[session_id] = server
@@ -92,10 +98,12 @@ class CredentialEndpoints:
             server = self._servers.pop(session_id, None)
         if server is not None:
             await server.close()
+        await asyncio.to_thread(self.git.close, session_id)
 
     async def close_all(self) -> None:
         for session_id in list(self._servers):
             await self.close(session_id)
+        await asyncio.to_thread(self.git.close_all)
 
     def close_soon(self, session_id: str) -> None:
         """``close`` from synchronous code (an execution that just went away)."""
@@ -126,8 +134,9 @@ class CredentialEndpoints:
                                  protocol=args.get("protocol") or "https")
                 if r.session_id != session_id:  # cannot differ from the verified claims; never serve it
                     raise ScopeDenied(f"this endpoint serves session {session_id} only")
-                return {"username": r.username, "password": r.password, "lease_id": r.lease_id,
-                        "host": r.host, "repository": r.repository, "expires_at": r.expires_at}
+                # A check only: the upstream token is used by the git endpoint, never handed out.
+                return {"lease_id": r.lease_id, "host": r.host, "repository": r.repository,
+                        "expires_at": r.expires_at}
 
         def reissue(args: dict[str, Any]) -> dict[str, Any]:
             with store.session() as db:

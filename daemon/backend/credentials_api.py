@@ -1,7 +1,8 @@
 """Backend ops of the git credential broker (``api.CREDENTIAL_OPS``; daemon/credentials).
 
-``credential_redeem`` and ``credential_reissue`` are what the shipped git credential helper
-calls, on the backend socket whose peers are admitted by ``SO_PEERCRED`` (same uid, root or the
+``credential_redeem`` (a check of a lease: its answer holds no credential, Issue 20) and
+``credential_reissue`` are what the agent's git transport calls on its session's endpoint, and
+also answered on the backend socket whose peers are admitted by ``SO_PEERCRED`` (same uid, root or the
 service group). There is deliberately no op that *issues* a lease from nothing: leases are
 issued inside the backend by the launch/resume flow (``daemon.credentials.issue_lease``), only a
 holder of a lease's reissue capability can get a new one over the socket.
@@ -10,7 +11,7 @@ The broker runs in a worker thread with its own store session (it reads the toke
 run ``git config --file``); refusals are typed errors with the broker's stable codes
 (``session_terminal``, ``lease_expired``, ``lease_revoked``, ``lease_invalid``, ``scope_denied``,
 ``credentials_unavailable``, ``capability_invalid``, ``not_found``). Neither the request's lease
-token nor the answer's password is ever logged.
+token nor the capability is ever logged.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ def handlers(backend: BackendContext) -> dict[str, Handler]:
         with backend.store.session() as db:
             r = redeem_lease(db, args["lease_token"], args["host"], args["path"], config=config,
                              protocol=args.get("protocol") or "https")
-            return {"username": r.username, "password": r.password, "lease_id": r.lease_id,
-                    "host": r.host, "repository": r.repository, "expires_at": r.expires_at}
+            # A check only (Issue 20): the upstream token is used by the git endpoint, never handed out.
+            return {"lease_id": r.lease_id, "host": r.host, "repository": r.repository, "expires_at": r.expires_at}
 
     def _reissue(args: dict[str, Any]) -> dict[str, Any]:
         with backend.store.session() as db:

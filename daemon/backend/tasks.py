@@ -20,6 +20,7 @@ from pathlib import Path
 from sqlalchemy import select
 
 from daemon.backend.worktree import add_worktree
+from daemon.credentials.scope import workspace_origin_url
 from daemon.journal import log_event
 from daemon.paths import Paths
 from daemon.store.board import bucket_for
@@ -48,12 +49,15 @@ class TaskService:
             raise IpcError(ErrorCode.INVALID_ARGUMENT, f"executor must be one of {', '.join(EXECUTORS)}")
         task_id = uuid.uuid4().hex
         workspace = await self._workspace_for(task_id, workspace, executor)
+        # Recorded now, before any agent runs in it: the repository its sessions' git may reach.
+        git_remote = await asyncio.to_thread(workspace_origin_url, workspace) if workspace else None
         with self.store.session() as db:
             db.add(
                 Task(
                     id=task_id,
                     title=title,
                     workspace=workspace,
+                    git_remote=git_remote,
                     executor=executor,
                     state=TaskState.BACKLOG,
                     interrupted=False,

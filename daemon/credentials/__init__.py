@@ -1,12 +1,13 @@
 """Git credential leases for agents (Issue 5; RESUME-5, RESUME-6, RESUME-9,
 LEASE-CTX-1, LEASE-CTX-2, LEASE-CTX-3, LEASE-CTX-4, LEASE-CTX-5, LEASE-CTX-6, LEASE-CTX-7).
 
-The broker (``broker``) issues a scoped lease on the upstream GitHub token to a live session,
-keeps only the lease token's SHA-256 in ``credential_leases``, and redeems it for the shipped git
-credential helper (``daemon.git_credential_helper``) over the backend socket
-(``credential_redeem``). ``signing`` holds the stable signing key (store ``installation`` table)
-and the token formats; ``scope`` decides what a lease may open; ``agent_env`` builds the lease
-file and the agent environment that routes git to the helper.
+The broker (``broker``) issues a scoped lease to a live session (a per-session credential, never
+the upstream token), keeps only the lease token's SHA-256 in ``credential_leases``, and redeems it:
+in the backend, for the session's git endpoint (``daemon.backend.git_proxy``), which alone uses the
+upstream token (Issue 20); over the sockets (``credential_redeem``), as a check that answers no
+credential. ``signing`` holds the stable signing key (store ``installation`` table) and the token
+formats; ``scope`` decides what a lease may open; ``agent_env`` builds the lease file and the
+agent environment that routes git through the session's git endpoint.
 
 The resume flow, with the session already persisted STARTING under its resume lock::
 
@@ -24,9 +25,10 @@ from .agent_env import (
     LEASE_FILE_ENV,
     SOCKET_ENV,
     agent_git_env,
-    helper_command,
     lease_file_path,
     read_lease_file,
+    rewritten_hosts,
+    transport_command,
     write_lease_file,
 )
 from .broker import (
@@ -94,7 +96,6 @@ __all__ = [
     "credential_snapshot",
     "ensure_signing_key",
     "github_scope_for_workspace",
-    "helper_command",
     "issue_lease",
     "lease_file_path",
     "no_credential_snapshot",
@@ -107,7 +108,9 @@ __all__ = [
     "reissue_lease",
     "revoke_lease",
     "revoke_session_leases",
+    "rewritten_hosts",
     "token_hash",
+    "transport_command",
     "upstream_token",
     "write_lease_file",
 ]

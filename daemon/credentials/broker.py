@@ -43,7 +43,7 @@ from daemon.session_dirs import SessionDirs
 from daemon.store.models import CredentialLease, Task, TaskSession, new_id
 from daemon.store.states import SessionState
 
-from .agent_env import agent_git_env, lease_file_path, write_lease_file
+from .agent_env import agent_git_env, lease_file_path, rewritten_hosts, write_lease_file
 from .errors import (
     CapabilityInvalid,
     CredentialError,
@@ -57,7 +57,7 @@ from .errors import (
     SessionNotStarting,
     SessionTerminal,
 )
-from .scope import GITHUB_HOST, LeaseScope, github_scope_for_workspace, normalize_repository
+from .scope import LeaseScope, github_scope, github_scope_for_workspace, normalize_repository
 from .signing import (
     CapabilityClaims,
     LeaseClaims,
@@ -121,33 +121,43 @@ def _live_session(db: Session, session_id: str) -> tuple[TaskSession, Task]:
     return session, task
 
 
-def _resolve_scope(task: Task, requested: LeaseScope | None) -> tuple[LeaseScope, str]:
-    """The scope to issue and where it came from (``origin`` or ``request``)."""
-    live = github_scope_for_workspace(task.workspace)
+def _hosts(config: CredentialsConfig) -> tuple[str, ...]:
+    """The hosts a lease may be for: github.com and the host of ``credentials.github_url``."""
+    return tuple(rewritten_hosts(config.github_url))
+
+
+def _resolve_scope(task: Task, requested: LeaseScope | None, hosts: tuple[str, ...]) -> tuple[LeaseScope, str]:
+    """The scope to issue and where it came from: ``recorded`` (the task's ``git_remote``, recorded
+    when it was created, before any agent ran: Issue 20), ``origin`` (a task created before that was
+    recorded: the workspace's origin, re-checked at every use) or ``request``."""
+    if task.git_remote:
+        live, source = github_scope(task.git_remote, hosts), "recorded"
+    else:
+        live, source = github_scope_for_workspace(task.workspace, hosts), "origin"
     if requested is None:
         if live is None:
             raise NotGitHubBacked(
-                f"task {task.id}'s workspace is not a git repository whose origin is on {GITHUB_HOST};"
+                f"task {task.id}'s repository is not on {' or '.join(hosts)};"
                 " name the host and repository to ask for a lease anyway"
             )
-        return live, "origin"
-    if requested.host != GITHUB_HOST:
-        raise ScopeDenied(f"leases are issued for {GITHUB_HOST} only, not {requested.host}")
+        return live, source
+    if requested.host not in hosts:
+        raise ScopeDenied(f"leases are issued for {' or '.join(hosts)} only, not {requested.host}")
     if live is not None:
         if live != requested:
             raise ScopeDenied(
-                f"the workspace's origin is {live}; a lease for {requested} is not issued to this session"
+                f"the task's repository is {live}; a lease for {requested} is not issued to this session"
             )
-        return live, "origin"
+        return live, source
     return requested, "request"
 
 
-def _check_live_scope(task: Task, host: str, repository: str, source: str) -> None:
+def _check_live_scope(task: Task, host: str, repository: str, source: str, hosts: tuple[str, ...]) -> None:
     if source != "origin":
         return
-    live = github_scope_for_workspace(task.workspace)
+    live = github_scope_for_workspace(task.workspace, hosts)
     if live is None or live != LeaseScope(host, repository):
-        now = str(live) if live is not None else "no github.com origin"
+        now = str(live) if live is not None else "no GitHub origin"
         raise ScopeDenied(f"the workspace's repository changed since the lease was issued (now {now})")
 
 
@@ -224,7 +234,7 @@ def issue_lease(
     """
     try:
         session, task = _live_session(db, session_id)
-        resolved, source = _resolve_scope(task, scope)
+        resolved, source = _resolve_scope(task, scope, _hosts(config))
         return _issue(db, session, task, resolved, source, config, _now(now))
     except CredentialError as exc:
         _refused("issue", exc, SESSION_ID=session_id)
@@ -343,7 +353,7 @@ def redeem_lease(
         if repo != claims.repository:
             raise ScopeDenied(f"lease {row.id} is for {claims.host}/{claims.repository}, not {repo}")
         _session, task = _live_session(db, row.session_id)
-        _check_live_scope(task, claims.host, claims.repository, claims.source)
+        _check_live_scope(task, claims.host, claims.repository, claims.source, _hosts(config))
         password = upstream_token(config)
     except CredentialError as exc:
         _refused("redeem", exc, LEASE_ID=lease_id, SESSION_ID=session_id)
@@ -383,7 +393,7 @@ def reissue_lease(
         session, task = _live_session(db, c.session_id)
         if task.id != c.task_id:
             raise CapabilityInvalid("reissue capability names another task")
-        _check_live_scope(task, c.host, c.repository, c.source)
+        _check_live_scope(task, c.host, c.repository, c.source, _hosts(config))
         return _issue(db, session, task, LeaseScope(c.host, c.repository), c.source, config, current)
     except CredentialError as exc:
         _refused("reissue", exc, SESSION_ID=session_id)
@@ -469,5 +479,5 @@ def prepare_git_credentials(
     capability = reissue_capability(db, token, now=now)
     SessionDirs.for_session(paths.home, session_id).ensure()
     lease_file = write_lease_file(lease_file_path(paths, session_id), token, capability)
-    env = agent_git_env(lease_file, socket or paths.backend_socket, base_env=base_env)
+    env = agent_git_env(lease_file, socket or paths.backend_socket, base_env=base_env, github_url=config.github_url)
     return GitCredentials(POLICY_GITHUB_LEASE, credential_snapshot(token), env, lease_id, lease_file)

@@ -144,10 +144,15 @@ def workspace_origin_url(workspace: str | os.PathLike[str]) -> str | None:
     return proc.stdout.strip() or None
 
 
-def github_scope_for_workspace(workspace: str | os.PathLike[str] | None) -> LeaseScope | None:
+def github_scope(url: str | None, hosts: tuple[str, ...] = (GITHUB_HOST,)) -> LeaseScope | None:
+    """The GitHub scope a remote URL names when its host is one of ``hosts``, else None."""
+    scope = parse_remote_url(url) if url else None
+    return scope if scope is not None and scope.host in hosts else None
+
+
+def github_scope_for_workspace(workspace: str | os.PathLike[str] | None,
+                               hosts: tuple[str, ...] = (GITHUB_HOST,)) -> LeaseScope | None:
     """The workspace's GitHub scope when it is GitHub-backed, else None."""
     if not workspace:
         return None
-    url = workspace_origin_url(workspace)
-    scope = parse_remote_url(url) if url else None
-    return scope if scope is not None and scope.host == GITHUB_HOST else None
+    return github_scope(workspace_origin_url(workspace), hosts)

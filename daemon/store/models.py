@@ -104,6 +104,8 @@ class Task(Base):
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
     title: Mapped[str] = mapped_column(Text)
     workspace: Mapped[str | None] = mapped_column(Text)
+    # origin's URL when the task was created (Issue 20): what its sessions' git endpoint may reach
+    git_remote: Mapped[str | None] = mapped_column(Text)
     executor: Mapped[str] = mapped_column(String(16), default="local")
     state: Mapped[str] = mapped_column(String(16), default="backlog")
     interrupted: Mapped[bool] = mapped_column(Boolean, default=False)

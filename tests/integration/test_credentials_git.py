@@ -1,11 +1,14 @@
 """Git credential leases end to end (Issue 5 scenario C): a real backend process, a task whose
 workspace is a real git repository with origin ``https://github.com/example/repo.git``, and the
-real ``git`` run with the environment an agent gets, authenticating through the shipped helper
-(``git credential fill``; no network is needed).
+lease checked the way the agent's git transport checks it before each fetch or push
+(``daemon.git_credential_helper.valid_lease`` over the backend's socket; no network is needed).
+Since Issue 20 the redemption gives no upstream credential (the session's git endpoint uses the
+token, tests/integration/test_git_endpoint.py) and ``git credential fill`` in the agent's
+environment gets none.
 
 ``test_scenario_c_real_resume_of_a_failed_github_session`` runs the scenario through the real
-daemons: ``kandev session start`` / ``kandev resume`` issue the lease and the mock agent's own
-``git credential fill`` (prompt ``/git-credential``) authenticates through the helper. The other
+daemons: ``kandev session start`` / ``kandev resume`` issue the lease and the mock agent checks it with its
+session's credential endpoint (prompt ``/git-credential``). The other
 tests drive the broker in this process on the backend's own store (what the backend does in its
 process), with the session moved to STARTING through the guarded transition first (RESUME-5,
 RESUME-9, LEASE-CTX-7), to reach expiry, revocation and scope cases directly.
@@ -13,7 +16,6 @@ RESUME-9, LEASE-CTX-7), to reach expiry, revocation and scope cases directly.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -37,6 +39,7 @@ from daemon.credentials import (
     read_lease_file,
     record_credential_snapshot,
 )
+from daemon.git_credential_helper import LEASE_FILE_ENV, SOCKET_ENV, HelperError, valid_lease
 from daemon.paths import Paths
 from daemon.store import transitions
 from daemon.store.db import Store, sqlite_url
@@ -126,17 +129,15 @@ def prepare(setup: Setup, sid: str) -> Any:
         s.close()
 
 
-def fill_ok(setup: Setup, env: dict[str, str]) -> None:
-    p = setup.git(env, "credential", "fill", stdin=FILL)
-    assert p.returncode == 0, p.stderr
-    assert p.stdout.splitlines() == ["protocol=https", "host=github.com", "path=example/repo.git",
-                                     "username=x-access-token", f"password={UPSTREAM}"]
+def fill_ok(setup: Setup, env: dict[str, str], path: str = "example/repo.git") -> str:
+    """The lease checked as the agent's git transport checks it: the (possibly reissued) lease token."""
+    return valid_lease(env[LEASE_FILE_ENV], env[SOCKET_ENV], "github.com", path)
 
 
-def fill_refused(setup: Setup, env: dict[str, str], code: str) -> None:
-    p = setup.git(env, "credential", "fill", stdin=FILL)
-    assert p.returncode != 0 and UPSTREAM not in p.stdout
-    assert f"kandev-git-credential: {code}" in p.stderr, p.stderr
+def fill_refused(setup: Setup, env: dict[str, str], code: str, path: str = "example/repo.git") -> None:
+    with pytest.raises(HelperError) as err:
+        fill_ok(setup, env, path)
+    assert err.value.code == code and UPSTREAM not in str(err.value), err.value
 
 
 def kill_backend(k: Kandev) -> None:
@@ -147,10 +148,10 @@ def kill_backend(k: Kandev) -> None:
 
 def test_git_authenticates_through_the_shipped_helper_and_the_lease_survives_a_restart(setup: Setup) -> None:
     """Issue 5 scenario C / RESUME-5, RESUME-6, RESUME-9, LEASE-CTX-5, LEASE-CTX-6: STARTING is persisted, then the
-    lease is issued; git run with ``agent_git_env`` gets the upstream token from the helper; the
-    snapshot is stored; after the backend is SIGKILLed and started again the same lease still
-    redeems (signing key and hash are in the store); a user-level ``store`` helper never sees
-    the token."""
+    lease is issued and redeems; git run with ``agent_git_env`` gets no credential at all (Issue 20
+    scenario A: no helper answers, a user-level ``store`` helper is never asked); the snapshot is
+    stored; after the backend is SIGKILLed and started again the same lease still redeems
+    (signing key and hash are in the store)."""
     sid = setup.starting_session()
     creds = prepare(setup, sid)
     assert creds.policy == "github-lease"
@@ -158,9 +159,11 @@ def test_git_authenticates_through_the_shipped_helper_and_the_lease_survives_a_r
     for value in creds.env.values():  # the agent env names a file and a socket, never a secret
         assert token not in value and capability not in value and UPSTREAM not in value
 
-    fill_ok(setup, creds.env)
+    assert fill_ok(setup, creds.env) == token
+    p = setup.git(creds.env, "credential", "fill", stdin=FILL)
+    assert p.returncode != 0 and "password=" not in p.stdout and UPSTREAM not in p.stdout + p.stderr
     approve = setup.git(creds.env, "credential", "approve",
-                        stdin=FILL.replace("\n\n", f"\nusername=x-access-token\npassword={UPSTREAM}\n\n"))
+                        stdin=FILL.replace("\n\n", "\nusername=someone\npassword=typed-by-the-agent\n\n"))
     assert approve.returncode == 0, approve.stderr
     assert not (setup.git_home / ".git-credentials").exists()
     # Without the agent env the user's helper would have been used: the reset is what prevents it.
@@ -175,8 +178,7 @@ def test_git_authenticates_through_the_shipped_helper_and_the_lease_survives_a_r
     assert (snap["host"], snap["repository"]) == ("github.com", "example/repo")
 
     # A path outside the lease's scope is refused by the backend.
-    p = setup.git(creds.env, "credential", "fill", stdin=FILL.replace("example/repo.git", "example/other.git"))
-    assert p.returncode != 0 and UPSTREAM not in p.stdout and "scope_denied" in p.stderr
+    fill_refused(setup, creds.env, "scope_denied", "example/other.git")
 
     kill_backend(setup.k)
     setup.k.up()
@@ -239,7 +241,7 @@ def test_redemption_log_lines_never_contain_a_secret(setup: Setup) -> None:
     creds = prepare(setup, sid)
     token, capability = read_lease_file(creds.lease_file)
     fill_ok(setup, creds.env)
-    setup.git(creds.env, "credential", "fill", stdin=FILL.replace("example/repo.git", "example/other.git"))
+    fill_refused(setup, creds.env, "scope_denied", "example/other.git")
     log = (setup.k.home / "logs" / "backend.log").read_text()
     lines = [line for line in log.splitlines() if "credential_" in line]
     assert any("credential_redeemed" in line and creds.lease_id in line for line in lines), log[-2000:]
@@ -260,10 +262,9 @@ def test_scenario_c_real_resume_of_a_failed_github_session(setup: Setup) -> None
     new lease, the snapshot names that lease, and git run by the resumed agent authenticates
     again; the first attempt's lease is revoked and a lease for the FAILED session is refused."""
     k = setup.k
-    digest = hashlib.sha256(UPSTREAM.encode()).hexdigest()[:12]
-    ok = f"git-credential: ok username=x-access-token password-sha256={digest}"
+    ok = "git-credential: ok repository=github.com/example/repo lease-sha256="
     sid = k.cli("session", "start", setup.task_id)["session_id"]
-    assert _agent_says(k, sid, "/git-credential") == ok
+    assert _agent_says(k, sid, "/git-credential").startswith(ok)
     first = metadata(k, sid)[SNAPSHOT_KEY]
     assert first["policy"] == "github-lease" and first["repository"] == "example/repo"
 
@@ -284,7 +285,7 @@ def test_scenario_c_real_resume_of_a_failed_github_session(setup: Setup) -> None
     starting = log.index(f"session {sid} FAILED -> STARTING (resume)")
     issued = log.index(f"git credential lease {snapshot['lease_id']} issued to session {sid}")
     assert starting < issued  # RESUME-5: STARTING is durable before the lease is asked for
-    assert _agent_says(k, sid, "/git-credential") == ok
+    assert _agent_says(k, sid, "/git-credential").startswith(ok)
     assert _lease_revoked(setup, first["lease_id"]) and not _lease_revoked(setup, snapshot["lease_id"])
     for text in (log, *(p.read_text() for p in (k.home / "logs" / "agents").glob("*.log"))):
         assert UPSTREAM not in text
@@ -341,9 +342,8 @@ def test_a_context_reset_changes_nothing_else(setup: Setup, restart: bool) -> No
     assert _process_facts(after["agent_pid"]) == facts_before
     assert meta_after[SNAPSHOT_KEY] == meta_before[SNAPSHOT_KEY]  # the same lease: none was issued
     assert lease_file.read_bytes() == lease_bytes
-    digest = hashlib.sha256(UPSTREAM.encode()).hexdigest()[:12]
-    assert _agent_says(k, sid, "/git-credential") == (
-        f"git-credential: ok username=x-access-token password-sha256={digest}")
+    assert _agent_says(k, sid, "/git-credential").startswith(
+        "git-credential: ok repository=github.com/example/repo lease-sha256=")
     assert not _lease_revoked(setup, meta_before[SNAPSHOT_KEY]["lease_id"])
 
 
