@@ -148,8 +148,8 @@ def kill_backend(k: Kandev) -> None:
 
 def test_git_authenticates_through_the_shipped_helper_and_the_lease_survives_a_restart(setup: Setup) -> None:
     """Issue 5 scenario C / RESUME-5, RESUME-6, RESUME-9, LEASE-CTX-5, LEASE-CTX-6: STARTING is persisted, then the
-    lease is issued and redeems; git run with ``agent_git_env`` gets no credential at all (Issue 20
-    scenario A: no helper answers, a user-level ``store`` helper is never asked); the snapshot is
+    lease is issued and redeems; git run with ``agent_git_env`` gets no credential at all
+    (Issue 20 scenario A: no helper answers, a user-level ``store`` helper is never asked); the snapshot is
     stored; after the backend is SIGKILLed and started again the same lease still redeems
     (signing key and hash are in the store)."""
     sid = setup.starting_session()
