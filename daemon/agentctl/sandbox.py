@@ -10,8 +10,12 @@ namespace bwrap always makes); the network is shared. The view (``build_argv``):
   a merged-usr system or those directories), the Python interpreter's prefixes and kandev's own code
   (the mock agent and the git credential helper run from them), the ``node`` prefix, plus what the
   backend names for this agent (its credential endpoint, a prepared npm runtime);
-- read-write: the workspace (and, for a git worktree, the repository's git directory), the
-  agent's own state directories, a private ``/tmp`` and ``/var/tmp``;
+- read-write: the workspace, the agent's own state directories, a private ``/tmp`` and
+  ``/var/tmp``; for a git worktree, what the backend names of its repository from the task's record
+  (``daemon.backend.workspace_record.repository_view``: the git directory read-only, its
+  ``objects``, ``refs``, ``logs`` and the worktree's own admin directory read-write, the other
+  worktrees' admin directories masked). Nothing is ever derived from a file in the workspace (a
+  ``.git`` file, ``commondir``, ``gitdir``): the agent writes those;
 - ``/proc`` of the new pid namespace (the agent's own process tree only) and a minimal ``/dev``;
 - absent: everything else. Paths the backend or the server name as *hidden* (the kandev home,
   the token file, the server's own sockets, logs and secrets) are masked (an empty tmpfs, or
@@ -106,7 +110,7 @@ def _paths(doc: Mapping[str, Any], key: str) -> tuple[str, ...]:
 class SandboxRequest:
     """What one launch asks for: the policy, and the paths of this agent beyond the system view.
 
-    ``writable``: read-write binds (the workspace and git directory are added from ``cwd``);
+    ``writable``: read-write binds (the workspace is added from ``cwd``);
     ``readonly``: read-only binds; ``hidden``: paths that must stay invisible even where they lie
     inside a bound directory. A missing path is skipped (a hidden one is then absent anyway)."""
 
@@ -300,34 +304,6 @@ def runtime_paths(env: Mapping[str, str] | None = None) -> list[str]:
     return sorted(paths)
 
 
-def git_dirs(workspace: str) -> list[str]:
-    """The git directories a workspace needs besides itself: for a worktree (``.git`` is a file
-    ``gitdir: ...``) the repository's common git directory, which holds its objects and refs."""
-    dotgit = os.path.join(workspace, ".git")
-    if not os.path.isfile(dotgit) or os.path.islink(dotgit):
-        return []
-    try:
-        with open(dotgit, encoding="utf-8", errors="replace") as fh:
-            first = fh.read(4096).splitlines()[0] if fh else ""
-    except (OSError, IndexError):
-        return []
-    if not first.startswith("gitdir:"):
-        return []
-    gitdir = first.split(":", 1)[1].strip()
-    if not os.path.isabs(gitdir):
-        gitdir = os.path.join(workspace, gitdir)
-    gitdir = os.path.realpath(gitdir)
-    common = gitdir
-    try:
-        with open(os.path.join(gitdir, "commondir"), encoding="utf-8", errors="replace") as fh:
-            rel = fh.read(4096).strip()
-        if rel:
-            common = os.path.realpath(os.path.join(gitdir, rel))
-    except OSError:
-        pass
-    return [p for p in {gitdir, common} if os.path.isdir(p)]
-
-
 def _root_only_in_etc(limit: int = 20000) -> list[str]:
     """Entries under /etc that others may not read (only meaningful for a server running as root,
     whose agents keep kuid 0 outside their namespace and so pass owner checks)."""
@@ -372,7 +348,8 @@ def host_view(
     """The view of one agent on this host (reads the file system: call it off the event loop).
 
     Every path is resolved (symlinks followed) and bound at its resolved path; missing ones are
-    skipped. ``cwd`` (the workspace) and its git directories are writable."""
+    skipped. ``cwd`` (the workspace) is writable; nothing is derived from what it holds (a git
+    worktree's repository is bound as the backend names it, from its record)."""
     binds: dict[str, BindMode] = {b.path: b.mode for b in system_binds()}
     resolv = os.path.realpath(RESOLV_CONF)
     if os.path.exists(resolv) and not _covered(resolv, binds):
@@ -386,7 +363,7 @@ def host_view(
         if os.path.exists(rp):
             binds.setdefault(rp, BindMode.READONLY)
     workspace = os.path.realpath(cwd)
-    for p in (workspace, *git_dirs(workspace), *request.writable):
+    for p in (workspace, *request.writable):
         rp = os.path.realpath(p)
         if os.path.exists(rp):
             binds[rp] = BindMode.WRITABLE

@@ -13,7 +13,9 @@
   ``agents.sandbox``; read-write the agent's state and lease directories (the workspace is added
   by the control server from the cwd); read-only the endpoint's directory; hidden the kandev home,
   ``/etc/kandev``, the configured token file, the configuration file and every agent's secret
-  files, wherever they lie.
+  files, wherever they lie. For a git worktree, what the sandbox shows of its repository comes
+  from the task's record (``daemon.backend.workspace_record.launch_view``: the workspace is
+  checked against the record first, and nothing is read from the workspace's ``.git``).
 
 ``agent_command`` is the agent's command line: the built-in one, or for a managed npm runtime in a
 sandbox its prepared entry (``daemon.runtimes.launch``). ``prepare`` is for a launch that gets a
@@ -33,6 +35,8 @@ from daemon.agentctl.sandbox import SANDBOX_UNAVAILABLE, SandboxPolicy, SandboxR
 from daemon.agents.mock_store import STATE_DIR_ENV
 from daemon.agents.registry import BuiltinAgent
 from daemon.agents.settings import agent_env, secret_paths
+from daemon.backend import workspace_record
+from daemon.backend.workspace_record import RepositoryView
 from daemon.config import DEFAULT_CONFIG_FILE, Config
 from daemon.credentials import GitCredentials
 from daemon.credentials.agent_env import agent_git_env
@@ -40,13 +44,14 @@ from daemon.credentials.broker import POLICY_GITHUB_LEASE
 from daemon.paths import Paths
 from daemon.runtimes.launch import RUNTIME_NOT_PREPARED, RuntimeNotPrepared, npm_cache_root, prepared_runtime
 from daemon.session_dirs import SessionDirs
+from daemon.store.models import Task, TaskSession
 from ipc.errors import ErrorCode, IpcError
 
 if TYPE_CHECKING:
     from daemon.backend.context import BackendContext as Backend
 
 __all__ = ["RUNTIME_NOT_PREPARED", "SANDBOX_UNAVAILABLE", "AgentCommand", "LaunchPrep", "agent_command", "prepare",
-           "prepare_relaunch", "sandbox_request", "sandbox_status"]
+           "hidden_paths", "prepare_relaunch", "sandbox_request", "sandbox_status"]
 
 STATUS_TIMEOUT_S = 5.0
 
@@ -89,19 +94,39 @@ async def agent_command(backend: Backend, agent: BuiltinAgent) -> AgentCommand:
     return AgentCommand(prepared.command, (str(prepared.tree),), str(prepared.bin_dir), env, secrets)
 
 
-def sandbox_request(config: Config, paths: Paths, dirs: SessionDirs, readonly: tuple[str, ...] = ()) -> SandboxRequest:
+def hidden_paths(config: Config, paths: Paths) -> list[str]:
+    """What no sandbox of kandev's shows, wherever it lies."""
     hidden = [str(paths.home), str(DEFAULT_CONFIG_FILE.parent)]  # kandev's own config directory, /etc/kandev
     if config.credentials.github_token_file:
         hidden.append(config.credentials.github_token_file)
     if config.source:
         hidden.append(config.source)
     hidden += secret_paths(config.agents.settings)  # every agent's keys: each gets its own in its environment
+    return hidden
+
+
+def sandbox_request(config: Config, paths: Paths, dirs: SessionDirs, readonly: tuple[str, ...] = (),
+                    repository: RepositoryView | None = None) -> SandboxRequest:
+    repo = repository or RepositoryView()
     return SandboxRequest(
         policy=SandboxPolicy(config.agents.sandbox),
-        writable=(str(dirs.agent_state), str(dirs.git)),
-        readonly=(str(dirs.endpoint), *readonly),
-        hidden=tuple(hidden),
+        writable=(str(dirs.agent_state), str(dirs.git), *repo.writable),
+        readonly=(str(dirs.endpoint), *readonly, *repo.readonly),
+        hidden=(*hidden_paths(config, paths), *repo.hidden),
     )
+
+
+def _launch_view(backend: Backend, session_id: str) -> RepositoryView:
+    """The session's workspace checked against its task's record, and its repository's binds
+    (blocking: the store and the file system)."""
+    with backend.store.session() as db:
+        session = db.get(TaskSession, session_id)
+        task = db.get(Task, session.task_id) if session is not None else None
+        if task is None or not task.workspace:
+            return RepositoryView()
+        rec = workspace_record.load(db, task.id)
+        workspace = task.workspace
+    return workspace_record.launch_view(rec, workspace)
 
 
 def _base_env(dirs: SessionDirs, command: AgentCommand) -> dict[str, str]:
@@ -118,13 +143,14 @@ async def _dirs(backend: Backend, session_id: str) -> SessionDirs:
 async def prepare(backend: Backend, session_id: str, command: AgentCommand) -> LaunchPrep:
     """Directories, a new git lease (policy ``none`` without a GitHub origin or token) with its
     endpoint, the environment and the sandbox request. The session must be durably STARTING."""
+    view = await asyncio.to_thread(_launch_view, backend, session_id)  # refused before any lease
     dirs = await _dirs(backend, session_id)
     env = _base_env(dirs, command)
     creds = await asyncio.to_thread(backend.git_credentials, session_id, env, dirs.endpoint_socket)
     if creds.policy == POLICY_GITHUB_LEASE:
         await backend.endpoints.open(session_id)
     env.update(creds.env)
-    request = sandbox_request(backend.config, backend.paths, dirs, command.readonly)
+    request = sandbox_request(backend.config, backend.paths, dirs, command.readonly, view)
     return LaunchPrep(command.argv, env, request.to_wire(), creds, dict(command.secret_env))
 
 
@@ -138,7 +164,8 @@ async def prepare_relaunch(backend: Backend, session_id: str, agent: BuiltinAgen
         await backend.endpoints.open(session_id)
         env.update(agent_git_env(dirs.lease_file, dirs.endpoint_socket, base_env=env,
                                  github_url=backend.config.credentials.github_url))
-    request = sandbox_request(backend.config, backend.paths, dirs, command.readonly)
+    view = await asyncio.to_thread(_launch_view, backend, session_id)
+    request = sandbox_request(backend.config, backend.paths, dirs, command.readonly, view)
     return LaunchPrep(command.argv, env, request.to_wire(), secret_env=dict(command.secret_env))
 
 

@@ -31,6 +31,7 @@ import daemon.backend.status_api as status_api
 import daemon.backend.task_delete as task_delete
 import daemon.backend.tasks_api as tasks_api
 import daemon.backend.workflow_api as workflow_api
+from daemon.backend import agent_launch
 from daemon.backend.adoption import Adopter, AdoptionOutcome
 from daemon.backend.api import TABLE
 from daemon.backend.context import BackendContext, BackendState
@@ -69,7 +70,8 @@ class Backend:
         # Keeping the control server on the installed version (Issue 15): reload or replace-when-idle.
         self.upgrade = ServerUpgrade(ctx)
         self.launcher = SessionLauncher(ctx)
-        self.tasks = TaskService(store, paths)
+        self.tasks = TaskService(store, paths, lambda: ctx.config,
+                                 lambda: agent_launch.hidden_paths(ctx.config, ctx.paths))
         self.sessions = SessionService(ctx, self.launcher)
         self.live = LiveSessions(ctx)
         self.resume = ResumeService(ctx, self.launcher, self.live)

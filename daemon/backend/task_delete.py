@@ -10,10 +10,15 @@ deletion runs, the task's sessions can neither start nor resume. Then, in this o
 
 1. each session's private directory ``<home>/sessions/<sid>/`` (the agent's HOME and state, its
    git lease, its credential endpoint; the endpoint is closed first);
-2. the task's workspace, only if kandev created it: ``<home>/worktrees/<task id>`` (a ``git
-   worktree`` is removed with ``git worktree remove --force`` and pruned; its branch
-   ``kandev/<task id>`` is kept, since it may hold the agent's commits); a workspace the user named
-   with ``--workspace`` is never touched;
+2. the task's workspace, only if kandev created it, as its record says
+   (``daemon.backend.workspace_record``): ``<home>/worktrees/<task id>`` and, for a git worktree,
+   its administrative directory in the recorded repository, each checked against the record (a
+   real directory at its resolved path, the recorded owner) and removed without running git and
+   without following a symlink (``daemon.backend.worktree.remove_recorded``); nothing the agent
+   wrote (its ``.git`` file, a ``gitdir`` or ``commondir``, a symlink) decides what goes. The branch
+   ``kandev/<task id>`` is kept, since it may hold the agent's commits. A workspace the user named
+   with ``--workspace`` is never touched. A task created before records existed: its directory
+   under ``<home>/worktrees`` only (a worktree's admin entry is left for ``git worktree prune``);
 3. the task's rows (its sessions, turns, transcripts, leases, workflow steps go with it).
 
 Files go first, so a failure leaves the task in place for another try. Everything on disk runs off
@@ -30,8 +35,10 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select
 
+from daemon.backend import workspace_record
 from daemon.backend.executions import Execution
-from daemon.backend.worktree import remove_worktree
+from daemon.backend.workspace_record import RecordMismatch, WorkspaceRecord
+from daemon.backend.worktree import remove_recorded, remove_unrecorded
 from daemon.journal import log_event
 from daemon.session_dirs import SessionDirs
 from daemon.store.models import ExecutorRunning, Task, TaskSession
@@ -82,11 +89,12 @@ async def delete_task(backend: Backend, task_id: str, *, stop: bool = False) -> 
         if why:
             raise IpcError(ErrorCode.CONFLICT, f"task {task_id} cannot be deleted: {why}; nothing was removed")
         workspace, executor = task.workspace, task.executor
+        record = workspace_record.load(db, task_id)
         session_ids = [s.id for s in sessions]
     backend.deleting_tasks.add(task_id)
     try:
         stopped = await _stop_agents(backend, task_id, session_ids)
-        return {**await _remove(backend, task_id, session_ids, workspace, executor), "stopped": stopped}
+        return {**await _remove(backend, task_id, session_ids, workspace, executor, record), "stopped": stopped}
     finally:
         backend.deleting_tasks.discard(task_id)
 
@@ -120,7 +128,7 @@ async def _stop_agents(backend: Backend, task_id: str, session_ids: list[str]) -
 
 
 async def _remove(backend: Backend, task_id: str, session_ids: list[str], workspace: str | None,
-                  executor: str | None) -> dict[str, Any]:
+                  executor: str | None, record: WorkspaceRecord | None) -> dict[str, Any]:
     removed: list[str] = []
     try:
         for sid in session_ids:
@@ -131,11 +139,17 @@ async def _remove(backend: Backend, task_id: str, session_ids: list[str], worksp
                 removed.append(str(root))
         created = backend.paths.worktrees_dir / task_id
         worktree = "kept (not created by kandev)"
-        if workspace and Path(workspace) == created:
-            if await asyncio.to_thread(created.exists):
-                await remove_worktree(created)
-                removed.append(str(created))
-            worktree = "removed" + (f"; its branch kandev/{task_id} is kept" if executor == "worktree" else "")
+        if record is not None and record.created:
+            removed += await asyncio.to_thread(remove_recorded, record)
+            worktree = "removed" + (f"; its branch kandev/{task_id} is kept" if record.is_worktree else "")
+        elif record is None and workspace and Path(workspace) == created:
+            removed += await asyncio.to_thread(remove_unrecorded, created)
+            worktree = "removed" + (f"; its branch kandev/{task_id} and the repository's entry for it are kept"
+                                    " (git worktree prune clears the entry)" if executor == "worktree" else "")
+    except RecordMismatch as exc:
+        raise IpcError(ErrorCode.CONFLICT, f"task {task_id} was not deleted: {exc}, which is not what kandev"
+                       f" recorded; already removed: {', '.join(removed) or 'nothing'}; the task and its"
+                       " sessions are kept") from None
     except OSError as exc:
         raise IpcError(ErrorCode.INTERNAL, f"task {task_id} was not deleted: removing its files failed ({exc});"
                        f" already removed: {', '.join(removed) or 'nothing'}; the task and its sessions"

@@ -7,19 +7,26 @@ an agent: the turn's end would put the task back in review at once.
 
 A task's workspace is an existing absolute directory (``local`` with ``--workspace``), a fresh
 directory under the home's worktrees (``local`` without one), or a git worktree of the given
-repository on branch ``kandev/<task id>`` (``worktree``; created off the event loop).
+repository on branch ``kandev/<task id>`` (``worktree``; created off the event loop, checked out
+in a sandbox: ``daemon.backend.worktree``). Its host paths are recorded with the task, in the same
+transaction (``daemon.backend.workspace_record``): every later removal, bind or git acts on the
+record, never on what the workspace says.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
 from sqlalchemy import select
 
-from daemon.backend.worktree import add_worktree
+from daemon.agentctl.sandbox import SandboxPolicy, find_bwrap
+from daemon.backend.workspace_record import WorkspaceRecord, record_local
+from daemon.backend.worktree import CheckoutSandbox, create_worktree, locate_repository
+from daemon.config import Config
 from daemon.credentials.scope import workspace_origin_url
 from daemon.journal import log_event
 from daemon.paths import Paths
@@ -37,9 +44,12 @@ def _now() -> datetime:
 
 
 class TaskService:
-    def __init__(self, store: Store, paths: Paths) -> None:
+    def __init__(self, store: Store, paths: Paths, config: Callable[[], Config],
+                 hidden: Callable[[], list[str]]) -> None:
         self.store = store
         self.paths = paths
+        self.config = config  # the current configuration (it may be reloaded)
+        self.hidden = hidden  # what no agent's sandbox shows (daemon.backend.agent_launch.hidden_paths)
 
     async def create(self, title: str, executor: str, workspace: str | None) -> dict[str, str]:
         title = title.strip()
@@ -48,15 +58,17 @@ class TaskService:
         if executor not in EXECUTORS:
             raise IpcError(ErrorCode.INVALID_ARGUMENT, f"executor must be one of {', '.join(EXECUTORS)}")
         task_id = uuid.uuid4().hex
-        workspace = await self._workspace_for(task_id, workspace, executor)
+        record = await self._workspace_for(task_id, workspace, executor)
+        # As given (or where kandev made it); the record holds it resolved.
+        given = str(self.paths.worktrees_dir / task_id) if record.created else (workspace or record.path)
         # Recorded now, before any agent runs in it: the repository its sessions' git may reach.
-        git_remote = await asyncio.to_thread(workspace_origin_url, workspace) if workspace else None
+        git_remote = await asyncio.to_thread(workspace_origin_url, given)
         with self.store.session() as db:
             db.add(
                 Task(
                     id=task_id,
                     title=title,
-                    workspace=workspace,
+                    workspace=given,
                     git_remote=git_remote,
                     executor=executor,
                     state=TaskState.BACKLOG,
@@ -65,24 +77,29 @@ class TaskService:
                     updated_at=_now(),
                 )
             )
+            db.flush()  # the task row first: the record refers to it
+            db.add(record.row(task_id))
         log_event("task_created", f"task {task_id} created", TASK_ID=task_id)
-        return {"task_id": task_id, "workspace": workspace}
+        return {"task_id": task_id, "workspace": given}
 
-    async def _workspace_for(self, task_id: str, workspace: str | None, executor: str) -> str:
+    async def _workspace_for(self, task_id: str, workspace: str | None, executor: str) -> WorkspaceRecord:
         if executor == "worktree":
             if not workspace:
                 raise IpcError(ErrorCode.INVALID_ARGUMENT, "executor 'worktree' needs --workspace (a git repository)")
-            target = self.paths.worktrees_dir / task_id
-            await add_worktree(workspace, target, f"kandev/{task_id}")  # off the loop, hooks disabled
-            return str(target)
+            repo = await asyncio.to_thread(locate_repository, workspace)
+            return await create_worktree(repo, self.paths.worktrees_dir / task_id, f"kandev/{task_id}",
+                                         self._checkout_sandbox())
         if workspace:
             path = Path(workspace)
             if not path.is_absolute() or not path.is_dir():
                 raise IpcError(ErrorCode.INVALID_ARGUMENT, f"workspace {workspace!r} is not an existing absolute directory")
-            return str(path)
+            return await asyncio.to_thread(record_local, workspace, created=False)
         target = self.paths.worktrees_dir / task_id
-        target.mkdir(parents=True, exist_ok=True)
-        return str(target)
+        await asyncio.to_thread(target.mkdir, parents=True, exist_ok=True)
+        return await asyncio.to_thread(record_local, str(target), created=True)
+
+    def _checkout_sandbox(self) -> CheckoutSandbox:
+        return CheckoutSandbox(SandboxPolicy(self.config().agents.sandbox), tuple(self.hidden()), find_bwrap())
 
     def _set_done(self, task_id: str, done: bool) -> dict[str, str]:
         with self.store.session() as db:

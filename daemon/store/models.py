@@ -255,3 +255,27 @@ class WorkflowStep(Base):
     status: Mapped[str] = mapped_column(String(16), default="pending")
     detail: Mapped[str | None] = mapped_column(Text)
     entered_at: Mapped[datetime | None] = mapped_column()
+
+
+class TaskWorkspace(Base):
+    """The host paths kandev acts on for a task, recorded when kandev creates or accepts them
+    (``daemon.backend.workspace_record``): before any removal, bind or git on the host, the path on
+    disk is checked against this row (resolved path, no symlink, owner). Nothing an agent can write
+    (a ``.git`` file, ``commondir``, ``gitdir``, a symlink) ever replaces it.
+
+    ``path``: the workspace, resolved; ``owner_uid``: the owner of its top directory; ``created``:
+    kandev made it (under ``<home>/worktrees``) and removes it with the task. A git worktree also
+    records its ``repository`` (the directory the user named), the repository's git directory
+    (``git_common_dir``, owned by ``git_owner_uid``) and the worktree's administrative directory
+    (``git_admin_dir``: ``<git_common_dir>/worktrees/<name>``)."""
+
+    __tablename__ = "task_workspaces"
+    task_id: Mapped[str] = mapped_column(ForeignKey("tasks.id", ondelete="CASCADE"), primary_key=True)
+    path: Mapped[str] = mapped_column(Text)
+    owner_uid: Mapped[int] = mapped_column(Integer)
+    created: Mapped[bool] = mapped_column(Boolean, default=False)
+    repository: Mapped[str | None] = mapped_column(Text)
+    git_common_dir: Mapped[str | None] = mapped_column(Text)
+    git_admin_dir: Mapped[str | None] = mapped_column(Text)
+    git_owner_uid: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

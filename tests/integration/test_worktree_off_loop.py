@@ -149,6 +149,15 @@ def test_a_refused_worktree_is_a_typed_error_and_leaves_nothing(kandev_factory, 
     proc = k.run("task", "create", "--title", "wt", "--executor", "worktree", "--workspace", str(not_a_repo))
     assert proc.returncode == 1
     error = json.loads(proc.stdout)["error"]
-    assert error["code"] == "invalid_argument" and "git worktree add failed" in error["message"]
+    assert error["code"] == "invalid_argument" and "is not a git repository" in error["message"]
     assert list((k.home / "worktrees").iterdir()) == []
+    # A repository git refuses to branch from (no commit yet): git's own message, nothing left.
+    empty = short_tmp / "empty"
+    empty.mkdir()
+    _git("init", "-q", cwd=empty)
+    proc = k.run("task", "create", "--title", "wt", "--executor", "worktree", "--workspace", str(empty))
+    error = json.loads(proc.stdout)["error"]
+    assert error["code"] == "invalid_argument" and "git worktree add failed" in error["message"], error
+    assert list((k.home / "worktrees").iterdir()) == []
+    assert not (empty / ".git" / "worktrees").exists() or list((empty / ".git" / "worktrees").iterdir()) == []
     assert k.cli("board")["backlog"] == []  # no task was created

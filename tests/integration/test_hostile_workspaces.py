@@ -1,0 +1,253 @@
+"""Hostile workspaces: nothing an agent writes makes kandev delete, bind or run anything outside its
+sandbox (Issue 19 scenario A, Issue 19 scenario B, Issue 19 scenario C), through the real daemons
+(kandev running as the test's user, root here), attacking from inside with the mock agent's ``/sh``.
+
+- A: a planted ``.git`` file (a fake git directory whose ``worktrees`` is a symlink to a directory of
+  canary files, and the worktree's own admin ``commondir`` naming another whose ``worktrees`` is the
+  kandev home), then ``task delete --stop``: every canary and the home survive; exactly the recorded
+  worktree and admin directory go.
+- B: a planted ``.git`` file whose ``commondir`` names a directory outside, then the agent exits;
+  ``kandev resume``, ``reset-context --restart`` and an automatic resume each give an agent that
+  cannot write that directory, cannot list ``<home>/sessions``, and works in its own workspace.
+- C: from a worktree session, writing the repository's config, hooks, info/attributes (and the
+  other ways to reach the next git on the host: ``config.worktree``, ``commondir``, the main index,
+  other worktrees' admin dirs) fails, while commit, branch and rebase work; a sibling session's and
+  the user's own ``git status`` run no fsmonitor; with a filter, attributes, hooks and an fsmonitor
+  planted by the test anyway, a new ``task create --executor worktree`` runs none of them outside a
+  sandbox (the filter runs, contained, inside one).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.kandev import Kandev
+from tests.support.processes import alive
+from tests.support.sandbox_attacks import attack_script, attack_verdicts
+from tests.support.waiting import wait_until
+
+pytestmark = pytest.mark.timeout(300)
+
+GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
+
+
+def _git(*args: str, cwd: Path) -> str:
+    return subprocess.run([*GIT, *args], cwd=cwd, check=True, capture_output=True, text=True, timeout=30).stdout
+
+
+def _repository(path: Path) -> Path:
+    path.mkdir()
+    _git("init", "-q", "-b", "main", cwd=path)
+    (path / "README").write_text("hello\n")
+    _git("add", "README", cwd=path)
+    _git("commit", "-q", "-m", "init", cwd=path)
+    return path
+
+
+def _sh(k: Kandev, sid: str, script: str) -> str:
+    k.cli("prompt", sid, "/sh " + script, "--wait")
+    said = [m["text"] for m in k.show(sid)["transcript"] if m["kind"] == "agent_message_chunk"][-1]
+    assert said.startswith("sh: "), said
+    return said
+
+
+def _worktree_session(k: Kandev, repo: Path, title: str) -> tuple[str, str]:
+    task = k.cli("task", "create", "--title", title, "--executor", "worktree", "--workspace", str(repo))["task_id"]
+    sid = k.cli("session", "start", task)["session_id"]
+    wait_until(lambda: k.show(sid)["state"] == "WAITING_FOR_INPUT", timeout=60)
+    return task, sid
+
+
+def _tree(root: Path) -> dict[str, str]:
+    """Every file below ``root`` (relative path -> content), directories as ``<dir>``."""
+    out: dict[str, str] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for d in dirnames:
+            out[os.path.relpath(os.path.join(dirpath, d), root)] = "<dir>"
+        for f in filenames:
+            out[os.path.relpath(os.path.join(dirpath, f), root)] = Path(dirpath, f).read_text()
+    return out
+
+
+def test_scenario_a_a_planted_gitdir_never_decides_what_task_delete_removes(kandev_factory: Any,
+                                                                           short_tmp: Path) -> None:
+    """Issue 19 scenario A."""
+    repo = _repository(short_tmp / "repo")
+    canary = short_tmp / "canary"
+    for entry in ("one", "two"):  # what ``git worktree prune`` would take for stale worktree entries
+        (canary / entry).mkdir(parents=True)
+        (canary / entry / "keep").write_text(f"canary {entry}\n")
+    (canary / "file").write_text("canary file\n")
+    before = _tree(canary)
+    k = kandev_factory()
+    k.up()
+    other_task, other_sid = k.start_session("bystander")
+    task, sid = _worktree_session(k, repo, "attacker")
+    home_before = sorted(p.name for p in k.home.iterdir())
+    ws = k.home / "worktrees" / task
+    admin = repo / ".git" / "worktrees" / task
+    assert (ws / ".git").read_text().strip() == f"gitdir: {admin}"
+
+    said = _sh(k, sid, " && ".join([
+        "git init -q --bare fake", "rm -rf fake/worktrees", f"ln -s {canary} fake/worktrees",
+        "git init -q --bare fake2", "rm -rf fake2/worktrees", f"ln -s {k.home} fake2/worktrees",
+        'printf "gitdir: %s/fake\\n" "$PWD" > .git',
+        f'printf "%s/fake2\\n" "$PWD" > {admin}/commondir',
+        f'printf "%s/fake2/.git\\n" "$PWD" > {admin}/gitdir',
+        "echo planted"]))
+    assert "planted" in said, said
+
+    out = k.cli("task", "delete", task, "--stop")
+    assert out["deleted"] is True and out["stopped"] == [sid], out
+    assert out["worktree"] == f"removed; its branch kandev/{task} is kept"
+    assert _tree(canary) == before  # every canary survives
+    assert sorted(p.name for p in k.home.iterdir()) == home_before  # the home is whole
+    assert not ws.exists() and not admin.exists()  # exactly what was recorded went
+    assert {os.path.realpath(ws), os.path.realpath(admin)} <= set(out["removed"]), out
+    assert f"kandev/{task}" in _git("branch", "--list", cwd=repo)
+    assert str(ws) not in _git("worktree", "list", cwd=repo)
+    assert k.status()["backend"]["state"] == "ready"
+    assert k.show(other_sid)["live"] and other_task in str(k.cli("board"))
+    k.cli("prompt", other_sid, "still here", "--wait")
+
+
+def _exit_agent(k: Kandev, sid: str) -> None:
+    k.cli("prompt", sid, "/exit 1")
+    wait_until(lambda: (s := k.show(sid))["state"] == "FAILED" and not s["live"], timeout=30)
+
+
+def _contained(k: Kandev, sid: str, bystander: str, outside: Path, admin: Path) -> None:
+    """The agent of ``sid`` cannot write ``outside`` nor list ``<home>/sessions``: only its own
+    session directory is bound there (at its own path, so the parent bwrap makes for it in its
+    tmpfs lists that one entry and nothing else; ``bystander``'s is absent), and it works in its
+    workspace and its own admin directory."""
+    denied = {
+        "write_outside": ["sh", "-c", f"echo pwned > {outside}/pwned"],
+        "list_other_session": ["ls", str(k.home / "sessions" / bystander)],
+    }
+    allowed = {
+        "write_workspace": ["sh", "-c", "echo hi > probe.txt && test \"$(cat probe.txt)\" = hi"],
+        "own_admin_dir": ["test", "-f", str(admin / "HEAD")],
+    }
+    said = _sh(k, sid, attack_script(denied, allowed))
+    assert not attack_verdicts(said, denied, allowed), said
+    assert not (outside / "pwned").exists()
+    listed = _sh(k, sid, f"ls -a {k.home / 'sessions'}").split("\n", 1)[1].split()
+    assert sorted(listed) == [".", "..", sid], listed
+    assert sorted(p.name for p in (k.home / "sessions").iterdir()) == sorted([sid, bystander])
+
+
+def test_scenario_b_a_planted_commondir_never_decides_what_a_new_agent_sees(kandev_factory: Any,
+                                                                           short_tmp: Path) -> None:
+    """Issue 19 scenario B: resume, reset-context --restart and an automatic resume after a backend
+    restart (survival off: the agent dies with it)."""
+    repo = _repository(short_tmp / "repo")
+    outside = short_tmp / "outside"
+    outside.mkdir()
+    (outside / "precious").write_text("the user's\n")
+    k = kandev_factory(KANDEV_FEATURES_AUTO_RESUME="true")
+    k.up()
+    _, bystander = k.start_session("bystander")
+    task, sid = _worktree_session(k, repo, "b")
+    admin = repo / ".git" / "worktrees" / task
+    said = _sh(k, sid, " && ".join([
+        "mkdir -p fakegit", f"echo {outside} > fakegit/commondir", 'printf "gitdir: %s/fakegit\\n" "$PWD" > .git',
+        f"echo {outside} > {admin}/commondir", "echo planted"]))
+    assert "planted" in said, said
+    _exit_agent(k, sid)
+
+    k.cli("resume", sid)
+    wait_until(lambda: (s := k.show(sid))["live"] and s["state"] == "WAITING_FOR_INPUT", timeout=60)
+    _contained(k, sid, bystander, outside, admin)
+
+    pid = k.show(sid)["agent_pid"]
+    k.cli("session", "reset-context", sid, "--restart")
+    wait_until(lambda: (s := k.show(sid))["live"] and s["agent_pid"] != pid and s["state"] == "WAITING_FOR_INPUT",
+               timeout=60)
+    _contained(k, sid, bystander, outside, admin)
+
+    pid = k.show(sid)["agent_pid"]
+    backend = k.status()["backend"]["pid"]
+    os.kill(backend, signal.SIGKILL)  # survival off: the control server and the agent go with it
+    wait_until(lambda: not alive(backend) and not alive(pid), timeout=30)
+    k.up()
+    show = wait_until(lambda: s if (s := k.show(sid))["live"] and s["state"] == "WAITING_FOR_INPUT" else None,
+                      timeout=90)
+    assert show["agent_pid"] != pid
+    _contained(k, sid, bystander, outside, admin)
+    assert sorted(p.name for p in outside.iterdir()) == ["precious"]
+
+
+def test_scenario_c_the_repository_is_not_the_agents_to_reconfigure(kandev_factory: Any, short_tmp: Path) -> None:
+    """Issue 19 scenario C."""
+    repo = _repository(short_tmp / "repo")
+    ran = short_tmp / "ran"  # anything that runs outside a sandbox leaves a file here
+    ran.mkdir()
+    k = kandev_factory()
+    k.up()
+    task, sid = _worktree_session(k, repo, "attacker")
+    sibling_task, sibling = _worktree_session(k, repo, "sibling")
+    common = repo / ".git"
+    ws = k.home / "worktrees" / task
+    evil = ws / "evil.sh"
+    denied = {
+        "config": ["git", "config", "core.fsmonitor", str(evil)],
+        "config_append": ["sh", "-c", f"printf '[core]\\n\\tfsmonitor = {evil}\\n' >> {common}/config"],
+        "config_worktree": ["sh", "-c", f"printf '[core]\\n\\tfsmonitor = {evil}\\n' > {common}/config.worktree"],
+        "hook": ["sh", "-c", f"cp {evil} {common}/hooks/post-commit"],
+        "info_attributes": ["sh", "-c", f"echo '* filter=evil' > {common}/info/attributes"],
+        "commondir": ["sh", "-c", f"echo {ws}/fake > {common}/commondir"],
+        "main_index": ["sh", "-c", f"echo x > {common}/index"],
+        "sibling_admin": ["ls", f"{common}/worktrees/{sibling_task}"],
+    }
+    allowed = {
+        "write_evil": ["sh", "-c", f"printf '#!/bin/sh\\ntouch {ran}/$(basename $0)-ran\\n' > {evil}"
+                       f" && chmod +x {evil}"],
+        "commit": [*GIT, "commit", "-q", "--allow-empty", "-m", "one"],
+        "commit_again": [*GIT, "commit", "-q", "--allow-empty", "-m", "two"],
+        "branch": ["git", "branch", "feature"],
+        "rebase": [*GIT, "rebase", "-q", "--onto", "HEAD~2", "HEAD~1"],
+        "status": ["git", "status", "--porcelain"],
+    }
+    said = _sh(k, sid, attack_script(denied, allowed))
+    assert not attack_verdicts(said, denied, allowed), said
+    # The other worktrees' admin entries are an empty tmpfs inside: what is made there stays there.
+    _sh(k, sid, f"mkdir {common}/worktrees/planted")
+    assert sorted(p.name for p in (common / "worktrees").iterdir()) == sorted([task, sibling_task])
+    assert _git("log", "--format=%s", f"kandev/{task}", cwd=repo).split() == ["two", "init"]  # rebased
+    assert "feature" in _git("branch", "--list", cwd=repo)
+    assert not (common / "commondir").exists() and not (common / "config.worktree").exists()
+
+    # A sibling session's and the user's own git status run no fsmonitor (nor anything else).
+    said = _sh(k, sibling, "git status --porcelain && echo status-ok")
+    assert "status-ok" in said, said
+    _git("status", "--porcelain", cwd=repo)
+    _git("commit", "-q", "--allow-empty", "-m", "the user's", cwd=repo)
+    assert list(ran.iterdir()) == []
+
+    # Planted anyway (as the user could have): a smudge filter for every file, hooks, an fsmonitor.
+    # Each leaves a file in ``ran`` if it runs on the host; the filter, where that directory is
+    # absent (inside a sandbox), leaves one in the directory it runs in instead.
+    tattle = f"touch {ran}/$0 2>/dev/null || touch $0-ran-inside-a-sandbox"
+    _git("config", "filter.evil.smudge", f"sh -c '{tattle}; cat' filter", cwd=repo)
+    _git("config", "filter.evil.required", "true", cwd=repo)
+    _git("config", "core.fsmonitor", f"{ran}/fsmonitor-program", cwd=repo)
+    (ran.parent / "fsmonitor-program").write_text(f"#!/bin/sh\ntouch {ran}/fsmonitor\n")
+    (common / "info").mkdir(exist_ok=True)
+    (common / "info" / "attributes").write_text("* filter=evil\n")
+    for hook in ("post-checkout", "reference-transaction", "post-index-change", "pre-commit"):
+        # (inside a sandbox the directory is absent: the hook then ends well, not to fail the checkout)
+        (common / "hooks" / hook).write_text(f"#!/bin/sh\ntouch {ran}/{hook} 2>/dev/null\nexit 0\n")
+        (common / "hooks" / hook).chmod(0o755)
+    created = k.cli("task", "create", "--title", "new", "--executor", "worktree", "--workspace", str(repo))
+    new_ws = Path(created["workspace"])
+    assert list(ran.iterdir()) == []  # nothing ran outside a sandbox
+    assert (new_ws / "README").read_text() == "hello\n"
+    # The filter did run, inside the checkout's sandbox (where the outside directory is absent).
+    assert (new_ws / "filter-ran-inside-a-sandbox").exists()
