@@ -24,9 +24,10 @@ from sqlalchemy.orm import Session as DbSession
 
 from daemon.agentctl.protocol import EventKind
 from daemon.store import transitions
-from daemon.store.models import ExecutorRunning, Message, TaskSession, Turn
+from daemon.store.models import ExecutorRunning, TaskSession, Turn
 from daemon.store.session_metadata import SessionMetadata
 from daemon.store.states import SessionState, TaskState
+from daemon.store.transcript import TranscriptWriter, ensure_turn
 
 # ACP session updates that carry text for the transcript, and the role they get.
 _TEXT_UPDATES = {
@@ -48,26 +49,6 @@ class ApplyResult:
 
     ended_turns: list[tuple[str, str | None]] = field(default_factory=list)  # (turn_id, stop_reason)
     agent_exited: bool = False
-
-
-def ensure_turn(db: DbSession, session_id: str, turn_id: str, prompt: str | None) -> Turn:
-    """The session's turn ``turn_id``, created open (with the next ordinal) if the store has none yet."""
-    turn = db.get(Turn, turn_id)
-    if turn is None:
-        ordinal = db.scalar(select(func.count()).select_from(Turn).where(Turn.session_id == session_id)) or 0
-        turn = Turn(
-            id=turn_id,
-            session_id=session_id,
-            ordinal=ordinal + 1,
-            prompt=prompt or "",
-            state="open",
-            started_at=_now(),
-        )
-        db.add(turn)
-        db.flush()
-    elif prompt and not turn.prompt:
-        turn.prompt = prompt
-    return turn
 
 
 def apply_turn_outcome(
@@ -126,11 +107,20 @@ def _config_options(update: dict[str, Any]) -> dict[str, Any]:
 
 
 def apply_events(db: DbSession, session_id: str, instance_id: str, events: list[Any]) -> ApplyResult:
-    """Apply a batch of stream events (each with .seq, .kind, .data) in the caller's transaction."""
+    """Apply a batch of stream events (each with .seq, .kind, .data) in the caller's transaction.
+
+    Transcript chunks go through one ``TranscriptWriter`` (coalesced, and an event the transcript
+    already covers is skipped: exactly once)."""
     result = ApplyResult()
     session = db.get(TaskSession, session_id)
     if session is None:
         return result
+    writer = TranscriptWriter(db, session_id)
+
+    def write(ev: Any, role: str, kind: str, text: str, turn_id: Any) -> None:
+        writer.append(role=role, kind=kind, text=text, turn_id=None if turn_id is None else str(turn_id),
+                      instance_id=instance_id, event_seq=ev.seq, created_at=_now())
+
     for ev in events:
         data = ev.data if isinstance(ev.data, dict) else {}
         turn_id = data.get("turn_id")
@@ -138,18 +128,7 @@ def apply_events(db: DbSession, session_id: str, instance_id: str, events: list[
             turn = ensure_turn(db, session_id, str(turn_id), str(data.get("text") or ""))
             if turn.state == "open":
                 mark_running(db, session, f"turn {turn_id} started")
-            db.add(
-                Message(
-                    session_id=session_id,
-                    turn_id=turn_id,
-                    role="user",
-                    kind="prompt",
-                    text=str(data.get("text") or ""),
-                    instance_id=instance_id,
-                    event_seq=ev.seq,
-                    created_at=_now(),
-                )
-            )
+            write(ev, "user", "prompt", str(data.get("text") or ""), turn_id)
         elif ev.kind == EventKind.SESSION_UPDATE:
             raw_update = data.get("update")
             update: dict[str, Any] = raw_update if isinstance(raw_update, dict) else {}
@@ -166,18 +145,7 @@ def apply_events(db: DbSession, session_id: str, instance_id: str, events: list[
                     _set_runtime_config(session, "mode", update.get("currentModeId"))
                 elif kind == "config_option_update":
                     _set_runtime_config(session, "options", _config_options(update))
-            db.add(
-                Message(
-                    session_id=session_id,
-                    turn_id=turn_id,
-                    role=role,
-                    kind=kind,
-                    text=text,
-                    instance_id=instance_id,
-                    event_seq=ev.seq,
-                    created_at=_now(),
-                )
-            )
+            write(ev, role, kind, text, turn_id)
         elif ev.kind == EventKind.TURN_ENDED:
             tid = str(turn_id)
             # Applied or already applied: either way it is acked and its waiters woken.
@@ -186,32 +154,11 @@ def apply_events(db: DbSession, session_id: str, instance_id: str, events: list[
         elif ev.kind == EventKind.AGENT_EXITED:
             result.agent_exited = True
             code = data.get("exit_code")
-            db.add(
-                Message(
-                    session_id=session_id,
-                    turn_id=None,
-                    role="system",
-                    kind="agent_exited",
-                    text=f"agent exited with code {code}",
-                    instance_id=instance_id,
-                    event_seq=ev.seq,
-                    created_at=_now(),
-                )
-            )
+            write(ev, "system", "agent_exited", f"agent exited with code {code}", None)
             mark_agent_gone(db, session_id, f"agent exited with code {code}")
         else:  # permission_request, agent_error and kinds added later: kept verbatim
-            db.add(
-                Message(
-                    session_id=session_id,
-                    turn_id=turn_id,
-                    role="system",
-                    kind=str(ev.kind),
-                    text=json.dumps(data, sort_keys=True, default=str),
-                    instance_id=instance_id,
-                    event_seq=ev.seq,
-                    created_at=_now(),
-                )
-            )
+            write(ev, "system", str(ev.kind), json.dumps(data, sort_keys=True, default=str), turn_id)
+    writer.flush()
     if events:
         row = db.get(ExecutorRunning, session_id)
         if row is not None and row.instance_id == instance_id:

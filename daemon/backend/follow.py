@@ -28,10 +28,11 @@ A turn's end is known from its ``turns`` row, not from an entry. So each round r
 state *first* and the entries *second*: once a turn is seen over, every entry written before its
 end is already committed and read in the same round, and ``turn_ended`` comes after all of them.
 
-Cursors only grow along the transcript: entries are written by the backend's event loop alone, one
-transaction at a time, so they are committed in cursor order and a stream never passes over an
-entry that is committed later with a smaller cursor. (A writer in a worker thread would break
-that on PostgreSQL, where ids are handed out at insert, not at commit.)
+Cursors only grow along the transcript: a writer holds its session's ``transcript_sessions`` row
+locked from the cursor it takes until its commit (``daemon.store.transcript``), so a session's
+chunks are committed in cursor order and a stream never passes over a chunk that is committed
+later with a smaller cursor. A cursor names one chunk even where the store coalesced several into
+one row: a stream may stop and resume in the middle of a stored entry.
 
 After a backend restart (SIGKILL, ``kandev down``/``up``, ``systemctl restart``) the client
 reconnects with ``after_seq`` = the last cursor it printed and the same ``turn_id``: the
@@ -42,21 +43,23 @@ exactly once and in order.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from daemon.backend.api import FollowEnd, FollowEvent
 from daemon.backend.executions import ExecutionStore
 from daemon.backend.session_view import PAGE_TEXT_BYTES, permissions, transcript_entry
 from daemon.backend.transcript_hub import TranscriptHub
+from daemon.store import transcript
 from daemon.store.db import Store
-from daemon.store.models import Message, TaskSession, Turn
+from daemon.store.models import TaskSession, Turn
 from daemon.store.states import SessionState
 from ipc.errors import ErrorCode, IpcError
 from ipc.framing import ConnectionClosed
@@ -111,12 +114,10 @@ def _outcome(db: Session, turn_id: str) -> dict[str, Any] | None:
 
 def _first_cursor_of(db: Session, session_id: str, turn_id: str) -> int:
     """The cursor just before the turn's first entry (before everything to come if it has none yet)."""
-    first = db.scalar(select(func.min(Message.id)).where(Message.session_id == session_id,
-                                                          Message.turn_id == turn_id))
+    first = transcript.first_cursor_of_turn(db, session_id, turn_id)
     if first is not None:
-        return int(first) - 1
-    last = db.scalar(select(func.max(Message.id)).where(Message.session_id == session_id))
-    return int(last or 0)
+        return first - 1
+    return transcript.last_cursor(db, session_id)
 
 
 def start_position(
@@ -139,7 +140,7 @@ def start_position(
         if turn is not None:
             after_seq = _first_cursor_of(db, session_id, turn.id)
         else:
-            after_seq = int(db.scalar(select(func.max(Message.id)).where(Message.session_id == session_id)) or 0)
+            after_seq = transcript.last_cursor(db, session_id)
     position = Position(session_id, after_seq, turn.id if turn is not None else None, follow_all)
     result = {
         "session_id": session.id,
@@ -163,10 +164,7 @@ def read_round(
     # The turn's state first, then the entries: if the turn is over now, all its entries are in.
     ended = _outcome(db, pos.turn_id) if pos.turn_id is not None and not pos.turn_end_sent else None
     ended_at = _parse(ended.get("ended_at")) if ended is not None else None
-    columns = (Message.id, Message.role, Message.kind, Message.text, Message.turn_id, Message.event_seq,
-               Message.created_at)
-    rows = db.execute(select(*columns).where(Message.session_id == pos.session_id, Message.id > pos.cursor)
-                      .order_by(Message.id).limit(limit)).all()
+    rows = list(itertools.islice(transcript.chunks_after(db, pos.session_id, pos.cursor), limit))
     full = len(rows) == limit
     budget = text_budget
     open_requests: set[str] | None = None  # read once a round shows a permission request
@@ -195,15 +193,15 @@ def read_round(
                     return _end(out, pos, FollowEnd.TURN_ENDED)
             pos.turn_id, pos.turn_end_sent, ended = row.turn_id, False, None
         if not pos.follow_all and row.turn_id and row.turn_id != pos.turn_id:
-            pos.cursor = row.id  # a late entry of another turn: not this stream's
+            pos.cursor = row.cursor  # a late entry of another turn: not this stream's
             continue
         entry = transcript_entry(row)
         if row.kind == "permission_request":
             if open_requests is None:
                 open_requests = {p["request_id"] for p in permissions(db, pos.session_id) if p["state"] == "open"}
             entry["open"] = _request_id(row.text) in open_requests  # still waiting for an answer
-        out.events.append(StreamEvent(row.id, FollowEvent.ENTRY, entry))
-        pos.cursor = row.id
+        out.events.append(StreamEvent(row.cursor, FollowEvent.ENTRY, entry))
+        pos.cursor = row.cursor
     if full or pos.turn_id != turn_at_read:
         out.more = True  # more stored, or a turn began whose state is not read yet
         return out

@@ -22,7 +22,7 @@ from daemon.agentctl.client import AgentctlClient
 from daemon.backend import runtime_config as rc
 from daemon.backend.context import BackendContext
 from daemon.backend.executions import Execution
-from daemon.store.models import Message
+from daemon.store import transcript
 from daemon.store.session_metadata import SessionMetadata
 from ipc.aio import cancel_and_wait
 from ipc.errors import ErrorCode, IpcError
@@ -141,5 +141,5 @@ class LiveSessions:
         )
 
     def message(self, db: Any, session_id: str, kind: str, payload: Mapping[str, Any]) -> None:
-        db.add(Message(session_id=session_id, turn_id=None, role="system", kind=kind,
-                       text=json.dumps(dict(payload), sort_keys=True, default=str), created_at=_now()))
+        transcript.append(db, session_id, role="system", kind=kind,
+                          text=json.dumps(dict(payload), sort_keys=True, default=str))

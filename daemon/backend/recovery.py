@@ -36,14 +36,15 @@ from sqlalchemy import select
 
 from daemon.agentctl.client import AgentctlClient
 from daemon.backend.adoption import Adopter, Adoption, AdoptionOutcome
-from daemon.backend.events import apply_turn_outcome, ensure_turn, mark_running
+from daemon.backend.events import apply_turn_outcome, mark_running
 from daemon.backend.executions import Execution, ExecutionStore
 from daemon.backend.liveness import DEAD, Scope, classify, live_groups, stop_leftover_group
 from daemon.journal import log_event
-from daemon.store import transitions
+from daemon.store import transcript, transitions
 from daemon.store.db import Store
-from daemon.store.models import ControlServerRecord, ExecutorRunning, Message, Task, TaskSession, Turn
+from daemon.store.models import ControlServerRecord, ExecutorRunning, Task, TaskSession, Turn
 from daemon.store.states import SessionState, TaskState
+from daemon.store.transcript import ensure_turn
 from ipc.errors import ErrorCode, IpcError
 
 log = logging.getLogger(__name__)
@@ -585,13 +586,13 @@ def repair_lost_server(
             continue
         row = db.get(ExecutorRunning, session_id)
         last_seq = max(agent.last_seq, (row.last_event_seq or 0) if row is not None else 0)
-        db.add(Message(
-            session_id=session_id, turn_id=None, role="system", kind="control_server_lost",
+        transcript.append(
+            db, session_id, role="system", kind="control_server_lost",
             text=(f"The control server was lost ({reason}) and the agent with it. Events it held for this session"
                   f" but never delivered are lost; the last event received was seq {last_seq}. The conversation"
                   " can continue: kandev resume " + session_id),
             created_at=now,
-        ))
+        )
         repair_interrupted(db, session_id, now, reason=f"interrupted: control server lost ({reason})",
                            interruption={**interruption, "last_seq": last_seq})
         repaired.append(session_id)

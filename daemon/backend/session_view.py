@@ -9,7 +9,9 @@ frame can carry, so ``session show`` pages it:
 - ``after_seq=S`` (and ``limit=N``, default ``DEFAULT_PAGE``): the first N entries whose
   ``cursor`` is greater than S (``after_seq=0``: from the beginning).
 
-Each entry carries its ``cursor`` (increasing along the transcript); the answer's ``page`` says
+Each entry is one chunk and carries its ``cursor`` (increasing along the session's transcript; the
+store coalesces chunks, ``daemon.store.transcript``, but a cursor still names exactly one chunk,
+as before, and a cursor from 0.2.0 still names the same chunk); the answer's ``page`` says
 where it stands: ``next_cursor`` (pass it as ``after_seq`` for the entries after this page),
 ``first_cursor``, ``more_before``, ``more_after``, ``count`` and ``total``. Whatever the flags, a
 page also stops at ``PAGE_TEXT_BYTES`` of text and an entry's text is cut at ``ENTRY_TEXT_MAX``
@@ -30,7 +32,8 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from daemon.store.models import ExecutorRunning, Message, TaskSession, Turn
+from daemon.store import transcript
+from daemon.store.models import ExecutorRunning, TaskSession, Turn
 from ipc.errors import ErrorCode, IpcError
 
 DEFAULT_PAGE = 10_000
@@ -82,11 +85,11 @@ def _cut(text: str) -> tuple[str, bool]:
     return (text[:ENTRY_TEXT_MAX], True) if len(text) > ENTRY_TEXT_MAX else (text, False)
 
 
-def transcript_entry(row: Any) -> dict[str, Any]:
-    """One transcript entry as `session show` and `follow` send it (its text cut at ENTRY_TEXT_MAX)."""
+def transcript_entry(row: transcript.Chunk) -> dict[str, Any]:
+    """One transcript entry (a chunk) as `session show` and `follow` send it (its text cut at ENTRY_TEXT_MAX)."""
     text, cut = _cut(row.text)
     entry = {"role": row.role, "kind": row.kind, "text": text, "turn_id": row.turn_id, "seq": row.event_seq,
-             "cursor": row.id}
+             "cursor": row.cursor}
     if cut:
         entry["text_truncated"] = True
     return entry
@@ -94,16 +97,15 @@ def transcript_entry(row: Any) -> dict[str, Any]:
 
 def transcript_page(db: Session, session_id: str, request: PageRequest) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """One page of the transcript in order, and its ``page`` description."""
-    columns = (Message.id, Message.role, Message.kind, Message.text, Message.turn_id, Message.event_seq)
-    query = select(*columns).where(Message.session_id == session_id)
-    if request.forward:
-        query = query.where(Message.id > request.after_seq).order_by(Message.id)
-    else:
-        query = query.order_by(Message.id.desc())
+    after = request.after_seq if request.after_seq is not None else 0
+    chunks = (transcript.chunks_after(db, session_id, after) if request.forward
+              else transcript.chunks_backward(db, session_id))
     entries: list[dict[str, Any]] = []
     budget = PAGE_TEXT_BYTES
-    for row in db.execute(query.limit(request.size)):
-        entry = transcript_entry(row)
+    for chunk in chunks:
+        if len(entries) >= request.size:
+            break
+        entry = transcript_entry(chunk)
         cost = len(entry["text"]) + ENTRY_OVERHEAD
         if entries and cost > budget:
             break  # the page is full: the rest is on the next one
@@ -113,22 +115,17 @@ def transcript_page(db: Session, session_id: str, request: PageRequest) -> tuple
         entries.reverse()
     first = entries[0]["cursor"] if entries else None
     last = entries[-1]["cursor"] if entries else None
-
-    def exists(condition: Any) -> bool:
-        return db.execute(select(Message.id).where(Message.session_id == session_id, condition).limit(1)).first() \
-            is not None
-
-    if entries:
-        more_before, more_after = exists(Message.id < first), exists(Message.id > last)
+    if first is not None and last is not None:
+        more_before = transcript.has_before(db, session_id, first)
+        more_after = transcript.has_after(db, session_id, last)
     else:
-        more_before = request.forward and exists(Message.id <= request.after_seq)
+        more_before = request.forward and transcript.has_before(db, session_id, after + 1)
         more_after = False
-    total = db.execute(select(func.count()).select_from(Message).where(Message.session_id == session_id)).scalar()
     page = {
         "mode": "after_seq" if request.forward else "tail",
         "size": request.size,
         "count": len(entries),
-        "total": int(total or 0),
+        "total": transcript.count(db, session_id),
         "first_cursor": first,
         "next_cursor": last if last is not None else (request.after_seq if request.forward else 0),
         "more_before": more_before,
@@ -140,12 +137,7 @@ def transcript_page(db: Session, session_id: str, request: PageRequest) -> tuple
 def permissions(db: Session, session_id: str) -> list[dict[str, Any]]:
     """Permission requests of the transcript (its last ``PERMISSION_MESSAGES`` permission entries),
     each open until answered or cancelled."""
-    rows = db.execute(
-        select(Message.kind, Message.text)
-        .where(Message.session_id == session_id, Message.kind.in_(PERMISSION_KINDS))
-        .order_by(Message.id.desc())
-        .limit(PERMISSION_MESSAGES)
-    ).all()
+    rows = transcript.last_of_kinds(db, session_id, PERMISSION_KINDS, PERMISSION_MESSAGES)
     requests: dict[str, dict[str, Any]] = {}
     for kind, text in reversed(rows):
         try:

@@ -21,15 +21,15 @@ from sqlalchemy import select
 from daemon.agents.registry import get_agent
 from daemon.backend import agent_launch
 from daemon.backend.context import BackendContext, BackendState
-from daemon.backend.events import ensure_turn
 from daemon.backend.session_launcher import LaunchPlan, LaunchProgress, LaunchStage, SessionLauncher
 from daemon.backend.session_view import PageRequest, StoredSession, read_session
 from daemon.credentials import CredentialError
 from daemon.journal import log_event
-from daemon.store import transitions
-from daemon.store.models import Message, Task, TaskSession
+from daemon.store import transcript, transitions
+from daemon.store.models import Task, TaskSession
 from daemon.store.session_metadata import SessionMetadata
 from daemon.store.states import SessionState, TaskState
+from daemon.store.transcript import ensure_turn
 from ipc.errors import ErrorCode, IpcError
 
 
@@ -207,16 +207,8 @@ class SessionService:
             raise IpcError(ErrorCode.CONFLICT, f"session {session_id} has no running agent")
         await client.respond_permission(ex.instance_id, request_id, option_id)
         with b.store.session() as db:
-            db.add(
-                Message(
-                    session_id=session_id,
-                    turn_id=None,
-                    role="user",
-                    kind="permission_response",
-                    text=json.dumps({"request_id": request_id, "option_id": option_id}, sort_keys=True),
-                    created_at=_now(),
-                )
-            )
+            transcript.append(db, session_id, role="user", kind="permission_response",
+                              text=json.dumps({"request_id": request_id, "option_id": option_id}, sort_keys=True))
         return {"ok": True}
 
     def _read_session(self, session_id: str, request: PageRequest) -> StoredSession:

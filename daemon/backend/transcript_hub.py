@@ -2,8 +2,8 @@
 
 A ``follow`` stream (``daemon.backend.follow``) sends what the store holds and then sleeps until
 its session changes. It learns that here, not by polling: the hub listens to the store's
-SQLAlchemy sessions, notes every ``Message``, ``Turn`` and ``TaskSession`` row a flush writes,
-and once that transaction commits wakes the streams watching those sessions. So whoever writes
+SQLAlchemy sessions, notes every ``Turn`` and ``TaskSession`` row a flush writes and every session
+whose transcript a ``daemon.store.transcript`` writer touched, and once that transaction commits wakes the streams watching those sessions. So whoever writes
 (the event consumer applying a batch, a permission answer, recovery, resume) wakes the followers,
 and a follower woken after a commit always finds the rows of that commit.
 
@@ -24,10 +24,9 @@ from sqlalchemy import event
 from sqlalchemy.orm import Session
 
 from daemon.store.db import Store
-from daemon.store.models import Message, TaskSession, Turn
+from daemon.store.models import TaskSession, Turn
+from daemon.store.transcript import TOUCHED as _TOUCHED
 from ipc.aio import within
-
-_TOUCHED = "kandev_transcript_touched"  # Session.info key: session ids written by this transaction
 
 
 class Watch:
@@ -111,7 +110,7 @@ class TranscriptHub:
     def _after_flush(db: Session, _context: Any) -> None:
         touched: set[str] | None = None
         for obj in (*db.new, *db.dirty, *db.deleted):
-            if isinstance(obj, (Message, Turn)):
+            if isinstance(obj, Turn):
                 sid = obj.session_id
             elif isinstance(obj, TaskSession):
                 sid = obj.id

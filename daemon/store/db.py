@@ -4,7 +4,9 @@
 and returns a ``Store``. For SQLite every connection gets ``journal_mode=WAL``,
 ``synchronous=FULL`` (the control-server record must be durable before a
 credential is confirmed, AC-EXECUTORS-CONTROL-OWNERSHIP-002.7), ``foreign_keys=ON`` and
-``busy_timeout=5000``, and a new database file is created 0600.
+``busy_timeout=5000``, a checkpoint every ``WAL_CHECKPOINT_PAGES`` pages of write-ahead log
+whose file is then cut back to ``WAL_SIZE_LIMIT`` (so the log does not keep megabytes the
+transcript does not need), and a new database file is created 0600.
 
 With pysqlite's default transaction handling a transaction begins at the
 first write, so reads before it see the latest committed data. Guarded writes
@@ -27,6 +29,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 BUSY_TIMEOUT_MS = 5000
+WAL_CHECKPOINT_PAGES = 256
+"""Pages the write-ahead log grows to before a commit checkpoints it (SQLite's default is 1000)."""
+WAL_SIZE_LIMIT = 1024 * 1024
+"""Bytes the write-ahead log file is cut back to once checkpointed (it never shrinks otherwise)."""
 
 
 def sqlite_url(path: Path | str) -> str:
@@ -58,6 +64,8 @@ def _on_sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
         cursor.execute("PRAGMA synchronous=FULL")
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        cursor.execute(f"PRAGMA wal_autocheckpoint={WAL_CHECKPOINT_PAGES}")
+        cursor.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
     finally:
         cursor.close()
 

@@ -24,6 +24,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Text,
@@ -150,22 +151,59 @@ class Turn(Base):
     ended_at: Mapped[datetime | None] = mapped_column()
 
 
-class Message(Base):
-    """The transcript. (instance_id, event_seq) is unique so a replayed event is stored once."""
+class TranscriptSession(Base):
+    """A session's compact key in the transcript, and the last cursor handed out in it.
 
-    __tablename__ = "messages"
+    Cursors are per session and only grow (``daemon.store.transcript``); ``last_cursor`` is kept
+    here so a cursor is never handed out twice, even after retention removed the entries.
+    """
+
+    __tablename__ = "transcript_sessions"
+    key: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    session_id: Mapped[str] = mapped_column(
+        ForeignKey("task_sessions.id", ondelete="CASCADE"), unique=True
+    )
+    last_cursor: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class TranscriptInstance(Base):
+    """An agent instance's compact key in the transcript."""
+
+    __tablename__ = "transcript_instances"
+    key: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    instance_id: Mapped[str] = mapped_column(String(128), unique=True)
+    session_key: Mapped[int] = mapped_column(ForeignKey("transcript_sessions.key", ondelete="CASCADE"))
+
+
+class TranscriptEntry(Base):
+    """The transcript: one row per entry; consecutive chunks of one turn from one agent share one.
+
+    An entry covers the chunks with cursors ``cursor``..``last_cursor`` of its session and the
+    events ``first_seq``..``last_seq`` of its instance (consecutive, one chunk per event);
+    ``lengths`` cuts ``text`` back into its chunks (``daemon.store.transcript``). ``turn`` is the
+    turn's ordinal in its session.
+    """
+
+    __tablename__ = "transcript_entries"
     __table_args__ = (
         CheckConstraint(_one_of("role", MESSAGE_ROLES), name="role"),
-        UniqueConstraint("instance_id", "event_seq"),
+        UniqueConstraint("session_key", "cursor"),
+        Index(None, "instance_key", "last_seq"),
     )
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    session_id: Mapped[str] = mapped_column(ForeignKey("task_sessions.id", ondelete="CASCADE"), index=True)
-    turn_id: Mapped[str | None] = mapped_column(String(128))
+    session_key: Mapped[int] = mapped_column(ForeignKey("transcript_sessions.key", ondelete="CASCADE"))
+    cursor: Mapped[int] = mapped_column(Integer)
+    last_cursor: Mapped[int] = mapped_column(Integer)
+    turn: Mapped[int | None] = mapped_column(Integer)
     role: Mapped[str] = mapped_column(String(16))
     kind: Mapped[str] = mapped_column(String(64))
     text: Mapped[str] = mapped_column(Text)
-    instance_id: Mapped[str | None] = mapped_column(String(128))
-    event_seq: Mapped[int | None] = mapped_column(Integer)
+    lengths: Mapped[bytes | None] = mapped_column(LargeBinary)
+    instance_key: Mapped[int | None] = mapped_column(
+        ForeignKey("transcript_instances.key", ondelete="CASCADE")
+    )
+    first_seq: Mapped[int | None] = mapped_column(Integer)
+    last_seq: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 

@@ -16,7 +16,6 @@ import asyncio
 import json
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -83,10 +82,14 @@ def end_to_end_rate(n: int, workdir: Path) -> tuple[float, int]:
         t0 = time.perf_counter()
         kandev(home, env, "prompt", sid, f"/flood {n}", "--wait")
         elapsed = time.perf_counter() - t0
-        con = sqlite3.connect(f"file:{home / 'kandev.db'}?mode=ro", uri=True)
-        texts = [r[0] for r in con.execute(
-            "SELECT text FROM messages WHERE session_id=? AND kind='agent_message_chunk' ORDER BY id", (sid,))]
-        con.close()
+        texts = []
+        cursor = 0
+        while True:  # every chunk, paged through session show (more than one page holds)
+            show = kandev(home, env, "session", "show", sid, "--after-seq", str(cursor), "--limit", "10000")
+            texts += [e["text"] for e in show["transcript"] if e["kind"] == "agent_message_chunk"]
+            if not show["page"]["more_after"]:
+                break
+            cursor = show["page"]["next_cursor"]
         expected = [f"{i}/{n} " for i in range(1, n + 1)]
         stored = len(texts)
         assert texts == expected, f"lost, duplicated or reordered: {stored} of {n} stored"

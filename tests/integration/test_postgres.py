@@ -47,8 +47,10 @@ def test_survival_round_trip_on_postgresql(kandev_factory, postgres):
     try:
         with engine.connect() as conn:
             state = conn.execute(text("SELECT state FROM task_sessions WHERE id = :id"), {"id": sid}).scalar()
-            chunks = conn.execute(text("SELECT count(*) FROM messages WHERE session_id = :id"
-                                       " AND kind = 'agent_message_chunk'"), {"id": sid}).scalar()
+            chunks = conn.execute(text(
+                "SELECT sum(e.last_cursor - e.cursor + 1) FROM transcript_entries e JOIN transcript_sessions s"
+                " ON s.key = e.session_key WHERE s.session_id = :id AND e.kind = 'agent_message_chunk'"),
+                {"id": sid}).scalar()
             row = conn.execute(text("SELECT status, resume_token FROM executors_running WHERE session_id = :id"),
                                {"id": sid}).one()
     finally:

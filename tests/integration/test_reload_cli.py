@@ -104,8 +104,7 @@ def test_scenario_a_twenty_reloads_under_running_turns(kandev_factory: Any) -> N
     for sid in slow:
         assert agent_chunks(k.show(sid)) == [f"{i}/{SLOW} " for i in range(1, SLOW + 1)]
     # the flood's 20000 chunks outgrow ``session show``'s default page (the last 10000): the store
-    flood_chunks = [m["text"] for m in db_rows(
-        k, "SELECT text FROM messages WHERE session_id = ? AND kind = ? ORDER BY id", flood, "agent_message_chunk")]
+    flood_chunks = [m["text"] for m in k.transcript(flood) if m["kind"] == "agent_message_chunk"]
     assert flood_chunks == [f"{i}/{FLOOD} " for i in range(1, FLOOD + 1)]
     assert agent_chunks(k.show(perm))[-1] == "permission: allow"
     for sid in [*slow, flood, perm]:
@@ -194,8 +193,7 @@ def test_scenario_d_hundred_reloads_at_random_moments(kandev_factory: Any) -> No
     assert slow_chunks == [f"{i}/100000 " for i in range(1, len(slow_chunks) + 1)] and slow_chunks
     # every flood turn: exactly its 400 chunks, in order, once (read from the store)
     by_turn: dict[str, list[str]] = {}
-    for m in db_rows(k, "SELECT turn_id, text FROM messages WHERE session_id = ? AND kind = ? ORDER BY id",
-                     flood_sid, "agent_message_chunk"):
+    for m in (m for m in k.transcript(flood_sid) if m["kind"] == "agent_message_chunk"):
         by_turn.setdefault(m["turn_id"], []).append(m["text"])
     assert len(floods) >= 3 and set(floods) <= set(by_turn)
     for turn_id, texts in by_turn.items():

@@ -114,3 +114,43 @@ def test_backend_adopts_previous_release_server_and_replaces_it_when_idle(kandev
     _, sid3 = new.start_session("after the replacement")
     assert new.cli("prompt", sid3, "hello", "--wait")["stop_reason"] == "end_turn"
     assert new.status()["sandbox"]["sandboxed"] is True
+
+
+def test_previous_release_store_is_migrated_with_sessions_mid_turn(kandev_factory: Any, short_tmp: Path) -> None:
+    """Issue 24 item 1 (its acceptance): a store made by the previous release with sessions mid-turn
+    is migrated by the current backend with survival on: every agent re-tracked, every chunk once
+    and in order before and after the migration, and a cursor a client got from the old backend
+    still names the same place in the transcript."""
+    python = release_venv(previous_release())
+    new = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="true")
+    env = {k: v for k, v in new.env.items() if k != "PYTHONPATH"}
+    old = OldKandev(new.home, env, python, cwd=short_tmp)
+    st = old.up()
+    new.server_pids.add(int(st["control_server"]["pid"]))
+    sids = []
+    for i in range(2):  # two sessions: the old store's rows interleave
+        _, sid = old.start_session(f"mid-turn {i}")
+        old.cli("prompt", sid, f"/slow {N}")
+        sids.append(sid)
+    shows = {sid: wait_until(lambda sid=sid: s if len(agent_chunks(s := old.show(sid))) >= 3 else None, timeout=60)
+             for sid in sids}
+    before = {sid: [(e["cursor"], e["text"]) for e in old.show(sid)["transcript"]] for sid in sids}  # a prefix
+    os.kill(int(st["backend"]["pid"]), signal.SIGKILL)
+    wait_until(lambda: not alive(int(st["backend"]["pid"])), timeout=30)
+    agents = {sid: int(shows[sid]["agent_pid"]) for sid in sids}
+    new.agent_pids.update(agents.values())
+
+    st = new.up()  # migrates the store, adopts the old server, re-tracks both agents
+    assert st["backend"]["version"] == VERSION and st["recovery"]["retracked"] == 2, st["recovery"]
+    for sid in sids:
+        done = wait_until(lambda sid=sid: s if (s := new.show(sid))["state"] == "WAITING_FOR_INPUT" else None,
+                          timeout=N + 90)
+        assert done["retracked"] and int(done["agent_pid"]) == agents[sid] and alive(agents[sid])
+        assert [(t["state"], t["stop_reason"]) for t in done["turns"]] == [("finished", "end_turn")]
+        full = new.transcript(sid)
+        assert [e["text"] for e in full if e["kind"] == "agent_message_chunk"] == [f"{i}/{N} " for i in range(1, N + 1)]
+        assert [(e["cursor"], e["text"]) for e in full][:len(before[sid])] == before[sid]  # the same cursors
+        cursors = [e["cursor"] for e in full]
+        assert cursors == sorted(set(cursors))
+        after = new.cli("session", "show", sid, "--after-seq", str(before[sid][-1][0]))["transcript"]
+        assert [(e["cursor"], e["text"]) for e in after] == [(e["cursor"], e["text"]) for e in full[len(before[sid]):]]

@@ -124,6 +124,18 @@ class Kandev:
             self.agent_pids.add(int(show["agent_pid"]))
         return show
 
+    def transcript(self, session_id: str) -> list[dict[str, Any]]:
+        """The session's whole transcript, paged with ``session show --after-seq`` (more than one
+        page holds), each entry once and in cursor order."""
+        entries: list[dict[str, Any]] = []
+        cursor = 0
+        while True:
+            show = self.cli("session", "show", session_id, "--after-seq", str(cursor), "--limit", "10000")
+            entries += show["transcript"]
+            if not show["page"]["more_after"]:
+                return entries
+            cursor = show["page"]["next_cursor"]
+
     def start_session(self, title: str = "t", *extra: str) -> tuple[str, str]:
         task = self.cli("task", "create", "--title", title)["task_id"]
         sid = self.cli("session", "start", task, *extra)["session_id"]

@@ -5,6 +5,7 @@ tests/integration/test_cli_human.py)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import threading
 from collections.abc import Iterator
@@ -15,8 +16,9 @@ import pytest
 
 from daemon.backend.follow import FollowEvent, Position, read_round, start_position
 from daemon.backend.transcript_hub import TranscriptHub
+from daemon.store import transcript
 from daemon.store.db import Store, sqlite_url
-from daemon.store.models import Message, Task, TaskSession, Turn
+from daemon.store.models import Task, TaskSession, TranscriptEntry, Turn
 from ipc.errors import ErrorCode, IpcError
 
 SID = "5e55" + "0" * 28
@@ -38,13 +40,20 @@ def _turn(store: Store, n: int, prompt: str) -> str:
     with store.session() as db:
         db.add(Turn(id=tid, session_id=SID, ordinal=n, prompt=prompt, state="open"))
         db.flush()
-        db.add(Message(session_id=SID, turn_id=tid, role="user", kind="prompt", text=prompt))
+        transcript.append(db, SID, turn_id=tid, role="user", kind="prompt", text=prompt)
     return tid
 
 
+_seqs = itertools.count(1)
+
+
 def _say(store: Store, turn_id: str | None, *texts: str, kind: str = "agent_message_chunk") -> None:
+    """Chunks from one agent instance with consecutive event seqs: the store coalesces them into one
+    entry (daemon.store.transcript), and a stream still sees each chunk with its own cursor."""
     with store.session() as db:
-        db.add_all(Message(session_id=SID, turn_id=turn_id, role="agent", kind=kind, text=t) for t in texts)
+        writer = transcript.TranscriptWriter(db, SID)
+        for t in texts:
+            writer.append(turn_id=turn_id, role="agent", kind=kind, text=t, instance_id="i1", event_seq=next(_seqs))
 
 
 def _end(store: Store, turn_id: str, stop_reason: str = "end_turn", state: str = "finished") -> None:
@@ -191,7 +200,7 @@ def test_no_turn_and_no_agent_ends_at_once_but_a_live_session_waits(store: Store
     assert shown == [("entry", "first")] and more and pos.turn_id == t1
     with store.session() as db:
         db.query(Turn).delete()
-        db.query(Message).delete()
+        db.query(TranscriptEntry).delete()
     pos, _ = _start(store)
     assert _round(store, pos, live=False) == ([("end", "no_agent")], True, False)
 
@@ -209,8 +218,8 @@ def test_permission_requests_say_whether_they_are_still_open(store: Store) -> No
     t1 = _turn(store, 1, "/permission")
     with store.session() as db:
         for rid in ("r1", "r2"):
-            db.add(Message(session_id=SID, turn_id=t1, role="system", kind="permission_request",
-                           text=json.dumps({"request_id": rid, "options": [{"optionId": "allow"}]})))
+            transcript.append(db, SID, turn_id=t1, role="system", kind="permission_request",
+                              text=json.dumps({"request_id": rid, "options": [{"optionId": "allow"}]}))
     _say(store, None, json.dumps({"request_id": "r1", "option_id": "allow"}), kind="permission_response")
     pos, _ = _start(store)
     with store.session() as db:
@@ -229,7 +238,7 @@ def test_the_hub_wakes_followers_on_commits_from_any_thread_not_on_rollbacks(sto
             seen = watch.version
             assert not await watch.wait(seen, 0.05)  # nothing committed
             with pytest.raises(RuntimeError), store.session() as db:
-                db.add(Message(session_id=SID, role="agent", kind="agent_message_chunk", text="x"))
+                transcript.append(db, SID, role="agent", kind="agent_message_chunk", text="x")
                 db.flush()
                 raise RuntimeError("rolled back")
             assert not await watch.wait(seen, 0.05)

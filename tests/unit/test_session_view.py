@@ -13,8 +13,9 @@ from daemon.backend.session_view import (
     PageRequest,
     read_session,
 )
+from daemon.store import transcript
 from daemon.store.db import Store, sqlite_url
-from daemon.store.models import Message, Task, TaskSession
+from daemon.store.models import Task, TaskSession
 from ipc.errors import ErrorCode, IpcError
 from ipc.framing import encode_frame
 
@@ -34,8 +35,8 @@ def _session(store: Store, texts: list[str]) -> str:
         session = TaskSession(task_id=task.id, agent="mock")
         db.add(session)
         db.flush()
-        db.add_all(Message(session_id=session.id, role="agent", kind="agent_message_chunk", text=t,
-                           event_seq=i + 1) for i, t in enumerate(texts))
+        for i, t in enumerate(texts):
+            transcript.append(db, session.id, role="agent", kind="agent_message_chunk", text=t, event_seq=i + 1)
         return session.id
 
 

@@ -10,8 +10,9 @@ import pytest
 
 from daemon.backend import api
 from daemon.backend.ids import CANDIDATES_SHOWN, IdKind, IdResolver, resolve, resolve_request, resolving
+from daemon.store import transcript
 from daemon.store.db import Store
-from daemon.store.models import Message, Task, TaskSession
+from daemon.store.models import Task, TaskSession
 from ipc.errors import ErrorCode, IpcError
 
 A = "abcd1111" + "0" * 24
@@ -77,8 +78,8 @@ def test_permission_requests_resolve_within_their_session(store: Store) -> None:
     r1, r2 = "77aa" + "1" * 28, "77aa" + "2" * 28
     with store.session() as db:
         for rid in (r1, r2):
-            db.add(Message(session_id=A, role="system", kind="permission_request",
-                           text=json.dumps({"request_id": rid, "options": [{"optionId": "allow"}]})))
+            transcript.append(db, A, role="system", kind="permission_request",
+                              text=json.dumps({"request_id": rid, "options": [{"optionId": "allow"}]}))
     with store.session() as db:
         assert resolve_request(db, A, "77aa1") == r1
         assert resolve_request(db, A, "77AA2222") == r2

@@ -16,7 +16,7 @@ from sqlalchemy import create_engine, inspect, text
 from sqlalchemy.exc import IntegrityError
 
 from daemon.store.db import MIGRATIONS_DIR, Store, sqlite_url
-from daemon.store.models import Base, ControlServerRecord, Message, Task, TaskSession
+from daemon.store.models import Base, ControlServerRecord, Task, TaskSession
 
 
 @pytest.fixture
@@ -82,22 +82,6 @@ def test_store_session_commits_or_rolls_back(store: Store) -> None:
         assert [t.title for t in db.query(Task)] == ["kept"]
         task = db.query(Task).one()
         assert task.created_at.tzinfo is not None and task.interrupted is False
-
-
-def test_store_transcript_event_stored_once(store: Store) -> None:
-    sid = _session(store)
-    with store.session() as db:
-        db.add(Message(session_id=sid, role="agent", kind="agent_message_chunk", text="1/3 ", instance_id="i1",
-                       event_seq=1))
-        db.add(Message(session_id=sid, role="user", kind="user_message", text="hi"))
-        db.add(Message(session_id=sid, role="user", kind="user_message", text="again"))  # NULLs are distinct
-    with pytest.raises(IntegrityError), store.session() as db:
-        db.add(Message(session_id=sid, role="agent", kind="agent_message_chunk", text="1/3 ", instance_id="i1",
-                       event_seq=1))
-    with store.session() as db:
-        db.add(Message(session_id=sid, role="agent", kind="agent_message_chunk", text="x", instance_id="i2",
-                       event_seq=1))
-        assert db.query(Message).count() == 4
 
 
 def _record(**kw: object) -> ControlServerRecord:
