@@ -143,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     actl.add("reload", "re-execute the control server's installed code in place; its agents keep running (exit 1"
              " if it refuses: the old code keeps serving)")
 
+    store = _Commands(sub.add("store", "the backend's store"), "store_cmd")
+    store.add("vacuum", "give the store's free space (after transcript retention or task deletes) back to the"
+              " filesystem; prints the size before and after")
+
     task = _Commands(sub.add("task", "tasks: create, list, show, finish, delete"), "task_cmd")
     tc = task.add("create", "create a task")
     tc.add_argument("--title", required=True, help="what the task is about (shown on the board)")
@@ -335,6 +339,8 @@ def _this_start(log_path: Path, offset: int) -> list[str]:
 
 def cmd_up(paths: Paths, args: argparse.Namespace) -> dict[str, Any]:
     status = _reachable(paths.backend_socket)
+    if status is not None and status["backend"]["state"] == "out_of_space":
+        return {"started": False, "pid": status["backend"]["pid"], "status": status}
     if status is not None and status["backend"]["state"] == "ready":
         _same_config(status, args.config)
         if _gave_up(status):
@@ -372,7 +378,8 @@ def cmd_up(paths: Paths, args: argparse.Namespace) -> dict[str, Any]:
             raise IpcError("backend_exited", f"the backend exited with code {proc.returncode} at start:\n"
                            + "\n".join(f"  {line}" for line in lines or ["(it wrote nothing)"]))
         status = _reachable(paths.backend_socket)
-        if status is not None and status["backend"]["state"] == "ready":
+        # up and serving, or up and waiting for space to open its store (status says so)
+        if status is not None and status["backend"]["state"] in ("ready", "out_of_space"):
             return {"started": True, "pid": status["backend"]["pid"], "status": status}
         time.sleep(0.1)
     raise IpcError(ErrorCode.TIMEOUT, f"backend did not become ready within {UP_TIMEOUT_S:.0f}s")
@@ -493,6 +500,8 @@ def run(args: argparse.Namespace) -> Any:
         return _call(sock, "status")
     if cmd == "agentctl":  # reload: quiesce + preflight + exec, followed to its outcome
         return _call(sock, "agentctl_reload", timeout=200.0)
+    if cmd == "store":  # vacuum
+        return _call(sock, "store_vacuum", timeout=3600.0)
     if cmd == "task":
         if args.task_cmd == "proceed":
             return _call(sock, "task_proceed", {"task_id": args.task_id}, timeout=180.0)

@@ -5,11 +5,11 @@ The file is ``--config FILE``, else ``$KANDEV_CONFIG``, else
 every key has its default). Each key ``<section>.<key>`` is overridden by the
 environment variable ``KANDEV_<SECTION>_<KEY>`` in upper case, e.g.
 ``KANDEV_AGENTCTL_RECOVERY_READ_RETRIES=3``. Every variable starting with
-``KANDEV_FEATURES_``, ``KANDEV_AGENTCTL_``, ``KANDEV_DATABASE_``, ``KANDEV_CREDENTIALS_`` or
-``KANDEV_AGENTS_`` is taken as a setting, so a misspelt one is refused like a misspelt file key.
+``KANDEV_FEATURES_``, ``KANDEV_AGENTCTL_``, ``KANDEV_DATABASE_``, ``KANDEV_STORE_``,
+``KANDEV_CREDENTIALS_`` or ``KANDEV_AGENTS_`` is taken as a setting, so a misspelt one is refused like a misspelt file key.
 
-Durations are written with a unit: ``ms``, ``s``, ``min`` or ``h`` (``500ms``,
-``30s``, ``10min``, ``1h``, decimals allowed); bare numbers are refused, except
+Durations are written with a unit: ``ms``, ``s``, ``min``, ``h`` or ``d`` (``500ms``,
+``30s``, ``10min``, ``1h``, ``90d``, decimals allowed); bare numbers are refused, except
 ``0`` for ``agentctl.idle_timeout`` (reaping disabled).
 
 Every key is declared once, in ``SETTINGS``: its type, default, accepted range and the line the
@@ -48,6 +48,9 @@ DEFAULT_CONFIG_FILE = Path("/etc/kandev/kandev.toml")
 
 MINUTE = 60.0
 HOUR = 3600.0
+DAY = 24 * HOUR
+RETENTION_MIN = HOUR
+RETENTION_MAX = 36500 * DAY
 DEADLINE_MIN, DEADLINE_MAX = 1.0, 5 * MINUTE
 READ_TIMEOUT_MIN = 0.1
 READ_RETRIES_MAX = 10
@@ -60,8 +63,8 @@ DEFAULT_GITHUB_URL = "https://github.com"
 DEFAULT_PUSH_REFS = ("refs/heads/*", "!@default")  # every branch except the repository's default branch
 _EPSILON = 1e-9  # float slack for "<=" between sums of parsed durations
 
-_DURATION = re.compile(r"^(-?)(\d+(?:\.\d+)?)(ms|s|min|h)$")
-_FACTORS = {"h": HOUR, "min": MINUTE, "s": 1.0}
+_DURATION = re.compile(r"^(-?)(\d+(?:\.\d+)?)(ms|s|min|h|d)$")
+_FACTORS = {"d": DAY, "h": HOUR, "min": MINUTE, "s": 1.0}
 _INTEGER = re.compile(r"^[+-]?\d+$")
 _TRUE = {"true", "1", "yes"}
 _FALSE = {"false", "0", "no"}
@@ -201,6 +204,10 @@ SETTINGS: tuple[Setting, ...] = (
             " `<home>/kandev.db`. One backend per store: a second one is refused at start (a `<file>.lock`"
             " beside an SQLite file outside the home; a session advisory lock on PostgreSQL)",
             accepted="a non-empty SQLAlchemy URL; leave it unset for SQLite at <home>/kandev.db", secret=True),
+    Setting("store.transcript_retention", Kind.DURATION, None,
+            "e.g. `90d`: transcript entries older than this are removed (hourly, and at start); unset keeps"
+            " every transcript. `kandev store vacuum` gives the space back to the filesystem",
+            low=RETENTION_MIN, high=RETENTION_MAX),
     Setting("credentials.github_token_file", Kind.STR, None,
             "path of a 0600 file holding the upstream GitHub token; unset means no git credential leases",
             accepted="an absolute path to a 0600 file holding the upstream GitHub token (never the token"
@@ -295,6 +302,13 @@ class DatabaseConfig:
 
 
 @dataclass(frozen=True)
+class StoreConfig:
+    """The store's upkeep: ``transcript_retention`` in float seconds, None keeps everything."""
+
+    transcript_retention: float | None = _default("store.transcript_retention")
+
+
+@dataclass(frozen=True)
 class CredentialsConfig:
     """The git credential broker (daemon/credentials). ``github_token_file`` is the path of a 0600
     file holding the upstream GitHub token (the token itself is never a setting); ``lease_ttl``
@@ -322,6 +336,7 @@ SECTION_TYPES: dict[str, type] = {
     "features": FeaturesConfig,
     "agentctl": AgentctlConfig,
     "database": DatabaseConfig,
+    "store": StoreConfig,
     "credentials": CredentialsConfig,
     "agents": AgentsConfig,
 }
@@ -334,6 +349,7 @@ class Config:
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
     agentctl: AgentctlConfig = field(default_factory=AgentctlConfig)
     database: DatabaseConfig = field(default_factory=DatabaseConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
     credentials: CredentialsConfig = field(default_factory=CredentialsConfig)
     agents: AgentsConfig = field(default_factory=AgentsConfig)
     source: str | None = None  # the file read, None if none was
@@ -363,7 +379,7 @@ def parse_duration(text: str, *, allow_bare_zero: bool = False) -> float:
         return 0.0
     m = _DURATION.match(s)
     if not m:
-        raise ValueError("is not a duration (write a number with a unit: ms, s, min or h)")
+        raise ValueError("is not a duration (write a number with a unit: ms, s, min, h or d)")
     sign, number, unit = m.groups()
     value = float(number) / 1000.0 if unit == "ms" else float(number) * _FACTORS[unit]
     return -value if sign else value
@@ -607,6 +623,8 @@ def validate_backend(config: Config) -> None:
     """Check the keys the backend reads (AC-EXECUTORS-SURVIVAL-002.13, AC-EXECUTORS-SURVIVAL-003.7; credentials; agents)."""
     validate_credentials(config)
     validate_agents(config)
+    if config.store.transcript_retention is not None:
+        _check_config_range(config, "store.transcript_retention", config.store.transcript_retention)
     a = config.agentctl
 
     def where(key: str) -> _Where:

@@ -16,6 +16,9 @@ Works without a running backend. Every check is a ``daemon.platform.Check``
   lost/restarting after a crash, or given up after too many crashes (with the last reason); and
   whether it runs the installed version (a reload runs it in place) or waits to be replaced.
 - ``store``: the database opens read-only and its alembic revision is known.
+- ``store_space``: whether the store (and the home) has room: what the running backend found at its
+  last write (out of space, with the path and free bytes), else the free bytes on the home's
+  filesystem; and how big the store is.
 - ``node``, ``npm``: present on the PATH the backend uses (npm-based agents need them).
 - ``sandbox``: whether agents are sandboxed (``agents.sandbox``) and, if they cannot be, why: as the
   running control server reports it through the backend, else probed by this command.
@@ -44,6 +47,8 @@ from daemon.paths import SERVICE_GROUP, Paths
 from daemon.platform import AGENTCTL_UNIT, Check, Probes
 
 BACKEND_UNIT = "kandev-backend.service"
+LOW_SPACE_BYTES = 16 * 1024 * 1024
+"""Free bytes on the home's filesystem below which ``store_space`` fails."""
 UNITS = (BACKEND_UNIT, AGENTCTL_UNIT)
 # PATH of a systemd system service (systemd's default; our units set none)
 SERVICE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -439,6 +444,29 @@ def _store(r: _Report, config: Config | None, paths: Paths, probes: DoctorProbes
               "it at its next start")
 
 
+def _store_space(r: _Report, paths: Paths, status: dict[str, Any] | None) -> None:
+    """Out of space as the running backend found it (Issue 21 item 5), else the free bytes of the home."""
+    store = (status or {}).get("store")
+    full = store.get("out_of_space") if isinstance(store, dict) else None
+    size = f"; the store takes {store.get('bytes')} bytes" if isinstance(store, dict) and store.get("bytes") else ""
+    if full:
+        r.add("store_space", False, f"{full.get('path')} is out of space ({full.get('free_bytes')} bytes free){size}:"
+              " the backend cannot write events, agents wait at their bound with the control server",
+              "free some space on that filesystem (or `kandev store vacuum` once it can write): the backend"
+              " catches up on its own, every chunk once and in order")
+        return
+    try:
+        st = os.statvfs(paths.home)
+    except OSError as exc:
+        r.add("store_space", False, f"{paths.home}: {exc}")
+        return
+    free = st.f_bavail * st.f_frsize
+    low = free < LOW_SPACE_BYTES
+    r.add("store_space", not low, f"{free} bytes free on {paths.home}{size}",
+          "free some space: with none left the backend stops taking events (nothing is lost, agents pause)"
+          if low else None)
+
+
 def _tools(r: _Report, path: str | None, probes: DoctorProbes) -> None:
     where = "the backend's PATH" if path == SERVICE_PATH else "PATH"
     for tool in ("node", "npm"):
@@ -511,6 +539,7 @@ def run_doctor(
     status = _permissions(r, paths, p)
     _control_server(r, status)
     _store(r, config, paths, p)
+    _store_space(r, paths, status)
     _tools(r, path, p)
     _sandbox(r, config, status, path, environ, p)
     _agents(r, config)

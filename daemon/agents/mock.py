@@ -31,7 +31,10 @@ Prompt scripts (on the text of the prompt)::
     /other       treated as plain text (echo)
 
 ``session/cancel`` stops /slow and /flood between chunks; the prompt then
-ends with stop reason ``cancelled``.
+ends with stop reason ``cancelled``. A chunk whose recording fails because
+the state dir's filesystem is full is recorded again every
+``ENOSPC_RETRY_S`` until it fits (the agent waits for space, it does not fail
+its turn).
 
 A ``session/new`` on a process that already has a session (a context reset)
 sends ``current_mode_update`` and ``config_option_update`` with the new
@@ -52,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import logging
 import os
@@ -100,6 +104,8 @@ from ipc.aio import within
 log = logging.getLogger("kandev.mock")
 
 SLOW_INTERVAL = 1.0
+ENOSPC_RETRY_S = 0.2
+"""Seconds between attempts to record a chunk while its state dir's filesystem is full."""
 PERMISSION_OPTIONS = [
     PermissionOption(option_id="allow", name="Allow", kind="allow_once"),
     PermissionOption(option_id="reject", name="Reject", kind="reject_once"),
@@ -168,7 +174,14 @@ class MockAgent:
     async def _say(self, rec: SessionRecord, text: str) -> None:
         """Send one agent message chunk, then record it (so a kill never records an unsent chunk)."""
         await self.client.session_update(rec.session_id, update_agent_message_text(text))
-        rec.append("agent", text)
+        while True:
+            try:
+                rec.append("agent", text)
+                return
+            except OSError as exc:  # a full disk: wait for space like a careful agent (Issue 21 scenario E)
+                if exc.errno != errno.ENOSPC:
+                    raise
+                await asyncio.sleep(ENOSPC_RETRY_S)
 
     # -- lifecycle -----------------------------------------------------------
 

@@ -12,7 +12,7 @@ from enum import Enum
 from ipc.schema import Op, OpTable
 
 PROTOCOL = "kandev-backend"
-VERSION = (1, 2)  # 1.1 (release 0.2.0): agentctl_reload; 1.2: LIFECYCLE_OPS, shutdown agents, board reasons; fields are only ever added
+VERSION = (1, 3)  # 1.1 (release 0.2.0): agentctl_reload; 1.2: LIFECYCLE_OPS, shutdown agents, board reasons; 1.3: store_vacuum, status.store; fields are only ever added
 
 OPS = [
     Op("status", auth=False, doc="backend, capability, control_server, recovery, adoption"),
@@ -78,6 +78,12 @@ OPS = [
     ),
     Op("board", auth=False, doc="-> {backlog, running, turn_finished, needs_attention, done: [task ids],"
        " reasons: {task id: {reason: permission|failed|cancelled|no agent, hint|None}} (needs_attention's)}"),
+    Op(
+        "store_vacuum",
+        auth=False,
+        doc="give the store's free pages (e.g. after transcript retention or task deletes) back to the"
+        " filesystem -> {bytes_before, bytes_after, seconds}",
+    ),
     Op(
         "control_server_retry",
         auth=False,

@@ -103,7 +103,7 @@ class Backend:
         # the backend asks it to resume what a lost control server interrupted
         ctx.servers.on_restarted = self.resume.resume_interrupted
         # Every op that takes a task or session id also takes a unique prefix of it (daemon.backend.ids).
-        return ids.resolving(TABLE, ctx.store, {
+        return ids.resolving(TABLE, ctx.store, status_api.out_of_space_reported(ctx, {
             **status_api.handlers(ctx, self.upgrade),
             **tasks_api.handlers(self.tasks),
             **task_delete.handlers(ctx),
@@ -117,7 +117,7 @@ class Backend:
             **runtimes_api.handlers(ctx),
             **ctx.views.handlers(),
             **FollowService(ctx.store, ctx.transcripts, ctx.executions).handlers(),
-        })
+        }))
 
     async def recover(self) -> None:
         ctx = self.context
@@ -151,6 +151,7 @@ class Backend:
             if ex.consumer is None:
                 ctx.consumer.start(ex)
         ctx.servers.watch()
+        ctx.store_care.start()
         # A re-tracked agent's sandbox still has its endpoint's directory: serve a new socket there.
         await ctx.endpoints.reopen_for(list(ctx.executions.executions))
         await hygiene.tidy_home_async(ctx)
@@ -175,6 +176,7 @@ class Backend:
         if ctx.enabled and ctx.stop_agents_at_shutdown:
             await ctx.servers.stop_survival_server()
         await ctx.servers.disconnect()
+        await ctx.store_care.stop()
         await ctx.endpoints.close_all()
         stopped = [ex.session_id for ex in tracked if ex.passthrough or not detach]
         await asyncio.to_thread(lifecycle.record_clean_stop, ctx.store, stopped)

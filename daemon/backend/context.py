@@ -23,6 +23,7 @@ from daemon.backend.executions import EventConsumer, Execution, ExecutionStore
 from daemon.backend.launch_gate import LaunchGate
 from daemon.backend.launcher import ControlServerHandle, Launcher
 from daemon.backend.recovery import RecoveryReport
+from daemon.backend.store_care import StoreCare
 from daemon.backend.transcript_hub import TranscriptHub
 from daemon.backend.views import Views
 from daemon.config import Config
@@ -72,7 +73,9 @@ class BackendContext:
         # The life of each control server (watch, lose, restart, give up): daemon.backend.control_servers.
         self.servers = ControlServers(paths, config, installation_id, mode, store, self.executions,
                                       self.endpoints, self.on_gone)
-        self.consumer = EventConsumer(store, self.servers.client_for, self.on_gone)
+        # The store's size, free space, retention and vacuum (daemon.backend.store_care).
+        self.store_care = StoreCare(store, config.store.transcript_retention)
+        self.consumer = EventConsumer(store, self.servers.client_for, self.on_gone, self.store_care.space)
         self.transcripts = TranscriptHub()  # wakes follow streams on store commits
         self.transcripts.observe(store)
         self.views = Views(store, self.executions)

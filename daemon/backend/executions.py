@@ -26,13 +26,13 @@ from daemon.agentctl.client import AgentctlClient, OwnershipRefused
 from daemon.backend.events import apply_events, mark_agent_gone
 from daemon.journal import log_event
 from daemon.store.db import Store
+from daemon.store.space import SpaceWatch
 from ipc.aio import cancel_and_wait
 from ipc.errors import IpcError
 
 log = logging.getLogger(__name__)
 
 BATCH_MAX = 2000
-ACK_EVERY = 500  # events between ack_events calls while streaming
 REATTACH_DELAY_S = 0.5
 LOST_WARNING_EVERY_S = 30.0  # a stream that keeps failing is reported at most this often
 
@@ -158,18 +158,32 @@ class ExecutionStore:
             )
 
 
+class StoreOutOfSpace(Exception):
+    """A batch could not be committed for want of space (``daemon.store.space``)."""
+
+
 class EventConsumer:
-    """Consumes one execution's event stream into the store, in seq order, in batches."""
+    """Consumes one execution's event stream into the store, in seq order, in batches.
+
+    Whatever the stream has delivered when a batch starts (up to ``BATCH_MAX`` events) is applied
+    in one transaction and acknowledged with one ``ack_events`` once committed (Issue 24 item 6).
+    A batch the store has no space for is rolled back whole and not acknowledged: the consumer
+    closes its stream, so the control server keeps the events and pauses the agent at its detached
+    bound, exactly as with no backend attached; once space is back it re-attaches after the last
+    committed seq and catches up, every event once and in order (Issue 21 item 5).
+    """
 
     def __init__(
         self,
         store: Store,
         client_factory: Callable[[Execution], AgentctlClient | None],
         on_gone: Callable[[Execution], None],
+        space: SpaceWatch | None = None,
     ) -> None:
         self.store = store
         self.client_factory = client_factory
         self.on_gone = on_gone
+        self.space = space if space is not None else SpaceWatch(None)
         self.stopping = False
 
     def start(self, ex: Execution) -> None:
@@ -184,6 +198,10 @@ class EventConsumer:
                 await self._consume_once(client, ex)
             except asyncio.CancelledError:
                 raise
+            except StoreOutOfSpace:
+                # The stream is closed (detached): the control server holds the rest.
+                await self.space.wait_for_space()
+                continue
             except OwnershipRefused as exc:
                 log.warning("session %s: control server refused us (%s); no longer tracking it", ex.session_id, exc)
                 ex.gone = True
@@ -234,7 +252,6 @@ class EventConsumer:
                 queue.put_nowait(done)
 
         reader_task = asyncio.get_running_loop().create_task(reader())
-        unacked = 0
         try:
             finished = False
             while not finished:
@@ -251,10 +268,15 @@ class EventConsumer:
                 batch = [ev for ev in batch if ev.seq > ex.last_seq]
                 if not batch:
                     continue
-                with self.store.session() as db:
-                    result = apply_events(db, ex.session_id, ex.instance_id, batch)
+                try:
+                    with self.store.session() as db:
+                        result = apply_events(db, ex.session_id, ex.instance_id, batch)
+                except Exception as exc:
+                    if self.space.failed(exc):
+                        raise StoreOutOfSpace() from exc
+                    raise
+                self.space.succeeded()
                 ex.last_seq = batch[-1].seq
-                unacked += len(batch)
                 for turn_id, stop_reason in result.ended_turns:
                     ex.applied_turns.add(turn_id)
                     # Acked only now, after the outcome is durable, and never in the
@@ -262,10 +284,8 @@ class EventConsumer:
                     with contextlib.suppress(IpcError):
                         await client.ack_turn(turn_id)
                     ex.resolve_turn(turn_id, stop_reason)
-                if unacked >= ACK_EVERY or queue.empty():
-                    with contextlib.suppress(IpcError):
-                        await client.ack_events(ex.instance_id, ex.last_seq)
-                    unacked = 0
+                with contextlib.suppress(IpcError):  # one ack per committed batch
+                    await client.ack_events(ex.instance_id, ex.last_seq)
                 if result.agent_exited:
                     self._agent_gone(ex, None)
                     with contextlib.suppress(IpcError):

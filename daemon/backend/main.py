@@ -2,7 +2,8 @@
 
 home lock → config validation → store lock (whatever home names the store) → the store's
 installation (another one's is refused) → logging → platform check → store (migrations; a store
-without an owner is adopted) → CLI socket (guards make early requests safe) →
+without an owner is adopted; on a full disk both waits for space, serving ``status``,
+``daemon.backend.space_wait``) → CLI socket (guards make early requests safe) →
 recovery and reconciliation → READY=1. Shutdown detaches from the control server when survival is enabled
 (its agents keep running) and stops it when it is our child.
 
@@ -22,6 +23,8 @@ import os
 from daemon.backend import api
 from daemon.backend.app import Backend
 from daemon.backend.lock import HomeLock, LockHeld, StoreLock, StoreLocked
+from daemon.backend.space_wait import when_space
+from daemon.backend.store_care import probe_write
 from daemon.config import Config, ConfigError, check_config
 from daemon.journal import log_event
 from daemon.limits import BUFFER_LIMIT, IDLE_CONNECTION_TIMEOUT_S, connection_limit
@@ -151,9 +154,17 @@ def main(argv: list[str] | None = None) -> int:
             say(PROGRAM, f"cannot lock the store: {type(exc).__name__}: {exc}")
             return ExitCode.FAILED
         ours = installation_id(paths)
+        notifier = Notifier()
         try:
             # A store of another installation is refused before anything reads or migrates it.
-            check_store_owner(url, ours, describe_store(url))
+            # On a full disk: reported and waited out, not a crash loop (daemon.backend.space_wait).
+            def owner_checked() -> bool:
+                check_store_owner(url, ours, describe_store(url))
+                return True
+
+            if when_space(paths, url, owner_checked, verbose=args.verbose, service_gids=_service_gids(),
+                          notifier=notifier) is None:
+                return ExitCode.OK  # told to stop while waiting for space
         except ForeignStore as exc:
             say(PROGRAM, str(exc))
             return ExitCode.FAILED
@@ -161,14 +172,14 @@ def main(argv: list[str] | None = None) -> int:
             say(PROGRAM, f"cannot read the store: {type(exc).__name__}: {exc}")
             return ExitCode.FAILED
         try:
-            return _serve(args, paths, config, url)
+            return _serve(args, paths, config, url, notifier)
         finally:
             store_lock.release()
     finally:
         lock.release()
 
 
-def _serve(args: argparse.Namespace, paths: Paths, config: Config, url: str) -> int:
+def _serve(args: argparse.Namespace, paths: Paths, config: Config, url: str, notifier: Notifier) -> int:
     """Logging → platform check → store (migrations) → the event loop, with both locks held."""
     setup_daemon_logging("backend", verbose=args.verbose)
     capability = check_capability(config)
@@ -180,7 +191,10 @@ def _serve(args: argparse.Namespace, paths: Paths, config: Config, url: str) -> 
         REASON=capability.reason,
         SUPERVISOR=capability.supervisor,
     )
-    store = Store.open(url)
+    store = when_space(paths, url, lambda: Store.open(url), verbose=args.verbose, service_gids=_service_gids(),
+                       notifier=notifier)
+    if store is None:
+        return ExitCode.OK  # told to stop while waiting for space
     ours = installation_id(paths)
     try:
         if claim_store(store.engine, ours, describe_store(url)):
@@ -189,9 +203,14 @@ def _serve(args: argparse.Namespace, paths: Paths, config: Config, url: str) -> 
         store.close()
         say(PROGRAM, str(exc))
         return ExitCode.FAILED
+    # A store that opens but takes no write (a full disk): waited out before recovery, which writes.
+    if when_space(paths, url, lambda: probe_write(store), verbose=args.verbose, service_gids=_service_gids(),
+                  notifier=notifier) is None:
+        store.close()
+        return ExitCode.OK
     backend = Backend(paths, config, capability, store, ours)
     try:
-        return event_loop.run(_run(paths, backend, Notifier()))
+        return event_loop.run(_run(paths, backend, notifier))
     finally:
         store.close()
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
@@ -72,7 +73,12 @@ def handlers(backend: BackendContext, upgrade: ServerUpgrade) -> dict[str, Handl
             },
             "adoption": {"outcome": report.adoption.outcome, "reason": report.adoption.reason},
             "sandbox": await agent_launch.sandbox_status(b),
+            "store": await b.store_care.status(),
         }
+
+    async def op_store_vacuum(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        """``kandev store vacuum``: give the store's free pages back to the filesystem."""
+        return await asyncio.to_thread(b.store_care.vacuum)
 
     async def op_agentctl_reload(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         """``kandev agentctl reload``: the control server re-executes the installed code in place."""
@@ -102,4 +108,28 @@ def handlers(backend: BackendContext, upgrade: ServerUpgrade) -> dict[str, Handl
         "shutdown": op_shutdown,
         "agentctl_reload": op_agentctl_reload,
         "control_server_retry": op_control_server_retry,
+        "store_vacuum": op_store_vacuum,
     }
+
+
+def out_of_space_reported(backend: BackendContext, table: dict[str, Handler]) -> dict[str, Handler]:
+    """Every handler of ``table``, with a store write that failed for want of space reported
+    (``store_out_of_space`` in the journal and ``kandev status``) and answered with the retryable
+    error ``store_out_of_space`` instead of an internal error (Issue 21 item 5)."""
+    space = backend.store_care.space
+
+    def wrap(handler: Handler) -> Handler:
+        async def handle(ctx: ConnectionContext, args: dict[str, Any]) -> Any:
+            try:
+                return await handler(ctx, args)
+            except IpcError:
+                raise
+            except Exception as exc:
+                if space.failed(exc):
+                    where = space.state.path if space.state is not None else "the store"
+                    raise IpcError("store_out_of_space", f"the store at {where} is out of space; nothing was"
+                                   " written: free some space and retry", True) from exc
+                raise
+        return handle
+
+    return {name: wrap(handler) for name, handler in table.items()}

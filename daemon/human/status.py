@@ -88,6 +88,10 @@ def warnings(status: dict[str, Any]) -> list[str]:
     adoption = status.get("adoption") or {}
     if adoption.get("outcome") == "refused":
         out.append(f"the control server could not be adopted: {adoption.get('reason')}")
+    full = (status.get("store") or {}).get("out_of_space")
+    if full:
+        out.append(f"the store at {full.get('path')} is out of space ({full.get('free_bytes')} bytes free): agents'"
+                   " output waits with the control server; free some space and the backend catches up")
     sandbox = status.get("sandbox") or {}
     if sandbox.get("sandboxed") is False:
         out.append(f"agents are not sandboxed: {sandbox.get('reason') or 'unknown'}")
