@@ -29,6 +29,7 @@ from daemon.service import Notifier, install_signal_handlers, setup_daemon_loggi
 from daemon.store.db import sqlite_file
 from daemon.store.space import SpaceWatch, free_bytes
 from daemon.version import VERSION
+from ipc import loop as event_loop
 from ipc.errors import IpcError
 from ipc.server import ConnectionContext, Handler, IpcServer
 
@@ -50,7 +51,7 @@ def when_space(paths: Paths, url: str, attempt: Callable[[], T], *, verbose: boo
                 setup_daemon_logging("backend", verbose=verbose)
             if not watch.failed(exc):
                 raise
-        if asyncio.run(_serve_while_full(paths, watch, service_gids, notifier)):
+        if event_loop.run(_serve_while_full(paths, watch, service_gids, notifier)):
             return None
 
 

@@ -51,7 +51,7 @@ def walk(home: Path, env: dict[str, str], sid: str) -> list[str]:
         cursor = show["page"]["next_cursor"]
 
 
-def run(n: int, workdir: Path) -> tuple[int, int, float]:
+def measure(n: int, workdir: Path) -> tuple[int, int, float]:
     home = workdir / "home"
     config = workdir / "kandev.toml"
     config.write_text("")
@@ -88,7 +88,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kd-bench-", dir="/var/tmp") as d:
         workdir = Path(d)
         os.chmod(workdir, 0o700)
-        grown, text_bytes, show_s = run(n, workdir)
+        grown, text_bytes, show_s = measure(n, workdir)
     per_chunk = grown / n
     print(f"store N={n} (kandev.db + WAL growth: {grown} bytes; every chunk stored once, in order)")
     print(f"  baseline, the chunks' own text: {text_bytes / n:.1f} bytes per chunk")
