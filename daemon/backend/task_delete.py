@@ -157,7 +157,7 @@ async def _remove(backend: Backend, task_id: str, session_ids: list[str], worksp
     with backend.store.session() as db:
         task = db.get(Task, task_id)
         if task is not None:
-            db.delete(task)  # sessions, turns, messages, leases, inventory, steps: ON DELETE CASCADE
+            db.delete(task)  # sessions, turns, transcript, leases, inventory, steps: ON DELETE CASCADE
     log_event("task_deleted", f"task {task_id} deleted with {len(session_ids)} session(s); workspace {worktree}",
               TASK_ID=task_id, SESSIONS=len(session_ids))
     return {"task_id": task_id, "deleted": True, "sessions": session_ids, "workspace": workspace,

@@ -6,8 +6,8 @@ still means the same chunk); runs of text chunks that the new writer would have 
 coalesced here too. Session, instance and turn ids become compact integers. Self-contained: it
 uses none of the application's code, which may change after it.
 
-Revision ID: 0004
-Revises: 0003
+Revision ID: 0005
+Revises: 0004
 Create Date: 2026-12-01
 """
 
@@ -19,8 +19,8 @@ from typing import Any
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0004"
-down_revision = "0003"
+revision = "0005"
+down_revision = "0004"
 branch_labels = None
 depends_on = None
 
