@@ -27,7 +27,6 @@ import os
 import stat
 from collections.abc import Collection
 from dataclasses import dataclass
-from pathlib import Path
 
 from daemon.store.models import TaskWorkspace
 from ipc.errors import ErrorCode, IpcError
@@ -159,7 +158,3 @@ def record_local(path: str, *, created: bool) -> WorkspaceRecord:
     real = os.path.realpath(path)
     return WorkspaceRecord(path=real, owner_uid=os.lstat(real).st_uid, created=created)
 
-
-def inside(path: str | Path, root: str | Path) -> bool:
-    p, r = str(path), str(root).rstrip("/")
-    return p == r or p.startswith(r + "/")

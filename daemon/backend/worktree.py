@@ -269,20 +269,19 @@ async def _undo(repo: Repository, target: Path, branch: str) -> None:
 
 def remove_recorded(rec: WorkspaceRecord) -> list[str]:
     """Remove what kandev created for a task, as recorded (blocking): the workspace directory and,
-    for a worktree, its admin directory; each checked against the record first. Raises
-    ``RecordMismatch`` (nothing more removed) when one is not what the record says."""
+    for a worktree, its admin directory; both checked against the record first. Raises
+    ``RecordMismatch`` (nothing removed) when one is not what the record says."""
     if not rec.created:
         return []
-    removed: list[str] = []
+    doomed: list[str] = []  # everything is checked before anything goes
     if os.path.lexists(rec.path):
         check_workspace(rec)
-        shutil.rmtree(rec.path)
-        removed.append(rec.path)
+        doomed.append(rec.path)
     if rec.is_worktree and rec.git_admin_dir and os.path.lexists(rec.git_admin_dir):
-        _, admin = check_git(rec)
-        shutil.rmtree(admin)
-        removed.append(admin)
-    return removed
+        doomed.append(check_git(rec)[1])
+    for path in doomed:
+        shutil.rmtree(path)
+    return doomed
 
 
 def remove_unrecorded(path: Path) -> list[str]:
