@@ -221,6 +221,8 @@ async def create_worktree(repo: Repository, target: Path, branch: str, box: Chec
                                    timeout)
         if code != 0:
             raise IpcError(ErrorCode.INVALID_ARGUMENT, f"git worktree add failed: {err}")
+        # Were agents to run under their own uid, the chown of the new worktree and admin directory
+        # to it belongs here: the record takes each owner from disk, and the checkout runs as the agent.
         try:
             made = await asyncio.to_thread(_created_record, repo, target)
         except (RecordMismatch, OSError) as exc:

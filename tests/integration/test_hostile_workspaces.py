@@ -1,6 +1,6 @@
-"""Hostile workspaces: nothing an agent writes makes kandev delete, bind or run anything outside its
-sandbox (Issue 19 scenario A, Issue 19 scenario B, Issue 19 scenario C), through the real daemons
-(kandev running as the test's user, root here), attacking from inside with the mock agent's ``/sh``.
+"""Hostile workspaces (Issue 19): nothing an agent writes makes kandev delete, bind or run anything
+outside its sandbox, through the real daemons (kandev running as the test's user, root here),
+attacking from inside with the mock agent's ``/sh``. Each test cites its scenario:
 
 - A: a planted ``.git`` file (a fake git directory whose ``worktrees`` is a symlink to a directory of
   canary files, and the worktree's own admin ``commondir`` naming another whose ``worktrees`` is the

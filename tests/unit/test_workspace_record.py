@@ -1,5 +1,5 @@
-"""The recorded paths of a task's workspace and the checks before every host action (Issue 19
-item 1): a symlink, a symlinked parent, another owner or a path outside the recorded git
+"""The recorded paths of a task's workspace and the checks before every host action
+(Issue 19 item 1): a symlink, a symlinked parent, another owner or a path outside the recorded git
 directory is refused; a worktree's sandbox view comes from the record only (Issue 19 item 3); the
 repository kandev runs ``git worktree add`` on is a real git directory, never one a ``.git`` file
 or ``commondir`` names (Issue 19 item 2). Real files in a temporary directory, no daemon."""
