@@ -539,7 +539,7 @@ def run(args: argparse.Namespace) -> Any:
             if args.prompt:
                 call_args["prompt"] = args.prompt
             _ensure_runtime(sock, args.agent)
-            return _call(sock, "session_start", call_args, timeout=120.0)
+            return _call(sock, "session_start", call_args, timeout=180.0)  # create_instance: up to 150 s
         if args.session_cmd == "show":
             if args.limit is not None and args.after_seq is None:
                 raise Usage("session show: --limit goes with --after-seq")
@@ -691,8 +691,9 @@ def _main(argv: list[str]) -> int:
     if args.command == "agents" and not args.json:
         for a in result["agents"]:
             secret = ", ".join(f"{var} <- {ref}" for var, ref in a["secret_env"].items())
+            files = ", ".join(f"~/{dest} <- {src}" for dest, src in a.get("home_files", {}).items())
             print(f"{a['name']}\t{a['package']}\t{a['version']}\tenv: {', '.join(a['env']) or '-'}"
-                  f"\tsecret_env: {secret or '-'}")
+                  f"\tsecret_env: {secret or '-'}\thome_files: {files or '-'}")
     if args.command == "agents" and result.get("config_error"):
         if args.json:
             _print(result)

@@ -259,6 +259,7 @@ class TableSetting:
 TABLE_SETTINGS: tuple[TableSetting, ...] = (
     TableSetting("agents.NAME.env", "`{}`", 'that agent\'s plain settings (NAME: claude-code, codex, gemini, opencode, mock), e.g. `{ ANTHROPIC_BASE_URL = "...", ANTHROPIC_MODEL = "..." }`; at most 64 variables; not `HOME`, `PATH`, `USER`, `LOGNAME`, `PWD`, `SHELL`, `KANDEV_*`, `GIT_*`'),
     TableSetting("agents.NAME.secret_env", "`{}`", 'that agent\'s keys: `VARIABLE = "/absolute/path"` (a regular file, no symlink, mode 0600/0640/0400/0440, owner root or the service user, group root or the service group) or `VARIABLE = "credential:NAME"` (a systemd credential of `kandev-agentctl.service`: `LoadCredential=NAME:/path` in a drop-in)'),
+    TableSetting("agents.NAME.home_files", "`{}`", 'files copied into each session\'s HOME before every launch of that agent (start, resume, restart): `"path/relative/to/HOME" = "/absolute/host/file"` (at most 32; the host file checked like a `secret_env` file; the copy mode 0600, never through a symlink in the HOME), e.g. `{ ".config/opencode/opencode.json" = "/etc/kandev/agents/opencode.json" }`'),
 )
 
 
@@ -610,8 +611,9 @@ def validate_credentials(config: Config) -> None:
 
 
 def validate_agents(config: Config) -> None:
-    """Check each ``[agents.NAME] secret_env`` file (present, a regular file of root or the service
-    user, mode 0600/0640), without reading it; ``credential:`` ones are the control server's to check."""
+    """Check each ``[agents.NAME] secret_env`` file and ``home_files`` source (present, a regular file
+    of root or the service user, mode 0600/0640), without reading it; ``credential:`` ones are the
+    control server's to check."""
     try:
         validate_settings(config.agents.settings)
     except SettingsError as exc:

@@ -518,7 +518,9 @@ def _agents(r: _Report, config: Config | None) -> None:
     for name in sorted(config.agents.settings):
         shown = describe_agent(config.agents.settings, name)
         secret = ", ".join(f"{var} ({ref})" for var, ref in shown["secret_env"].items())
-        parts.append(f"{name}: env {', '.join(shown['env']) or '-'}; secret_env {secret or '-'}")
+        files = ", ".join(f"~/{dest} ({src})" for dest, src in shown["home_files"].items())
+        parts.append(f"{name}: env {', '.join(shown['env']) or '-'}; secret_env {secret or '-'}"
+                     + (f"; home_files {files}" if files else ""))
     r.add("agents", True, "; ".join(parts))
 
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from daemon.store.db import Store, sqlite_url
-from tests.support import claude_runtime
+from tests.support import npm_runtimes
 from tests.support.paths import REPO_ROOT, venv_python_path
 from tests.support.postgres import PgCluster
 from tests.support.postgres import require as postgres_bin
@@ -58,11 +57,6 @@ def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]
 
 @pytest.fixture(scope="session")
 def claude_npm_cache() -> Path:
-    """An npm cache with the pinned claude-code runtime prepared in it (tests/support/claude_runtime.py),
+    """An npm cache with the pinned claude-code runtime prepared in it (tests/support/npm_runtimes.py),
     once per machine; give it to daemons as ``npm_config_cache``."""
-    try:
-        return claude_runtime.prepare_cache()
-    except claude_runtime.Unavailable as exc:
-        if os.environ.get("CI", "").strip().lower() in ("true", "1", "yes"):
-            pytest.fail(f"the claude-code runtime cannot be prepared: {exc}", pytrace=False)  # CI never skips
-        pytest.skip(f"the claude-code runtime cannot be prepared: {exc}")
+    return npm_runtimes.cache_or_skip("claude-code")

@@ -85,8 +85,9 @@ DRIVE = "drive"
 ADOPT = "adopt"
 """Connect purpose: the credential may be the superseded one (only rotate and ownership_shutdown work then)."""
 
-CREATE_TIMEOUT = 90.0
-"""Seconds ``create_instance`` may take (spawn + initialize + session/new|load, 30 s each at most)."""
+CREATE_TIMEOUT = 150.0
+"""Seconds ``create_instance`` may take (spawn, then initialize and session/new|load, 60 s each at
+most: ``daemon.agentctl.instance.HANDSHAKE_TIMEOUT``)."""
 STOP_TIMEOUT = 30.0
 """Seconds ``stop_instance`` may take (SIGTERM, 3 s grace, SIGKILL, reaping)."""
 SHUTDOWN_TIMEOUT = 60.0

@@ -110,12 +110,23 @@ from ipc.errors import ErrorCode, IpcError
 
 log = logging.getLogger("kandev.agentctl.instance")
 
-HANDSHAKE_TIMEOUT = 30.0
-"""Seconds each of ``initialize`` and ``session/new|load`` may take."""
+HANDSHAKE_TIMEOUT = 60.0
+"""Seconds each of ``initialize`` and ``session/new|load`` may take. A real npm agent's cold start
+is CPU-bound (OpenCode's and Gemini CLI's answer to ``initialize`` took 25 to 40 s on a busy
+two-core host, 4 to 5 s on an idle one): the bound catches an agent that will never answer, not
+a slow machine."""
 KILL_GRACE = 3.0
 """Seconds between SIGTERM and SIGKILL of the group."""
 REAP_TIMEOUT = 5.0
 """Seconds to wait for the kernel to report the leader's death after SIGKILL."""
+LOAD_SETTLE = 0.5
+"""After a ``session/load`` answer: the handshake ends once the agent has sent nothing for this
+long. Agents replay a loaded session's history as ``session/update`` notifications, some before
+their answer (OpenCode, Codex, Claude Code) and some after it (Gemini CLI writes its replay
+asynchronously, after and around its answer); the replay is one burst. Everything up to the quiet
+moment belongs to the handshake (``handshake_seq``), which the backend never puts in a transcript,
+and no prompt can be sent before it (the instance is still starting), so no replayed update is
+attributed to the next turn."""
 STDOUT_DRAIN_GRACE = 2.0
 """After the agent exits, how long to wait for the rest of its stdout (a child may hold it open)."""
 STDERR_TAIL_BYTES = 4096
@@ -418,6 +429,7 @@ class Instance:
         # {"modes": <SessionModeState JSON>|None, "config_options": [<config option JSON>]}.
         self.session_info: dict[str, Any] = {"modes": None, "config_options": []}
         self.handshake_seq = 0  # last seq appended during the handshake (e.g. a session/load replay)
+        self._last_incoming = time.monotonic()  # when the agent last sent a message (LOAD_SETTLE)
         self.exit_code: int | None = None
         self.current_turn_id: str | None = None
         self.outcomes: OrderedDict[str, dict[str, Any]] = OrderedDict()
@@ -565,8 +577,12 @@ class Instance:
                     self._conn.load_session(cwd=self.spec.cwd, session_id=self.spec.resume_session_id),
                     self._handshake_timeout,
                 )
+                # The answer names no session (ACP's LoadSessionResponse has no sessionId): the
+                # loaded session is the one asked for.
                 self.acp_session_id = self.spec.resume_session_id
                 self.session_info = session_info(loaded)
+                step = "session/load (its history replay)"
+                await self._settle_replay()
             else:
                 step = "session/new"
                 session = await within(
@@ -585,6 +601,21 @@ class Instance:
         self.log.set_limit(self.detached_event_limit)  # the detached bound applies from now on
         self._find_sandbox_init()
         self._set_state(InstanceState.RUNNING)
+
+    async def _settle_replay(self) -> None:
+        """Wait until the agent has been quiet for ``LOAD_SETTLE`` seconds (at most the handshake
+        timeout: an agent that never stops talking has not finished its load)."""
+        deadline = time.monotonic() + self._handshake_timeout
+        while True:
+            if self.state is not InstanceState.STARTING or self._exited.is_set() or self._stop_signal.is_set():
+                return  # exited or stopped meanwhile: start() reports it
+            now = time.monotonic()
+            quiet = now - self._last_incoming
+            if quiet >= LOAD_SETTLE:
+                return
+            if now >= deadline:
+                raise TimeoutError("the agent kept sending its history")
+            await _wait_any((self._stop_signal, self._exited), min(LOAD_SETTLE - quiet, deadline - now) + 0.01)
 
     async def _handshake_failure(self, step: str, exc: BaseException | None) -> str:
         """Kill the group and describe why the handshake failed."""
@@ -615,6 +646,8 @@ class Instance:
     def _observe(self, event: StreamEvent) -> None:
         """Stream observer: called synchronously, in arrival order, for every JSON-RPC message."""
         message = event.message
+        if event.direction is not StreamDirection.OUTGOING:
+            self._last_incoming = time.monotonic()
         if event.direction is StreamDirection.OUTGOING:
             if "method" not in message and "id" in message:
                 self._incoming_open.pop(_rpc_key(message["id"]), None)

@@ -102,9 +102,19 @@ BUILTIN_AGENTS: dict[str, BuiltinAgent] = {
         # No telemetry, error reporting or update checks: the agent talks to its model API only.
         npm_agent("claude-code", "@zed-industries/claude-code-acp", "0.16.2",
                   default_env=(("DISABLE_TELEMETRY", "1"), ("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1"))),
+        # codex-acp runs ``codex app-server``, which (unlike Codex's own terminal UI) checks for no
+        # update; its provider, analytics and update switches live in $CODEX_HOME/config.toml
+        # (``[agents.codex] home_files``).
         npm_agent("codex", "@agentclientprotocol/codex-acp", "2.6.0"),
-        npm_agent("gemini", "@google/gemini-cli", "0.61.0", ("--experimental-acp",)),
-        npm_agent("opencode", "opencode-ai", "1.18.33", ("acp",)),
+        # ``--acp`` (``--experimental-acp`` is its deprecated alias). Trusting the workspace kandev
+        # gave it (else Gemini ignores the workspace's settings and asks), no telemetry.
+        npm_agent("gemini", "@google/gemini-cli", "0.61.0", ("--acp",),
+                  default_env=(("GEMINI_CLI_TRUST_WORKSPACE", "true"), ("GEMINI_TELEMETRY_ENABLED", "false"))),
+        # No models list from models.dev, no self-update, no session sharing, no language-server
+        # downloads: OpenCode talks to its configured provider only.
+        npm_agent("opencode", "opencode-ai", "1.18.33", ("acp",),
+                  default_env=(("OPENCODE_DISABLE_MODELS_FETCH", "1"), ("OPENCODE_DISABLE_AUTOUPDATE", "1"),
+                               ("OPENCODE_DISABLE_SHARE", "1"), ("OPENCODE_DISABLE_LSP_DOWNLOAD", "1"))),
     )
 }
 

@@ -5,6 +5,7 @@
     [agents.claude-code]
     env = { ANTHROPIC_BASE_URL = "https://api.anthropic.com", ANTHROPIC_MODEL = "claude-sonnet-4-5" }
     secret_env = { ANTHROPIC_API_KEY = "/etc/kandev/secrets/anthropic-api-key" }
+    home_files = { ".config/opencode/opencode.json" = "/etc/kandev/agents/opencode.json" }
 
 - ``env``: plain settings, put in that agent's environment as they are (they are not secret: the
   backend hands them to the control server with the launch, and ``kandev agents`` shows their
@@ -17,6 +18,12 @@
   ``create_instance``); the control server reads the value itself when it spawns that agent and
   puts it in that agent's environment only (``daemon.agentctl.agent_env``). A value is never
   logged, stored, shown, nor in any argv.
+- ``home_files``: a path relative to the session's HOME -> an absolute host file, copied into that
+  HOME before every launch of the agent (``daemon.agents.home_files``): an agent's own
+  configuration file (its provider's address, its update and telemetry switches). The file is
+  checked like a secret file (it may name a key) and copied mode 0600; ``kandev agents`` shows
+  destinations and sources, never contents. A key belongs in ``secret_env``, which the file can
+  name (e.g. OpenCode's ``{env:ANTHROPIC_API_KEY}``, Codex's ``env_key``).
 
 Built-in defaults (``BuiltinAgent.default_env``, e.g. Claude Code's ``DISABLE_TELEMETRY=1``) come
 first; ``env`` overrides them. Variables kandev sets itself (``HOME``, ``PATH``, ``KANDEV_*``, the
@@ -51,6 +58,9 @@ RESERVED_VARS = frozenset({"HOME", "PATH", "USER", "LOGNAME", "PWD", "SHELL"})
 RESERVED_PREFIXES = ("KANDEV_", "GIT_")
 MAX_VARS = 64
 MAX_VALUE = 8192
+MAX_HOME_FILES = 32
+MAX_HOME_PATH = 255
+HOME_FILE_MAX_BYTES = 1024 * 1024
 
 
 class SettingsError(ValueError):
@@ -100,6 +110,8 @@ class AgentSettings:
     name: str
     env: Mapping[str, str] = field(default_factory=dict)
     secret_env: Mapping[str, SecretRef] = field(default_factory=dict)
+    # {path relative to the session's HOME: absolute host file} (``daemon.agents.home_files``)
+    home_files: Mapping[str, str] = field(default_factory=dict)
 
     def secret_refs(self) -> dict[str, str]:
         """``{VAR: reference}``: what crosses to the control server (no value)."""
@@ -114,6 +126,32 @@ def _check_var(name: Any, key: str) -> str:
     return name
 
 
+def check_home_dest(dest: Any, key: str) -> str:
+    """A ``home_files`` destination: a plain relative path below the HOME (normalised)."""
+    if not isinstance(dest, str) or not dest or "\0" in dest or len(dest) > MAX_HOME_PATH:
+        raise SettingsError(key, f"must be a path relative to the session's HOME of at most {MAX_HOME_PATH} characters")
+    parts = dest.split("/")
+    if dest.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise SettingsError(key, f"{dest!r:.140} is not a plain relative path below the HOME (no leading /,"
+                                 " no empty, . or .. component)")
+    return dest
+
+
+def _home_files(value: Any, base: str, suffix: str) -> dict[str, str]:
+    key = f"{base}.home_files"
+    if not isinstance(value, dict):
+        raise SettingsError(key, f'must be a table of "path/in/home" = "/absolute/host/file"{suffix}')
+    if len(value) > MAX_HOME_FILES:
+        raise SettingsError(key, f"at most {MAX_HOME_FILES} files")
+    out: dict[str, str] = {}
+    for dest, source in value.items():
+        check_home_dest(dest, f"{key}.{dest}")
+        if not isinstance(source, str) or "\0" in source or not os.path.isabs(source):
+            raise SettingsError(f"{key}.{dest}", f"{source!r:.140} is not an absolute path of a host file{suffix}")
+        out[dest] = os.path.normpath(source)
+    return out
+
+
 def parse_agent_table(name: str, table: Any, where: str = "") -> AgentSettings:
     """``[agents.NAME]`` as read from the file; ``where`` (e.g. "in /etc/kandev/kandev.toml") goes
     into messages."""
@@ -124,9 +162,9 @@ def parse_agent_table(name: str, table: Any, where: str = "") -> AgentSettings:
         raise SettingsError(base, f"unknown agent {name!r}{suffix}; built-in agents: {known}")
     if not isinstance(table, dict):
         raise SettingsError(base, f"must be a table ([{base}]){suffix}")
-    unknown = sorted(set(table) - {"env", "secret_env"})
+    unknown = sorted(set(table) - {"env", "secret_env", "home_files"})
     if unknown:
-        raise SettingsError(f"{base}.{unknown[0]}", f"unknown setting{suffix}; known: env, secret_env")
+        raise SettingsError(f"{base}.{unknown[0]}", f"unknown setting{suffix}; known: env, secret_env, home_files")
     env: dict[str, str] = {}
     secrets: dict[str, SecretRef] = {}
     for part in ("env", "secret_env"):
@@ -147,7 +185,7 @@ def parse_agent_table(name: str, table: Any, where: str = "") -> AgentSettings:
     both = sorted(set(env) & set(secrets))
     if both:
         raise SettingsError(f"{base}.secret_env.{both[0]}", "is also in env; a variable is either plain or secret")
-    return AgentSettings(name, env, secrets)
+    return AgentSettings(name, env, secrets, _home_files(table.get("home_files", {}), base, suffix))
 
 
 def agent_env(name: str, configured: Mapping[str, AgentSettings]) -> dict[str, str]:
@@ -211,7 +249,8 @@ def check_secret_file(path: str) -> None:
 
 def validate_settings(configured: Mapping[str, AgentSettings]) -> None:
     """The backend's start check of every ``secret_env`` file (credentials are the control
-    server's to check: only its unit has them). SettingsError naming the key."""
+    server's to check: only its unit has them) and every ``home_files`` source (the same rules:
+    such a file may name a key). SettingsError naming the key."""
     for name, settings in sorted(configured.items()):
         for var, ref in sorted(settings.secret_env.items()):
             if ref.kind is SecretKind.FILE:
@@ -219,21 +258,29 @@ def validate_settings(configured: Mapping[str, AgentSettings]) -> None:
                     check_secret_file(ref.target)
                 except ValueError as exc:
                     raise SettingsError(f"agents.{name}.secret_env.{var}", str(exc)) from None
+        for dest, source in sorted(settings.home_files.items()):
+            try:
+                check_secret_file(source)
+            except ValueError as exc:
+                raise SettingsError(f"agents.{name}.home_files.{dest}", str(exc)) from None
 
 
 def secret_paths(configured: Mapping[str, AgentSettings]) -> list[str]:
-    """Every secret file of every agent: no agent's sandbox may show one."""
+    """Every secret file and ``home_files`` source of every agent: no agent's sandbox may show one
+    (an agent sees its own files' copies in its HOME, never another agent's)."""
     return sorted({ref.target for s in configured.values() for ref in s.secret_env.values()
-                   if ref.kind is SecretKind.FILE})
+                   if ref.kind is SecretKind.FILE} | {src for s in configured.values() for src in s.home_files.values()})
 
 
 def describe(configured: Mapping[str, AgentSettings], name: str) -> dict[str, Any]:
     """What ``kandev agents`` and ``kandev doctor`` show of an agent's settings: variable names
-    (and where a secret comes from), never a value."""
+    (and where a secret comes from) and the files copied into its HOME (destination -> source),
+    never a value nor a file's contents."""
     settings = configured.get(name)
     agent = BUILTIN_AGENTS.get(name)
     defaults = [var for var, _ in agent.default_env] if agent is not None else []
     return {
         "env": sorted(set(defaults) | set(settings.env if settings else {})),
         "secret_env": {var: ref.render() for var, ref in sorted((settings.secret_env if settings else {}).items())},
+        "home_files": dict(sorted((settings.home_files if settings else {}).items())),
     }

@@ -7,6 +7,8 @@
   ``[agents.NAME] env`` (``daemon.agents.settings``) and, for a GitHub-backed workspace, the git
   credential routing to the session's own credential endpoint
   (``daemon.backend.credential_endpoints``), opened here.
+- The agent's own files (``[agents.NAME] home_files``), copied into its HOME before every launch
+  (``daemon.agents.home_files``): start, resume and a restart alike.
 - The agent's secrets by reference (``[agents.NAME] secret_env``: paths or ``credential:NAME``),
   which the control server reads itself at spawn: no secret value passes through the backend.
 - The sandbox request (``daemon.agentctl.sandbox.SandboxRequest``): the policy from
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from daemon.agentctl.sandbox import SANDBOX_UNAVAILABLE, SandboxPolicy, SandboxRequest
+from daemon.agents import home_files
 from daemon.agents.mock_store import STATE_DIR_ENV
 from daemon.agents.registry import BuiltinAgent
 from daemon.agents.settings import agent_env, secret_paths
@@ -66,6 +69,8 @@ class AgentCommand:
     path_first: str | None = None
     env: dict[str, str] = field(default_factory=dict)  # built-in defaults + [agents.NAME] env
     secret_env: dict[str, str] = field(default_factory=dict)  # {VAR: path | credential:NAME}
+    agent: str = ""
+    home_files: dict[str, str] = field(default_factory=dict)  # {path in HOME: host file}
 
 
 @dataclass(frozen=True)
@@ -84,14 +89,15 @@ async def agent_command(backend: Backend, agent: BuiltinAgent) -> AgentCommand:
     configured = backend.config.agents.settings
     env = agent_env(agent.name, configured)
     secrets = configured[agent.name].secret_refs() if agent.name in configured else {}
+    files = dict(configured[agent.name].home_files) if agent.name in configured else {}
     if agent.runtime != "npm" or backend.config.agents.sandbox == SandboxPolicy.OFF.value:
-        return AgentCommand(list(agent.argv()), env=env, secret_env=secrets)
+        return AgentCommand(list(agent.argv()), env=env, secret_env=secrets, agent=agent.name, home_files=files)
     try:
         root = await asyncio.to_thread(npm_cache_root)
         prepared = await asyncio.to_thread(prepared_runtime, agent, root)
     except RuntimeNotPrepared as exc:
         raise IpcError(RUNTIME_NOT_PREPARED, str(exc)) from None
-    return AgentCommand(prepared.command, (str(prepared.tree),), str(prepared.bin_dir), env, secrets)
+    return AgentCommand(prepared.command, (str(prepared.tree),), str(prepared.bin_dir), env, secrets, agent.name, files)
 
 
 def hidden_paths(config: Config, paths: Paths) -> list[str]:
@@ -136,15 +142,21 @@ def _base_env(dirs: SessionDirs, command: AgentCommand) -> dict[str, str]:
     return env
 
 
-async def _dirs(backend: Backend, session_id: str) -> SessionDirs:
-    return await asyncio.to_thread(SessionDirs.for_session(backend.paths.home, session_id).ensure)
+async def _dirs(backend: Backend, session_id: str, command: AgentCommand) -> SessionDirs:
+    """The session's directories, with the agent's configured files copied into its HOME."""
+    dirs = await asyncio.to_thread(SessionDirs.for_session(backend.paths.home, session_id).ensure)
+    try:
+        await asyncio.to_thread(home_files.install, dirs.home, command.agent, command.home_files)
+    except home_files.HomeFileError as exc:
+        raise IpcError(ErrorCode.INVALID_ARGUMENT, f"cannot launch the agent: {exc}", retryable=False) from None
+    return dirs
 
 
 async def prepare(backend: Backend, session_id: str, command: AgentCommand) -> LaunchPrep:
     """Directories, a new git lease (policy ``none`` without a GitHub origin or token) with its
     endpoint, the environment and the sandbox request. The session must be durably STARTING."""
     view = await asyncio.to_thread(_launch_view, backend, session_id)  # refused before any lease
-    dirs = await _dirs(backend, session_id)
+    dirs = await _dirs(backend, session_id, command)
     env = _base_env(dirs, command)
     creds = await asyncio.to_thread(backend.git_credentials, session_id, env, dirs.endpoint_socket)
     if creds.policy == POLICY_GITHUB_LEASE:
@@ -158,7 +170,7 @@ async def prepare_relaunch(backend: Backend, session_id: str, agent: BuiltinAgen
     """The same command, environment and sandbox as the session's running agent had, with its
     current lease file (``with_lease``: the session's policy is a GitHub lease) and no new lease."""
     command = await agent_command(backend, agent)
-    dirs = await _dirs(backend, session_id)
+    dirs = await _dirs(backend, session_id, command)
     env = _base_env(dirs, command)
     if with_lease and await asyncio.to_thread(dirs.lease_file.exists):
         await backend.endpoints.open(session_id)

@@ -1,7 +1,7 @@
 """A real Claude Code doing real turns through kandev (Issue 12 scenario A, Issue 12 scenario B, Issue 12 scenario C and Issue 12 scenario D).
 
 The agent is the pinned ``claude-code`` runtime (``@zed-industries/claude-code-acp``, prepared once
-per machine: ``tests/support/claude_runtime.py``), started by the real daemons in its bubblewrap sandbox
+per machine: ``tests/support/npm_runtimes.py``), started by the real daemons in its bubblewrap sandbox
 as ``kandev session start --agent claude-code`` starts it; the model API is the tests' own local
 stand-in (``tests/support/messages_standin.py``), reached through ``[agents.claude-code] env =
 {ANTHROPIC_BASE_URL}``, with the key in a 0600 file named by ``secret_env``. One backend (survival

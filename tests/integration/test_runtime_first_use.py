@@ -19,9 +19,9 @@ import pytest
 from daemon.backend import api
 from daemon.runtimes.npx_cache import NPX_DIR, npx_key
 from ipc.client import SyncClient
-from tests.support.claude_runtime import CLAUDE, is_prepared
 from tests.support.kandev import make_env
 from tests.support.messages_standin import MessagesStandIn
+from tests.support.npm_runtimes import CLAUDE, is_prepared
 from tests.support.streams import agent_chunks
 from tests.support.waiting import wait_until
 
@@ -45,7 +45,7 @@ def test_first_use_runs_the_runtime_job_first(short_tmp: Path, claude_npm_cache:
             f'secret_env = {{ ANTHROPIC_API_KEY = "{key}" }}\n'))
         k.env = make_env(Path(k.env["KANDEV_CONFIG"]), npm_config_cache=str(cache))
         k.up()
-        assert not is_prepared(cache)
+        assert not is_prepared(CLAUDE, cache)
         task = k.cli("task", "create", "--title", "first use")["task_id"]
 
         # The CLI: the job's steps on stderr, then the session.
@@ -53,7 +53,7 @@ def test_first_use_runs_the_runtime_job_first(short_tmp: Path, claude_npm_cache:
         assert p.returncode == 0, p.stderr
         assert "runtime of claude-code is not prepared yet" in p.stderr
         assert "preparing claude-code: [updating]" in p.stderr and "[succeeded]" in p.stderr
-        assert is_prepared(cache)
+        assert is_prepared(CLAUDE, cache)
         sid = k.cli("session", "list")["sessions"][-1]["session_id"]
         standin.script(["prepared", " and", " running"])
         assert k.cli("prompt", sid, "hi", "--wait", timeout=90)["stop_reason"] == "end_turn"
@@ -87,4 +87,4 @@ def test_first_use_runs_the_runtime_job_first(short_tmp: Path, claude_npm_cache:
         assert result.get("session_id") == show["session_id"], result
         done = k.show(show["session_id"])
         assert done["state"] == "WAITING_FOR_INPUT" and done["runtime_prepare"]["state"] == "succeeded"
-        assert is_prepared(cache)
+        assert is_prepared(CLAUDE, cache)

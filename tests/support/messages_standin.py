@@ -30,9 +30,10 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Self
 
 MAX_BODY = 16 * 1024 * 1024
 
@@ -60,28 +61,40 @@ class Recorded:
     path: str
     headers: dict[str, str]
     body: Any
+    conversation: bool = False  # a turn of the agent's conversation (the stand-in's own rule)
+    turns: tuple[tuple[str, str], ...] = ()  # (role, text) of every text the request carries, in order
 
     @property
     def is_conversation(self) -> bool:
-        return self.path.split("?")[0] == "/v1/messages" and isinstance(self.body, dict) and bool(self.body.get("tools"))
+        return self.conversation
 
     def texts(self) -> list[tuple[str, str]]:
-        """``(role, text)`` of every text block of the request's ``messages``, in order."""
-        out: list[tuple[str, str]] = []
-        messages = self.body.get("messages") if isinstance(self.body, dict) else None
-        for message in messages or []:
-            content = message.get("content")
-            if isinstance(content, str):
-                out.append((message.get("role"), content))
-                continue
-            for block in content or []:
-                if isinstance(block, dict) and block.get("type") == "text":
-                    out.append((message.get("role"), block.get("text", "")))
-        return out
+        """``(role, text)`` of every text block of the request's conversation, in order (roles as
+        the provider names them: Messages and Responses ``user``/``assistant``, Gemini ``user``/``model``)."""
+        return list(self.turns)
 
 
-class MessagesStandIn:
-    """Start with ``start()`` (or as a context manager); ``base_url`` is what ``ANTHROPIC_BASE_URL`` gets."""
+def messages_texts(body: Any) -> list[tuple[str, str]]:
+    """``(role, text)`` of every text block of a Messages request's ``messages``."""
+    out: list[tuple[str, str]] = []
+    messages = body.get("messages") if isinstance(body, dict) else None
+    for message in messages or []:
+        content = message.get("content")
+        if isinstance(content, str):
+            out.append((message.get("role"), content))
+            continue
+        for block in content or []:
+            if isinstance(block, dict) and block.get("type") == "text":
+                out.append((message.get("role"), block.get("text", "")))
+    return out
+
+
+class StandIn:
+    """A provider API on 127.0.0.1: the HTTP server, the queue of scripted answers and the record
+    of every request. A provider's stand-in says which requests are its conversation
+    (``_conversation``), what texts they carry (``_texts``) and how to answer (``_serve``)."""
+
+    name = "standin"
 
     def __init__(self) -> None:
         self.requests: list[Recorded] = []
@@ -91,10 +104,10 @@ class MessagesStandIn:
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ control
-    def start(self, port: int = 0) -> MessagesStandIn:
+    def start(self, port: int = 0) -> Self:
         self._server = ThreadingHTTPServer(("127.0.0.1", port), _handler_class(self))
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="messages-standin", daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, name=self.name, daemon=True)
         self._thread.start()
         return self
 
@@ -106,7 +119,7 @@ class MessagesStandIn:
             self._server.server_close()
             self._server = None
 
-    def __enter__(self) -> MessagesStandIn:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
@@ -129,6 +142,13 @@ class MessagesStandIn:
         with self._lock:
             return [r for r in self.requests if r.is_conversation]
 
+    def wait_for_conversation(self, count: int, timeout: float = 60.0) -> list[Recorded]:
+        """The conversation requests once there are at least ``count``."""
+        from tests.support.waiting import wait_until
+
+        return wait_until(lambda: c if len(c := self.conversation()) >= count else None, timeout=timeout,
+                          message=f"{count} conversation request(s) at the {self.name}")
+
     # ------------------------------------------------------------------ serving
     def _handle(self, h: BaseHTTPRequestHandler) -> None:
         length = int(h.headers.get("content-length") or 0)
@@ -137,11 +157,73 @@ class MessagesStandIn:
             body = json.loads(raw) if raw else None
         except ValueError:
             body = raw.decode(errors="replace")
-        rec = Recorded(h.command, h.path, {k.lower(): v for k, v in h.headers.items()}, body)
         path = h.path.split("?")[0]
+        conversation = h.command == "POST" and self._conversation(path, body)
+        rec = Recorded(h.command, h.path, {k.lower(): v for k, v in h.headers.items()}, body, conversation,
+                       tuple(self._texts(body)) if conversation else ())
         with self._lock:
             self.requests.append(rec)
             script = self._scripts.popleft() if rec.is_conversation and self._scripts else None
+        self._serve(h, path, body, script, rec)
+
+    def _conversation(self, path: str, body: Any) -> bool:
+        raise NotImplementedError
+
+    def _texts(self, body: Any) -> list[tuple[str, str]]:
+        raise NotImplementedError
+
+    def _serve(self, h: BaseHTTPRequestHandler, path: str, body: Any, script: Script | None, rec: Recorded) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def _json(h: BaseHTTPRequestHandler, status: int, doc: Any) -> None:
+        data = json.dumps(doc).encode()
+        h.send_response(status)
+        h.send_header("content-type", "application/json")
+        h.send_header("content-length", str(len(data)))
+        h.end_headers()
+        h.wfile.write(data)
+
+    @staticmethod
+    def _sse(h: BaseHTTPRequestHandler) -> None:
+        h.send_response(200)
+        h.send_header("content-type", "text/event-stream")
+        h.send_header("cache-control", "no-cache")
+        h.send_header("connection", "close")
+        h.end_headers()
+        h.close_connection = True
+
+    @staticmethod
+    def _event(h: BaseHTTPRequestHandler, data: dict[str, Any], name: str | None = None) -> None:
+        head = f"event: {name}\n" if name else ""
+        h.wfile.write(f"{head}data: {json.dumps(data)}\n\n".encode())
+        h.wfile.flush()
+
+    @staticmethod
+    def _paced(script: Script) -> Iterator[tuple[int, str]]:
+        """The script's deltas at its pace, holding where it says; counts what was sent."""
+        for i, delta in enumerate(script.deltas):
+            if script.hold_after is not None and i == script.hold_after:
+                script.released.wait(script.hold_timeout)
+            if i and script.pace:
+                time.sleep(script.pace)
+            yield i, delta
+            script.sent = i + 1
+
+
+class MessagesStandIn(StandIn):
+    """The Anthropic Messages API. Start with ``start()`` (or as a context manager); ``base_url``
+    is what ``ANTHROPIC_BASE_URL`` gets."""
+
+    name = "messages-standin"
+
+    def _conversation(self, path: str, body: Any) -> bool:
+        return path == "/v1/messages" and isinstance(body, dict) and bool(body.get("tools"))
+
+    def _texts(self, body: Any) -> list[tuple[str, str]]:
+        return messages_texts(body)
+
+    def _serve(self, h: BaseHTTPRequestHandler, path: str, body: Any, script: Script | None, rec: Recorded) -> None:
         if h.command != "POST":
             return self._json(h, 404, {"type": "error", "error": {"type": "not_found_error", "message": h.path}})
         if path == "/v1/messages/count_tokens":
@@ -162,26 +244,11 @@ class MessagesStandIn:
                 "usage": {"input_tokens": 10, "output_tokens": max(1, len(script.deltas))},
             })
 
-    @staticmethod
-    def _json(h: BaseHTTPRequestHandler, status: int, doc: Any) -> None:
-        data = json.dumps(doc).encode()
-        h.send_response(status)
-        h.send_header("content-type", "application/json")
-        h.send_header("content-length", str(len(data)))
-        h.end_headers()
-        h.wfile.write(data)
-
     def _stream(self, h: BaseHTTPRequestHandler, script: Script, model: str) -> None:
-        h.send_response(200)
-        h.send_header("content-type", "text/event-stream")
-        h.send_header("cache-control", "no-cache")
-        h.send_header("connection", "close")
-        h.end_headers()
-        h.close_connection = True
+        self._sse(h)
 
         def event(name: str, data: dict[str, Any]) -> None:
-            h.wfile.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode())
-            h.wfile.flush()
+            self._event(h, data, name)
 
         msg_id = f"msg_{uuid.uuid4().hex[:24]}"
         try:
@@ -190,14 +257,9 @@ class MessagesStandIn:
                 "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 10, "output_tokens": 1}}})
             event("content_block_start", {"type": "content_block_start", "index": 0,
                                           "content_block": {"type": "text", "text": ""}})
-            for i, delta in enumerate(script.deltas):
-                if script.hold_after is not None and i == script.hold_after:
-                    script.released.wait(script.hold_timeout)
-                if i and script.pace:
-                    time.sleep(script.pace)
+            for _i, delta in self._paced(script):
                 event("content_block_delta", {"type": "content_block_delta", "index": 0,
                                               "delta": {"type": "text_delta", "text": delta}})
-                script.sent = i + 1
             event("content_block_stop", {"type": "content_block_stop", "index": 0})
             event("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": None},
                                     "usage": {"output_tokens": max(1, len(script.deltas))}})
@@ -238,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
     standin._thread.join()
 
 
-def _handler_class(standin: MessagesStandIn) -> type[BaseHTTPRequestHandler]:
+def _handler_class(standin: StandIn) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 

@@ -43,7 +43,8 @@ def test_agent_tables_parse_with_defaults_and_names_only(tmp_path: Path) -> None
     assert plain_env("codex", cfg.agents.settings) == {}
     shown = describe(cfg.agents.settings, "claude-code")
     assert shown == {"env": ["ANTHROPIC_BASE_URL", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "DISABLE_TELEMETRY"],
-                     "secret_env": {"ANTHROPIC_API_KEY": str(key), "OTHER": "credential:anthropic-api-key"}}
+                     "secret_env": {"ANTHROPIC_API_KEY": str(key), "OTHER": "credential:anthropic-api-key"},
+                     "home_files": {}}
     assert "s3cret" not in repr(cfg)
 
 

@@ -87,7 +87,7 @@ def test_pinned_versions_are_exact_and_names_plain() -> None:
     npm = {a.name: a for a in BUILTIN_AGENTS.values() if a.runtime == "npm"}
     assert set(npm) == {"claude-code", "codex", "gemini", "opencode"}
     assert npm["claude-code"].package == "@zed-industries/claude-code-acp"
-    assert npm["gemini"].acp_args == ("--experimental-acp",)
+    assert npm["gemini"].acp_args == ("--acp",)
     assert npm["opencode"].acp_args == ("acp",)
     for agent in npm.values():
         assert EXACT_VERSION_RE.match(agent.version)
