@@ -37,7 +37,7 @@ from tests.support.sessions import identities, refused
 from tests.support.streams import agent_chunks
 from tests.support.waiting import wait_until
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = pytest.mark.timeout(600)
 
 CONFIG = ".config/opencode/opencode.json"
 

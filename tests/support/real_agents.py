@@ -160,7 +160,9 @@ def assert_key_nowhere(e: AgentEnv, sid: str) -> None:
     every agent and daemon log), no ``session show`` (JSON or human), no argv; ``kandev agents``
     and ``kandev doctor`` name the files, never a key."""
     k = e.k
-    assert files_holding(k.home, e.key.encode()) == []
+    found = files_holding(k.home, e.key.encode())
+    assert not found, f"the key is in {found}"
     assert e.key not in k.run("session", "show", sid).stdout + k.human("session", "show", sid).stdout
-    assert argv_holding(e.key) == []
+    pids = argv_holding(e.key)
+    assert not pids, f"the key is in the argv of {pids}"
     assert e.key not in k.run("agents").stdout + k.run("doctor").stdout

@@ -5,8 +5,9 @@ true`` answers server-sent events as the Responses API streams them: ``response.
 ``response.output_item.added`` (an assistant ``message``), ``response.content_part.added``, one
 ``response.output_text.delta`` per scripted delta at the script's pace, ``response.output_text.done``,
 ``response.content_part.done``, ``response.output_item.done`` and ``response.completed`` (with usage).
-Anything else: 404, recorded too. A conversation request is one whose ``input`` carries a user
-message; its texts (``Recorded.texts()``) are the ``input`` messages' text parts, ``(role, text)``,
+Anything else: 404, recorded too. A conversation request is one that asks for no structured output
+(``text.format``: Codex asks for its session's title on the side as a JSON object, which gets
+``{"title": "Stand-in title"}``); its texts (``Recorded.texts()``) are the ``input`` messages' text parts, ``(role, text)``,
 in order: Codex sends the whole history every turn. Scripts and recording work as in
 ``tests/support/messages_standin.py``.
 """
@@ -38,6 +39,11 @@ def _input_texts(body: Any) -> list[tuple[str, str]]:
     return out
 
 
+def _structured(body: dict[str, Any]) -> bool:
+    text = body.get("text")
+    return isinstance(text, dict) and bool(text.get("format"))
+
+
 class ResponsesStandIn(StandIn):
     """``base_url`` (ending in ``/v1``) is what a Codex ``model_provider``'s ``base_url`` gets."""
 
@@ -48,7 +54,7 @@ class ResponsesStandIn(StandIn):
         return super().base_url + "/v1"
 
     def _conversation(self, path: str, body: Any) -> bool:
-        return path.endswith("/responses") and any(role == "user" for role, _ in _input_texts(body))
+        return path.endswith("/responses") and isinstance(body, dict) and not _structured(body)
 
     def _texts(self, body: Any) -> list[tuple[str, str]]:
         return _input_texts(body)
@@ -56,7 +62,8 @@ class ResponsesStandIn(StandIn):
     def _serve(self, h: BaseHTTPRequestHandler, path: str, body: Any, script: Script | None, rec: Recorded) -> None:
         if h.command != "POST" or not path.endswith("/responses") or not isinstance(body, dict):
             return self._json(h, 404, {"error": {"type": "invalid_request_error", "message": f"no route {h.path}"}})
-        self._stream(h, script or Script(["ok"]), str(body.get("model") or "gpt-standin"))
+        default = Script(['{"title": "Stand-in title"}'] if _structured(body) else ["ok"])
+        self._stream(h, script or default, str(body.get("model") or "gpt-standin"))
 
     def _stream(self, h: BaseHTTPRequestHandler, script: Script, model: str) -> None:
         self._sse(h)
