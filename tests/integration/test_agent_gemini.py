@@ -11,7 +11,7 @@ kandev runs as root.
 
 Gemini CLI replays a loaded session's history *after* answering ``session/load``, and cannot load
 a session within the UTC minute its chat file was named in (the loading process starts a file of
-the same name). Scenario C therefore loads only once the minute has turned (``wait_until`` on the
+the same name). Issue 22 scenario C therefore loads only once the minute has turned (``wait_until`` on the
 clock, never luck), and its first turn runs at module setup so the wait is usually over by then.
 """
 
@@ -67,7 +67,7 @@ def env() -> Iterator[AgentEnv]:
 
 @pytest.fixture(scope="module")
 def answered(env: AgentEnv) -> tuple[str, int]:
-    """Scenario C's session after its first turn, and the UTC minute that turn ended in."""
+    """Issue 22 scenario C's session after its first turn, and the UTC minute that turn ended in."""
     sid = start(env, "gemini C")
     env.standin.script(["The answer", " is 42."], pace=0.02)
     turn(env, sid, "what is the answer?")

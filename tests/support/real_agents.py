@@ -156,7 +156,7 @@ def argv_holding(needle: str) -> list[int]:
 
 
 def assert_key_nowhere(e: AgentEnv, sid: str) -> None:
-    """Scenario A's last check: the key is in no file under the kandev home (the session's HOME,
+    """Issue 22 scenario A's last check: the key is in no file under the kandev home (the session's HOME,
     every agent and daemon log), no ``session show`` (JSON or human), no argv; ``kandev agents``
     and ``kandev doctor`` name the files, never a key."""
     k = e.k
