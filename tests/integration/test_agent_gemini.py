@@ -47,7 +47,7 @@ pytestmark = pytest.mark.timeout(600)
 SETTINGS = ".gemini/settings.json"
 SETTINGS_TEXT = json.dumps({
     "security": {"auth": {"selectedType": "gemini-api-key"}},
-    "general": {"disableAutoUpdate": True, "disableUpdateNag": True},
+    "general": {"enableAutoUpdate": False, "enableAutoUpdateNotification": False},
     "privacy": {"usageStatisticsEnabled": False},
     "telemetry": {"enabled": False},
 })
@@ -97,7 +97,8 @@ def test_scenario_a_first_turn_configured_only_through_kandev(env: AgentEnv, ans
     assert environ["HOME"] == str(home)
     assert environ["GEMINI_CLI_TRUST_WORKSPACE"] == "true" and environ["GEMINI_TELEMETRY_ENABLED"] == "false"
     copied = home / SETTINGS
-    assert copied.read_text() == SETTINGS_TEXT and (copied.stat().st_mode & 0o777) == 0o600
+    # Gemini CLI rewrites its settings (indented) once it has read them; they hold what was copied
+    assert json.loads(copied.read_text()) == json.loads(SETTINGS_TEXT) and (copied.stat().st_mode & 0o777) == 0o600
     agents = {a["name"]: a for a in e.k.cli("agents")["agents"]}
     assert SETTINGS in agents["gemini"]["home_files"]
     assert_key_nowhere(e, sid)
