@@ -303,9 +303,9 @@ def _attack_from_inside(b: Box) -> None:
     }
     said = _says(b, S["gh_sid"], "/sh " + attack_script(denied, allowed))
     assert said.startswith("sh: exit=0\n") and not attack_verdicts(said, denied, allowed), said
-    digest = hashlib.sha256(UPSTREAM.encode()).hexdigest()[:12]
-    assert _says(b, S["gh_sid"], "/git-credential") == (
-        f"git-credential: ok username=x-access-token password-sha256={digest}")
+    # The session's lease checks at its endpoint; no credential is handed out (Issue 20).
+    said = _says(b, S["gh_sid"], "/git-credential")
+    assert said.startswith("git-credential: ok repository=github.com/") and UPSTREAM not in said, said
     # workspaces' content is the agents' work (their top directories are what keeps others out)
     loose = b.box.run("find", HOME, "-mindepth", "1", "(", "-path", f"{HOME}/worktrees/*/*", "-o", "-path",
                       f"{HOME}/repos/*", ")", "-prune", "-o", "-perm", "/077", "-print").stdout.split()

@@ -15,7 +15,6 @@ sandboxed inside the backend unit too.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from typing import Any
 
@@ -99,8 +98,9 @@ def attack(box: SdBox, cli: BoxCli, sid: str, other_sid: str) -> None:
     }
     said = cli.says(sid, "/sh " + attack_script(denied, allowed))
     assert said.startswith("sh: exit=0\n") and not attack_verdicts(said, denied, allowed), said
-    digest = hashlib.sha256(UPSTREAM.encode()).hexdigest()[:12]
-    assert cli.says(sid, "/git-credential") == f"git-credential: ok username=x-access-token password-sha256={digest}"
+    # The session's lease checks at its endpoint; no credential is handed out (Issue 20).
+    said = cli.says(sid, "/git-credential")
+    assert said.startswith("git-credential: ok repository=github.com/") and UPSTREAM not in said, said
 
 
 def _main_pid(box: SdBox, unit: str) -> str:
