@@ -66,6 +66,18 @@ def write_lease_file(path: str | os.PathLike[str], lease_token: str, capability:
     return p
 
 
+class NoLease(ValueError):
+    """The lease file says why the session has no lease (e.g. no upstream token is configured)."""
+
+
+def write_no_lease_file(path: str | os.PathLike[str], reason: str) -> Path:
+    """A lease file holding no lease, only ``reason`` (no secret): what git is told at a fetch or push."""
+    p = Path(path)
+    _ensure_private_dir(p.parent)
+    write_secret_file(p, (json.dumps({"v": 1, "unavailable": reason}) + "\n").encode("utf-8"))
+    return p
+
+
 def read_lease_file(path: str | os.PathLike[str]) -> tuple[str, str | None]:
     """``(lease_token, capability or None)``. The file must be a regular 0600 file of ours
     (``daemon.paths.SecretFileError`` otherwise); a file holding just the token is accepted."""
@@ -76,6 +88,8 @@ def read_lease_file(path: str | os.PathLike[str]) -> tuple[str, str | None]:
         except ValueError:
             raise ValueError(f"lease file {path} is not valid JSON") from None
         token = doc.get("lease_token") if isinstance(doc, dict) else None
+        if isinstance(doc, dict) and not token and isinstance(doc.get("unavailable"), str):
+            raise NoLease(doc["unavailable"])
         if not isinstance(token, str) or not token:
             raise ValueError(f"lease file {path} has no lease_token")
         cap = doc.get("capability")
@@ -113,6 +127,8 @@ def valid_lease(lease_file: str, socket_path: str, host: str, path: str, *, prot
         raise HelperError("invalid_argument", "no host or repository path")
     try:
         token, capability = read_lease_file(lease_file)
+    except NoLease as exc:
+        raise HelperError("credentials_unavailable", str(exc)) from None
     except (OSError, ValueError, PathsError) as exc:
         raise HelperError("lease_file", f"cannot read the lease file: {exc}") from None
     request = {"host": host, "path": path, "protocol": protocol}

@@ -32,12 +32,18 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 # The lease file's format belongs to the (deliberately light) helper that reads it.
-from daemon.git_credential_helper import LEASE_FILE_ENV, SOCKET_ENV, read_lease_file, write_lease_file
+from daemon.git_credential_helper import (
+    LEASE_FILE_ENV,
+    SOCKET_ENV,
+    read_lease_file,
+    write_lease_file,
+    write_no_lease_file,
+)
 from daemon.paths import Paths
 from daemon.session_dirs import SessionDirs
 
 __all__ = ["LEASE_FILE_ENV", "SOCKET_ENV", "agent_git_env", "lease_file_path", "read_lease_file",
-           "rewritten_hosts", "transport_command", "write_lease_file"]
+           "rewritten_hosts", "transport_command", "write_lease_file", "write_no_lease_file"]
 
 TRANSPORT_MODULE = "daemon.git_transport"
 GITHUB_URL = "https://github.com"

@@ -43,7 +43,7 @@ from daemon.session_dirs import SessionDirs
 from daemon.store.models import CredentialLease, Task, TaskSession, new_id
 from daemon.store.states import SessionState
 
-from .agent_env import agent_git_env, lease_file_path, rewritten_hosts, write_lease_file
+from .agent_env import agent_git_env, lease_file_path, rewritten_hosts, write_lease_file, write_no_lease_file
 from .errors import (
     CapabilityInvalid,
     CredentialError,
@@ -471,7 +471,20 @@ def prepare_git_credentials(
     # A launch replaces the session's agent: the leases (and capabilities) of earlier attempts end.
     revoke_session_leases(db, session_id)
     if not config.github_token_file:
-        return GitCredentials(POLICY_NONE, no_credential_snapshot("credentials.github_token_file is not set"), {})
+        reason = "credentials.github_token_file is not set"
+        _session, task = _live_session(db, session_id)
+        try:
+            _resolve_scope(task, scope, _hosts(config))
+        except CredentialError:
+            return GitCredentials(POLICY_NONE, no_credential_snapshot(reason), {})
+        # GitHub-backed without a token: git is still routed to kandev's transport, which fails a
+        # fetch or push saying which setting to fix (Issue 20 item 4) instead of asking GitHub anonymously.
+        SessionDirs.for_session(paths.home, session_id).ensure()
+        no_lease = write_no_lease_file(
+            lease_file_path(paths, session_id),
+            f"{reason}: kandev holds no GitHub token for this session; set it and resume the session")
+        env = agent_git_env(no_lease, socket or paths.backend_socket, base_env=base_env, github_url=config.github_url)
+        return GitCredentials(POLICY_NONE, no_credential_snapshot(reason), env)
     try:
         token, lease_id = issue_lease(db, session_id, scope, config=config, now=now)
     except NotGitHubBacked as exc:

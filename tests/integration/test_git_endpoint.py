@@ -320,3 +320,24 @@ def test_scenario_e_bad_input_clear_errors_and_nothing_leaked(setup: Setup) -> N
         text = p.read_text(errors="replace")
         for secret in (TOKEN, token, capability):
             assert secret not in text, p
+
+
+def test_scenario_e_no_token_configured_names_the_setting(kandev_factory: Any, short_tmp: Path) -> None:
+    """Issue 20 scenario E and item 4: with no ``credentials.github_token_file`` a GitHub-backed
+    session still starts; its git push fails at once with a message naming the setting, and the
+    stand-in is never asked (git does not go to the host anonymously)."""
+    upstream = short_tmp / "up"
+    upstream.mkdir()
+    standin = GitStandin(upstream, TOKEN)
+    try:
+        standin.bare_repo("example", "repo")
+        ws = _workspace(standin, short_tmp)
+        k = kandev_factory("home", f'[credentials]\ngithub_url = "{standin.url}"\n')
+        k.up()
+        task_id = k.cli("task", "create", "--title", "gh", "--workspace", str(ws))["task_id"]
+        sid = k.cli("session", "start", task_id)["session_id"]
+        code, out = sh(k, sid, "git push origin HEAD:refs/heads/feature 2>&1")
+        assert code != 0 and "credentials.github_token_file is not set" in out, out
+        assert standin.log_lines() == []
+    finally:
+        standin.close()

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
+from daemon import git_credential_helper as helper
 from daemon.config import CredentialsConfig
 from daemon.credentials import (
     POLICY_GITHUB_LEASE,
@@ -471,6 +472,12 @@ def test_prepare_git_credentials_writes_a_private_lease_file_and_a_token_free_en
     with store.session() as db:
         unset = prepare_git_credentials(db, sid, paths=paths, config=CredentialsConfig())
     assert unset.policy == POLICY_NONE and "github_token_file" in unset.snapshot["reason"]
+    # Issue 20 item 4: GitHub-backed without a token, git is still routed to kandev's transport,
+    # whose lease file holds only the reason (the setting to fix), never a lease.
+    assert unset.lease_id is None and int(unset.env["GIT_CONFIG_COUNT"]) > 0
+    with pytest.raises(helper.HelperError) as no_token:
+        helper.valid_lease(unset.env["KANDEV_GIT_LEASE_FILE"], "/nowhere", "github.com", "o/r.git")
+    assert no_token.value.code == "credentials_unavailable" and "credentials.github_token_file" in no_token.value.message
     set_state(store, sid, "CANCELLED")
     with store.session() as db, pytest.raises(SessionTerminal):
         prepare_git_credentials(db, sid, paths=paths, config=CredentialsConfig())
