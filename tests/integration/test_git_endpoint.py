@@ -134,6 +134,7 @@ def test_scenario_b_push_fetch_and_clone_go_through_the_endpoint(setup: Setup) -
     assert "POST /example/repo.git/git-upload-pack auth=token status=200" in s.standin.log_lines()
     log = (s.k.home / "logs" / "backend.log").read_text()
     assert "git_endpoint_push" in log and "refs/heads/feature" in log
+    print("stand-in request log:", *s.standin.log_lines(), sep="\n")  # shown with -rP: the push through the endpoint
 
 
 def test_scenario_a_no_upstream_token_inside_the_sandbox(setup: Setup) -> None:
