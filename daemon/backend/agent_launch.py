@@ -168,12 +168,15 @@ async def prepare(backend: Backend, session_id: str, command: AgentCommand) -> L
 
 async def prepare_relaunch(backend: Backend, session_id: str, agent: BuiltinAgent, *, with_lease: bool) -> LaunchPrep:
     """The same command, environment and sandbox as the session's running agent had, with its
-    current lease file (``with_lease``: the session's policy is a GitHub lease) and no new lease."""
+    current lease file and no new lease (``with_lease``: the session's policy is a GitHub lease, so
+    its endpoints are served; a lease file without a lease, written when no token is configured,
+    keeps the agent's git routed to kandev's transport, which says so)."""
     command = await agent_command(backend, agent)
     dirs = await _dirs(backend, session_id, command)
     env = _base_env(dirs, command)
-    if with_lease and await asyncio.to_thread(dirs.lease_file.exists):
-        await backend.endpoints.open(session_id)
+    if await asyncio.to_thread(dirs.lease_file.exists):
+        if with_lease:
+            await backend.endpoints.open(session_id)
         env.update(agent_git_env(dirs.lease_file, dirs.endpoint_socket, base_env=env,
                                  github_url=backend.config.credentials.github_url))
     view = await asyncio.to_thread(_launch_view, backend, session_id)
