@@ -12,7 +12,7 @@ from enum import Enum
 from ipc.schema import Op, OpTable
 
 PROTOCOL = "kandev-backend"
-VERSION = (1, 3)  # 1.1 (release 0.2.0): agentctl_reload; 1.2: LIFECYCLE_OPS, shutdown agents, board reasons; 1.3: store_vacuum, status.store; fields are only ever added
+VERSION = (1, 3)  # 1.1 (release 0.2.0): agentctl_reload; 1.2: LIFECYCLE_OPS, shutdown agents, task_list attention; 1.3: store_vacuum, status.store; fields are only ever added
 
 OPS = [
     Op("status", auth=False, doc="backend, capability, control_server, recovery, adoption"),
@@ -76,8 +76,8 @@ OPS = [
         " passthrough, last_error and last_turn{ordinal, state, stop_reason, started_at, ended_at}"
         " (daemon/backend/views.py)",
     ),
-    Op("board", auth=False, doc="-> {backlog, running, turn_finished, needs_attention, done: [task ids],"
-       " reasons: {task id: {reason: permission|failed|cancelled|no agent, hint|None}} (needs_attention's)}"),
+    Op("board", auth=False, doc="-> {backlog, running, turn_finished, needs_attention, done: [task ids]}; why a"
+       " task needs attention: task_list's attention{reason: permission|failed|cancelled|no agent, hint|None}"),
     Op(
         "store_vacuum",
         auth=False,

@@ -155,6 +155,8 @@ class Backend:
         # A re-tracked agent's sandbox still has its endpoint's directory: serve a new socket there.
         await ctx.endpoints.reopen_for(list(ctx.executions.executions))
         await hygiene.tidy_home_async(ctx)
+        if ctx.config.features.auto_resume:  # the board shows them as waiting, not "no agent", meanwhile
+            ctx.auto_resume_pending.update(self.resume.interrupted_sessions())
         ctx.state = BackendState.READY
         self.upgrade.start()
 

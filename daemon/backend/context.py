@@ -78,7 +78,9 @@ class BackendContext:
         self.consumer = EventConsumer(store, self.servers.client_for, self.on_gone, self.store_care.space)
         self.transcripts = TranscriptHub()  # wakes follow streams on store commits
         self.transcripts.observe(store)
-        self.views = Views(store, self.executions)
+        # sessions features.auto_resume is about to resume: not "no agent" on the board meanwhile
+        self.auto_resume_pending: set[str] = set()
+        self.views = Views(store, self.executions, self.auto_resume_pending)
         self.report = RecoveryReport()
         self.shutdown_requested = asyncio.Event()
         self.stop_agents_at_shutdown = False  # kandev down --agents: the survival server stops them too

@@ -138,9 +138,9 @@ def record_clean_stop(store: Store, session_ids: list[str]) -> None:
                                interruption={"cause": CLEAN_STOP, "at": at, "reported": False})
 
 
-def take_clean_stops(store: Store) -> int:
-    """How many sessions the previous backend recorded as stopped cleanly (each counted once)."""
-    count = 0
+def take_clean_stops(store: Store) -> list[str]:
+    """The sessions the previous backend recorded as stopped cleanly (each taken once)."""
+    taken: list[str] = []
     with store.session() as db:
         for row in db.scalars(select(ExecutorRunning).where(ExecutorRunning.status == "stale")):
             meta = dict(row.metadata_json or {})
@@ -149,8 +149,8 @@ def take_clean_stops(store: Store) -> int:
                     and interruption.get("reported") is False:
                 meta["interruption"] = {**interruption, "reported": True}
                 row.metadata_json = meta
-                count += 1
-    return count
+                taken.append(row.session_id)
+    return taken
 
 
 def handlers(backend: Backend) -> dict[str, Handler]:

@@ -72,7 +72,7 @@ class RecoveryReport:
     stopped_orphans: list[str] = field(default_factory=list)
     failed_stops: dict[str, str] = field(default_factory=dict)  # instance_id -> reason
     unknown: list[str] = field(default_factory=list)  # rows left untouched (liveness unknown)
-    stopped_with_backend: int = 0  # sessions whose agents the last backend stopped cleanly (information)
+    stopped_with_backend: list[str] = field(default_factory=list)  # agents the last backend stopped cleanly
     duration_ms: float = 0.0
     adoption: Adoption = field(default_factory=lambda: Adoption(AdoptionOutcome.DISABLED))
 

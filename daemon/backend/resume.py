@@ -28,8 +28,9 @@ the token and starts a new one (``session/new``). Never a silent fallback to a f
 **Automatic resume** (RESUME-10), switched on by ``features.auto_resume``: once startup recovery
 and reconciliation are done (backend ``ready``), every session that this start's reconciliation
 repaired (interrupted by the restart: WAITING_FOR_INPUT, no live agent, a stale inventory row with
-a token; re-tracked sessions and rows of unknown liveness are never touched) is resumed in the
-background through the same path. So are the sessions a control server that died under the
+a token; re-tracked sessions and rows of unknown liveness are never touched), and every session
+whose agent the previous backend stopped with itself at a graceful stop (survival off), is resumed
+in the background through the same path; meanwhile the board does not call them "no agent". So are the sessions a control server that died under the
 running backend interrupted, once its replacement runs (``resume_interrupted``). While it runs the session is STARTING, so its task keeps the
 bucket of its own state (review: ``turn_finished``); it never shows in backlog or running.
 """
@@ -295,6 +296,8 @@ class ResumeService:
                   COUNT=len(candidates))
         gate = asyncio.Semaphore(AUTO_RESUME_PARALLEL)
 
+        self.backend.auto_resume_pending.update(candidates)
+
         async def one(session_id: str) -> None:
             async with gate:
                 try:
@@ -307,6 +310,8 @@ class ResumeService:
                 except Exception:
                     self.auto_resumed[session_id] = "internal"
                     log.exception("automatic resume of session %s failed", session_id)
+                finally:
+                    self.backend.auto_resume_pending.discard(session_id)
 
         await asyncio.gather(*(one(s) for s in candidates))
 
@@ -316,8 +321,9 @@ class ResumeService:
         holding a token, no agent, no guard."""
         b = self.backend
         report = b.report
-        if named is None:
+        if named is None:  # what this start repaired, and what the previous backend stopped with itself
             named = [s for s in report.not_retracked if s not in set(report.unknown) and s not in report.retracked]
+            named += report.stopped_with_backend
         out: list[str] = []
         with b.store.session() as db:
             for sid in sorted(named):

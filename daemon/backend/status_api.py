@@ -66,7 +66,7 @@ def handlers(backend: BackendContext, upgrade: ServerUpgrade) -> dict[str, Handl
                 "not_retracked": len(report.not_retracked),
                 # of those, the ones still without an agent (resumed ones no longer count)
                 "without_agent": sum(1 for sid in report.not_retracked if sid not in b.executions.executions),
-                "stopped_with_backend": report.stopped_with_backend,
+                "stopped_with_backend": len(report.stopped_with_backend),
                 "reasons": dict(report.not_retracked),
                 "stopped_orphans": len(report.stopped_orphans),
                 "duration_ms": round(report.duration_ms, 1),

@@ -58,14 +58,15 @@ def _workflow_summary(steps: list[WorkflowStep]) -> dict[str, Any] | None:
 class Views:
     """The handlers of ``api.VIEW_OPS`` (and the detail of ``session_list``)."""
 
-    def __init__(self, store: Store, executions: ExecutionStore) -> None:
+    def __init__(self, store: Store, executions: ExecutionStore, resuming: set[str] | None = None) -> None:
         self.store = store
         self.executions = executions
+        self.resuming = resuming if resuming is not None else set()  # the backend resumes these itself
 
     def tracked(self) -> dict[str, bool]:
         """Session id -> re-tracked, of every execution this backend tracks (read on the loop); a
         session startup recovery still holds maps to None (whether it has an agent is not known yet)."""
-        tracked: dict[str, Any] = {sid: None for sid in self.executions.guards}
+        tracked: dict[str, Any] = {sid: None for sid in (*self.executions.guards, *self.resuming)}
         tracked.update({sid: bool(ex.retracked) for sid, ex in self.executions.executions.items()})
         return tracked
 
@@ -166,11 +167,10 @@ class Views:
         return await asyncio.to_thread(self.read_task, args["task_id"], self.tracked())
 
     async def op_board(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
-        """Task ids by bucket (creation order), and why each task in needs_attention is there."""
+        """Task ids by bucket (creation order), the same placement as ``task_list`` (whose rows say
+        why a task needs attention: ``attention``)."""
         tasks = (await asyncio.to_thread(self.read_tasks, self.tracked()))["tasks"]
-        board: dict[str, Any] = {b: [t["task_id"] for t in tasks if t["bucket"] == b] for b in BUCKETS}
-        board["reasons"] = {t["task_id"]: t["attention"] for t in tasks if t["attention"] is not None}
-        return board
+        return {b: [t["task_id"] for t in tasks if t["bucket"] == b] for b in BUCKETS}
 
     async def session_rows(self) -> dict[str, Any]:
         """``session_list`` with ``detail``: newest first, with agent, task title and last turn."""

@@ -293,7 +293,8 @@ def test_bash_completion_offers_live_ids_and_nothing_when_the_backend_is_down(
     assert "--reconnect-timeout" in _complete(k, bindir, "follow", "--")
     wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} -m daemon.cli --home {tmp_path / "nobody"} "$@"\n')
     # no backend: no ids, no error in the shell (stderr is checked empty), just the options
-    assert _complete(k, bindir, "session", "show", "") == ["--tail", "--after-seq", "--limit", "--help"]
+    assert _complete(k, bindir, "session", "show", "") == ["--tail", "--after-seq", "--limit", "--help", "--json",
+                                                          "--home"]  # the global flags go after the command too
 
 
 def test_scenario_d_follow_survives_backend_restarts(kandev_factory) -> None:

@@ -2,7 +2,7 @@
 
 A: survival on (a detached control server), 3 sessions mid-``/slow``: ``kill -9`` of the control
    server -> within 5 s every session waits for input with its turn interrupted, the tasks are in
-   ``turn_finished``; a new control server runs (``kandev status``); a new session starts; ``kandev
+   ``needs_attention`` (``no agent``: since Issue 23 item 3, ``turn_finished`` before); a new control server runs (``kandev status``); a new session starts; ``kandev
    resume`` gives an interrupted session an agent again; the backend pid never changed.
 C: survival off (the control server is the backend's child): the same.
 D: a control server that dies at start every time (the ``agentctl_dies_at_start`` fault, read from
@@ -111,7 +111,7 @@ def test_scenarios_a_and_c_killed_control_server_is_replaced_and_sessions_are_tr
         notes = [m for m in show["transcript"] if m["kind"] == "control_server_lost"]
         assert len(notes) == 1 and f"the last event received was seq {why['last_seq']}" in notes[0]["text"]
         assert why["last_seq"] >= max(m["seq"] or 0 for m in show["transcript"])
-        assert task in board["turn_finished"]
+        assert task in board["needs_attention"]  # no agent (Issue 23 item 3; turn_finished before)
         assert not alive(before[sid]["agent_pid"])
     # One journal entry for the loss, with the reason; no per-retry warnings.
     log = _backend_log(k)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -61,6 +62,11 @@ def _session(k: Kandev, title: str, *extra: str) -> tuple[str, str]:
 
 def _board(k: Kandev) -> dict[str, Any]:
     return k.cli("board")
+
+
+def _attention(k: Kandev, task: str) -> dict[str, Any] | None:
+    """Why the task needs its user (task list --json), None when it does not."""
+    return next(t for t in k.cli("task", "list")["tasks"] if t["task_id"] == task)["attention"]
 
 
 # -- item 6: conventions ---------------------------------------------------------------------
@@ -185,7 +191,8 @@ def test_session_stop_ends_the_agents_group_and_keeps_the_session(k: Kandev) -> 
     show = k.show(sid)
     assert show["state"] == "WAITING_FOR_INPUT" and not show["live"]
     assert any("remember this" in (e.get("text") or "") for e in show["transcript"])
-    assert _board(k)["reasons"][task] == {"reason": "no agent", "hint": None}
+    assert task in _board(k)["needs_attention"]
+    assert _attention(k, task) == {"reason": "no agent", "hint": None}
     again = k.human("session", "stop", sid)
     assert again.returncode == 1 and "has no agent to stop" in again.stderr
     assert f"kandev resume {sid}" in again.stderr
@@ -219,8 +226,9 @@ def test_a_permission_request_and_a_failed_turn_need_attention_with_their_reason
     k.cli("prompt", sid_p, "/permission")
     k.cli("prompt", sid_f, "/fail", "--wait")
     board = wait_until(lambda: b if asking in (b := _board(k))["needs_attention"] else None, timeout=30)
-    assert board["reasons"][asking] == {"reason": "permission", "hint": None}
-    assert board["reasons"][failing] == {"reason": "failed", "hint": None}
+    assert failing in board["needs_attention"]
+    assert _attention(k, asking) == {"reason": "permission", "hint": None}
+    assert _attention(k, failing) == {"reason": "failed", "hint": None}
     human = k.human("board")
     assert human.returncode == 0 and human.stdout.startswith("NEEDS ATTENTION (")
     section = human.stdout.split("BACKLOG (")[0]
@@ -299,3 +307,43 @@ def test_down_agents_stops_a_detached_control_server_and_its_agents(kandev_facto
     st = k.up()  # nothing left to re-track, nothing lost: the session waits for input
     assert st["recovery"]["not_retracked"] == 0
     assert k.show(sid)["state"] == "WAITING_FOR_INPUT"
+
+
+# -- scenario C: the README's first session, as written ---------------------------------------------
+
+
+def test_the_readmes_first_session_runs_as_written_within_its_first_80_lines(kandev_factory) -> None:
+    """Issue 23 scenario C: the README's first 80 lines take a new user from the clone to a
+    followed turn. The "First session" block is run line by line through the real CLI, the
+    example ids (`1e9c`, `ec47`) replaced by the ids the previous lines printed."""
+    lines = (REPO_ROOT / "README.md").read_text().splitlines()
+    start = lines.index("## First session")
+    block: list[str] = []
+    last = start
+    for number, line in enumerate(lines[start + 1:], start + 2):  # 1-based line numbers
+        if block and not line.startswith("    "):
+            break
+        if line.startswith("    kandev "):
+            block.append(re.sub(r"\s+#.*$", "", line.strip()))
+            last = number
+    end = last
+    assert end <= 80 and any("--follow" in c for c in block), (end, block)
+    assert any(line.strip().startswith('export PATH="$PWD/.venv/bin:$PATH"') for line in lines[:start])
+
+    k = kandev_factory("readme")
+    ids: dict[str, str] = {}
+    outputs = []
+    for command in block:
+        for example, real in ids.items():
+            command = command.replace(f" {example}", f" {real}")
+        p = k.human(*shlex.split(command)[1:], timeout=450)
+        assert p.returncode == 0, (command, p.stdout, p.stderr)
+        outputs.append((command, p.stdout))
+        if m := re.search(r"Created task (\w{8})", p.stdout):
+            ids["1e9c"] = m.group(1)
+        if m := re.search(r"Started session (\w{8})", p.stdout):
+            ids["ec47"] = m.group(1)
+        if command.startswith("kandev up"):
+            k.backend_pids.add(k.backend_pid)
+    followed = "\n".join(out for command, out in outputs if "--follow" in command)
+    assert "echo: hello" in followed and "3/3" in followed and "[turn ended: end_turn]" in followed

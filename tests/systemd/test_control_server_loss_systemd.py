@@ -97,7 +97,7 @@ def test_scenario_b_systemctl_kill_of_the_control_server_unit(booted: SdBox):
         assert show["interruption"]["cause"] == "control_server_lost"
         assert show["resume_token"] == before[sid]["resume_token"]
         assert sum(m["kind"] == "control_server_lost" for m in show["transcript"]) == 1
-        assert task in board["turn_finished"]
+        assert task in board["needs_attention"]  # no agent (Issue 23 item 3; turn_finished before)
         assert not box.alive(before[sid]["agent_pid"])
 
     task = _cli(box, "task", "create", "--title", "after the unit loss")["task_id"]
