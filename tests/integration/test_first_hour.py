@@ -309,7 +309,7 @@ def test_down_agents_stops_a_detached_control_server_and_its_agents(kandev_facto
     assert k.show(sid)["state"] == "WAITING_FOR_INPUT"
 
 
-# -- scenario C: the README's first session, as written ---------------------------------------------
+# -- Issue 23 scenario C: the README's first session, as written ------------------------------------
 
 
 def test_the_readmes_first_session_runs_as_written_within_its_first_80_lines(kandev_factory) -> None:
