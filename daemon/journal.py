@@ -94,8 +94,11 @@ class JournalHandler(logging.Handler):
             self.handleError(record)
 
 
+_NEEDS_QUOTES = re.compile(r'[\s"=\\]')
+
+
 def _quote(value: str) -> str:
-    if value and not any(c.isspace() or c in '"=\\' for c in value):
+    if value and _NEEDS_QUOTES.search(value) is None:  # one regex scan, not a Python loop per character
         return value
     return json.dumps(value, ensure_ascii=False)
 

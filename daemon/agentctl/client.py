@@ -563,6 +563,16 @@ class AgentctlClient:
         """Pure read -> ``{current_turn_id, outcomes: [{turn_id, stop_reason, error}]}``."""
         return cast(TurnStatus, await self.call("turn_status", {"instance_id": instance_id}))
 
+    @property
+    def supports_turn_statuses(self) -> bool:
+        """Whether the server speaks protocol 1.2 (``turn_statuses``); 1.1 (release 0.2.0) does not."""
+        return self.protocol_version[:2] >= (1, 2)
+
+    async def turn_statuses(self, instance_ids: list[str]) -> dict[str, Any]:
+        """Protocol 1.2: ``turn_status`` of many instances in one pure read -> ``{statuses:
+        {instance_id: TurnStatus}, missing: [instance_id]}``; ``unknown_op`` from 1.1."""
+        return await self._map("turn_statuses", {"instance_ids": instance_ids})
+
     async def server_info(self, *, timeout: float | None = None) -> ServerInfo:
         """Protocol 1.1 (``reload.v1``): ``{version, pid, reload: {...}}``; ``unknown_op`` from 1.0."""
         return cast(ServerInfo, await self.call("server_info", timeout=timeout))

@@ -149,6 +149,19 @@ class Subscription:
             self._wake.clear()
             await self._wake.wait()
 
+    def ready(self, limit: int) -> list[Event]:
+        """The events already retained after the cursor, in seq order, at most ``limit``; never
+        waits (the stream sends what ``next()`` returned together with these in one write)."""
+        events: list[Event] = []
+        while len(events) < limit and not self.closed:
+            self.cursor = max(self.cursor, self._log.first_seq)
+            event = self._log.get(self.cursor)
+            if event is None:
+                break
+            self.cursor += 1
+            events.append(event)
+        return events
+
 
 class EventLog:
     """Events of one instance, retained in seq order until discarded.

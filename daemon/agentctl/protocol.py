@@ -9,7 +9,9 @@ capability, the ``not_taken_over`` field of ``list_instances`` and the
 ``reloading`` error code; and the agent sandbox: ``create_instance``'s
 ``sandbox`` field and ``sandboxed`` answer, ``sandbox_status``, the
 ``sandbox.v1`` capability and the ``sandbox_unavailable`` error code; and each agent's keys:
-``create_instance``'s ``secret_env`` field and the ``agent_secrets.v1`` capability. ``identify`` never grows: unauthenticated, it answers
+``create_instance``'s ``secret_env`` field and the ``agent_secrets.v1`` capability. 1.2
+(release 0.3.0) added ``turn_statuses`` (the turn status of many instances in one exchange, for
+recovery in bulk; a backend meeting 1.1 reads them one by one). ``identify`` never grows: unauthenticated, it answers
 the identity, the capability set and the unowned period (and the protocol
 version), nothing else (AC-EXECUTORS-CONTROL-OWNERSHIP-001.11).
 
@@ -37,7 +39,7 @@ from __future__ import annotations
 from ipc.schema import Op, OpTable
 
 PROTOCOL = "kandev-agentctl"
-VERSION = (1, 1)
+VERSION = (1, 2)
 
 # What adoption requires (set inclusion, never version ordering): what release 0.1.0 already had.
 REQUIRED_CAPABILITIES = (
@@ -60,6 +62,10 @@ without its keys, so the client refuses such a launch (``AgentctlClient.check_se
 
 # Capability set advertised by identify/hello: the required ones and what was added since.
 CAPABILITIES = (*REQUIRED_CAPABILITIES, RELOAD_CAPABILITY, SANDBOX_CAPABILITY, AGENT_SECRETS_CAPABILITY)
+
+
+TURN_STATUSES_MAX = 1000
+"""Instances one ``turn_statuses`` request may name (the reply stays far below the frame limit)."""
 
 
 class EventKind:
@@ -196,6 +202,13 @@ OPS = [
         "turn_status",
         required={"instance_id": str},
         doc="pure read -> {current_turn_id|None, outcomes: [{turn_id, stop_reason, error}]}",
+    ),
+    Op(
+        "turn_statuses",
+        required={"instance_ids": list},
+        doc="protocol 1.2: turn_status of up to TURN_STATUSES_MAX instances in one pure read -> {statuses:"
+        " {instance_id: {current_turn_id|None, outcomes}}, missing: [instance_id]} (missing: no such"
+        " instance, what turn_status answers with not_found)",
     ),
     Op("ack_turn", required={"turn_id": str}, doc="discard a retained outcome; unknown id is a no-op -> {}"),
     # --- reload (protocol 1.1, capability reload.v1) -------------------------------------

@@ -58,7 +58,7 @@ from daemon.agentctl.handover import HANDOVER_FORMAT, ReloadHistory, ServerHando
 from daemon.agentctl.instance import Instance, InstanceSpec, TurnIds
 from daemon.agentctl.launch import LaunchConfig
 from daemon.agentctl.ownership import Ownership
-from daemon.agentctl.protocol import TABLE
+from daemon.agentctl.protocol import TABLE, TURN_STATUSES_MAX
 from daemon.agentctl.sandbox import SandboxPolicy, SandboxRequest, SandboxSupport
 from daemon.agents.settings import SettingsError
 from daemon.config import ResolvedAgentctl
@@ -74,6 +74,7 @@ from ipc.server import IpcServer
 
 log = logging.getLogger("kandev.agentctl.server")
 
+STREAM_BATCH = 256  # events an attach stream takes from the log for one send (bounded in bytes by the ipc layer)
 _SHUTDOWN_REPLY_GRACE = 0.5  # seconds the ownership_shutdown reply gets before the process exits
 _MAX_TEXT = 4 * 1024 * 1024
 
@@ -761,7 +762,10 @@ class AgentctlServer:
                 event = await sub.next()
                 if event is None:
                     break
-                await ctx.send_event(event.seq, event.kind, event.data)
+                # What else is already retained goes in the same write (in order; a batch lost with
+                # the connection is sent again from the backend's after_seq on its next attach).
+                batch = [event, *sub.ready(STREAM_BATCH - 1)]
+                await ctx.send_events([(e.seq, e.kind, e.data) for e in batch])
         except ConnectionClosed:
             pass
         finally:
@@ -775,6 +779,22 @@ class AgentctlServer:
     async def op_turn_status(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         faults.hit("agentctl_turn_status_fails")  # test fault, off unless $KANDEV_FAULT says so
         return self._get(args["instance_id"]).turn_status()
+
+    async def op_turn_statuses(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        faults.hit("agentctl_turn_status_fails")  # the same test fault as one turn_status read
+        ids = args["instance_ids"]
+        if len(ids) > TURN_STATUSES_MAX or not all(isinstance(i, str) for i in ids):
+            raise IpcError(ErrorCode.INVALID_ARGUMENT,
+                           f"instance_ids must be at most {TURN_STATUSES_MAX} instance ids (strings)")
+        statuses: dict[str, Any] = {}
+        missing: list[str] = []
+        for instance_id in ids:
+            inst = self.instances.get(instance_id)
+            if inst is None or inst.gone:
+                missing.append(instance_id)
+            else:
+                statuses[instance_id] = inst.turn_status()
+        return {"statuses": statuses, "missing": missing}
 
     async def op_ack_turn(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         turn_id = args["turn_id"]

@@ -39,6 +39,7 @@ from daemon.backend.adoption import Adopter, Adoption, AdoptionOutcome
 from daemon.backend.events import apply_turn_outcome, mark_running
 from daemon.backend.executions import Execution, ExecutionStore
 from daemon.backend.liveness import DEAD, Scope, classify, live_groups, stop_leftover_group
+from daemon.backend.recovery_batch import TurnStatusReader, WriteBatch
 from daemon.journal import log_event
 from daemon.store import transcript, transitions
 from daemon.store.db import Store
@@ -104,8 +105,11 @@ RECONSTRUCTION_SOURCES: dict[str, str] = {
 }
 
 
-def _reconstruct(rec: Record, instance: dict[str, Any]) -> dict[str, Any]:
-    """Collect every value from its one declared source; a required one missing → MissingInput."""
+def _reconstruct(rec: Record, instance: dict[str, Any], commands: dict[str, list[str] | None] | None = None
+                 ) -> dict[str, Any]:
+    """Collect every value from its one declared source; a required one missing → MissingInput.
+    ``commands``: the agent commands already re-derived in this recovery, by profile (derived
+    once per profile and run: the registry does not change during one recovery)."""
     from daemon.agents.registry import get_agent
 
     values: dict[str, Any] = {
@@ -124,10 +128,19 @@ def _reconstruct(rec: Record, instance: dict[str, Any]) -> dict[str, Any]:
     for name in ("workspace_path", "agent_profile", "acp_session_id", "workspace_roots", "agent_pid"):
         if not values[name]:
             raise MissingInput(name)
-    try:
-        values["agent_command"] = list(get_agent(str(rec.agent_profile)).argv())
-    except KeyError:
-        raise MissingInput("agent_command") from None
+    profile = str(rec.agent_profile)
+    if commands is None or profile not in commands:
+        try:
+            command: list[str] | None = list(get_agent(profile).argv())
+        except KeyError:
+            command = None
+        if commands is not None:
+            commands[profile] = command
+    else:
+        command = commands[profile]
+    if command is None:
+        raise MissingInput("agent_command")
+    values["agent_command"] = list(command)
     return values
 
 
@@ -156,6 +169,9 @@ class Recovery:
         self.reconciled = False
         self.stops: dict[str, asyncio.Task[bool]] = {}  # instance_id -> stop in flight or done
         self.stop_sessions: dict[str, str] = {}  # instance_id -> session whose guard waits on it
+        self._status_reader: TurnStatusReader | None = None
+        self._write_batch: WriteBatch | None = None
+        self._commands: dict[str, list[str] | None] = {}  # agent profile -> command, re-derived once per run
 
     # ------------------------------------------------------------------- the run
     async def recover(
@@ -315,7 +331,7 @@ class Recovery:
             candidates = winners
         instance = candidates[0]
         try:
-            values = _reconstruct(rec, instance)
+            values = _reconstruct(rec, instance, self._commands)
         except MissingInput as exc:
             report.not_retracked[rec.session_id] = f"missing_input={exc.name}"
             log_event("retrack_missing_input", f"session {rec.session_id}: required value {exc.name} missing",
@@ -323,7 +339,7 @@ class Recovery:
             await self._stop(client, instance["instance_id"], rec.session_id)
             return None
         try:
-            status = await self._budget(lambda: client.turn_status(instance["instance_id"]))
+            status = await self._statuses(client).read(instance["instance_id"])
         except IpcError:
             # Never publish as running what we could not read (AC-EXECUTORS-SURVIVAL-004.5): stop it instead.
             report.not_retracked[rec.session_id] = "turn_status_failed"
@@ -332,11 +348,12 @@ class Recovery:
         if self.past_deadline:  # completed after D: publishes nothing, changes no state (AC-EXECUTORS-SURVIVAL-003.7)
             return None
         outcomes = list(status.get("outcomes") or [])
-        with self.store.session() as db:  # apply what ended while unattached, before publishing (AC-EXECUTORS-SURVIVAL-004.2)
+        current = status.get("current_turn_id")
+
+        def apply(db: Any) -> None:  # what ended while unattached, before publishing (AC-EXECUTORS-SURVIVAL-004.2)
             for out in outcomes:
                 apply_turn_outcome(db, rec.session_id, str(out["turn_id"]), out.get("stop_reason"), out.get("error"))
             session = db.get(TaskSession, rec.session_id)
-            current = status.get("current_turn_id")
             if current and session is not None:  # a turn still running is published as running (AC-EXECUTORS-SURVIVAL-003.3)
                 ensure_turn(db, rec.session_id, str(current), None)
                 mark_running(db, session, f"turn {current} still running at re-tracking")
@@ -346,6 +363,7 @@ class Recovery:
                 row.agent_pid = values["agent_pid"]
                 row.agent_pid_start_time = values["agent_pid_start_time"]
                 row.updated_at = datetime.now(UTC)
+
         ex = Execution(
             session_id=rec.session_id,
             task_id=rec.task_id,
@@ -357,17 +375,24 @@ class Recovery:
             last_seq=rec.last_event_seq,
             applied_turns={str(o["turn_id"]) for o in outcomes},
         )
-        publish(ex)
-        self.executions.release_guard(rec.session_id)
-        report.retracked.append(rec.session_id)
-        log_event(
-            "session_retracked",
-            f"session {rec.session_id} re-tracked: agent pid {ex.agent_pid} kept running",
-            SESSION_ID=rec.session_id,
-            TASK_ID=rec.task_id,
-            INSTANCE_ID=ex.instance_id,
-            AGENT_PID=ex.agent_pid,
-        )
+
+        def after() -> None:  # in the callback that committed: no deadline can fall in between
+            publish(ex)
+            self.executions.release_guard(rec.session_id)
+            report.retracked.append(rec.session_id)
+            log_event(
+                "session_retracked",
+                f"session {rec.session_id} re-tracked: agent pid {ex.agent_pid} kept running",
+                SESSION_ID=rec.session_id,
+                TASK_ID=rec.task_id,
+                INSTANCE_ID=ex.instance_id,
+                AGENT_PID=ex.agent_pid,
+            )
+
+        # One transaction for every record ready in this loop iteration (daemon.backend.recovery_batch);
+        # a batch flushed after D writes and publishes nothing (AC-EXECUTORS-SURVIVAL-003.7).
+        if not await self._writes().write(rec.session_id, apply, after):
+            return None
         # Acked only now that the outcomes are durable, each in its own exchange (AC-EXECUTORS-SURVIVAL-004.6).
         for out in outcomes:
             try:
@@ -403,6 +428,18 @@ class Recovery:
             if not rec.passthrough:
                 self.executions.acquire_guard(rec.session_id)  # a session already tracked is left unguarded
         return records
+
+    def _statuses(self, client: AgentctlClient) -> TurnStatusReader:
+        """The records' turn-status reads, coalesced (one ``turn_statuses`` per chunk), each on the read budget."""
+        if self._status_reader is None:
+            self._status_reader = TurnStatusReader(client, self._budget)
+        return self._status_reader
+
+    def _writes(self) -> WriteBatch:
+        """The records' store writes, one transaction per loop iteration; none after D."""
+        if self._write_batch is None:
+            self._write_batch = WriteBatch(self.store, admit=lambda: not self.past_deadline, preload=_preload)
+        return self._write_batch
 
     def read_server_record(self) -> ControlServerRecord | None:
         with self.store.session() as db:
@@ -502,6 +539,18 @@ class Recovery:
 
     def _repair(self, db: Any, session_id: str, now: datetime) -> None:
         repair_interrupted(db, session_id, now, interruption={"cause": "backend_restart", "at": _iso(now)})
+
+
+def _preload(db: Any, session_ids: list[str]) -> list[Any]:
+    """Load the sessions and inventory rows a batch of re-tracking writes touches, one query per
+    table and chunk, so each record's ``db.get`` finds them in the session (no query per record).
+    The caller keeps the returned rows referenced: the session's identity map holds them weakly."""
+    rows: list[Any] = []
+    for start in range(0, len(session_ids), 500):
+        chunk = session_ids[start : start + 500]
+        rows += db.scalars(select(TaskSession).where(TaskSession.id.in_(chunk))).all()
+        rows += db.scalars(select(ExecutorRunning).where(ExecutorRunning.session_id.in_(chunk))).all()
+    return rows
 
 
 def _iso(now: datetime) -> str:
