@@ -124,8 +124,29 @@ async def create_instances(home: Path, n: int, workspace: Path) -> tuple[list[di
     return made, enumeration
 
 
+FDS_PER_INSTANCE = 4  # the control server's end of the agent's three pipes, and its pidfd
+
+
+def room_for(n: int) -> str | None:
+    """Why this machine cannot hold ``n`` surviving agents, or None if it can."""
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and FDS_PER_INSTANCE * n + 1024 > hard:
+        return (f"the control server needs ~{FDS_PER_INSTANCE * n + 1024} open files for {n} agents;"
+                f" the open-file hard limit here is {hard}")
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    if n + 2048 > pid_max:
+        return f"{n} agent processes do not fit kernel.pid_max={pid_max}"
+    return None
+
+
 def main() -> int:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 1000
+    why = room_for(n)
+    if why is not None:
+        print(f"re-tracking N={n} surviving sessions: SKIPPED: {why}")
+        return 0
     with tempfile.TemporaryDirectory(prefix="kd-rbench-", dir="/var/tmp") as d:
         root = Path(d)
         os.chmod(root, 0o700)
