@@ -1,4 +1,4 @@
-"""An attach stream sends what is already retained together (Issue 24 item 6): ``Subscription.ready``
+"""An attach stream sends what is already retained together: ``Subscription.ready``
 hands out the retained events after the cursor in seq order, never one twice, never past the end."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Recovery in bulk (daemon.backend.recovery_batch): reads coalesced, writes in one transaction,
-the per-record outcomes unchanged (Issue 24 item 5)."""
+the per-record outcomes unchanged."""
 
 from __future__ import annotations
 
