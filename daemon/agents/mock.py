@@ -44,6 +44,8 @@ Failure switches, read from ``<workspace>/.kandev-mock.toml`` at each request
 (workspace = the session's cwd; the process cwd for ``initialize``):
 ``fail_initialize = true`` (exit 3 before answering), ``fail_load = true``,
 ``exit_on_load = true`` (exit 4 before answering ``session/load``),
+``replay_after_load = true`` (replay the history after answering ``session/load``, one update
+every 50 ms, as Gemini CLI does),
 ``reject_mode = "plan"``, ``reject_option = "effort=high"``.
 
 The legacy ``session/set_model`` is not offered: SDK 0.12.1 routes only the
@@ -156,6 +158,7 @@ class MockAgent:
         self._client: Client | None = None
         self._sessions: dict[str, SessionRecord] = {}
         self._turns: dict[str, asyncio.Event] = {}  # session id -> cancel flag of its running turn
+        self._replay_task: asyncio.Task[None] | None = None  # a replay after the load's answer
 
     def on_connect(self, conn: Client) -> None:
         self._client = conn
@@ -230,11 +233,19 @@ class MockAgent:
             raise RequestError.invalid_params(
                 {"sessionId": session_id, "details": f"no such session in {state_dir(cwd)}"}
             )
-        for entry in rec.history:
-            update = update_user_message_text if entry.role == "user" else update_agent_message_text
-            await self.client.session_update(session_id, update(entry.text))
+        if switches.get("replay_after_load"):
+            self._replay_task = asyncio.create_task(self._replay(session_id, rec, pace=0.05))
+        else:
+            await self._replay(session_id, rec)
         self._sessions[session_id] = rec
         return LoadSessionResponse(modes=_modes(rec), config_options=_config_options(rec))
+
+    async def _replay(self, session_id: str, rec: SessionRecord, pace: float = 0.0) -> None:
+        for entry in rec.history:
+            if pace:
+                await asyncio.sleep(pace)
+            update = update_user_message_text if entry.role == "user" else update_agent_message_text
+            await self.client.session_update(session_id, update(entry.text))
 
     # -- runtime configuration -----------------------------------------------
 

@@ -354,3 +354,22 @@ def test_automatic_resume_leaves_retracked_sessions_alone(kandev_factory):
     assert "session/load" not in all_agent_logs(k)
     assert "session_resumed" not in [m["kind"] for m in after["transcript"]]
     assert task in k.cli("board")["turn_finished"]
+
+
+def test_history_replayed_after_the_load_answer_never_reaches_the_transcript(kandev_factory):
+    """Issue 22 item 3: an agent that replays a loaded session's history *after* answering
+    session/load (as Gemini CLI does; the mock's ``replay_after_load``, one update every 50 ms):
+    the resume's handshake lasts until the replay is over, so none of it is stored, and the next
+    turn holds only its own output."""
+    k = kandev_factory()
+    k.up()
+    _task, sid, ws, token = failed_session(k, "replay after load")
+    switches(ws, "replay_after_load = true\n")
+    resumed = k.cli("resume", sid)
+    assert resumed["loaded"] is True and resumed["acp_session_id"] == token
+    assert k.cli("prompt", sid, "again", "--wait")["stop_reason"] == "end_turn"
+    show = k.show(sid)
+    assert agent_chunks(show) == ["echo: hello", "exiting 5", "echo: again"]
+    assert [m["text"] for m in show["transcript"] if m["role"] == "user"] == ["hello", "/exit 5", "again"]
+    assert [m["text"] for m in show["transcript"] if m.get("turn_id") == show["turns"][-1]["turn_id"]
+            and m["kind"] == "agent_message_chunk"] == ["echo: again"]
