@@ -49,6 +49,10 @@ class Execution:
     passthrough: bool = False  # runs on the backend's own child server; never survives
     last_seq: int = 0
     applied_turns: set[str] = field(default_factory=set)
+    # Turns whose outcome recovery applied from turn_status before the events of their end were
+    # replayed: their transcript is not complete until the consumer applies their turn_ended
+    # event (a follow stream waits for that, daemon.backend.follow).
+    replaying_turns: set[str] = field(default_factory=set)
     turn_waiters: dict[str, list[asyncio.Future[str | None]]] = field(default_factory=dict)
     consumer: asyncio.Task[None] | None = None
     gone: bool = False
@@ -279,6 +283,7 @@ class EventConsumer:
                 ex.last_seq = batch[-1].seq
                 for turn_id, stop_reason in result.ended_turns:
                     ex.applied_turns.add(turn_id)
+                    ex.replaying_turns.discard(turn_id)  # its entries are committed now
                     # Acked only now, after the outcome is durable, and never in the
                     # exchange that delivered it (AC-EXECUTORS-SURVIVAL-004.6).
                     with contextlib.suppress(IpcError):

@@ -27,6 +27,9 @@ does not fill the backend's memory.
 A turn's end is known from its ``turns`` row, not from an entry. So each round reads the turn's
 state *first* and the entries *second*: once a turn is seen over, every entry written before its
 end is already committed and read in the same round, and ``turn_ended`` comes after all of them.
+One exception: after a restart, recovery applies an outcome that arrived while the backend was
+away before the consumer replays that turn's events; such a turn (``Execution.replaying_turns``)
+counts as open for a stream until its ``turn_ended`` event is applied.
 
 Cursors only grow along the transcript: a writer holds its session's ``transcript_sessions`` row
 locked from the cursor it takes until its commit (``daemon.store.transcript``), so a session's
@@ -156,13 +159,17 @@ def start_position(
 
 
 def read_round(
-    db: Session, pos: Position, *, live: bool, limit: int = ROUND_ENTRIES, text_budget: int = ROUND_TEXT_BYTES
+    db: Session, pos: Position, *, live: bool, limit: int = ROUND_ENTRIES, text_budget: int = ROUND_TEXT_BYTES,
+    replaying: frozenset[str] = frozenset(),
 ) -> Round:
-    """Read what the stream at ``pos`` sends next and advance ``pos`` (see the module doc)."""
+    """Read what the stream at ``pos`` sends next and advance ``pos`` (see the module doc).
+    ``replaying``: turns whose outcome is stored but whose entries are still being replayed."""
     out = Round()
     turn_at_read = pos.turn_id
-    # The turn's state first, then the entries: if the turn is over now, all its entries are in.
-    ended = _outcome(db, pos.turn_id) if pos.turn_id is not None and not pos.turn_end_sent else None
+    # The turn's state first, then the entries: if the turn is over now, all its entries are in
+    # (unless recovery applied its outcome before replaying its events: then it counts as open).
+    over = pos.turn_id is not None and not pos.turn_end_sent and pos.turn_id not in replaying
+    ended = _outcome(db, pos.turn_id) if over and pos.turn_id is not None else None
     ended_at = _parse(ended.get("ended_at")) if ended is not None else None
     rows = list(itertools.islice(transcript.chunks_after(db, pos.session_id, pos.cursor), limit))
     full = len(rows) == limit
@@ -248,9 +255,9 @@ class FollowService:
             return start_position(db, session_id, after_seq=args.get("after_seq"), turn_id=args.get("turn_id"),
                                   follow_all=bool(args.get("all", False)))
 
-    def _round(self, pos: Position, live: bool) -> Round:
+    def _round(self, pos: Position, live: bool, replaying: frozenset[str]) -> Round:
         with self.store.session() as db:
-            return read_round(db, pos, live=live)
+            return read_round(db, pos, live=live, replaying=replaying)
 
     async def op_follow(self, ctx: ConnectionContext, args: dict[str, Any]) -> None:
         session_id = args["session_id"]
@@ -260,8 +267,11 @@ class FollowService:
                 await ctx.start_stream(result)
                 while True:
                     seen = watch.version
-                    live = session_id in self.executions.executions
-                    step = await asyncio.to_thread(self._round, pos, live)
+                    ex = self.executions.executions.get(session_id)
+                    live = ex is not None
+                    # read before the round: a turn leaves the set only after its entries committed
+                    replaying = frozenset(ex.replaying_turns) if ex is not None else frozenset()
+                    step = await asyncio.to_thread(self._round, pos, live, replaying)
                     for ev in step.events:
                         await ctx.send_event(ev.seq, ev.kind.value, ev.data)  # waits while the client is slow
                     if step.done:

@@ -349,10 +349,15 @@ class Recovery:
             return None
         outcomes = list(status.get("outcomes") or [])
         current = status.get("current_turn_id")
+        # applied now (not already durable), so their turn_ended event is still to be replayed;
+        # filled by apply() before after() publishes the execution that holds it
+        replaying: set[str] = set()
 
         def apply(db: Any) -> None:  # what ended while unattached, before publishing (AC-EXECUTORS-SURVIVAL-004.2)
             for out in outcomes:
-                apply_turn_outcome(db, rec.session_id, str(out["turn_id"]), out.get("stop_reason"), out.get("error"))
+                if apply_turn_outcome(db, rec.session_id, str(out["turn_id"]), out.get("stop_reason"),
+                                      out.get("error")):
+                    replaying.add(str(out["turn_id"]))
             session = db.get(TaskSession, rec.session_id)
             if current and session is not None:  # a turn still running is published as running (AC-EXECUTORS-SURVIVAL-003.3)
                 ensure_turn(db, rec.session_id, str(current), None)
@@ -374,6 +379,7 @@ class Recovery:
             retracked=True,
             last_seq=rec.last_event_seq,
             applied_turns={str(o["turn_id"]) for o in outcomes},
+            replaying_turns=replaying,
         )
 
         def after() -> None:  # in the callback that committed: no deadline can fall in between

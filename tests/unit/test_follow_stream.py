@@ -109,6 +109,20 @@ def test_a_finished_turn_is_replayed_and_the_stream_ends(store: Store) -> None:
                                    ("end", "turn_ended")], True, False)
 
 
+def test_a_turn_whose_outcome_recovery_applied_first_waits_for_its_replayed_entries(store: Store) -> None:
+    """After a restart recovery applies an outcome that arrived while the backend was away before
+    the consumer replays that turn's chunks: the stream counts the turn as open until they are in,
+    so it never ends before them (Issue 14 scenario D across a down/up)."""
+    t1 = _turn(store, 1, "/slow 3")
+    _say(store, t1, "1/3 ")
+    _end(store, t1)  # recovery: the outcome first
+    pos, _ = _start(store)
+    assert _round(store, pos, replaying=frozenset({t1})) == ([("entry", "/slow 3"), ("entry", "1/3 ")], False, False)
+    _say(store, t1, "2/3 ", "3/3 ")  # the consumer: the replayed chunks, then the turn leaves the set
+    assert _round(store, pos) == ([("entry", "2/3 "), ("entry", "3/3 "), ("turn_ended", "end_turn"),
+                                   ("end", "turn_ended")], True, False)
+
+
 def test_resuming_after_a_cursor_sends_the_rest_exactly_once(store: Store) -> None:
     """What a reconnecting client asks: after_seq = the last cursor it printed, the same turn."""
     t1 = _turn(store, 1, "/slow 4")
