@@ -16,28 +16,25 @@ it to try again.
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import os
-import re
-import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from daemon import doctor
-from daemon.agents.registry import BUILTIN_AGENTS
-from daemon.backend import api
-from daemon.human.errors import error_lines
-from daemon.human.follow import RECONNECT_TIMEOUT_S, follow
-from daemon.human.render import render, watch_board
-from daemon.human.term import Term
+# Only what every command needs: the parser, the socket client and the protocol version. The doctor,
+# the configuration machinery, the agents' registry and the views for people are imported by the
+# commands that use them (tests/unit/test_cli_imports.py keeps the common commands to a budget).
+from daemon.backend.api import VERSION as API_VERSION
+from daemon.human import RECONNECT_TIMEOUT_S
 from daemon.paths import Paths, resolve_home
-from daemon.platform import Check
 from daemon.version import VERSION
-from ipc.client import SyncClient
 from ipc.errors import ErrorCode, IpcError
+from ipc.sync_client import SyncClient
+
+if TYPE_CHECKING:
+    from daemon.human.term import Term
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 UP_TIMEOUT_S = 400.0  # covers the longest accepted recovery deadline (5 min) plus start-up
@@ -48,12 +45,15 @@ class Usage(Exception):
     pass
 
 
-_INVALID_CHOICE = re.compile(r"argument (?P<arg>\S+): invalid choice: '(?P<given>[^']*)' \(choose from (?P<choices>.*)\)")
+_INVALID_CHOICE = r"argument (?P<arg>\S+): invalid choice: '(?P<given>[^']*)' \(choose from (?P<choices>.*)\)"
 
 
 def did_you_mean(message: str) -> str:
     """argparse's "invalid choice" as people say it: the unknown command and the closest one."""
-    m = _INVALID_CHOICE.fullmatch(message)
+    import difflib
+    import re
+
+    m = re.fullmatch(_INVALID_CHOICE, message)
     if m is None:
         return message
     choices = re.findall(r"'([^']*)'", m["choices"])
@@ -263,7 +263,7 @@ def _options(pairs: list[str]) -> dict[str, str]:
 
 
 def _call(socket: Path, op: str, args: dict[str, Any] | None = None, timeout: float | None = 60.0) -> Any:
-    with SyncClient(str(socket), protocol_major=api.VERSION[0], timeout=5.0) as client:
+    with SyncClient(str(socket), protocol_major=API_VERSION[0], timeout=5.0) as client:
         return client.call(op, args or {}, timeout=timeout)
 
 
@@ -349,6 +349,8 @@ def cmd_up(paths: Paths, args: argparse.Namespace) -> dict[str, Any]:
     log_path = paths.logs_dir / "backend.log"
     offset = 0
     if status is None:
+        import subprocess
+
         _check_config(args.config)
         paths.ensure()
         argv = [sys.executable, "-m", "daemon.backend.main", "--home", str(paths.home)]
@@ -464,6 +466,8 @@ def cmd_down(paths: Paths, args: argparse.Namespace) -> dict[str, Any]:
 def _ensure_runtime(sock: Path, agent: Any) -> None:
     """A managed npm agent's runtime is prepared before its session starts, its steps on stderr
     (the backend would prepare it too, but silently)."""
+    from daemon.agents.registry import BUILTIN_AGENTS
+
     spec = BUILTIN_AGENTS.get(agent) if isinstance(agent, str) else None
     if spec is None or spec.runtime != "npm":
         return
@@ -474,6 +478,7 @@ def _ensure_runtime(sock: Path, agent: Any) -> None:
 
 def _agents(config_path: str | None) -> dict[str, Any]:
     """The built-in agents, each with the variable names its configuration gives it (no value)."""
+    from daemon.agents.registry import BUILTIN_AGENTS
     from daemon.agents.settings import describe
     from daemon.config import Config, ConfigError, load_config
 
@@ -579,6 +584,8 @@ def run(args: argparse.Namespace) -> Any:
     if cmd == "board":
         return _call(sock, "board") if args.json else _call(sock, "task_list")
     if cmd == "doctor":
+        from daemon import doctor
+
         return doctor.as_json(doctor.run_doctor(paths, config_path=args.config))
     if cmd == "runtime":
         # Imported here: the runtime updater pulls in the ACP SDK, which would add ~0.5 s to every command.
@@ -590,10 +597,18 @@ def run(args: argparse.Namespace) -> Any:
     raise Usage(f"unknown command {cmd}")
 
 
+def _term() -> Term:
+    from daemon.human.term import Term
+
+    return Term.for_stream(sys.stdout)
+
+
 def _follow(args: argparse.Namespace, sock: Path, turn_id: str | None = None) -> int:
-    return follow(str(sock), args.session_id, out=sys.stdout, err=sys.stderr, term=Term.for_stream(sys.stdout),
+    from daemon.human.follow import follow
+
+    return follow(str(sock), args.session_id, out=sys.stdout, err=sys.stderr, term=_term(),
                   turn_id=turn_id, follow_all=bool(getattr(args, "all", False)),
-                  reconnect_timeout=args.reconnect_timeout, protocol_major=api.VERSION[0], json_lines=args.json)
+                  reconnect_timeout=args.reconnect_timeout, protocol_major=API_VERSION[0], json_lines=args.json)
 
 
 def _follow_logs(args: argparse.Namespace, sock: Path) -> int:
@@ -607,7 +622,7 @@ def _follow_logs(args: argparse.Namespace, sock: Path) -> int:
             if args.json:
                 _print(page)
             elif page["text"]:
-                sys.stdout.write(log_text(page["text"], Term.for_stream(sys.stdout)))
+                sys.stdout.write(log_text(page["text"], _term()))
             sys.stdout.flush()
             time.sleep(0.5)
             page = _call(sock, "session_logs", {"session_id": args.session_id, "offset": page["offset"]})
@@ -633,6 +648,8 @@ def run_live(args: argparse.Namespace) -> int | None:
     if args.command == "logs" and args.follow:
         return _follow_logs(args, sock)
     if args.command == "board" and args.watch and not args.json:
+        from daemon.human.render import watch_board
+
         return watch_board(lambda op, a: _call(sock, op, a), args.interval, sys.stdout)
     return None
 
@@ -679,12 +696,17 @@ def _main(argv: list[str]) -> int:
             print(json.dumps({"error": exc.to_wire()}, sort_keys=True))
             print(f"kandev: {exc.code}: {exc.message}", file=sys.stderr)
         else:
+            from daemon.human.errors import error_lines
+
             for line in error_lines(exc, args.command, getattr(args, "session_id", None)):
                 print(line, file=sys.stderr)
         return code
     except KeyboardInterrupt:
         return 130
     if args.command == "doctor":  # exit 1 when a check fails; text: one line per check
+        from daemon import doctor
+        from daemon.platform import Check
+
         checks = [Check(c["name"], c["ok"], c["detail"], c["hint"]) for c in result["checks"]]
         print(json.dumps(result, sort_keys=True) if args.json else doctor.as_text(checks))
         return EXIT_OK if result["ok"] else EXIT_REFUSED
@@ -704,6 +726,8 @@ def _main(argv: list[str]) -> int:
     if args.json:
         _print(result)
     else:
+        from daemon.human.render import render
+
         render(args, result, sys.stdout, lambda op, a: _call(sock_of(args), op, a, timeout=10.0))
     if args.command == "runtime" and result.get("state") != "succeeded":
         return EXIT_REFUSED

@@ -8,25 +8,56 @@ about agents, sessions or ownership: it moves typed requests, responses and
 event streams between processes of the same user.
 """
 
-from .client import AsyncClient, Event, EventStream
-from .connection import ConnectionContext
-from .errors import ErrorCode, IpcError
-from .framing import (
-    MAX_FRAME,
-    ConnectionClosed,
-    FrameTooLarge,
-    InvalidFrame,
-    encode_frame,
-    read_frame,
-    read_frame_sync,
-    write_frame_sync,
-)
-from .hello import HELLO
-from .listener import SocketInUseError
-from .peercred import PeerCredentials, peer_admitted, peer_credentials
-from .schema import Op, OpTable
-from .server import Authorize, Handler, IpcServer
-from .sync_client import SyncClient
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+# Each name and the module that defines it, imported on first use: a blocking client (the kandev
+# CLI) needs ipc.sync_client, never the asyncio server and clients (tests/unit/test_cli_imports.py).
+_EXPORTS = {
+    "AsyncClient": "client", "Event": "client", "EventStream": "client",
+    "ConnectionContext": "connection",
+    "ErrorCode": "errors", "IpcError": "errors",
+    "MAX_FRAME": "framing", "ConnectionClosed": "framing", "FrameTooLarge": "framing", "InvalidFrame": "framing",
+    "encode_frame": "framing", "read_frame": "framing", "read_frame_sync": "framing",
+    "write_frame_sync": "framing",
+    "HELLO": "hello",
+    "SocketInUseError": "listener",
+    "PeerCredentials": "peercred", "peer_admitted": "peercred", "peer_credentials": "peercred",
+    "Op": "schema", "OpTable": "schema",
+    "Authorize": "server", "Handler": "server", "IpcServer": "server",
+    "SyncClient": "sync_client",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+if TYPE_CHECKING:
+    from .client import AsyncClient, Event, EventStream
+    from .connection import ConnectionContext
+    from .errors import ErrorCode, IpcError
+    from .framing import (
+        MAX_FRAME,
+        ConnectionClosed,
+        FrameTooLarge,
+        InvalidFrame,
+        encode_frame,
+        read_frame,
+        read_frame_sync,
+        write_frame_sync,
+    )
+    from .hello import HELLO
+    from .listener import SocketInUseError
+    from .peercred import PeerCredentials, peer_admitted, peer_credentials
+    from .schema import Op, OpTable
+    from .server import Authorize, Handler, IpcServer
+    from .sync_client import SyncClient
 
 __all__ = [
     "HELLO",

@@ -11,12 +11,14 @@ anything that is not a map is refused with a typed error.
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import struct
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
+
+if TYPE_CHECKING:  # imported by read_frame, whose callers run asyncio anyway; blocking clients never do
+    import asyncio
 
 from .errors import ErrorCode, IpcError
 
@@ -274,6 +276,8 @@ async def read_frame(reader: asyncio.StreamReader, max_size: int = MAX_FRAME) ->
     resynchronised), ``InvalidFrame`` (the body was consumed, the stream is
     still in sync) or ``ConnectionClosed`` (EOF or reset mid-frame).
     """
+    import asyncio
+
     try:
         header = await reader.readexactly(HEADER_SIZE)
     except asyncio.IncompleteReadError as exc:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from daemon.backend.api import FollowEnd, FollowEvent
+from daemon.human import RECONNECT_TIMEOUT_S
 from daemon.human.fmt import short, stop_reason_ok
 from daemon.human.term import Term
 from daemon.human.transcript import ConversationWriter
@@ -30,8 +31,6 @@ from ipc.client import AsyncClient
 from ipc.errors import ErrorCode, IpcError
 
 EXIT_OK, EXIT_FAILED, EXIT_UNREACHABLE = 0, 1, 3
-RECONNECT_TIMEOUT_S = 60.0
-"""How long a follow waits for a lost backend to come back by default."""
 RETRY_MIN_S, RETRY_MAX_S = 0.1, 1.0
 _RETRYABLE = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.SHUTTING_DOWN, ErrorCode.TIMEOUT,
                         ErrorCode.IDLE_TIMEOUT, ErrorCode.BUFFERS_FULL})

@@ -1,0 +1,72 @@
+"""The import budget of the common ``kandev`` commands, as a list of modules, not a time
+(Issue 24 item 3): the parser and the socket client for every command that talks to the backend;
+the doctor, the configuration machinery, the agents' registry, asyncio and the views for people
+only for the commands that use them.
+
+Each command runs as a real process (``python -X importtime -m daemon.cli ...``) against a home
+where no backend runs: it imports everything its path needs up to the connection (which is then
+refused, exit 3), and ``-X importtime`` names every module it imported.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.paths import REPO_ROOT
+
+# kandev's own modules the common commands may import, whatever the command.
+BUDGET = {
+    "daemon", "daemon.cli", "daemon.paths", "daemon.version", "daemon.backend", "daemon.backend.api",
+    "daemon.human",
+    "ipc", "ipc.errors", "ipc.schema", "ipc.framing", "ipc.hello", "ipc.sync_client",
+}
+# What printing for people adds (without --json): the views and their helpers, never the doctor.
+HUMAN = {"daemon.human.errors", "daemon.human.fmt", "daemon.human.render", "daemon.human.status",
+         "daemon.human.table", "daemon.human.term", "daemon.human.transcript", "daemon.human.views"}
+# Never for these commands: the heavy machinery of other commands and of the daemons.
+NEVER = {"asyncio", "sqlalchemy", "acp", "tomllib", "subprocess", "daemon.doctor", "daemon.config",
+         "daemon.platform", "daemon.agents", "daemon.agents.registry", "daemon.human.follow", "ipc.client",
+         "ipc.server", "ipc.aio", "uvloop", "psutil"}
+
+
+def imported(*argv: str, home: Path) -> set[str]:
+    p = subprocess.run([sys.executable, "-X", "importtime", "-m", "daemon.cli", "--home", str(home), *argv],
+                       capture_output=True, text=True, cwd=REPO_ROOT, timeout=60,
+                       env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO_ROOT), "KANDEV_CONFIG": "/nonexistent"})
+    modules = set()
+    for line in p.stderr.splitlines():
+        if line.startswith("import time:") and "|" in line:
+            modules.add(line.rsplit("|", 1)[1].strip())
+    assert modules, p.stderr
+    return modules
+
+
+def _own(modules: set[str]) -> set[str]:
+    return {m for m in modules if m.split(".")[0] in ("daemon", "ipc")}
+
+
+@pytest.mark.parametrize("argv", [
+    ("--json", "status"), ("--help",), ("--json", "board"), ("--json", "task", "list"),
+    ("--json", "session", "list"), ("--json", "session", "show", "abcd"), ("--json", "prompt", "abcd", "hi"),
+])
+def test_scripted_commands_import_only_the_parser_and_the_client(argv: tuple[str, ...], tmp_path: Path) -> None:
+    modules = imported(*argv, home=tmp_path)
+    assert _own(modules) <= BUDGET, sorted(_own(modules) - BUDGET)
+    assert not modules & NEVER, sorted(modules & NEVER)
+
+
+@pytest.mark.parametrize("argv", [("status",), ("board",), ("task", "list"), ("session", "list")])
+def test_commands_for_people_add_only_the_views(argv: tuple[str, ...], tmp_path: Path) -> None:
+    modules = imported(*argv, home=tmp_path)  # the refusal is printed for people: errors and its hint
+    assert _own(modules) <= BUDGET | HUMAN, sorted(_own(modules) - BUDGET - HUMAN)
+    assert not modules & NEVER, sorted(modules & NEVER)
+
+
+def test_the_budget_check_sees_what_a_command_imports(tmp_path: Path) -> None:
+    """The check can fail: ``doctor`` imports the doctor and the configuration."""
+    modules = imported("--json", "doctor", home=tmp_path)
+    assert {"daemon.doctor", "daemon.config"} <= modules
