@@ -1,6 +1,6 @@
 """Issue 23: a new user's first hour, through the real CLI (stdout, stderr, exit status) against
-real daemons. Each test names the shortcoming of the issue's "Why" it proves fixed (each failed
-before the fix).
+real daemons (Issue 23 scenario A: each test names the shortcoming of the issue's "Why" it proves
+fixed, and each fails on the behaviour before the fix; Issue 23 scenario B: the concrete checks).
 
 Most share one backend (survival off, module scope) to keep the suite lean; the ones that stop
 and start backends have their own home.
