@@ -26,10 +26,10 @@ from tests.support.real_agents import (
     AgentEnv,
     agent_process,
     assert_key_nowhere,
+    not_root,
     running,
     start,
     turn,
-    uid_inside,
     user_texts,
 )
 from tests.support.responses_standin import ResponsesStandIn
@@ -75,7 +75,7 @@ def test_scenario_a_first_turn_configured_only_through_kandev(env: AgentEnv) -> 
     assert all(r.headers.get("authorization") == f"Bearer {e.key}" for r in e.standin.requests)
 
     proc = agent_process(show["agent_pid"], "codex")
-    assert uid_inside(proc.pid) != 0
+    assert not_root(proc.pid)
     home = e.session_home(sid)
     assert proc.environ()["HOME"] == str(home)
     copied = home / CONFIG

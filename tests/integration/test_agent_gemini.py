@@ -33,10 +33,10 @@ from tests.support.real_agents import (
     AgentEnv,
     agent_process,
     assert_key_nowhere,
+    not_root,
     running,
     start,
     turn,
-    uid_inside,
     user_texts,
 )
 from tests.support.streams import agent_chunks
@@ -91,7 +91,7 @@ def test_scenario_a_first_turn_configured_only_through_kandev(env: AgentEnv, ans
     assert all(r.headers.get("x-goog-api-key") == e.key for r in e.standin.requests)
 
     proc = agent_process(show["agent_pid"], "gemini")
-    assert uid_inside(proc.pid) != 0
+    assert not_root(proc.pid)
     environ = proc.environ()
     home = e.session_home(sid)
     assert environ["HOME"] == str(home)

@@ -26,11 +26,11 @@ from tests.support.real_agents import (
     AgentEnv,
     agent_process,
     assert_key_nowhere,
+    not_root,
     running,
     source_name,
     start,
     turn,
-    uid_inside,
     user_texts,
 )
 from tests.support.sessions import identities, refused
@@ -86,7 +86,7 @@ def test_scenario_a_first_turn_configured_only_through_kandev(env: AgentEnv) -> 
     assert asked and all(r.headers.get("x-api-key") == e.key for r in e.standin.requests)
 
     proc = agent_process(show["agent_pid"], "opencode")
-    assert uid_inside(proc.pid) != 0
+    assert not_root(proc.pid)
     environ = proc.environ()
     home = e.session_home(sid)
     assert environ["HOME"] == str(home)
