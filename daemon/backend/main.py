@@ -204,7 +204,8 @@ def _serve(args: argparse.Namespace, paths: Paths, config: Config, url: str, not
         say(PROGRAM, str(exc))
         return ExitCode.FAILED
     # A store that opens but takes no write (a full disk): waited out before recovery, which writes.
-    if when_space(paths, url, lambda: probe_write(store), verbose=args.verbose, service_gids=_service_gids(),
+    if when_space(paths, url, lambda: probe_write(store, need_room=True), verbose=args.verbose,
+                  service_gids=_service_gids(),
                   notifier=notifier) is None:
         store.close()
         return ExitCode.OK

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import time
 from datetime import UTC, datetime, timedelta
@@ -29,7 +30,7 @@ from daemon.journal import log_event
 from daemon.store import transcript
 from daemon.store.db import Store, sqlite_file
 from daemon.store.models import Installation
-from daemon.store.space import SpaceWatch, free_bytes
+from daemon.store.space import LOW_BYTES, SpaceWatch, free_bytes
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,16 @@ def sqlite_bytes(path: Path) -> int:
     return total
 
 
-def probe_write(store: Store) -> bool:
-    """One small committed write (the time of this probe): raises if the store takes no writes."""
+def probe_write(store: Store, *, need_room: bool = False) -> bool:
+    """One small committed write (the time of this probe): raises if the store takes no writes.
+    ``need_room``: also raise ``ENOSPC`` when an SQLite store's filesystem has less than
+    ``LOW_BYTES`` free (at start: SQLite may still write into a log it allocated earlier, but
+    recovery and the agents' backlog would not fit)."""
+    path = sqlite_file(make_url(store.engine.url))
+    if need_room and path is not None:
+        free = free_bytes(path)
+        if free is not None and free < LOW_BYTES:
+            raise OSError(errno.ENOSPC, f"{free} bytes free on the store's filesystem", str(path))
     with store.session() as db:
         row = db.get(Installation, _PROBE_KEY)
         stamp = datetime.now(UTC).isoformat()
