@@ -229,6 +229,11 @@ SETTINGS: tuple[Setting, ...] = (
             " run unsandboxed, with a warning in the journal at every agent start",
             choices=SANDBOX_POLICIES,
             accepted='"required" (every agent in its bubblewrap sandbox) or "off" (agents unsandboxed)'),
+    Setting("agents.max_processes", Kind.INT, 4096,
+            "processes (and threads) one sandboxed agent may have at once: its `RLIMIT_NPROC`, which the"
+            " kernel counts in that agent's own user namespace, so a fork bomb fails inside that agent only"
+            " (docs/architecture.md); not enforced for agents run with `agents.sandbox = \"off\"`",
+            low=64, high=65536),
 )
 RULES: tuple[Rule, ...] = (
     Rule("(read budget)", "agentctl.recovery_read_retries",
@@ -327,6 +332,7 @@ class AgentsConfig:
     where none can be made fails with ``sandbox_unavailable``) or ``off`` (unsandboxed, warned)."""
 
     sandbox: str = _default("agents.sandbox")
+    max_processes: int = _default("agents.max_processes")
     # ``[agents.NAME]`` tables: each agent's env and secret_env (daemon/agents/settings.py); a table
     # per agent rather than a declared key (see TABLE_FIELDS)
     settings: Mapping[str, AgentSettings] = field(default_factory=dict)

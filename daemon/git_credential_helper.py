@@ -21,6 +21,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from daemon.agent_user import AgentUserMissing, agent_user
 from daemon.paths import PathsError, read_secret_file, write_secret_file
 
 LEASE_FILE_ENV = "KANDEV_GIT_LEASE_FILE"
@@ -42,27 +43,40 @@ class HelperError(Exception):
 # ---------------------------------------------------------------- the lease file
 
 
-def _ensure_private_dir(path: Path) -> None:
+def _ensure_private_dir(path: Path, owners: set[int] | None = None) -> None:
+    if owners is None:
+        owners = _lease_dir_owners()
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
         pass
     st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid not in owners:
         raise OSError(f"{path} is not a directory owned by us; refusing to put a lease file in it")
     if stat.S_IMODE(st.st_mode) != 0o700:
         os.chmod(path, 0o700)
+
+
+def _lease_dir_owners() -> set[int]:
+    """Who may own a lease's directory: us, or the agent (kandev as root writes it for kandev-agent)."""
+    try:
+        return {os.geteuid(), agent_user().uid}
+    except AgentUserMissing:
+        return {os.geteuid()}
 
 
 def write_lease_file(path: str | os.PathLike[str], lease_token: str, capability: str | None = None) -> Path:
     """Write (atomically, 0600) ``{"v": 1, "lease_token": ..., "capability": ...}``; the directory
     is created 0700 when missing."""
     p = Path(path)
-    _ensure_private_dir(p.parent)
+    agent = agent_user()  # the lease is the agent's: kandev as root writes it for kandev-agent
+    _ensure_private_dir(p.parent, {os.geteuid(), agent.uid})
     doc: dict[str, Any] = {"v": 1, "lease_token": lease_token}
     if capability:
         doc["capability"] = capability
     write_secret_file(p, (json.dumps(doc) + "\n").encode("ascii"))
+    if agent.dedicated:
+        os.chown(p, agent.uid, agent.gid, follow_symlinks=False)
     return p
 
 

@@ -18,6 +18,11 @@
 
 Everything is bound at its own path, so an agent sees the same paths with the sandbox on or off;
 the rest of the home (store, secrets, sockets, logs, other sessions) stays out of its view.
+
+Owners (``daemon.agent_user``): ``agent/`` (with ``home/``) and ``git/`` belong to the agent's uid
+(when kandev runs as root, ``kandev-agent``; a directory of ours from before 0.3.0 is given to it
+with everything below, by a walk that follows no symlink); the session's own directory and
+``endpoint/`` stay ours (``endpoint/`` 0711: the agent reaches the socket in it, nothing else).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from daemon.agent_user import AgentUser, agent_user, give_fd
+
 SESSIONS_DIR = "sessions"
 AGENT_STATE_DIR = "agent"
 GIT_DIR = "git"
@@ -37,23 +44,34 @@ ENDPOINT_SOCKET = "git.sock"
 PROXY_SOCKET = "git-proxy.sock"
 MOCK_STATE_DIR = "mock-sessions"
 HOME_DIR = "home"
+ENDPOINT_MODE = 0o711  # the agent (another uid when kandev runs as root) reaches the socket in it
 _SESSION_ID = re.compile(r"^[0-9A-Za-z_-]{1,64}$")
 
 
-def _private_dir(path: Path) -> None:
-    """Create ``path`` 0700 (parents too); an existing one must be a real directory of ours, and
-    its mode is set back to 0700."""
+def _private_dir(path: Path, mode: int = 0o700, agent: AgentUser | None = None) -> None:
+    """Create ``path`` (its parent must exist); an existing one must be a real directory of ours
+    (or, with ``agent``, of the agent's uid), opened without following a symlink; its mode is set
+    back to ``mode``. With ``agent``, it is given to the agent's uid (a directory of ours with
+    everything below it: one made before agents left our uid)."""
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
         pass
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode):
-        raise OSError(f"{path} exists and is not a directory (a symlink is refused)")
-    if st.st_uid != os.geteuid():
-        raise OSError(f"{path} is owned by uid {st.st_uid}, not by us ({os.geteuid()})")
-    if stat.S_IMODE(st.st_mode) != 0o700:
-        os.chmod(path, 0o700, follow_symlinks=False)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise OSError(f"{path} exists and is not a directory (a symlink is refused): {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        owners = {os.geteuid()} | ({agent.uid} if agent is not None else set())
+        if st.st_uid not in owners:
+            raise OSError(f"{path} is owned by uid {st.st_uid}, not by us ({os.geteuid()})")
+        if stat.S_IMODE(st.st_mode) != mode:
+            os.fchmod(fd, mode)
+        if agent is not None and agent.dedicated and st.st_uid != agent.uid:
+            give_fd(fd, agent)
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -104,8 +122,12 @@ class SessionDirs:
         return self.agent_state / MOCK_STATE_DIR
 
     def ensure(self) -> SessionDirs:
-        """Create every directory 0700 (blocking: call it off the event loop)."""
+        """Create every directory with its owner and mode (module docstring; blocking: call it off
+        the event loop)."""
+        agent = agent_user()
         _private_dir(self.root.parent)
-        for d in (self.root, self.agent_state, self.home, self.git, self.endpoint):
-            _private_dir(d)
+        _private_dir(self.root)
+        _private_dir(self.endpoint, ENDPOINT_MODE)
+        for d in (self.agent_state, self.home, self.git):
+            _private_dir(d, 0o700, agent)
         return self

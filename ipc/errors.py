@@ -39,6 +39,7 @@ class ErrorCode:
     SANDBOX_UNAVAILABLE = "sandbox_unavailable"  # agents.sandbox = required, and no agent sandbox can be made
     RUNTIME_NOT_PREPARED = "runtime_not_prepared"  # a sandboxed npm agent whose runtime was never prepared
     RELOADING = "reloading"  # the server is re-executing (hand-over): the request was never run; send it again
+    WORKSPACE_NOT_WRITABLE = "workspace_not_writable"  # the uid agents run as cannot write the workspace given
 
 
 _RETRYABLE_BY_DEFAULT = frozenset(

@@ -60,7 +60,13 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from daemon.agentctl import auth
-from daemon.agentctl.protocol import AGENT_SECRETS_CAPABILITY, RELOAD_CAPABILITY, SANDBOX_CAPABILITY, VERSION
+from daemon.agentctl.protocol import (
+    AGENT_LIMITS_CAPABILITY,
+    AGENT_SECRETS_CAPABILITY,
+    RELOAD_CAPABILITY,
+    SANDBOX_CAPABILITY,
+    VERSION,
+)
 from daemon.agentctl.replies import (
     CreatedInstance,
     InstanceEntry,
@@ -467,6 +473,8 @@ class AgentctlClient:
         if workspace_roots is not None:
             args["workspace_roots"] = workspace_roots
         if sandbox is not None and self.check_sandbox(sandbox):
+            if AGENT_LIMITS_CAPABILITY not in self.capabilities:  # an older server refuses the field
+                sandbox = {k: v for k, v in sandbox.items() if k != "max_processes"}
             args["sandbox"] = sandbox
         if secret_env:  # references only ({VAR: path | credential:NAME}); never sent to a server without them
             self.check_secret_env(secret_env)

@@ -121,6 +121,9 @@ class InstanceHandover:
     # bwrap itself was reaped first (``Instance.group_alive``).
     sandbox_init_pid: int | None = None
     sandbox_init_start_time: float | None = None
+    # The read end of the agent's stderr pipe (``agent_logs.StderrSink``); None: an image before
+    # 0.3.0, whose agents write their stderr file themselves.
+    stderr_fd: int | None = None
 
 
 @dataclass
@@ -176,7 +179,7 @@ class ServerHandover:
         """Every fd this state names; each must be inherited across the exec."""
         fds = [self.listen_fd]
         for inst in self.instances:
-            fds.extend(fd for fd in (inst.stdout_fd, inst.stdin_fd) if fd is not None)
+            fds.extend(fd for fd in (inst.stdout_fd, inst.stdin_fd, inst.stderr_fd) if fd is not None)
         return fds
 
 

@@ -13,10 +13,13 @@ the instance.
 
 Process handling (docs/architecture.md#the-control-server-inside): the agent is
 spawned here, never with the SDK's spawn helpers: its own session and process group
-(``start_new_session``), stderr to its own file under the agent log dir, a
-minimal environment (PATH, HOME, LANG, LC_ALL, TERM, USER, LOGNAME of the
-server plus the request's ``env``), and ``PR_SET_PDEATHSIG=SIGKILL`` so that
-an agent never outlives its control server. Its identity is (pid, process
+(``start_new_session``), stderr a pipe to this server (``agent_logs.StderrSink``
+writes its file, bounded), an environment built from a fixed allow-list (``agent_environment``:
+never the server's ``PATH`` or ``HOME``) plus the request's ``env``, ``oom_score_adj``
+``AGENT_OOM_SCORE_ADJ`` (the kernel's first choice under memory pressure, never a daemon), and
+``PR_SET_PDEATHSIG=SIGKILL`` so that an agent never outlives its control server. An agent killed
+by a signal nobody here sent (the OOM killer, a stray ``kill``) is reported as such:
+``agent_exited`` carries the ``signal`` and the journal says ``agent_killed``. Its identity is (pid, process
 start time) from psutil; the group is signalled only while that identity
 still holds (see ``_signal_group``). ``stop()`` sends SIGTERM to the group,
 waits up to ``KILL_GRACE`` seconds, then SIGKILL; it never blocks for ever.
@@ -93,7 +96,8 @@ from acp.schema import (
     RequestPermissionResponse,
 )
 
-from daemon.agentctl import acp_internals
+from daemon.agent_user import AgentUserMissing, agent_user
+from daemon.agentctl import acp_internals, agent_logs
 from daemon.agentctl.events import EventLog, Subscription
 from daemon.agentctl.handover import (
     InstanceHandover,
@@ -136,7 +140,12 @@ a parked producer leaves the agent blocked instead of buffering its output in th
 lines still work (``AgentPipeTransport._read_line`` reads them in pieces)."""
 DEFAULT_DETACHED_EVENT_LIMIT = 100
 """The ``agentctl.detached_event_limit`` default; the server passes the validated setting."""
-INHERITED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TERM", "USER", "LOGNAME")
+INHERITED_ENV = ("LANG", "LC_ALL", "LC_CTYPE", "TERM", "TZ")
+"""The only variables of the server an agent gets (their values are no path of the host)."""
+AGENT_PATH = "/usr/local/bin:/usr/bin:/bin"
+"""An agent's ``PATH`` unless its configuration says otherwise: the system's directories only."""
+AGENT_HOME_DEFAULT = "/tmp"  # the sandbox's private /tmp, when the request names no HOME
+AGENT_OOM_SCORE_ADJ = 500
 CLIENT_NAME = "kandev-agentctl"
 CLIENT_VERSION = VERSION
 
@@ -200,7 +209,8 @@ _PRCTL = _load_prctl()  # resolved in the parent: the child only calls it
 
 
 def _child_setup(parent_pid: int, *, ignore_sigterm: bool = False) -> Callable[[], None]:
-    """``preexec_fn``: die with the control server (SIGKILL), even if it died before this ran.
+    """``preexec_fn``: die with the control server (SIGKILL), even if it died before this ran;
+    the agent's ``oom_score_adj`` (raising it needs no privilege; everything inside inherits it).
     ``ignore_sigterm``: for a sandbox's bwrap, which must not end before the agent it runs does
     (the agent gets the default action back: ``daemon.agentctl.sandbox``)."""
 
@@ -209,6 +219,14 @@ def _child_setup(parent_pid: int, *, ignore_sigterm: bool = False) -> Callable[[
             _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if ignore_sigterm:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
+            try:
+                os.write(fd, str(AGENT_OOM_SCORE_ADJ).encode())
+            finally:
+                os.close(fd)
+        except OSError:
+            pass  # no /proc: the agent keeps the server's score
         if os.getppid() != parent_pid:
             os._exit(125)
 
@@ -216,11 +234,33 @@ def _child_setup(parent_pid: int, *, ignore_sigterm: bool = False) -> Callable[[
 
 
 def agent_environment(extra: Mapping[str, str] | None, base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The agent's environment: a few variables of the server, then the request's."""
+    """The agent's environment: a fixed allow-list (``PATH`` of the system directories, ``HOME``
+    the sandbox's /tmp, ``USER``/``LOGNAME`` of the agent's uid, the locale and terminal type of
+    the server), then the request's ``env`` (the agent's configuration, its session's HOME)."""
     source = os.environ if base is None else base
     env = {k: source[k] for k in INHERITED_ENV if k in source}
+    env["PATH"] = AGENT_PATH
+    env["HOME"] = AGENT_HOME_DEFAULT
+    try:
+        env["USER"] = env["LOGNAME"] = agent_user().name
+    except AgentUserMissing:
+        pass
     env.update(extra or {})
     return env
+
+
+def killed_by(code: int | None, sandboxed: bool) -> signal.Signals | None:
+    """The signal an agent's exit status says it died of: a negative return code (the leader
+    itself), or for a sandboxed agent bwrap's ``128 + signal`` (the agent inside)."""
+    if code is None:
+        return None
+    number = -code if code < 0 else code - 128 if sandboxed and 128 < code < 128 + 65 else None
+    if number is None:
+        return None
+    try:
+        return signal.Signals(number)
+    except ValueError:
+        return None
 
 
 class AgentPipeTransport:
@@ -397,9 +437,12 @@ class InstanceSpec:
     # The agent's secret values (``daemon.agentctl.agent_env``), for its environment only: emptied
     # once the agent is spawned (it has them), so they never travel in a re-exec's hand-over.
     secret_env: dict[str, str] = field(default_factory=dict, repr=False)
+    # Descriptors bwrap inherits (the user namespace of ``daemon.agentctl.sandbox.make_userns``):
+    # closed here once the agent is spawned (or stopped before it was).
+    launch_fds: list[int] = field(default_factory=list, repr=False)
 
 
-SPEC_NOT_HANDED_OVER = frozenset({"secret_env"})
+SPEC_NOT_HANDED_OVER = frozenset({"secret_env", "launch_fds"})
 """``InstanceSpec`` fields a re-exec does not carry: the running agent already has its secrets."""
 
 
@@ -444,6 +487,9 @@ class Instance:
         self._proc: asyncio.subprocess.Process | None = None
         self._psproc: psutil.Process | None = None
         self._sandbox_init: psutil.Process | None = None  # bwrap's init of a sandboxed agent
+        self.stderr_sink: agent_logs.StderrSink | None = None  # None: the agent writes its file itself (older image)
+        self._stopped_by_us = False  # a signal we sent (stop) is not a kill to report
+        self._stderr_handover_fd: int | None = None  # the stderr pipe while a re-exec is being prepared
         self._transport: AgentPipeTransport | None = None
         self._conn: acp.ClientSideConnection | None = None
         self._exit_task: asyncio.Task[None] | None = None
@@ -510,31 +556,39 @@ class Instance:
 
     # -- start ---------------------------------------------------------------
 
+    def close_launch_fds(self) -> None:
+        for fd in self.spec.launch_fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.spec.launch_fds = []
+
     async def _spawn(self) -> None:
         spec = self.spec
         self._agent_log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        stderr_fd = os.open(
-            self.stderr_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600
-        )
+        stderr_read, stderr_write = os.pipe2(os.O_CLOEXEC)
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 *(spec.launch_argv or spec.command),
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
-                stderr=stderr_fd,
+                stderr=stderr_write,
                 cwd=spec.cwd,
                 env=agent_environment({**spec.env, **spec.secret_env}),
                 start_new_session=True,
                 preexec_fn=_child_setup(os.getpid(), ignore_sigterm=spec.sandboxed),
+                pass_fds=tuple(spec.launch_fds),
                 limit=AGENT_STDOUT_LIMIT,
             )
         except (OSError, ValueError, subprocess.SubprocessError) as exc:
+            os.close(stderr_read)
             raise IpcError(
                 ErrorCode.AGENT_ERROR, f"cannot start agent {spec.command[0]!r}: {exc}", retryable=False
             ) from None
         finally:
-            os.close(stderr_fd)
+            os.close(stderr_write)
+            self.close_launch_fds()
             spec.secret_env = {}  # the agent has them now; nothing of this server keeps them
+        self._start_stderr_sink(stderr_read)
         self.pid = self._proc.pid
         try:
             self._psproc = psutil.Process(self.pid)
@@ -542,6 +596,10 @@ class Instance:
         except psutil.Error:
             # Already dead and reaped: without an identity, the group is never signalled.
             self._psproc = None
+
+    def _start_stderr_sink(self, read_fd: int) -> None:
+        self._stderr_handover_fd = None
+        self.stderr_sink = agent_logs.StderrSink(read_fd, self.stderr_path, name=self.instance_id).start()
 
     async def start(self) -> None:
         """Spawn the agent and run the ACP handshake; on failure the group is killed and
@@ -879,6 +937,12 @@ class Instance:
 
     # -- exit and stop ---------------------------------------------------------
 
+    async def _stderr_settled(self, timeout: float = STDOUT_DRAIN_GRACE) -> None:
+        """Give the stderr sink up to ``timeout`` s to write what the agent left in the pipe."""
+        sink = self.stderr_sink
+        if sink is not None and not sink.eof:
+            await asyncio.to_thread(sink.drained, timeout)
+
     def stderr_tail(self, limit: int = STDERR_TAIL_BYTES) -> str:
         try:
             with open(self.stderr_path, "rb") as fh:
@@ -896,24 +960,30 @@ class Instance:
         code = await proc.wait()
         # Everything the agent wrote before dying is numbered before agent_exited.
         await self._drain_stdout(transport)
+        if self.state in (InstanceState.STARTING, InstanceState.RUNNING):
+            await self._stderr_settled()
         self.exit_code = code
         self._exited.set()
         if self.state in (InstanceState.STARTING, InstanceState.RUNNING):
-            self.log.append(EventKind.AGENT_EXITED, {"exit_code": code, "stderr_tail": self.stderr_tail()})
+            sig = None if self._stopped_by_us else killed_by(code, self.spec.sandboxed)
+            data: dict[str, Any] = {"exit_code": code, "stderr_tail": self.stderr_tail()}
+            if sig is not None:
+                data["signal"] = sig.name
+            self.log.append(EventKind.AGENT_EXITED, data)
+            how = f"was killed by {sig.name}" if sig is not None else f"exited with code {code}"
             if self.current_turn_id is not None:
-                self._end_turn(self.current_turn_id, "agent_exited", f"the agent exited with code {code}")
+                self._end_turn(self.current_turn_id, "agent_exited", f"the agent {how}")
             self._cancel_permissions("agent_exited")
             self._set_state(InstanceState.EXITED)
-            log_event(
-                "agent_exited",
-                f"agent of instance {self.instance_id} exited with code {code}",
-                priority=5,
-                INSTANCE_ID=self.instance_id,
-                SESSION_ID=self.spec.session_id,
-                TASK_ID=self.spec.task_id,
-                PID=self.pid,
-                EXIT_CODE=code,
-            )
+            fields: dict[str, Any] = {"INSTANCE_ID": self.instance_id, "SESSION_ID": self.spec.session_id,
+                                      "TASK_ID": self.spec.task_id, "PID": self.pid, "EXIT_CODE": code}
+            if sig is not None:
+                log_event("agent_killed", f"agent of instance {self.instance_id} was killed by {sig.name}, a signal"
+                          " kandev did not send (the kernel's OOM killer, or someone's kill)", priority=4,
+                          SIGNAL=sig.name, **fields)
+            else:
+                log_event("agent_exited", f"agent of instance {self.instance_id} exited with code {code}",
+                          priority=5, **fields)
 
     async def _drain_stdout(self, transport: AgentPipeTransport) -> None:
         """Wait until every line of the exited agent's stdout was read, the stop signal, or
@@ -949,6 +1019,8 @@ class Instance:
             return False
         try:
             os.killpg(self.pid, sig)
+            if sig:
+                self._stopped_by_us = True
             return True
         except (ProcessLookupError, PermissionError):
             return False
@@ -1011,6 +1083,10 @@ class Instance:
             self._exit_task.cancel()
         if self._proc is not None and self._proc.returncode is not None:
             self.exit_code = self._proc.returncode
+        self.close_launch_fds()
+        if self.stderr_sink is not None:
+            await self._stderr_settled(1.0)  # the group is gone: the pipe ends once drained
+            await asyncio.to_thread(self.stderr_sink.close)
         self._set_state(InstanceState.STOPPED)
         log_event(
             "instance_stopped",
@@ -1062,6 +1138,8 @@ class Instance:
         """Stop reading the agent at a message boundary: the connection's receive loop is cancelled
         (a line being read or held back by the detached bound stays in the transport). Returns the
         stopped loop's task (await it) or None if nothing was reading."""
+        if self.state is InstanceState.RUNNING and self.stderr_sink is not None and self._stderr_handover_fd is None:
+            self._stderr_handover_fd = self.stderr_sink.pause()  # what the agent writes now waits in the pipe
         if self._conn is None or not acp_internals.receiving(self._conn):
             return None
         self._reading_paused_for_handover = True
@@ -1071,6 +1149,8 @@ class Instance:
 
     def resume_after_refusal(self) -> None:
         """A refused reload: read the agent again, from where ``pause_for_handover`` stopped."""
+        if self._stderr_handover_fd is not None:
+            self._start_stderr_sink(self._stderr_handover_fd)
         if self._reading_paused_for_handover and self._conn is not None and not self.gone:
             self._reading_paused_for_handover = False
             if self._pipe_paused_for_handover and self._proc is not None:
@@ -1120,7 +1200,7 @@ class Instance:
         proc = self._proc
         if self.state is not InstanceState.RUNNING or self._conn is None or proc is None:
             return []
-        fds = (acp_internals.reader_fd(proc.stdout), acp_internals.writer_fd(proc.stdin))
+        fds = (acp_internals.reader_fd(proc.stdout), acp_internals.writer_fd(proc.stdin), self._stderr_handover_fd)
         return [fd for fd in fds if fd is not None]
 
     def handover_state(self) -> InstanceHandover:
@@ -1168,6 +1248,7 @@ class Instance:
             requests=requests,
             permissions=permissions,
             stderr_path=str(self.stderr_path),
+            stderr_fd=self._stderr_handover_fd if live else None,
             not_taken_over=list(self.not_taken_over),
             **self._sandbox_init_handover(),
         )
@@ -1230,6 +1311,8 @@ class Instance:
         except psutil.Error:
             self._psproc = None  # gone already: the exit watcher reports it
         self._resume_sandbox_init(h)
+        if h.stderr_fd is not None:
+            self._start_stderr_sink(h.stderr_fd)
         reader, writer = await acp_internals.adopt_pipes(h.stdout_fd, h.stdin_fd, h.unread, AGENT_STDOUT_LIMIT)
         self._proc = AdoptedProcess(self.pid, reader, writer, h.reaped_returncode)  # type: ignore[assignment]
         self._transport = AgentPipeTransport(reader, writer, self._on_garbage, self.log.wait_for_room)

@@ -61,7 +61,12 @@ agent's environment (Issue 12). A server without it would drop the field and sta
 without its keys, so the client refuses such a launch (``AgentctlClient.check_secret_env``)."""
 
 # Capability set advertised by identify/hello: the required ones and what was added since.
-CAPABILITIES = (*REQUIRED_CAPABILITIES, RELOAD_CAPABILITY, SANDBOX_CAPABILITY, AGENT_SECRETS_CAPABILITY)
+AGENT_LIMITS_CAPABILITY = "agent_limits.v1"
+"""``create_instance``'s ``sandbox`` takes ``max_processes`` (the agent's RLIMIT_NPROC), agents run off
+uid 0 with their own IPC namespace, stderr through the server, and ``agent_exited`` names a ``signal``
+kandev did not send (0.3.0). A server without it is sent no ``max_processes``."""
+CAPABILITIES = (*REQUIRED_CAPABILITIES, RELOAD_CAPABILITY, SANDBOX_CAPABILITY, AGENT_SECRETS_CAPABILITY,
+                AGENT_LIMITS_CAPABILITY)
 
 
 TURN_STATUSES_MAX = 1000
@@ -75,7 +80,7 @@ class EventKind:
     TURN_STARTED = "turn_started"  # {turn_id, text}
     TURN_ENDED = "turn_ended"  # {turn_id, stop_reason, error|None}
     PERMISSION_REQUEST = "permission_request"  # {request_id, turn_id, tool_call, options}
-    AGENT_EXITED = "agent_exited"  # {exit_code, stderr_tail}
+    AGENT_EXITED = "agent_exited"  # {exit_code, stderr_tail, signal?: name when killed by a signal kandev did not send}
     AGENT_ERROR = "agent_error"  # {message}
     # An open permission request the server answered "cancelled" itself (a ``cancel`` op, or the
     # agent exited); a backend's own respond_permission is not echoed. Added with the detached bound.

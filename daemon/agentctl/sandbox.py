@@ -22,10 +22,21 @@ namespace bwrap always makes); the network is shared. The view (``build_argv``):
   ``/dev/null`` for a file) wherever they lie inside something bound, and stay absent otherwise;
   a path bound *inside* a hidden one (the workspace under ``<home>/worktrees``) stays visible.
 
-The agent is never root inside: it runs as the server's own uid, or, when the server runs as root
-(a development machine), as the ``kandev`` user's uid, else 1000. It keeps no capability. Since
-its kuid outside stays the server's, a server running as root also masks what in ``/etc`` only
-root may read (``/etc/shadow``, host keys...).
+The agent is never root, inside or outside: it runs as the host user ``daemon.agent_user`` names
+(the server's own uid, or ``kandev-agent`` when the server runs as root), with the same uid inside,
+and keeps no capability. A server running as root cannot let bwrap make the user namespace itself
+(bwrap would map the agent to host uid 0), and an unprivileged bwrap could not reach the paths it
+binds below root's private directories. So the server makes the namespace (``make_userns``:
+uid/gid 0 mapped to root for the set-up, the agent's uid to ``kandev-agent``), bwrap joins it
+(``--userns``) and mounts as root of that namespace, and ``setpriv`` switches to the agent's uid,
+clears every capability (bounding set included) and sets no-new-privileges before the agent runs.
+Only bwrap's reaper (pid 1 inside) keeps host uid 0; nothing inside can signal, trace or read it.
+Each agent has its own IPC namespace (``--unshare-ipc``: no SysV shared memory, semaphores or
+message queues shared with another sandbox) and bwrap's ``/proc`` keeps ``/proc/sys`` read-only.
+
+The process cap (``agents.max_processes``) is the agent's ``RLIMIT_NPROC``, set on bwrap and
+inherited: the kernel counts it per user namespace and uid, so it bounds the processes of one
+agent's sandbox, whatever other agents of the same uid run (see docs/architecture.md).
 
 Process handling is unchanged: the ``bwrap`` process is the agent's process-group leader (its pid
 and start time are the agent's identity), ``--die-with-parent`` ties the sandbox to it and our
@@ -43,9 +54,9 @@ namespaces allowed, a /proc mount admitted) and says why not.
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import os
-import pwd
 import shutil
 import signal
 import stat
@@ -56,19 +67,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from daemon.agent_user import AgentUser, AgentUserMissing, agent_user
 from ipc.errors import ErrorCode, IpcError
 
 BWRAP = "bwrap"
 SANDBOX_UNAVAILABLE = ErrorCode.SANDBOX_UNAVAILABLE
 """The error code of a launch refused because the sandbox cannot be made (``agents.sandbox = required``)."""
-FALLBACK_UID = 1000
-SERVICE_USER = "kandev"
+SETPRIV = "/usr/bin/setpriv"
+CLONE_NEWUSER = 0x10000000
 PROBE_TIMEOUT_S = 10.0
 SYSTEM_DIRS = ("/usr", "/etc", "/opt")
 SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 PRIVATE_TMP = ("/tmp", "/var/tmp")
 RESOLV_CONF = "/etc/resolv.conf"
+PRLIMIT = "/usr/bin/prlimit"
 _MAX_PATHS = 64
+MAX_PROCESSES_DEFAULT = 4096
+MAX_PROCESSES_RANGE = (64, 65536)
 
 
 class SandboxPolicy(str, enum.Enum):
@@ -118,10 +133,11 @@ class SandboxRequest:
     writable: tuple[str, ...] = ()
     readonly: tuple[str, ...] = ()
     hidden: tuple[str, ...] = ()
+    max_processes: int = MAX_PROCESSES_DEFAULT  # the agent's RLIMIT_NPROC (agents.max_processes)
 
     def to_wire(self) -> dict[str, Any]:
         return {"policy": self.policy.value, "writable": list(self.writable), "readonly": list(self.readonly),
-                "hidden": list(self.hidden)}
+                "hidden": list(self.hidden), "max_processes": self.max_processes}
 
     @classmethod
     def from_wire(cls, doc: Any) -> SandboxRequest:
@@ -130,14 +146,18 @@ class SandboxRequest:
             return cls()
         if not isinstance(doc, dict):
             raise _bad("must be a map")
-        unknown = sorted(set(doc) - {"policy", "writable", "readonly", "hidden"})
+        unknown = sorted(set(doc) - {"policy", "writable", "readonly", "hidden", "max_processes"})
         if unknown:
             raise _bad(f"unknown field(s) {unknown}")
         try:
             policy = SandboxPolicy(doc.get("policy", SandboxPolicy.REQUIRED.value))
         except ValueError:
             raise _bad(f"'policy' must be 'required' or 'off' (got {doc.get('policy')!r:.50})") from None
-        return cls(policy, _paths(doc, "writable"), _paths(doc, "readonly"), _paths(doc, "hidden"))
+        nproc = doc.get("max_processes", MAX_PROCESSES_DEFAULT)
+        low, high = MAX_PROCESSES_RANGE
+        if not isinstance(nproc, int) or isinstance(nproc, bool) or not low <= nproc <= high:
+            raise _bad(f"'max_processes' must be an integer in {low}..{high} (got {nproc!r:.50})")
+        return cls(policy, _paths(doc, "writable"), _paths(doc, "readonly"), _paths(doc, "hidden"), nproc)
 
 
 # ---------------------------------------------------------------- can a sandbox be made here?
@@ -185,15 +205,26 @@ def probe(env: Mapping[str, str] | None = None) -> SandboxSupport:
     except (OSError, subprocess.TimeoutExpired) as exc:
         return SandboxSupport(False, f"{bwrap} --version failed: {exc}", bwrap)
     env_tool = shutil.which("env", path="/usr/bin:/bin") or "/usr/bin/env"
-    uid, gid = sandbox_ids()
-    view = SandboxView(bwrap=bwrap, uid=uid, gid=gid, binds=system_binds(), cwd="/", env_tool=env_tool,
-                       links=system_links())
-    argv = build_argv(view, ["true"])
+    try:
+        user = agent_user()
+    except AgentUserMissing as exc:
+        return SandboxSupport(False, str(exc), bwrap, version)
+    view = SandboxView(bwrap=bwrap, uid=user.uid, gid=user.gid, binds=system_binds(), cwd="/", env_tool=env_tool,
+                       links=system_links(), own_userns=user.dedicated)
+    try:
+        userns = make_userns(user) if user.dedicated else None
+    except OSError as exc:
+        return SandboxSupport(False, f"cannot make a user namespace for {user.name}: {exc}", bwrap, version)
+    argv = build_argv(view, ["true"], userns)
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                start_new_session=True, preexec_fn=ignore_sigterm)
+                                start_new_session=True, preexec_fn=ignore_sigterm,
+                                pass_fds=() if userns is None else (userns,))
     except OSError as exc:
         return SandboxSupport(False, f"cannot run {bwrap}: {exc.strerror or exc}", bwrap, version)
+    finally:
+        if userns is not None:
+            os.close(userns)
     try:
         _, err = proc.communicate(timeout=PROBE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -246,20 +277,48 @@ class SandboxView:
     links: tuple[tuple[str, str], ...] = ()  # (target, path): a symlink of the system, e.g. usr/bin -> /bin
     hidden: tuple[str, ...] = ()  # resolved paths to mask where a bind reveals them
     hidden_files: frozenset[str] = field(default_factory=frozenset)  # which of ``hidden`` are not directories
+    own_userns: bool = False  # the server (root) makes the user namespace: ``make_userns``, then setpriv
+    max_processes: int = MAX_PROCESSES_DEFAULT
 
 
-def sandbox_ids(euid: int | None = None) -> tuple[int, int]:
-    """The uid/gid the agent has inside: ours, but never 0 (then ``kandev``'s, else 1000)."""
-    uid = os.geteuid() if euid is None else euid
-    if uid != 0:
-        return uid, os.getegid()
+def sandbox_ids() -> tuple[int, int]:
+    """The uid/gid the agent has, inside its sandbox and on the host (``daemon.agent_user``)."""
+    user = agent_user()
+    return user.uid, user.gid
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)  # resolved in the parent: a forked child only calls it
+
+
+def _enter_new_userns() -> None:
+    """``preexec_fn`` of ``make_userns``'s holder process."""
+    if _LIBC.unshare(CLONE_NEWUSER) != 0:
+        os._exit(126)
+
+
+def make_userns(user: AgentUser) -> int:
+    """A new user namespace for one agent of a server running as root, as a descriptor for bwrap's
+    ``--userns``: uid and gid 0 mapped to host root (bwrap mounts as root of it, so it reaches
+    every path root can) and the agent's uid and gid to themselves (``setpriv`` switches to them
+    before the agent runs; nothing else is mapped). Blocking: call it off the event loop."""
+    holder = subprocess.Popen(["/bin/cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, preexec_fn=_enter_new_userns, close_fds=True)
     try:
-        pw = pwd.getpwnam(SERVICE_USER)
-    except KeyError:
-        return FALLBACK_UID, FALLBACK_UID
-    if pw.pw_uid == 0:
-        return FALLBACK_UID, FALLBACK_UID
-    return pw.pw_uid, pw.pw_gid
+        proc = f"/proc/{holder.pid}"
+        if os.stat(f"{proc}/ns/user").st_ino == os.stat("/proc/self/ns/user").st_ino:
+            raise OSError("the holder process did not get a new user namespace")
+        for name, ident in (("uid_map", user.uid), ("gid_map", user.gid)):
+            with open(f"{proc}/{name}", "w", encoding="ascii") as fh:
+                fh.write(f"0 0 1\n{ident} {ident} 1\n")
+        return os.open(f"{proc}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        try:
+            holder.wait(PROBE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            holder.kill()
+            holder.wait()
 
 
 def _covered(path: str, roots: Iterable[str]) -> bool:
@@ -379,12 +438,13 @@ def host_view(
         hidden.append(rp)
         if not os.path.isdir(rp):
             files.add(rp)
-    uid, gid = sandbox_ids()
+    user = agent_user()
     return SandboxView(
-        bwrap=bwrap, uid=uid, gid=gid, cwd=workspace,
+        bwrap=bwrap, uid=user.uid, gid=user.gid, cwd=workspace,
         binds=tuple(Bind(p, m) for p, m in sorted(binds.items())),
         env_tool=shutil.which("env", path="/usr/bin:/bin") or "/usr/bin/env",
         links=system_links(), hidden=tuple(hidden), hidden_files=frozenset(files),
+        own_userns=user.dedicated, max_processes=request.max_processes,
     )
 
 
@@ -398,12 +458,22 @@ def _revealed(path: str, bound: Sequence[str], hidden: Sequence[str]) -> bool:
     return not masks or max(map(len, binds)) > max(map(len, masks))
 
 
+def _ancestors(path: str) -> list[str]:
+    """``path`` and every directory above it, but not ``/``."""
+    out = []
+    while path not in ("/", ""):
+        out.append(path)
+        path = os.path.dirname(path)
+    return out
+
+
 def _depth(path: str) -> int:
     return 0 if path == "/" else path.rstrip("/").count("/")
 
 
-def build_argv(view: SandboxView, command: Sequence[str]) -> list[str]:
-    """The ``bwrap`` command line that runs ``command`` in ``view`` (pure; see the module docstring).
+def build_argv(view: SandboxView, command: Sequence[str], userns_fd: int | None = None) -> list[str]:
+    """The ``bwrap`` command line that runs ``command`` in ``view`` (pure; see the module docstring);
+    ``userns_fd``: the namespace ``make_userns`` made, for a view with ``own_userns``.
 
     Mount operations run in order of path depth, so a bind inside another one and a mask inside a
     bind both come after it; at the same path a mask comes after the bind (the mask wins). A hidden
@@ -412,13 +482,20 @@ def build_argv(view: SandboxView, command: Sequence[str]) -> list[str]:
         raise ValueError("an empty command")
     if "=" in command[0]:
         raise ValueError(f"the agent's command {command[0]!r} contains '=' (env would take it for a variable)")
-    argv = [
-        view.bwrap,
-        "--unshare-user", "--unshare-pid",
-        "--uid", str(view.uid), "--gid", str(view.gid),
-        "--die-with-parent",
-        "--cap-drop", "ALL",
-    ]
+    if view.own_userns:
+        if userns_fd is None:
+            raise ValueError("a view with its own user namespace needs the namespace's descriptor")
+        argv = [view.bwrap, "--userns", str(userns_fd), "--unshare-pid", "--unshare-ipc", "--uid", "0", "--gid", "0",
+                "--die-with-parent", "--cap-drop", "ALL",
+                "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP"]
+        become = [SETPRIV, f"--reuid={view.uid}", f"--regid={view.gid}", "--clear-groups", "--inh-caps=-all",
+                  "--bounding-set=-all", "--no-new-privs", "--"]
+    else:
+        argv = [view.bwrap, "--unshare-user", "--unshare-pid", "--unshare-ipc",
+                "--uid", str(view.uid), "--gid", str(view.gid), "--die-with-parent", "--cap-drop", "ALL"]
+        become = []
+    # The process cap, set inside: the kernel then counts it in this sandbox's user namespace only.
+    cap = [PRLIMIT, f"--nproc={view.max_processes}:{view.max_processes}", "--"]
     for target, path in view.links:
         argv += ["--symlink", target, path]
     ops: list[tuple[int, int, str, list[str]]] = []  # (depth, order at equal depth, path, args)
@@ -436,9 +513,35 @@ def build_argv(view: SandboxView, command: Sequence[str]) -> list[str]:
     for depth, order, _path, args in sorted(ops, key=lambda op: (op[0], op[1], op[2])):
         del depth, order
         argv += args
+    if view.own_userns:
+        # bwrap made the directories leading to each mount point as root of the namespace, with the
+        # server's umask (077): open them to the agent. Only those of the sandbox's own root
+        # (tmpfs), never a directory of the host inside something bound.
+        mounted = [p for _d, _o, p, _a in ops]
+        parents = {os.path.dirname(p.rstrip("/")) for p in mounted}
+        ancestors = {a for p in parents for a in _ancestors(p)}
+        for d in sorted(ancestors, key=_depth):
+            if not _covered(d, bound) and d not in PRIVATE_TMP:
+                argv += ["--chmod", "0755", d]
+        for tmp in PRIVATE_TMP:  # the agent's own /tmp and /var/tmp, like any system's
+            argv += ["--chmod", "1777", tmp]
     argv += ["--proc", "/proc", "--dev", "/dev"]
-    argv += ["--chdir", view.cwd, "--", view.env_tool, "--default-signal=TERM", *command]
+    if view.own_userns:
+        # bwrap changes directory without its capabilities, as root of the namespace, which may not
+        # enter a workspace of the agent's: env does it once the agent's uid is in force.
+        argv += ["--chdir", "/", "--", *become, *cap, view.env_tool, f"--chdir={view.cwd}", "--default-signal=TERM",
+                 *command]
+    else:
+        argv += ["--chdir", view.cwd, "--", *cap, view.env_tool, "--default-signal=TERM", *command]
     return argv
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A sandboxed agent's argv and the descriptors its bwrap must inherit (the user namespace)."""
+
+    argv: list[str]
+    fds: tuple[int, ...] = ()
 
 
 def wrap_command(
@@ -449,10 +552,19 @@ def wrap_command(
     bwrap: str,
     extra_hidden: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
-) -> list[str]:
-    """``build_argv(host_view(...), command)``: blocking, call it off the event loop."""
+) -> Launch:
+    """``build_argv(host_view(...), command)`` with the user namespace it needs (the caller passes
+    ``fds`` to bwrap and closes them). Blocking: call it off the event loop."""
     hidden_ok(request, cwd, extra_hidden)
-    return build_argv(host_view(request, cwd, bwrap=bwrap, extra_hidden=extra_hidden, env=env), command)
+    view = host_view(request, cwd, bwrap=bwrap, extra_hidden=extra_hidden, env=env)
+    if not view.own_userns:
+        return Launch(build_argv(view, command))
+    fd = make_userns(AgentUser(view.uid, view.gid, "", True))
+    try:
+        return Launch(build_argv(view, command, fd), (fd,))
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def hidden_ok(request: SandboxRequest, cwd: str, extra_hidden: Sequence[str] = ()) -> None:

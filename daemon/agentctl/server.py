@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon import faults
+from daemon.agent_user import AgentUserMissing
 from daemon.agentctl import agent_env, agent_logs, auth, sandbox
 from daemon.agentctl.handover import HANDOVER_FORMAT, ReloadHistory, ServerHandover, to_plain
 from daemon.agentctl.instance import Instance, InstanceSpec, TurnIds
@@ -200,8 +201,9 @@ class AgentctlServer:
         socket directory, the logs (agents' stderr included), the credential and its directory."""
         return self.config.own_paths()
 
-    async def _sandboxed_argv(self, request: SandboxRequest, command: list[str], cwd: str) -> list[str]:
-        """The agent's argv inside its sandbox; ``sandbox_unavailable`` when none can be made."""
+    async def _sandboxed_argv(self, request: SandboxRequest, command: list[str], cwd: str) -> sandbox.Launch:
+        """The agent's argv inside its sandbox (and the descriptors bwrap inherits);
+        ``sandbox_unavailable`` when none can be made."""
         support = self.sandbox_support
         if support is None or not support.available:
             support = await self.probe_sandbox()  # the host may have been fixed meanwhile
@@ -211,8 +213,12 @@ class AgentctlServer:
         try:
             return await asyncio.to_thread(sandbox.wrap_command, request, command, cwd, bwrap=support.bwrap,
                                            extra_hidden=self._own_paths())
+        except AgentUserMissing as exc:
+            raise sandbox.unavailable(str(exc)) from None
         except ValueError as exc:
             raise _bad(f"create_instance: {exc}") from None
+        except OSError as exc:
+            raise sandbox.unavailable(f"cannot prepare the agent's user namespace: {exc}") from None
 
     async def run_agent_log_bounds(self) -> None:
         """Keep the agents' stderr files bounded (``agent_logs``): old files of instances this
@@ -231,6 +237,8 @@ class AgentctlServer:
                               f" not running here and not written for {agent_logs.MAX_AGE_S // 86400} days",
                               COUNT=len(removed))
             for inst in list(self.instances.values()):
+                if inst.stderr_sink is not None:
+                    continue  # bounded while written (agent_logs.StderrSink)
                 async with self.background_io:
                     dropped = await asyncio.to_thread(agent_logs.cap, inst.stderr_path)
                 if dropped:
@@ -604,7 +612,8 @@ class AgentctlServer:
         request = SandboxRequest.from_wire(args.get("sandbox"))
         if request.policy is SandboxPolicy.REQUIRED:
             request = agent_env.hide_secret_files(request, self.config.secret_refs(), args.get("secret_env"))
-            spec.launch_argv = await self._sandboxed_argv(request, spec.command, cwd)
+            launch = await self._sandboxed_argv(request, spec.command, cwd)
+            spec.launch_argv, spec.launch_fds = launch.argv, list(launch.fds)
             spec.sandboxed = True
         else:
             log_event(

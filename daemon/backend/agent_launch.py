@@ -33,6 +33,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from daemon.agentctl.instance import AGENT_PATH
 from daemon.agentctl.sandbox import SANDBOX_UNAVAILABLE, SandboxPolicy, SandboxRequest
 from daemon.agents import home_files
 from daemon.agents.mock_store import STATE_DIR_ENV
@@ -119,6 +120,7 @@ def sandbox_request(config: Config, paths: Paths, dirs: SessionDirs, readonly: t
         writable=(str(dirs.agent_state), str(dirs.git), *repo.writable),
         readonly=(str(dirs.endpoint), *readonly, *repo.readonly),
         hidden=(*hidden_paths(config, paths), *repo.hidden),
+        max_processes=config.agents.max_processes,
     )
 
 
@@ -138,7 +140,7 @@ def _launch_view(backend: Backend, session_id: str) -> RepositoryView:
 def _base_env(dirs: SessionDirs, command: AgentCommand) -> dict[str, str]:
     env = {**command.env, "HOME": str(dirs.home), STATE_DIR_ENV: str(dirs.mock_state)}
     if command.path_first:
-        env["PATH"] = os.pathsep.join([command.path_first, os.environ.get("PATH", os.defpath)])
+        env["PATH"] = os.pathsep.join([command.path_first, command.env.get("PATH", AGENT_PATH)])
     return env
 
 

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from daemon.agent_user import AgentUserMissing, agent_user
 from daemon.backend.git_proxy import GitProxy
 from daemon.config import CredentialsConfig
 from daemon.credentials import ScopeDenied, redeem_lease, reissue_lease
@@ -80,13 +82,19 @@ class CredentialEndpoints:
             if session_id not in self._servers:
                 try:
                     dirs = await asyncio.to_thread(SessionDirs.for_session(self.home, session_id).ensure)
+                    agent = agent_user()  # the session's agent connects (kandev-agent when we are root)
                     server = IpcServer(dirs.endpoint_socket, TABLE, self._handlers(session_id), socket_mode=0o600,
                                        max_connections=MAX_CONNECTIONS, max_frame=MAX_FRAME,
                                        max_inflight_per_connection=MAX_INFLIGHT,
-                                       idle_timeout=IDLE_CONNECTION_TIMEOUT_S, buffer_limit=BUFFER_LIMIT)
+                                       idle_timeout=IDLE_CONNECTION_TIMEOUT_S, buffer_limit=BUFFER_LIMIT,
+                                       allowed_uids={os.getuid(), 0, agent.uid})
                     await server.start()
+                    if agent.dedicated:
+                        os.chown(dirs.endpoint_socket, agent.uid, agent.gid, follow_symlinks=False)
                     await asyncio.to_thread(self.git.open, session_id, dirs.proxy_socket)
-                except (OSError, ValueError) as exc:  # e.g. a home whose socket paths are too long
+                    if agent.dedicated:
+                        os.chown(dirs.proxy_socket, agent.uid, agent.gid, follow_symlinks=False)
+                except (OSError, ValueError, AgentUserMissing) as exc:  # e.g. socket paths too long
                     await asyncio.to_thread(self.git.close, session_id)
                     raise IpcError(ErrorCode.INVALID_ARGUMENT,
                                    f"cannot serve session {session_id}'s git credential endpoint: {exc}") from None

@@ -154,8 +154,11 @@ def apply_events(db: DbSession, session_id: str, instance_id: str, events: list[
         elif ev.kind == EventKind.AGENT_EXITED:
             result.agent_exited = True
             code = data.get("exit_code")
-            write(ev, "system", "agent_exited", f"agent exited with code {code}", None)
-            mark_agent_gone(db, session_id, f"agent exited with code {code}")
+            # A signal nobody in kandev sent (the OOM killer, a stray kill): said as such.
+            sig = data.get("signal")
+            how = f"agent killed by {sig} (exit code {code})" if sig else f"agent exited with code {code}"
+            write(ev, "system", "agent_exited", how, None)
+            mark_agent_gone(db, session_id, how)
         else:  # permission_request, agent_error and kinds added later: kept verbatim
             write(ev, "system", str(ev.kind), json.dumps(data, sort_keys=True, default=str), turn_id)
     writer.flush()

@@ -12,7 +12,10 @@ Rules (run by the backend once its startup recovery is done, off the event loop)
   (``backend.log`` and the agents' stderr files included), ``secrets``, ``agentctl``, ``run``,
   ``sessions`` and, of ``worktrees``, the directory and each worktree's top directory (a
   workspace's own content is the agent's work: with its top directory 0700 nobody else reaches it).
-  Symlinks are never followed, files of other owners never touched.
+  Symlinks are never followed, files of other owners never touched: every component is opened
+  relative to its parent's descriptor with ``O_NOFOLLOW`` and its mode set through that
+  descriptor, so swapping a directory for a symlink mid-walk redirects nothing. A session's
+  ``endpoint/`` keeps 0711 (its agent reaches the socket in it).
 - A secret file (``secrets/``) whose mode is loose is left as it is: it may have been read, kandev
   refuses to use it (``daemon.paths.read_secret_file``), and making it private would launder it.
 - ``secrets/agentctl-cred-*`` of control servers that are gone are removed. Kept: the recorded
@@ -31,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -40,6 +43,7 @@ from daemon.agentctl import auth
 from daemon.agentctl.launch import LaunchError, read_credential_file
 from daemon.journal import log_event
 from daemon.paths import Paths, run_dir_mode
+from daemon.session_dirs import ENDPOINT_DIR, ENDPOINT_MODE, SESSIONS_DIR
 from daemon.store.models import ControlServerRecord
 from ipc.client import AsyncClient
 from ipc.errors import ErrorCode, IpcError
@@ -62,12 +66,12 @@ class Tidied:
     removed: list[str] = field(default_factory=list)
 
 
-def _fix(path: Path, want: int | None, out: Tidied) -> None:
-    """Set ``path``'s mode to ``want`` (None: its own mode without group and other bits)."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _set_mode(fd: int, st: os.stat_result, want: int | None, shown: str, out: Tidied) -> None:
+    """Set the mode of what ``fd`` holds (an O_PATH or open descriptor, never a symlink) to ``want``
+    (None: its own mode without group and other bits), if it is ours."""
     if stat.S_ISLNK(st.st_mode) or st.st_uid != os.geteuid():
         return
     have = stat.S_IMODE(st.st_mode)
@@ -75,25 +79,61 @@ def _fix(path: Path, want: int | None, out: Tidied) -> None:
         want = have & ~0o077
     if have != want:
         try:
-            os.chmod(path, want, follow_symlinks=False)
+            os.chmod(f"/proc/self/fd/{fd}", want)  # the inode held, whatever the path names now
         except OSError:
             return
-        out.modes.append(f"{path} {have:04o}->{want:04o}")
+        out.modes.append(f"{shown} {have:04o}->{want:04o}")
 
 
-def _walk(top: Path, limit: int) -> Iterator[tuple[Path, bool]]:
-    """(path, is_dir) of everything below ``top``, never through a symlink."""
-    seen = 0
-    for dirpath, dirnames, filenames in os.walk(top, followlinks=False):
-        base = Path(dirpath)
-        for name in dirnames:
-            seen += 1
-            yield base / name, not (base / name).is_symlink()
-        for name in filenames:
-            seen += 1
-            yield base / name, False
-        if seen >= limit:
+def _fix_at(dir_fd: int, name: str, want: int | None, shown: str, out: Tidied) -> None:
+    """``_set_mode`` of the entry ``name`` of the directory open at ``dir_fd``, opened without
+    following a symlink (an agent may swap anything below the home for one at any moment)."""
+    try:
+        fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return
+    try:
+        _set_mode(fd, os.fstat(fd), want, shown, out)
+    finally:
+        os.close(fd)
+
+
+def _open_dir_at(dir_fd: int | None, name: str) -> int | None:
+    try:
+        return os.open(name, _DIR_FLAGS) if dir_fd is None else os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError:
+        return None  # gone, not a directory, or a symlink (ELOOP): never followed
+
+
+def _tidy_tree(dir_fd: int, shown: str, out: Tidied, budget: list[int], want_dir: Callable[[str], int | None],
+               skip_files: bool = False) -> None:
+    """Every entry below the directory open at ``dir_fd``: directories by ``want_dir(their shown
+    path)``, files without group and other bits; each component opened relative to its parent,
+    never through a symlink; at most ``budget[0]`` entries."""
+    try:
+        names = os.listdir(dir_fd)
+    except OSError:
+        return
+    for name in names:
+        budget[0] -= 1
+        if budget[0] < 0:
             return
+        sub = f"{shown}/{name}"
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            fd = _open_dir_at(dir_fd, name)
+            if fd is None:
+                continue
+            try:
+                _set_mode(fd, os.fstat(fd), want_dir(sub), sub, out)
+                _tidy_tree(fd, sub, out, budget, want_dir)
+            finally:
+                os.close(fd)
+        elif not stat.S_ISLNK(st.st_mode) and not skip_files:
+            _fix_at(dir_fd, name, None, sub, out)
 
 
 def tidy_home(paths: Paths, keep_credentials: Collection[str]) -> Tidied:
@@ -101,35 +141,13 @@ def tidy_home(paths: Paths, keep_credentials: Collection[str]) -> Tidied:
     in use."""
     out = Tidied()
     home = paths.home
-    try:
-        top = list(os.scandir(home))
-    except OSError:
+    top_fd = _open_dir_at(None, str(home))
+    if top_fd is None:
         return out
-    for entry in top:
-        path = Path(entry.path)
-        if entry.is_symlink():
-            continue
-        if entry.name == paths.run_dir.name and entry.is_dir():
-            _fix(path, run_dir_mode(), out)
-            for sock in path.iterdir():
-                if sock.is_socket() and not sock.is_symlink():
-                    _fix(sock, 0o660 if sock == paths.backend_socket else 0o600, out)
-                elif not sock.is_symlink():
-                    _fix(sock, 0o700 if sock.is_dir() else 0o600, out)
-        elif entry.name == paths.worktrees_dir.name and entry.is_dir():
-            _fix(path, 0o700, out)
-            for tree in path.iterdir():
-                if tree.is_dir() and not tree.is_symlink():
-                    _fix(tree, 0o700, out)
-        elif entry.is_dir():
-            _fix(path, 0o700, out)
-            if entry.name in PRIVATE_DIRS:
-                for sub, _is_dir in _walk(path, MAX_ENTRIES):
-                    if sub.parent == paths.secrets_dir and not _is_dir:
-                        continue  # a loose secret stays refused, never laundered (see above)
-                    _fix(sub, None, out)
-        else:
-            _fix(path, 0o600, out)
+    try:
+        _tidy_top(top_fd, str(home), paths, out)
+    finally:
+        os.close(top_fd)
     secrets = paths.secrets_dir
     try:
         names = os.listdir(secrets)
@@ -144,6 +162,59 @@ def tidy_home(paths: Paths, keep_credentials: Collection[str]) -> Tidied:
             except OSError:
                 pass
     return out
+
+
+def _session_dir_mode(shown: str) -> int | None:
+    """``sessions/<id>/endpoint`` stays 0711 (the agent reaches its socket); others lose group and
+    other bits."""
+    return ENDPOINT_MODE if shown.endswith("/" + ENDPOINT_DIR) and shown.count("/") >= 2 else None
+
+
+def _tidy_top(top_fd: int, home: str, paths: Paths, out: Tidied) -> None:
+    for name in os.listdir(top_fd):
+        shown = f"{home}/{name}"
+        try:
+            st = os.stat(name, dir_fd=top_fd, follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            continue
+        if not stat.S_ISDIR(st.st_mode):
+            _fix_at(top_fd, name, 0o600, shown, out)
+            continue
+        fd = _open_dir_at(top_fd, name)
+        if fd is None:
+            continue
+        try:
+            if name == paths.run_dir.name:
+                _set_mode(fd, os.fstat(fd), run_dir_mode(), shown, out)
+                for entry in os.listdir(fd):
+                    try:
+                        est = os.stat(entry, dir_fd=fd, follow_symlinks=False)
+                    except OSError:
+                        continue
+                    sock = f"{shown}/{entry}"
+                    if stat.S_ISSOCK(est.st_mode):
+                        _fix_at(fd, entry, 0o660 if sock == str(paths.backend_socket) else 0o600, sock, out)
+                    elif not stat.S_ISLNK(est.st_mode):
+                        _fix_at(fd, entry, 0o700 if stat.S_ISDIR(est.st_mode) else 0o600, sock, out)
+            elif name == paths.worktrees_dir.name:
+                _set_mode(fd, os.fstat(fd), 0o700, shown, out)
+                for tree in os.listdir(fd):
+                    tfd = _open_dir_at(fd, tree)
+                    if tfd is not None:
+                        try:
+                            _set_mode(tfd, os.fstat(tfd), 0o700, f"{shown}/{tree}", out)
+                        finally:
+                            os.close(tfd)
+            else:
+                _set_mode(fd, os.fstat(fd), 0o700, shown, out)
+                if name in PRIVATE_DIRS:
+                    # a loose secret stays refused, never laundered (see above): secrets/ files untouched
+                    want = _session_dir_mode if name == SESSIONS_DIR else (lambda _s: None)
+                    _tidy_tree(fd, shown, out, [MAX_ENTRIES], want, skip_files=name == paths.secrets_dir.name)
+        finally:
+            os.close(fd)
 
 
 def _candidates(paths: Paths) -> dict[str, bytes | None]:

@@ -24,6 +24,7 @@ started (``abandon``).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
+from daemon.agent_user import check_workspace
 from daemon.agentctl.client import AgentctlClient
 from daemon.agentctl.replies import CreatedInstance
 from daemon.agents.registry import BuiltinAgent
@@ -119,6 +121,8 @@ class SessionLauncher:
         restart-reset lets the old agent's events drain and stops consuming them there)."""
         b = self.backend
         progress = progress or LaunchProgress()
+        # the agent's uid must be able to write its workspace (never re-owned for it: refused)
+        await asyncio.to_thread(check_workspace, plan.workspace)
         progress.stage = LaunchStage.AGENT_RUNTIME
         if plan.keep_lease is None:
             await runtime_prepare.ensure(b, plan.agent, plan.session_id)  # first use: the runtime job runs first

@@ -23,6 +23,8 @@ from pathlib import Path
 
 from sqlalchemy import select
 
+from daemon.agent_user import check_workspace as check_agent_can_write
+from daemon.agent_user import give
 from daemon.agentctl.sandbox import SandboxPolicy, find_bwrap
 from daemon.backend.workspace_record import WorkspaceRecord, record_local
 from daemon.backend.worktree import CheckoutSandbox, create_worktree, locate_repository
@@ -87,15 +89,19 @@ class TaskService:
             if not workspace:
                 raise IpcError(ErrorCode.INVALID_ARGUMENT, "executor 'worktree' needs --workspace (a git repository)")
             repo = await asyncio.to_thread(locate_repository, workspace)
+            # the agent commits into the repository's git directory: its uid must be able to write it
+            await asyncio.to_thread(check_agent_can_write, repo.git_dir, "repository's git directory")
             return await create_worktree(repo, self.paths.worktrees_dir / task_id, f"kandev/{task_id}",
                                          self._checkout_sandbox())
         if workspace:
             path = Path(workspace)
             if not path.is_absolute() or not path.is_dir():
                 raise IpcError(ErrorCode.INVALID_ARGUMENT, f"workspace {workspace!r} is not an existing absolute directory")
+            await asyncio.to_thread(check_agent_can_write, path)  # a user's directory is never re-owned
             return await asyncio.to_thread(record_local, workspace, created=False)
         target = self.paths.worktrees_dir / task_id
         await asyncio.to_thread(target.mkdir, parents=True, exist_ok=True)
+        await asyncio.to_thread(give, target)  # kandev made it: the agent's
         return await asyncio.to_thread(record_local, str(target), created=True)
 
     def _checkout_sandbox(self) -> CheckoutSandbox:
@@ -132,3 +138,4 @@ class TaskService:
         result = await asyncio.to_thread(self._set_done, task_id, False)
         log_event("task_reopened", f"task {task_id} reopened ({result['state']})", TASK_ID=task_id)
         return result
+

@@ -45,6 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from daemon.agent_user import agent_user, give
 from daemon.agentctl import sandbox
 from daemon.agentctl.sandbox import SandboxPolicy, SandboxRequest
 from daemon.backend.workspace_record import (
@@ -83,12 +84,13 @@ def host_git_env() -> dict[str, str]:
             "GIT_PAGER": "cat", "GIT_OPTIONAL_LOCKS": "0", "GIT_NO_REPLACE_OBJECTS": "1"}
 
 
-async def _run(argv: Sequence[str], timeout: float, env: dict[str, str], cwd: str = "/") -> tuple[int, str]:
+async def _run(argv: Sequence[str], timeout: float, env: dict[str, str], cwd: str = "/",
+               pass_fds: Sequence[int] = ()) -> tuple[int, str]:
     """Run ``argv`` in its own process group; kill the group if it outlives ``timeout`` (raises
     ``TimeoutError`` then) or if we are cancelled. Returns (exit code, stderr)."""
     proc = await asyncio.create_subprocess_exec(
         *argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        start_new_session=True, env=env, cwd=cwd,
+        start_new_session=True, env=env, cwd=cwd, pass_fds=tuple(pass_fds),
     )
     try:
         _, err = await within(proc.communicate(), timeout)
@@ -172,11 +174,11 @@ class CheckoutSandbox:
     bwrap: str | None = None
 
 
-def checkout_argv(rec: WorkspaceRecord, box: CheckoutSandbox) -> list[str]:
-    """The checkout command, wrapped in a sandbox showing the repository as an agent's does
-    (blocking: reads the file system)."""
+def checkout_argv(rec: WorkspaceRecord, box: CheckoutSandbox) -> sandbox.Launch:
+    """The checkout command, wrapped in a sandbox showing the repository as an agent's does, and
+    the descriptors it inherits (the caller closes them; blocking: reads the file system)."""
     if box.policy is SandboxPolicy.OFF:
-        return list(CHECKOUT)
+        return sandbox.Launch(list(CHECKOUT))
     if box.bwrap is None:
         raise sandbox.unavailable(f"{sandbox.BWRAP} (bubblewrap) is not on the backend's PATH")
     view = repository_view(rec)
@@ -205,6 +207,24 @@ def _created_record(repo: Repository, target: Path) -> WorkspaceRecord:
     return rec
 
 
+def give_worktree(repo: Repository, target: Path, branch: str) -> None:
+    """Give what ``git worktree add`` (run by kandev) just made for ``target`` to the agents' uid:
+    the worktree, and, when that uid owns the repository's git directory (the user gave it the
+    repository), ``worktrees/``, the worktree's admin directory and the branch's ref and reflog
+    directories. Walks by descriptors, never through a symlink; a no-op when agents keep our uid."""
+    give(target)
+    user = agent_user()
+    if not user.dedicated or repo.owner_uid != user.uid:
+        return
+    ref_dir = os.path.dirname(branch)  # "kandev" of "kandev/<task id>"
+    for rel, recursive in ((WORKTREES, False), (os.path.join(WORKTREES, target.name), True),
+                           (os.path.join("refs", "heads", ref_dir), True),
+                           (os.path.join("logs", "refs", "heads", ref_dir), True)):
+        path = os.path.join(repo.git_dir, rel)
+        if os.path.isdir(path) and not os.path.islink(path):
+            give(path, user, recursive=recursive)
+
+
 async def create_worktree(repo: Repository, target: Path, branch: str, box: CheckoutSandbox,
                           timeout: float = ADD_TIMEOUT_S) -> WorkspaceRecord:
     """Steps 2 and 3 of the module docstring, off the event loop; the record of what was made.
@@ -221,15 +241,20 @@ async def create_worktree(repo: Repository, target: Path, branch: str, box: Chec
                                    timeout)
         if code != 0:
             raise IpcError(ErrorCode.INVALID_ARGUMENT, f"git worktree add failed: {err}")
-        # Were agents to run under their own uid, the chown of the new worktree and admin directory
-        # to it belongs here: the record takes each owner from disk, and the checkout runs as the agent.
+        # Agents run under their own uid when kandev is root: what git made for the worktree is
+        # given to it first (the record then takes each owner from disk), and the checkout runs as it.
+        await asyncio.to_thread(give_worktree, repo, target, branch)
         try:
             made = await asyncio.to_thread(_created_record, repo, target)
         except (RecordMismatch, OSError) as exc:
             raise IpcError(ErrorCode.INTERNAL, f"git worktree add made something unexpected: {exc}") from None
         step = "the checkout in the sandbox"
-        argv = await asyncio.to_thread(checkout_argv, made, box)
-        code, err = await _run(argv, timeout, _checkout_env(), cwd=made.path)
+        launch = await asyncio.to_thread(checkout_argv, made, box)
+        try:
+            code, err = await _run(launch.argv, timeout, _checkout_env(), cwd=made.path, pass_fds=launch.fds)
+        finally:
+            for fd in launch.fds:
+                os.close(fd)
         if code != 0:
             raise IpcError(ErrorCode.INVALID_ARGUMENT, f"checking out the new worktree failed: {err}")
         return made

@@ -54,6 +54,19 @@ else
   log "apt packages present"
 fi
 
+# ---- 1b. the user agents run as when kandev runs as root --------------------------------------
+# No agent is ever host root: kandev as root (development, the tests) runs every agent as this
+# unprivileged system user (daemon/agent_user.py); the package makes it with sysusers.d.
+if ! getent passwd kandev-agent >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    log "creating the system user kandev-agent (agents run as it when kandev runs as root)"
+    useradd --system --user-group --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin \
+      --comment "Kandev agents" kandev-agent
+  else
+    log "WARNING: no user kandev-agent; kandev run as root refuses to start agents until it exists"
+  fi
+fi
+
 # ---- 2. python ---------------------------------------------------------------------------------
 # Prefer the distribution's /usr/bin/python3: the systemd tests run the venv's console scripts as the
 # unprivileged `kandev` user, which cannot reach an interpreter under /root (e.g. pyenv's).

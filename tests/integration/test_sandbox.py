@@ -39,6 +39,7 @@ from tests.support.kandev import Kandev, db_row
 from tests.support.processes import alive
 from tests.support.sandbox_attacks import attack_script, attack_verdicts, connect_argv
 from tests.support.waiting import wait_until
+from tests.support.workspaces import for_agent
 
 UPSTREAM = "ghp_SANDBOXupstreamToken0123456789abcdef"
 CREDENTIAL_OK = "git-credential: ok repository=github.com/example/repo lease-sha256="  # the lease checks (Issue 20)
@@ -49,7 +50,7 @@ def _repo(path: Path, origin: str) -> Path:
     path.mkdir()
     subprocess.run(["git", "init", "-q"], cwd=path, check=True, timeout=30)
     subprocess.run(["git", "remote", "add", "origin", origin], cwd=path, check=True, timeout=30)
-    return path
+    return for_agent(path)
 
 
 def says(k: Kandev, sid: str, prompt: str) -> str:
@@ -152,10 +153,16 @@ def test_scenario_a_a_session_endpoint_serves_its_own_lease_only(guests: Guests)
     A's endpoint is refused; A's own lease checks there. Neither answer holds a credential (Issue 20)."""
     g = guests
     a, b = SessionDirs.for_session(g.k.home, g.sid), SessionDirs.for_session(g.k.home, g.other_sid)
+    # The check runs here as the tests' own uid, which reads only a lease file of its own: each
+    # agent's lease (of the agents' uid when kandev runs as root) is copied into one of ours.
+    b_lease, a_lease = g.k.home.parent / "b-lease.json", g.k.home.parent / "a-lease.json"
+    for src, dst in ((b.lease_file, b_lease), (a.lease_file, a_lease)):
+        dst.write_bytes(src.read_bytes())
+        dst.chmod(0o600)
     with pytest.raises(HelperError) as stolen:
-        valid_lease(str(b.lease_file), str(a.endpoint_socket), "github.com", "example/other.git")
+        valid_lease(str(b_lease), str(a.endpoint_socket), "github.com", "example/other.git")
     assert stolen.value.code == "scope_denied" and UPSTREAM not in str(stolen.value)
-    assert valid_lease(str(a.lease_file), str(a.endpoint_socket), "github.com", "example/repo.git")
+    assert valid_lease(str(a_lease), str(a.endpoint_socket), "github.com", "example/repo.git")
 
 
 def test_scenario_a_passthrough_sessions_are_sandboxed_too(guests: Guests) -> None:
@@ -273,6 +280,7 @@ def test_scenario_a_a_worktree_agent_commits_through_the_repository_git_dir(kand
     (repo / "secret-of-the-main-tree.txt").write_text("not the agent's\n")
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
     subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "root"], cwd=repo, check=True, timeout=30)
+    for_agent(repo / ".git")  # the agent commits into the repository's git directory
     k = kandev_factory()
     k.up()
     task = k.cli("task", "create", "--title", "wt", "--executor", "worktree", "--workspace", str(repo))["task_id"]

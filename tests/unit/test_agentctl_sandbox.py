@@ -8,6 +8,10 @@ visible. The order of bwrap's mount operations decides all of that, so the tests
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import pwd
+
 import pytest
 
 from daemon.agentctl.sandbox import (
@@ -70,7 +74,8 @@ def test_namespaces_identity_and_the_command() -> None:
     assert "--new-session" not in argv and "--unshare-net" not in argv and "--share-net" not in argv
     assert argv[argv.index("--uid") + 1] == "1000" and argv[argv.index("--cap-drop") + 1] == "ALL"
     tail = argv[argv.index("--") + 1:]
-    assert tail == ["/usr/bin/env", "--default-signal=TERM", "/usr/bin/python3", "-m", "daemon.agents.mock"]
+    assert tail == ["/usr/bin/prlimit", "--nproc=4096:4096", "--",
+                    "/usr/bin/env", "--default-signal=TERM", "/usr/bin/python3", "-m", "daemon.agents.mock"]
     ops = mounts(argv)
     assert ("--proc", "/proc") in ops and ("--dev", "/dev") in ops and ops[-1] == ("--chdir", "/ws")
     assert ("--bind", "/ws", "/ws") in ops and ("--ro-bind", "/usr", "/usr") in ops
@@ -167,11 +172,28 @@ def test_request_parsing() -> None:
 
 
 def test_the_agent_is_never_root_inside() -> None:
-    """Issue 10 (and Issue 12 relies on it): our uid when we are not root; as root, the kandev
-    user's uid if it exists, else 1000 - never 0."""
-    assert sandbox_ids(4242)[0] == 4242
-    uid, gid = sandbox_ids(0)
+    """Issue 10, Issue 19 D: our uid when we are not root; as root, kandev-agent's - never 0."""
+    uid, gid = sandbox_ids()
     assert uid != 0 and gid != 0
+    if os.geteuid() == 0:
+        assert (uid, gid) == (pwd.getpwnam("kandev-agent").pw_uid, pwd.getpwnam("kandev-agent").pw_gid)
+
+
+def test_a_root_server_prepares_the_namespace_and_setpriv_drops_to_the_agent() -> None:
+    """Issue 19 D: as root, bwrap joins the namespace the server made and setpriv switches to the
+    agent's uid with every capability cleared; Issue 21 A: prlimit sets the process cap inside;
+    Issue 21 D: its own IPC namespace either way."""
+    v = dataclasses.replace(view([("/ws", RW)]), own_userns=True, max_processes=200)
+    with pytest.raises(ValueError):
+        build_argv(v, ["agent"])
+    argv = build_argv(v, ["agent"], 7)
+    assert argv[argv.index("--userns") + 1] == "7" and "--unshare-user" not in argv and "--unshare-ipc" in argv
+    tail = argv[argv.index("--") + 1:]
+    assert tail[:8] == ["/usr/bin/setpriv", "--reuid=1000", "--regid=1000", "--clear-groups", "--inh-caps=-all",
+                        "--bounding-set=-all", "--no-new-privs", "--"]
+    assert tail[8:11] == ["/usr/bin/prlimit", "--nproc=200:200", "--"]
+    assert tail[11:] == ["/usr/bin/env", "--chdir=/ws", "--default-signal=TERM", "agent"]
+    assert "--unshare-ipc" in build_argv(view([("/ws", RW)]), ["agent"])
 
 
 def test_the_import_path_never_brings_the_root_or_the_working_directory_into_a_sandbox(

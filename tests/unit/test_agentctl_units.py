@@ -15,6 +15,7 @@ import pytest
 from daemon.agentctl import auth, launch
 from daemon.agentctl.events import MAX_EVENT_BYTES, EventLog, plain, sendable
 from daemon.agentctl.instance import (
+    AGENT_PATH,
     INHERITED_ENV,
     InstanceState,
     TurnIds,
@@ -300,7 +301,12 @@ def test_turn_ids_are_unique_and_prefixed():
 
 
 def test_agent_environment_is_minimal():
-    base = {k: f"v-{k}" for k in INHERITED_ENV} | {"SECRET_TOKEN": "x", "KANDEV_HOME": "/h"}
-    env = agent_environment({"EXTRA": "1", "PATH": "/override"}, base)
-    assert set(env) == set(INHERITED_ENV) | {"EXTRA"}
-    assert env["PATH"] == "/override"
+    """Issue 19 E: a fixed allow-list (never the server's PATH or HOME), then the request's env."""
+    base = {k: f"v-{k}" for k in INHERITED_ENV} | {"SECRET_TOKEN": "x", "KANDEV_HOME": "/h",
+                                                    "PATH": "/root/.local/bin:/usr/bin", "HOME": "/root"}
+    env = agent_environment({"EXTRA": "1"}, base)
+    assert set(env) == set(INHERITED_ENV) | {"EXTRA", "PATH", "HOME", "USER", "LOGNAME"}
+    assert env["PATH"] == AGENT_PATH and env["HOME"] == "/tmp"
+    assert "/root" not in " ".join(env.values())
+    env = agent_environment({"PATH": "/override", "HOME": "/s/home"}, base)
+    assert env["PATH"] == "/override" and env["HOME"] == "/s/home"
