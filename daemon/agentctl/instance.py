@@ -249,6 +249,22 @@ def agent_environment(extra: Mapping[str, str] | None, base: Mapping[str, str] |
     return env
 
 
+def with_safe_directory(env: dict[str, str], workspace: str) -> dict[str, str]:
+    """``env`` with git's ``safe.directory`` for the workspace, and nothing wider, in the agent's own
+    configuration (git's environment-borne configuration, after any the agent's env already has):
+    git in the sandbox then works on a workspace another uid owns (a user's directory shared with
+    ``kandev-agent`` through a group)."""
+    try:
+        n = int(env.get("GIT_CONFIG_COUNT", "0"))
+    except ValueError:
+        return env
+    out = dict(env)
+    out["GIT_CONFIG_COUNT"] = str(n + 1)
+    out[f"GIT_CONFIG_KEY_{n}"] = "safe.directory"
+    out[f"GIT_CONFIG_VALUE_{n}"] = workspace
+    return out
+
+
 def killed_by(code: int | None, sandboxed: bool) -> signal.Signals | None:
     """The signal an agent's exit status says it died of: a negative return code (the leader
     itself), or for a sandboxed agent bwrap's ``128 + signal`` (the agent inside)."""
@@ -573,7 +589,7 @@ class Instance:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=stderr_write,
                 cwd=spec.cwd,
-                env=agent_environment({**spec.env, **spec.secret_env}),
+                env=with_safe_directory(agent_environment({**spec.env, **spec.secret_env}), spec.cwd),
                 start_new_session=True,
                 preexec_fn=_child_setup(os.getpid(), ignore_sigterm=spec.sandboxed),
                 pass_fds=tuple(spec.launch_fds),

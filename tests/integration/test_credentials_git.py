@@ -48,6 +48,7 @@ from tests.support.kandev import Kandev, db_row
 from tests.support.processes import alive
 from tests.support.sessions import metadata
 from tests.support.waiting import wait_until
+from tests.support.workspaces import for_agent
 
 UPSTREAM = "ghp_INTEGRATIONupstreamToken0123456789abcd"
 FILL = "protocol=https\nhost=github.com\npath=example/repo.git\n\n"
@@ -106,6 +107,7 @@ def setup(kandev_factory: Any, short_tmp: Path) -> Iterator[Setup]:
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True, timeout=30)
     subprocess.run(["git", "remote", "add", "origin", "https://github.com/example/repo.git"], cwd=repo, check=True,
                    timeout=30)
+    for_agent(repo)
     git_home = short_tmp / "gituser"
     git_home.mkdir()
     # A user-level helper that would write any credential it is given to ~/.git-credentials:
@@ -299,6 +301,7 @@ def test_a_session_without_a_github_remote_starts_without_a_lease(setup: Setup, 
     subprocess.run(["git", "init", "-q"], cwd=plain, check=True, timeout=30)
     subprocess.run(["git", "remote", "add", "origin", "https://gitlab.example/x/y.git"], cwd=plain, check=True,
                    timeout=30)
+    for_agent(plain)
     task = setup.k.cli("task", "create", "--title", "plain", "--workspace", str(plain))["task_id"]
     sid = setup.k.cli("session", "start", task)["session_id"]
     snapshot = metadata(setup.k, sid)[SNAPSHOT_KEY]

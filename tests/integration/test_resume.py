@@ -41,6 +41,7 @@ from tests.support.sessions import (
 )
 from tests.support.streams import agent_chunks
 from tests.support.waiting import wait_until
+from tests.support.workspaces import for_agent
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -202,7 +203,7 @@ def _github_repo(root: Path) -> Path:
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True, timeout=30)
     subprocess.run(["git", "remote", "add", "origin", "https://github.com/example/repo.git"], cwd=repo,
                    check=True, timeout=30)
-    return repo
+    return for_agent(repo)
 
 
 @pytest.mark.parametrize("stage", ["request", "credential", "launch"])

@@ -46,11 +46,11 @@ CREDENTIAL_OK = "git-credential: ok repository=github.com/example/repo lease-sha
 pytestmark = pytest.mark.timeout(300)
 
 
-def _repo(path: Path, origin: str) -> Path:
+def _repo(path: Path, origin: str, *, give: bool = True) -> Path:
     path.mkdir()
     subprocess.run(["git", "init", "-q"], cwd=path, check=True, timeout=30)
     subprocess.run(["git", "remote", "add", "origin", origin], cwd=path, check=True, timeout=30)
-    return for_agent(path)
+    return for_agent(path) if give else path
 
 
 def says(k: Kandev, sid: str, prompt: str) -> str:
@@ -191,6 +191,8 @@ def _loose(home: Path) -> list[str]:
             rel = p.relative_to(home).parts
             if rel[0] == "worktrees" and len(rel) > 2:
                 continue  # a workspace's content is the agent's work (its top directory is 0700)
+            if rel[0] == "sessions" and rel[-1] == "endpoint" and stat.S_IMODE(st.st_mode) == 0o711:
+                continue  # its agent (another uid when kandev runs as root) reaches the socket in it
             if stat.S_IMODE(st.st_mode) & 0o077:
                 out.append(f"{p} {stat.S_IMODE(st.st_mode):04o}")
     return out
@@ -276,7 +278,7 @@ def test_scenario_a_a_worktree_agent_commits_through_the_repository_git_dir(kand
     directory inside the repository's ``.git``; the sandbox binds that repository git directory
     (not the repository's working tree), so git in the agent commits, and the commit is in the
     repository, while the repository's own files stay out of view."""
-    repo = _repo(short_tmp / "wt-repo", "https://example.invalid/x.git")
+    repo = _repo(short_tmp / "wt-repo", "https://example.invalid/x.git", give=False)
     (repo / "secret-of-the-main-tree.txt").write_text("not the agent's\n")
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
     subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "root"], cwd=repo, check=True, timeout=30)

@@ -10,10 +10,12 @@ from pathlib import Path
 from tests.support.kandev import db_row
 from tests.support.processes import alive
 from tests.support.waiting import wait_until
+from tests.support.workspaces import for_agent
 
 
 def _git(*args: str, cwd: Path) -> str:
-    return subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=cwd,
+    # safe.directory: the repository's git directory belongs to the agents' uid (for_agent)
+    return subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", "-c", "safe.directory=*", *args], cwd=cwd,
                           check=True, capture_output=True, text=True).stdout
 
 
@@ -75,6 +77,7 @@ def test_task_delete_removes_its_session_homes_and_leaves_others(kandev_factory,
     repo.mkdir()
     _git("init", "-q", cwd=repo)
     _git("commit", "-q", "--allow-empty", "-m", "first", cwd=repo)
+    for_agent(repo / ".git")  # the agent commits into it
     task_w = k.cli("task", "create", "--title", "w", "--executor", "worktree", "--workspace", str(repo))["task_id"]
     sid_w = k.cli("session", "start", task_w)["session_id"]
     k.show(sid_w)
@@ -99,6 +102,7 @@ def test_task_delete_removes_its_session_homes_and_leaves_others(kandev_factory,
     own = short_tmp / "own"
     own.mkdir()
     (own / "work.txt").write_text("mine")
+    for_agent(own)
     task_o = k.cli("task", "create", "--title", "o", "--workspace", str(own))["task_id"]
     sid_o = k.cli("session", "start", task_o)["session_id"]
     k.show(sid_o)

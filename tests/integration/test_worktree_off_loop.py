@@ -23,6 +23,7 @@ from daemon.backend.worktree import ADD_TIMEOUT_S
 from ipc.client import SyncClient
 from tests.support.paths import REPO_ROOT
 from tests.support.waiting import wait_until
+from tests.support.workspaces import for_agent
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -31,7 +32,9 @@ HOOK_SLEEP_S = 20
 
 
 def _git(*args: str, cwd: Path) -> str:
-    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout
+    # safe.directory: the repository's git directory belongs to the agents' uid (for_agent)
+    return subprocess.run(["git", "-c", "safe.directory=*", *args], cwd=cwd, check=True, capture_output=True,
+                          text=True).stdout
 
 
 def _repository(root: Path) -> Path:
@@ -41,6 +44,7 @@ def _repository(root: Path) -> Path:
     (repo / "README").write_text("hello\n")
     _git("-c", "user.name=t", "-c", "user.email=t@example.com", "add", "README", cwd=repo)
     _git("-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-q", "-m", "init", cwd=repo)
+    for_agent(repo / ".git")  # the agent commits into it
     return repo
 
 
