@@ -218,13 +218,12 @@ def probe(env: Mapping[str, str] | None = None) -> SandboxSupport:
     argv = build_argv(view, ["true"], userns)
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                start_new_session=True, preexec_fn=ignore_sigterm,
-                                pass_fds=() if userns is None else (userns,))
+                                start_new_session=True, preexec_fn=ignore_sigterm, pass_fds=userns or ())
     except OSError as exc:
         return SandboxSupport(False, f"cannot run {bwrap}: {exc.strerror or exc}", bwrap, version)
     finally:
-        if userns is not None:
-            os.close(userns)
+        for fd in userns or ():
+            os.close(fd)
     try:
         _, err = proc.communicate(timeout=PROBE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -291,25 +290,55 @@ _LIBC = ctypes.CDLL(None, use_errno=True)  # resolved in the parent: a forked ch
 
 
 def _enter_new_userns() -> None:
-    """``preexec_fn`` of ``make_userns``'s holder process."""
+    """``preexec_fn`` of ``make_userns``'s first holder process."""
     if _LIBC.unshare(CLONE_NEWUSER) != 0:
         os._exit(126)
 
 
-def make_userns(user: AgentUser) -> int:
-    """A new user namespace for one agent of a server running as root, as a descriptor for bwrap's
-    ``--userns``: uid and gid 0 mapped to host root (bwrap mounts as root of it, so it reaches
-    every path root can) and the agent's uid and gid to themselves (``setpriv`` switches to them
-    before the agent runs; nothing else is mapped). Blocking: call it off the event loop."""
+def _enter_nested_userns(parent_fd: int) -> Any:
+    """``preexec_fn`` of the second holder: join the set-up namespace, then make one inside it."""
+
+    def enter() -> None:
+        if _LIBC.setns(parent_fd, CLONE_NEWUSER) != 0 or _LIBC.unshare(CLONE_NEWUSER) != 0:
+            os._exit(126)
+
+    return enter
+
+
+def _join_userns(fd: int) -> Any:
+    """``preexec_fn``: enter the user namespace at ``fd`` (we own it: every capability in it)."""
+
+    def enter() -> None:
+        if _LIBC.setns(fd, CLONE_NEWUSER) != 0:
+            os._exit(126)
+
+    return enter
+
+
+def _holder(preexec: Any, maps: dict[str, str], *, writer_ns: int | None = None) -> int:
+    """A process in a new user namespace (``preexec`` makes it), whose uid and gid maps are written
+    by us, or for a nested namespace from inside its parent ``writer_ns`` (the kernel takes a map
+    only from the namespace itself or its parent); the namespace as a descriptor (it lives on
+    with the descriptor once the holder has ended)."""
+    extra = () if writer_ns is None else (writer_ns,)
     holder = subprocess.Popen(["/bin/cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, preexec_fn=_enter_new_userns, close_fds=True)
+                              stderr=subprocess.DEVNULL, preexec_fn=preexec, close_fds=True, pass_fds=extra)
     try:
         proc = f"/proc/{holder.pid}"
         if os.stat(f"{proc}/ns/user").st_ino == os.stat("/proc/self/ns/user").st_ino:
             raise OSError("the holder process did not get a new user namespace")
-        for name, ident in (("uid_map", user.uid), ("gid_map", user.gid)):
-            with open(f"{proc}/{name}", "w", encoding="ascii") as fh:
-                fh.write(f"0 0 1\n{ident} {ident} 1\n")
+        if writer_ns is None:
+            for name in ("uid_map", "gid_map"):
+                with open(f"{proc}/{name}", "w", encoding="ascii") as fh:
+                    fh.write(maps[name])
+        else:
+            done = subprocess.run(
+                ["/bin/sh", "-c", 'printf "$1" > "/proc/$0/uid_map" && printf "$2" > "/proc/$0/gid_map"',
+                 str(holder.pid), maps["uid_map"], maps["gid_map"]],
+                preexec_fn=_join_userns(writer_ns), pass_fds=extra, capture_output=True, timeout=PROBE_TIMEOUT_S,
+                check=False)
+            if done.returncode != 0:
+                raise OSError(f"cannot map the agent's namespace: {_first_line(done.stderr.decode(errors='replace'))}")
         return os.open(f"{proc}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
     finally:
         assert holder.stdin is not None
@@ -319,6 +348,24 @@ def make_userns(user: AgentUser) -> int:
         except subprocess.TimeoutExpired:
             holder.kill()
             holder.wait()
+
+
+def make_userns(user: AgentUser) -> tuple[int, int]:
+    """The two user namespaces of one agent of a server running as root, as descriptors for bwrap's
+    ``--userns`` and ``--userns2``. The first, for bwrap's set-up only, maps uid and gid 0 to host
+    root (bwrap mounts as root of it, so it reaches every path root can) and the agent's uid and
+    gid to themselves. The second, made inside the first, maps the agent's uid and gid and nothing
+    else: bwrap enters it once the mounts are done, so the agent's namespace has no root at all.
+    Blocking: call it off the event loop."""
+    setup = _holder(_enter_new_userns, {"uid_map": f"0 0 1\n{user.uid} {user.uid} 1\n",
+                                        "gid_map": f"0 0 1\n{user.gid} {user.gid} 1\n"})
+    try:
+        agent = _holder(_enter_nested_userns(setup), {"uid_map": f"{user.uid} {user.uid} 1\n",
+                                                      "gid_map": f"{user.gid} {user.gid} 1\n"}, writer_ns=setup)
+    except BaseException:
+        os.close(setup)
+        raise
+    return setup, agent
 
 
 def _covered(path: str, roots: Iterable[str]) -> bool:
@@ -471,9 +518,9 @@ def _depth(path: str) -> int:
     return 0 if path == "/" else path.rstrip("/").count("/")
 
 
-def build_argv(view: SandboxView, command: Sequence[str], userns_fd: int | None = None) -> list[str]:
+def build_argv(view: SandboxView, command: Sequence[str], userns: tuple[int, int] | None = None) -> list[str]:
     """The ``bwrap`` command line that runs ``command`` in ``view`` (pure; see the module docstring);
-    ``userns_fd``: the namespace ``make_userns`` made, for a view with ``own_userns``.
+    ``userns``: the namespaces ``make_userns`` made, for a view with ``own_userns``.
 
     Mount operations run in order of path depth, so a bind inside another one and a mask inside a
     bind both come after it; at the same path a mask comes after the bind (the mask wins). A hidden
@@ -483,9 +530,9 @@ def build_argv(view: SandboxView, command: Sequence[str], userns_fd: int | None 
     if "=" in command[0]:
         raise ValueError(f"the agent's command {command[0]!r} contains '=' (env would take it for a variable)")
     if view.own_userns:
-        if userns_fd is None:
-            raise ValueError("a view with its own user namespace needs the namespace's descriptor")
-        argv = [view.bwrap, "--userns", str(userns_fd), "--unshare-pid", "--unshare-ipc", "--uid", "0", "--gid", "0",
+        if userns is None:
+            raise ValueError("a view with its own user namespace needs the namespaces' descriptors")
+        argv = [view.bwrap, "--userns", str(userns[0]), "--userns2", str(userns[1]), "--unshare-pid", "--unshare-ipc", "--uid", "0", "--gid", "0",
                 "--die-with-parent", "--cap-drop", "ALL",
                 "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP"]
         become = [SETPRIV, f"--reuid={view.uid}", f"--regid={view.gid}", "--clear-groups", "--inh-caps=-all",
@@ -559,11 +606,12 @@ def wrap_command(
     view = host_view(request, cwd, bwrap=bwrap, extra_hidden=extra_hidden, env=env)
     if not view.own_userns:
         return Launch(build_argv(view, command))
-    fd = make_userns(AgentUser(view.uid, view.gid, "", True))
+    fds = make_userns(AgentUser(view.uid, view.gid, "", True))
     try:
-        return Launch(build_argv(view, command, fd), (fd,))
+        return Launch(build_argv(view, command, fds), fds)
     except BaseException:
-        os.close(fd)
+        for fd in fds:
+            os.close(fd)
         raise
 
 

@@ -186,8 +186,9 @@ def test_a_root_server_prepares_the_namespace_and_setpriv_drops_to_the_agent() -
     v = dataclasses.replace(view([("/ws", RW)]), own_userns=True, max_processes=200)
     with pytest.raises(ValueError):
         build_argv(v, ["agent"])
-    argv = build_argv(v, ["agent"], 7)
-    assert argv[argv.index("--userns") + 1] == "7" and "--unshare-user" not in argv and "--unshare-ipc" in argv
+    argv = build_argv(v, ["agent"], (7, 8))
+    assert argv[argv.index("--userns") + 1] == "7" and argv[argv.index("--userns2") + 1] == "8"
+    assert "--unshare-user" not in argv and "--unshare-ipc" in argv
     tail = argv[argv.index("--") + 1:]
     assert tail[:8] == ["/usr/bin/setpriv", "--reuid=1000", "--regid=1000", "--clear-groups", "--inh-caps=-all",
                         "--bounding-set=-all", "--no-new-privs", "--"]
