@@ -524,6 +524,32 @@ def _agents(r: _Report, config: Config | None) -> None:
     r.add("agents", True, "; ".join(parts))
 
 
+def _agent_limits(r: _Report, config: Config | None) -> None:
+    """Which uid agents run as, the process cap and how the kernel enforces it, the OOM order, and
+    whether agents get cgroups of their own (and why not)."""
+    from daemon.agent_user import AgentUserMissing, agent_user, describe
+    from daemon.agentctl.instance import AGENT_OOM_SCORE_ADJ
+    from daemon.platform import per_agent_cgroups
+    from daemon.service import DAEMON_OOM_SCORE_ADJ
+
+    cfg = config or Config()
+    try:
+        user = agent_user()
+    except AgentUserMissing as exc:
+        r.add("agent_user", False, str(exc), "create the user: systemd-sysusers, or bash packaging/dev/setup.sh")
+        return
+    who = (f"agents run as {describe(user)}, never root nor the service user" if user.dedicated
+           else f"agents run as the service user {describe(user)}, in their own user namespace")
+    r.add("agent_user", True, who)
+    enforced = ("not enforced: agents.sandbox = \"off\"" if cfg.agents.sandbox == "off" else
+                "RLIMIT_NPROC set in each agent's sandbox; the kernel counts it in that agent's own user"
+                " namespace, so one agent's fork bomb fails inside that agent only")
+    cgroups, why = per_agent_cgroups()
+    r.add("agent_limits", True, f"agents.max_processes = {cfg.agents.max_processes} processes per agent ({enforced});"
+          f" oom_score_adj {AGENT_OOM_SCORE_ADJ:+d} for agents, {DAEMON_OOM_SCORE_ADJ:+d} for the daemons (units,"
+          f" or run as root); per-agent cgroups: {'available' if cgroups else 'unavailable'}: {why}")
+
+
 def run_doctor(
     paths: Paths,
     *,
@@ -544,6 +570,7 @@ def run_doctor(
     _store_space(r, paths, status)
     _tools(r, path, p)
     _sandbox(r, config, status, path, environ, p)
+    _agent_limits(r, config)
     _agents(r, config)
     return r.checks
 

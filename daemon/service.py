@@ -4,7 +4,9 @@ Each main does the same things in the same order with these pieces:
 
 1. ``prepare_process()`` first: fds 0-2 open (on ``/dev/null`` if they were closed, so no socket or
    file lands on them), umask 077, the open-file limit raised, SIGHUP and SIGPIPE ignored (a
-   hang-up before the event loop runs never kills a starting daemon).
+   hang-up before the event loop runs never kills a starting daemon), and, for a daemon run as
+   root outside its unit, ``oom_score_adj`` ``DAEMON_OOM_SCORE_ADJ`` like the units' ``OOMScoreAdjust=``
+   (unprivileged, a daemon keeps what it was given: lowering it needs a privilege).
 2. ``setup_daemon_logging()``: journald (or stderr), plus a bounded file for the control server;
    a log file that cannot be opened falls back to the journal and says so.
 3. In the event loop: ``install_signal_handlers()``: SIGTERM and SIGINT ask to stop, SIGUSR1 logs
@@ -63,10 +65,29 @@ def ensure_std_fds() -> None:
                 os.close(null)
 
 
+DAEMON_OOM_SCORE_ADJ = -100
+"""The daemons' ``oom_score_adj`` (the units' ``OOMScoreAdjust=``): agents get +500 at spawn."""
+
+
+def lower_oom_score() -> None:
+    """As root (development, the tests), take the daemons' ``oom_score_adj`` down to the units'
+    value; never raise it, and unprivileged do nothing (lowering needs CAP_SYS_RESOURCE)."""
+    if os.geteuid() != 0:
+        return
+    try:
+        with open("/proc/self/oom_score_adj", "r+", encoding="ascii") as fh:
+            if int(fh.read().strip() or 0) > DAEMON_OOM_SCORE_ADJ:
+                fh.seek(0)
+                fh.write(str(DAEMON_OOM_SCORE_ADJ))
+    except (OSError, ValueError):
+        pass
+
+
 def prepare_process() -> None:
     """The first step of a daemon's start, before it reads anything."""
     ensure_std_fds()
     os.umask(0o077)  # everything a daemon creates is private unless it sets a mode explicitly
+    lower_oom_score()
     raise_open_file_limit()  # one stream per session, three pipes per agent
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the loop installs the daemon's own action
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # a dead peer is an EPIPE error, never a death

@@ -36,6 +36,7 @@ from ipc.client import Event
 from tests.support.aio import run
 from tests.support.paths import REPO_ROOT
 from tests.support.waiting import wait_until
+from tests.support.workspaces import for_agent
 
 STEP = 30.0
 pytestmark = pytest.mark.timeout(300)
@@ -70,6 +71,7 @@ class Server:
             session_id=session, task_id=f"task-{session}", command=command or [sys.executable, "-m", "daemon.agents.mock"],
             cwd=str(self.workspace), env={"KANDEV_MOCK_STATE_DIR": str(self.root / "mock-state"),
                                           "PYTHONPATH": str(self.code)}, agent="mock",
+            sandbox={"policy": "required", "writable": [str(self.root / "mock-state")]},
         )
         self.agent_groups.add(created["pid"])
         return created
@@ -104,6 +106,9 @@ def server() -> Iterator[Server]:
     home = root / "home"
     (home / "agentctl").mkdir(parents=True, mode=0o700)
     (root / "ws").mkdir()
+    (root / "mock-state").mkdir()
+    for_agent(root / "ws")  # the agents' (kandev-agent's when the tests run as root)
+    for_agent(root / "mock-state")
     credential = auth.new_credential()
     cred_file = home / "agentctl" / "credential"
     launch.write_credential(cred_file, credential)

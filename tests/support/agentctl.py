@@ -26,6 +26,7 @@ from daemon.agentctl.client import AgentctlClient, identify
 from tests.support.aio import run
 from tests.support.paths import REPO_ROOT
 from tests.support.processes import kill_group
+from tests.support.workspaces import for_agent
 
 MOCK = [sys.executable, "-m", "daemon.agents.mock"]
 STEP = 20.0  # bound on one exchange or one wait, seconds
@@ -101,6 +102,8 @@ def write_launch(root: Path, **overrides: Any) -> Server:
     launch_file = home / "agentctl" / "launch.json"
     launch.dump(config, launch_file)
     (root / "mock-state").mkdir(mode=0o700)  # bound read-write into the agents' sandboxes
+    for_agent(root / "mock-state")  # both are the agents' (kandev-agent's when the tests run as root)
+    for_agent(workspace)
     return Server(
         root=root,
         home=home,
