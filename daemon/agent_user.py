@@ -89,6 +89,14 @@ def give(path: str | os.PathLike[str], user: AgentUser | None = None, *, recursi
         os.close(top)
 
 
+def give_file(path: str | os.PathLike[str], user: AgentUser | None = None) -> None:
+    """Give one file kandev just wrote for the agent (its lease) to the agent's uid; a symlink put
+    in its place is re-owned itself, never what it names."""
+    user = agent_user() if user is None else user
+    if user.dedicated:
+        os.chown(path, user.uid, user.gid, follow_symlinks=False)
+
+
 def give_fd(fd: int, user: AgentUser, *, recursive: bool = True) -> None:
     """``give`` for a directory already open at ``fd``."""
     if not user.dedicated:

@@ -625,6 +625,7 @@ def validate_agents(config: Config) -> None:
     except SettingsError as exc:
         where = f" (in {config.source})" if config.source else ""
         raise ConfigError(f"{exc.key}{where}: {str(exc)[len(exc.key) + 2:]}", key=exc.key) from None
+    _check_config_range(config, "agents.max_processes", config.agents.max_processes)
 
 
 def validate_backend(config: Config) -> None:

@@ -69,14 +69,15 @@ def write_lease_file(path: str | os.PathLike[str], lease_token: str, capability:
     """Write (atomically, 0600) ``{"v": 1, "lease_token": ..., "capability": ...}``; the directory
     is created 0700 when missing."""
     p = Path(path)
-    agent = agent_user()  # the lease is the agent's: kandev as root writes it for kandev-agent
-    _ensure_private_dir(p.parent, {os.geteuid(), agent.uid})
+    try:  # the directory may be the agent's (kandev as root writes the lease for kandev-agent)
+        owners = {os.geteuid(), agent_user().uid}
+    except AgentUserMissing:
+        owners = {os.geteuid()}
+    _ensure_private_dir(p.parent, owners)
     doc: dict[str, Any] = {"v": 1, "lease_token": lease_token}
     if capability:
         doc["capability"] = capability
     write_secret_file(p, (json.dumps(doc) + "\n").encode("ascii"))
-    if agent.dedicated:
-        os.chown(p, agent.uid, agent.gid, follow_symlinks=False)
     return p
 
 

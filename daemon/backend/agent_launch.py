@@ -33,6 +33,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from daemon.agent_user import give_file
 from daemon.agentctl.instance import AGENT_PATH
 from daemon.agentctl.sandbox import SANDBOX_UNAVAILABLE, SandboxPolicy, SandboxRequest
 from daemon.agents import home_files
@@ -161,6 +162,8 @@ async def prepare(backend: Backend, session_id: str, command: AgentCommand) -> L
     dirs = await _dirs(backend, session_id, command)
     env = _base_env(dirs, command)
     creds = await asyncio.to_thread(backend.git_credentials, session_id, env, dirs.endpoint_socket)
+    if creds.lease_file is not None:  # the agent's helper reads it and writes a reissued one back
+        await asyncio.to_thread(give_file, creds.lease_file)
     if creds.policy == POLICY_GITHUB_LEASE:
         await backend.endpoints.open(session_id)
     env.update(creds.env)
