@@ -576,8 +576,11 @@ def build_argv(view: SandboxView, command: Sequence[str], userns: tuple[int, int
     if view.own_userns:
         # bwrap changes directory without its capabilities, as root of the namespace, which may not
         # enter a workspace of the agent's: env does it once the agent's uid is in force.
-        argv += ["--chdir", "/", "--", *become, *cap, view.env_tool, f"--chdir={view.cwd}", "--default-signal=TERM",
-                 *command]
+        # the namespaces' descriptors bwrap inherited are closed before the agent runs
+        close = [os.path.realpath(sys.executable), "-I", "-S", "-c", "import os, sys; os.closerange(3, 1 << 20);"
+                 " os.execv(sys.argv[1], sys.argv[1:])"]
+        argv += ["--chdir", "/", "--", *become, *cap, *close, view.env_tool, f"--chdir={view.cwd}",
+                 "--default-signal=TERM", *command]
     else:
         argv += ["--chdir", view.cwd, "--", *cap, view.env_tool, "--default-signal=TERM", *command]
     return argv

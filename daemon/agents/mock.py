@@ -28,6 +28,8 @@ Prompt scripts (on the text of the prompt)::
                  agent's terminal tool does); one chunk "sh: exit=<code>" followed by a
                  newline and the first 4 KiB of its combined stdout and stderr; a cancel
                  ends the command (SIGTERM, then SIGKILL)
+    /stderr N    writes N bytes (lines of "x") to the agent's own stderr, then one chunk
+                 "stderr: wrote N" (a chatty or flooding agent)
     /other       treated as plain text (echo)
 
 ``session/cancel`` stops /slow and /flood between chunks; the prompt then
@@ -321,6 +323,10 @@ class MockAgent:
         if command == "/git-credential" and not args:
             await self._say(rec, await _git_credential(rec.cwd))
             return "end_turn"
+        if command == "/stderr" and number is not None and number >= 0:
+            await asyncio.to_thread(_write_stderr, number)
+            await self._say(rec, f"stderr: wrote {number}")
+            return "end_turn"
         if command == "/sh" and args:
             said, cancelled = await _shell(text.strip()[len("/sh"):].strip(), rec.cwd, cancel)
             await self._say(rec, said)
@@ -396,6 +402,15 @@ async def _git(cwd: str, env: dict[str, str], *args: str, stdin: str = "") -> tu
 
 
 SH_OUTPUT_LIMIT = 4096
+
+
+def _write_stderr(total: int) -> None:
+    """``total`` bytes of 1 KiB lines of "x" to fd 2 (blocking: the agent waits on a full pipe)."""
+    line = b"x" * 1023 + b"\n"
+    left = total
+    while left > 0:
+        chunk = (line * 64)[: min(left, 64 * 1024)]
+        left -= os.write(2, chunk)
 
 
 async def _shell(command: str, cwd: str, cancel: asyncio.Event) -> tuple[str, bool]:

@@ -31,6 +31,11 @@ def sh(k: Kandev, sid: str, script: str) -> str:
     return [m["text"] for m in k.show(sid)["transcript"] if m["kind"] == "agent_message_chunk"][-1]
 
 
+def sh_said(k: Kandev, sid: str, prompt: str) -> str:
+    k.cli("prompt", sid, prompt, "--wait", timeout=180)
+    return [m["text"] for m in k.show(sid)["transcript"] if m["kind"] == "agent_message_chunk"][-1]
+
+
 def two_sessions(k: Kandev, root: Path) -> tuple[str, str]:
     sids = []
     for name in ("a", "b"):
@@ -118,12 +123,15 @@ def test_issue_19_scenario_e_and_issue_21_scenario_c_stderr_is_a_bounded_pipe(ka
     k.up()
     a, b = two_sessions(k, short_tmp)
     log = k.home / "logs" / "agents" / f"{k.show(a)['instance_id']}.stderr.log"
-    said = sh(k, a, f"readlink /proc/$PPID/fd/2; (echo planted >> {log}) 2>/dev/null && echo WROTE_LOG;"
-                    " ls /proc/1/fd >/dev/null 2>&1 && echo SAW_INIT_FDS; echo from-the-agent > /proc/$PPID/fd/2")
+    said = sh(k, a, f"readlink /proc/$PPID/fd/2; (echo PLANTED''BY''PATH >> {log}) 2>/dev/null && echo WROTE_LOG;"
+                    " (echo PLANTED''BY''PATH > /proc/$PPID/fd/2) 2>/dev/null && echo REOPENED_STDERR;"
+                    " ls /proc/1/fd >/dev/null 2>&1 && echo SAW_INIT_FDS; echo namespaces=$(ls -l /proc/$PPID/fd | grep -c user:)")
     assert said.splitlines()[1].startswith("pipe:["), said
-    assert "WROTE_LOG" not in said and "SAW_INIT_FDS" not in said, said
-    wait_until(lambda: "from-the-agent" in log.read_text(), timeout=30)
-    assert "planted" not in log.read_text()
+    assert "WROTE_LOG" not in said and "REOPENED_STDERR" not in said and "SAW_INIT_FDS" not in said, said
+    assert "namespaces=0" in said.splitlines(), said  # no descriptor of the namespaces kandev made for it
+    assert "stderr: wrote 4096" in sh_said(k, a, "/stderr 4096")
+    wait_until(lambda: log.exists() and b"x" * 100 in log.read_bytes(), timeout=30)
+    assert b"PLANTEDBYPATH" not in log.read_bytes()
 
     directory = log.parent
     baseline = _log_bytes(directory)
@@ -138,15 +146,14 @@ def test_issue_19_scenario_e_and_issue_21_scenario_c_stderr_is_a_bounded_pipe(ka
     sampler = threading.Thread(target=sample)
     sampler.start()
     try:
-        flood = k.popen("prompt", a, "/sh head -c 200000000 /dev/zero | tr '\\0' x > /proc/$PPID/fd/2; echo flooded",
-                        "--wait")
+        flood = k.popen("prompt", a, "/stderr 200000000", "--wait")
         assert sh(k, b, "echo sibling-answers").splitlines()[1] == "sibling-answers"
         assert flood.wait(timeout=180) == 0
     finally:
         done.set()
         sampler.join()
     said = [m["text"] for m in k.show(a)["transcript"] if m["kind"] == "agent_message_chunk"][-1]
-    assert said == "sh: exit=0\nflooded\n", said
+    assert said == "stderr: wrote 200000000", said
     wait_until(lambda: log.read_bytes().endswith(b"x"), timeout=30)
     assert len(samples) > 10 and max(samples) <= 32 * MiB, (len(samples), max(samples))
     assert log.stat().st_size <= 11 * MiB and log.read_bytes().startswith(b"[kandev: ")
@@ -194,7 +201,7 @@ def test_issue_21_scenario_a_a_fork_bomb_fails_inside_its_own_agent(kandev_facto
             "    except OSError:\n        failed += 1\n        continue\n    if pid == 0:\n"
             "        os.closerange(0, 3); time.sleep(45); os._exit(0)\n    n += 1\nprint('forked', n, 'failed', failed)\"")
     said = sh(k, a, bomb)
-    forked, failed = (int(w) for w in said.split()[2::2])
+    forked, failed = (int(w) for w in said.split()[3::2])
     assert said.startswith("sh: exit=0\nforked"), said
     assert 100 < forked < 200 and failed == 600 - forked, said
     assert sh(k, b, "sh -c 'echo neighbour-forks'").splitlines()[1] == "neighbour-forks"

@@ -292,6 +292,8 @@ def test_scenario_a_a_worktree_agent_commits_through_the_repository_git_dir(kand
                "status": ["git", "status", "--porcelain"]}
     said = says(k, sid, "/sh " + attack_script(denied, allowed))
     assert not attack_verdicts(said, denied, allowed), said
-    log = subprocess.run(["git", "log", "--format=%s", f"kandev/{task}"], cwd=repo, capture_output=True,
+    # safe.directory: the repository's git directory now belongs to the agents' uid
+    log = subprocess.run(["git", "-c", "safe.directory=*", "log", "--format=%s", f"kandev/{task}"], cwd=repo,
+                         capture_output=True,
                          text=True, check=True, timeout=30).stdout.split("\n")
     assert log[0] == "from the sandbox"
