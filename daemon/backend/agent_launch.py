@@ -162,8 +162,9 @@ async def prepare(backend: Backend, session_id: str, command: AgentCommand) -> L
     dirs = await _dirs(backend, session_id, command)
     env = _base_env(dirs, command)
     creds = await asyncio.to_thread(backend.git_credentials, session_id, env, dirs.endpoint_socket)
-    if creds.lease_file is not None:  # the agent's helper reads it and writes a reissued one back
-        await asyncio.to_thread(give_file, creds.lease_file)
+    # the lease file (or the no-lease one) is the agent's: its git reads it and writes a reissued one back
+    if await asyncio.to_thread(os.path.lexists, dirs.lease_file):
+        await asyncio.to_thread(give_file, dirs.lease_file)
     if creds.policy == POLICY_GITHUB_LEASE:
         await backend.endpoints.open(session_id)
     env.update(creds.env)
