@@ -36,9 +36,13 @@ def test_backend_refuses_to_start_naming_the_key(short_tmp: Path, kandev_factory
     k = kandev_factory(config_text=f'[agents.mock]\nsecret_env = {{ MOCK_TOKEN = "{key}" }}\n')
     with pytest.raises(CliError) as err:
         k.up()
-    text = err.value.stdout + err.value.stderr + (k.home / "logs" / "backend.log").read_text(errors="replace")
+    # `kandev up` checks the configuration itself before starting anything (Issue 23 item 1), so the
+    # refusal is the CLI's own; a backend log, if one was written, must not leak the value either
+    log = k.home / "logs" / "backend.log"
+    text = err.value.stdout + err.value.stderr
     assert "agents.mock.secret_env.MOCK_TOKEN" in text and words in text
-    assert "mock-secret-value" not in text
+    assert "mock-secret-value" not in text + (log.read_text(errors="replace") if log.exists() else "")
+    assert k.run("status").returncode == 3  # nothing was started
 
 
 def test_control_server_refuses_a_credential_it_was_not_given(kandev_factory: Any) -> None:
