@@ -159,6 +159,7 @@ def test_a_refused_worktree_is_a_typed_error_and_leaves_nothing(kandev_factory, 
     empty = short_tmp / "empty"
     empty.mkdir()
     _git("init", "-q", cwd=empty)
+    for_agent(empty / ".git")  # writable by the agents' uid: git's own refusal is what is checked here
     proc = k.run("task", "create", "--title", "wt", "--executor", "worktree", "--workspace", str(empty))
     error = json.loads(proc.stdout)["error"]
     assert error["code"] == "invalid_argument" and "git worktree add failed" in error["message"], error
