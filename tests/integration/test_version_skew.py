@@ -101,6 +101,15 @@ def test_backend_adopts_previous_release_server_which_then_reloads_into_this_ver
     ctl = st["control_server"]
     assert int(ctl["pid"]) == old_server and ctl["version"] == release.version and ctl["can_reload"] is True
 
+    # Once ready, this backend (whose own installed code is this version) asks the older server to
+    # reload by itself; the old server's installed code is still 0.2.0 here, so that first re-exec
+    # runs 0.2.0 again. Let it settle before the upgrade, or its preflight would read a tree half
+    # replaced (as one racing a package's unpacking would: refused, the old code keeps serving).
+    settled = wait_until(lambda: c if (c := new.status()["control_server"])["last_reload"] is not None
+                         and c["last_reload"]["outcome"] is not None else None, timeout=120)
+    assert settled["last_reload"]["outcome"] == "reexecuted" and settled["version"] == release.version, settled
+    assert int(settled["pid"]) == old_server and alive(agent[0])
+
     # the upgrade: this version's files replace the old ones under the running server, which goes
     # on running what it imported until it reloads
     _install_code(REPO_ROOT, code)
