@@ -55,6 +55,7 @@ namespaces allowed, a /proc mount admitted) and says why not.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import enum
 import os
 import shutil
@@ -172,10 +173,14 @@ class SandboxSupport:
     bwrap: str | None = None
     version: str | None = None
     mechanism: str = "bubblewrap"
+    ipc_namespace: bool = True
+    """Whether each agent gets its own IPC namespace. False only where this process may not make
+    one (a control server reloaded in place under an older unit whose ``RestrictNamespaces=`` has
+    no ``ipc``): agents are still sandboxed, and ``reason`` says what is missing and the fix."""
 
     def to_wire(self) -> dict[str, Any]:
         return {"available": self.available, "reason": self.reason, "mechanism": self.mechanism,
-                "bwrap": self.bwrap, "version": self.version}
+                "bwrap": self.bwrap, "version": self.version, "ipc_namespace": self.ipc_namespace}
 
 
 def find_bwrap(env: Mapping[str, str] | None = None) -> str | None:
@@ -211,6 +216,24 @@ def probe(env: Mapping[str, str] | None = None) -> SandboxSupport:
         return SandboxSupport(False, str(exc), bwrap, version)
     view = SandboxView(bwrap=bwrap, uid=user.uid, gid=user.gid, binds=system_binds(), cwd="/", env_tool=env_tool,
                        links=system_links(), own_userns=user.dedicated)
+    support = _trial(view, user, bwrap, version)
+    if support.available:
+        return support
+    # A server reloaded in place keeps the namespace restrictions its unit had when it started: an
+    # older unit admits no IPC namespace. Sandboxed agents without one beat no agents at all; the
+    # reason says so until the server is restarted under the current unit.
+    without_ipc = _trial(dataclasses.replace(view, own_ipc=False), user, bwrap, version)
+    if not without_ipc.available:
+        return support
+    return dataclasses.replace(
+        without_ipc, ipc_namespace=False,
+        reason="agents get no IPC namespace of their own (SysV IPC is shared between sandboxes): this process"
+               " may not create one, e.g. a control server reloaded in place under an older unit without"
+               " RestrictNamespaces=ipc; restart kandev-agentctl once its agents are done")
+
+
+def _trial(view: SandboxView, user: AgentUser, bwrap: str, version: str | None) -> SandboxSupport:
+    """Run ``true`` in a sandbox of ``view``."""
     try:
         userns = make_userns(user) if user.dedicated else None
     except OSError as exc:
@@ -278,6 +301,7 @@ class SandboxView:
     hidden_files: frozenset[str] = field(default_factory=frozenset)  # which of ``hidden`` are not directories
     own_userns: bool = False  # the server (root) makes the user namespace: ``make_userns``, then setpriv
     max_processes: int = MAX_PROCESSES_DEFAULT
+    own_ipc: bool = True  # ``--unshare-ipc`` (see ``SandboxSupport.ipc_namespace``)
 
 
 def sandbox_ids() -> tuple[int, int]:
@@ -529,16 +553,17 @@ def build_argv(view: SandboxView, command: Sequence[str], userns: tuple[int, int
         raise ValueError("an empty command")
     if "=" in command[0]:
         raise ValueError(f"the agent's command {command[0]!r} contains '=' (env would take it for a variable)")
+    ipc = ["--unshare-ipc"] if view.own_ipc else []
     if view.own_userns:
         if userns is None:
             raise ValueError("a view with its own user namespace needs the namespaces' descriptors")
-        argv = [view.bwrap, "--userns", str(userns[0]), "--userns2", str(userns[1]), "--unshare-pid", "--unshare-ipc", "--uid", "0", "--gid", "0",
+        argv = [view.bwrap, "--userns", str(userns[0]), "--userns2", str(userns[1]), "--unshare-pid", *ipc, "--uid", "0", "--gid", "0",
                 "--die-with-parent", "--cap-drop", "ALL",
                 "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP"]
         become = [SETPRIV, f"--reuid={view.uid}", f"--regid={view.gid}", "--clear-groups", "--inh-caps=-all",
                   "--bounding-set=-all", "--no-new-privs", "--"]
     else:
-        argv = [view.bwrap, "--unshare-user", "--unshare-pid", "--unshare-ipc",
+        argv = [view.bwrap, "--unshare-user", "--unshare-pid", *ipc,
                 "--uid", str(view.uid), "--gid", str(view.gid), "--die-with-parent", "--cap-drop", "ALL"]
         become = []
     # The process cap, set inside: the kernel then counts it in this sandbox's user namespace only.
@@ -602,11 +627,15 @@ def wrap_command(
     bwrap: str,
     extra_hidden: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
+    own_ipc: bool = True,
 ) -> Launch:
     """``build_argv(host_view(...), command)`` with the user namespace it needs (the caller passes
-    ``fds`` to bwrap and closes them). Blocking: call it off the event loop."""
+    ``fds`` to bwrap and closes them). Blocking: call it off the event loop. ``own_ipc``: the
+    probe's ``SandboxSupport.ipc_namespace``."""
     hidden_ok(request, cwd, extra_hidden)
     view = host_view(request, cwd, bwrap=bwrap, extra_hidden=extra_hidden, env=env)
+    if not own_ipc:
+        view = dataclasses.replace(view, own_ipc=False)
     if not view.own_userns:
         return Launch(build_argv(view, command))
     fds = make_userns(AgentUser(view.uid, view.gid, "", True))

@@ -212,7 +212,7 @@ class AgentctlServer:
         sandbox.hidden_ok(request, cwd, self._own_paths())
         try:
             return await asyncio.to_thread(sandbox.wrap_command, request, command, cwd, bwrap=support.bwrap,
-                                           extra_hidden=self._own_paths())
+                                           extra_hidden=self._own_paths(), own_ipc=support.ipc_namespace)
         except AgentUserMissing as exc:
             raise sandbox.unavailable(str(exc)) from None
         except ValueError as exc:
@@ -458,7 +458,10 @@ class AgentctlServer:
         server.ownership = ownership
         server.turn_ids = TurnIds(state.server_identity, state.turn_counter)
         server.reload_history = state.reload
-        server.sandbox_support = state.sandbox_support
+        # Never the previous image's probe: it answered for what that code's sandbox needed (0.2.0's
+        # had no IPC namespace), and this process keeps the restrictions of the unit it started
+        # under. The new image probes again before its first agent (start_handed_over).
+        server.sandbox_support = None
         for h in state.instances:
             inst = Instance.from_handover(h, agent_log_dir=Path(config.agent_log_dir), turn_ids=server.turn_ids,
                                           on_change=server._changed)
@@ -478,8 +481,7 @@ class AgentctlServer:
         await self.ipc.start_on(listener, (identity[0], identity[1]) if len(identity) == 2 else None)
         self._spawn_background(self.run_unowned_timer())
         self._spawn_background(self.run_agent_log_bounds())
-        if self.sandbox_support is None:  # the previous image never finished a probe
-            self._spawn_background(self.probe_sandbox())
+        self._spawn_background(self.probe_sandbox())  # what this code's sandbox needs, under this unit
         self._changed()
 
     async def op_prove(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:

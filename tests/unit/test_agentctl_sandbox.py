@@ -219,3 +219,15 @@ def test_servers_start_without_the_working_directory_on_their_import_path() -> N
 
     assert agentctl_argv("/h/launch.json")[1] == "-P"
     assert "-P" in entry_argv("--reload")[1:entry_argv("--reload").index("-m")]
+
+
+def test_a_server_that_may_not_make_an_ipc_namespace_still_sandboxes_without_one() -> None:
+    """Issue 21 D, after an upgrade: a control server reloaded in place keeps its older unit's
+    RestrictNamespaces= (no ipc); its probe then finds sandboxes without an IPC namespace, says so,
+    and launches build exactly that, nothing else dropped."""
+    full = build_argv(view([("/ws", RW)]), ["agent"])
+    reduced = build_argv(dataclasses.replace(view([("/ws", RW)]), own_ipc=False), ["agent"])
+    assert "--unshare-ipc" not in reduced and [a for a in full if a != "--unshare-ipc"] == reduced
+    owned = dataclasses.replace(view([("/ws", RW)]), own_userns=True, own_ipc=False)
+    argv = build_argv(owned, ["agent"], (7, 8))
+    assert "--unshare-ipc" not in argv and "--unshare-pid" in argv and "--userns2" in argv
