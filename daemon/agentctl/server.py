@@ -458,10 +458,10 @@ class AgentctlServer:
         server.ownership = ownership
         server.turn_ids = TurnIds(state.server_identity, state.turn_counter)
         server.reload_history = state.reload
-        # Never the previous image's probe: it answered for what that code's sandbox needed (0.2.0's
-        # had no IPC namespace), and this process keeps the restrictions of the unit it started
-        # under. The new image probes again before its first agent (start_handed_over).
-        server.sandbox_support = None
+        # The previous image's probe answered for what that code's sandbox needed (0.2.0's had no
+        # IPC namespace) under the restrictions of the unit this process started with: kept only
+        # until this image's own probe, started at once by start_handed_over, replaces it.
+        server.sandbox_support = state.sandbox_support
         for h in state.instances:
             inst = Instance.from_handover(h, agent_log_dir=Path(config.agent_log_dir), turn_ids=server.turn_ids,
                                           on_change=server._changed)

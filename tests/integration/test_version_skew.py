@@ -70,7 +70,7 @@ def test_backend_adopts_previous_release_server_which_then_reloads_into_this_ver
     """Issue 15 item 5 (version skew): the current backend adopts a control server of the previous
     release and re-tracks its session; once the installed code is this version, the old server
     reloads in place into it (same pid, its agent untouched, the previous release's hand-over read
-    by this version: Issue 25 item 3), and every chunk arrives once and in order."""
+    by this version), and every chunk arrives once and in order."""
     release = previous_release()
     python = release_venv(release)
     code = short_tmp / "installed"  # what "installed" means for the old processes: their import path
