@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import secrets
 import signal
 import tempfile
@@ -21,13 +20,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 from tests.support.kandev import Kandev, make_env
 from tests.support.messages_standin import MessagesStandIn
 from tests.support.processes import alive
-from tests.support.real_agents import not_root
+from tests.support.real_agents import agent_process, files_holding, not_root
 from tests.support.streams import agent_chunks
 from tests.support.waiting import wait_until
 
@@ -91,38 +89,6 @@ def _texts(show: dict[str, Any]) -> list[str]:
     return [c for c in agent_chunks(show) if c]  # Claude Code opens a text block with an empty chunk
 
 
-def _claude_process(agent_pid: int) -> psutil.Process:
-    """The node process of claude-code-acp inside the sandbox whose bwrap is ``agent_pid``."""
-    procs = [p for p in psutil.Process(agent_pid).children(recursive=True)
-             if p.name() != "bwrap" and "claude-code-acp" in " ".join(p.cmdline())]
-    assert procs, f"no claude-code-acp process under {agent_pid}"
-    return procs[0]
-
-
-def _uid_inside(pid: int) -> int:
-    """The real uid of ``pid`` as its own user namespace sees it (``/proc/<pid>/status`` gives
-    it as we see it; ``uid_map`` maps it)."""
-    outside = int(re.search(r"^Uid:\s+(\d+)", Path(f"/proc/{pid}/status").read_text(), re.M).group(1))
-    for line in Path(f"/proc/{pid}/uid_map").read_text().splitlines():
-        inside, start, count = map(int, line.split())
-        if start <= outside < start + count:
-            return inside + outside - start
-    raise AssertionError(f"uid {outside} of {pid} is not mapped in its namespace")
-
-
-def _files_holding(root: Path, needle: bytes) -> list[str]:
-    found = []
-    for dirpath, _dirs, files in os.walk(root):
-        for name in files:
-            p = Path(dirpath) / name
-            try:
-                if p.is_file() and not p.is_symlink() and needle in p.read_bytes():
-                    found.append(str(p))
-            except OSError:
-                continue
-    return found
-
-
 def _argv_holding(needle: str) -> list[int]:
     hits = []
     for p in Path("/proc").iterdir():
@@ -154,7 +120,7 @@ def test_scenario_a_d_claude_code_turn_with_its_key_from_a_0600_file(env: Env) -
     assert all(r.headers.get("x-api-key") == KEY for r in e.standin.requests)
 
     # D: kandev runs as root here, the agent does not (and Claude Code refuses root anyway).
-    node = _claude_process(show["agent_pid"])
+    node = agent_process(show["agent_pid"], "claude-code-acp")
     assert not_root(node.pid)  # kandev as root: the agent is kandev-agent, never host or namespace uid 0
     environ = node.environ()
     home = k.home / "sessions" / sid / "agent" / "home"
@@ -186,7 +152,7 @@ def test_scenario_a_d_claude_code_turn_with_its_key_from_a_0600_file(env: Env) -
 
     # Nothing kandev wrote holds either secret; no process shows one in its argv.
     for needle in (KEY, MOCK_TOKEN):
-        assert _files_holding(k.home, needle.encode()) == []
+        assert files_holding(k.home, needle.encode()) == []
         assert needle not in k.run("session", "show", sid).stdout + k.human("session", "show", sid).stdout
         assert needle not in k.run("session", "show", msid).stdout
         assert _argv_holding(needle) == []
