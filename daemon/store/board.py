@@ -38,6 +38,9 @@ _BY_TASK = {"backlog": "backlog", "in_progress": "running", "review": "turn_fini
 NEEDS_ATTENTION = "needs_attention"
 # Turn stop reasons that mean the turn failed (the agent's error, its refusal, its death).
 FAILED_STOPS = frozenset({"error", "refusal", "agent_exited"})
+# A turn ended by its agent's death stops counting once the session has a live agent again (it was
+# resumed: the user has seen the failure and the new agent waits for them).
+_DIED = "agent_exited"
 # How providers say a key is missing or refused (Claude Code: "Authentication required", "Invalid API key").
 _AUTH_FAILURE = re.compile(r"authenticat|invalid (x-)?api[ _-]?key|api key|unauthori[sz]ed|\b401\b|login",
                            re.IGNORECASE)
@@ -74,7 +77,8 @@ def placement(task_state: str, latest_session_state: str | None, *, live: bool |
         return NEEDS_ATTENTION, Attention.FAILED
     if latest_session_state == "CANCELLED":
         return NEEDS_ATTENTION, Attention.CANCELLED
-    if latest_session_state == "WAITING_FOR_INPUT" and last_stop_reason in FAILED_STOPS:
+    if latest_session_state == "WAITING_FOR_INPUT" and last_stop_reason in FAILED_STOPS and not (
+            last_stop_reason == _DIED and live):
         return NEEDS_ATTENTION, Attention.FAILED
     if latest_session_state in ("RUNNING", "WAITING_FOR_INPUT") and live is False:
         return NEEDS_ATTENTION, Attention.NO_AGENT

@@ -267,6 +267,11 @@ def test_the_board_places_tasks_that_need_their_user_with_a_reason() -> None:
     assert placement("review", "WAITING_FOR_INPUT", live=True, last_stop_reason="error") == (
         "needs_attention", Attention.FAILED)
     assert placement("review", "WAITING_FOR_INPUT", live=True, last_stop_reason="end_turn") == ("turn_finished", None)
+    # a turn its dead agent abandoned stops counting once the session was resumed with a live agent
+    assert placement("review", "WAITING_FOR_INPUT", live=True, last_stop_reason="agent_exited") == (
+        "turn_finished", None)
+    assert placement("review", "WAITING_FOR_INPUT", live=False, last_stop_reason="agent_exited") == (
+        "needs_attention", Attention.FAILED)
     assert placement("review", "WAITING_FOR_INPUT", live=False) == ("needs_attention", Attention.NO_AGENT)
     assert placement("review", "WAITING_FOR_INPUT", live=None) == ("turn_finished", None)  # recovery holds it
     assert placement("review", "FAILED", live=False) == ("needs_attention", Attention.FAILED)
