@@ -20,6 +20,7 @@ from tests.support.processes import alive, group_alive
 from tests.support.sessions import agentctl_caller
 from tests.support.streams import agent_chunks
 from tests.support.waiting import wait_until
+from tests.support.workspaces import for_agent
 
 pytestmark = pytest.mark.timeout(240)
 MOCK = [sys.executable, "-m", "daemon.agents.mock"]
@@ -47,6 +48,7 @@ def test_unstoppable_duplicate_keeps_the_session_guarded(kandev_factory, short_t
     _kill_backend(k)
     workspace = short_tmp / "ws"
     workspace.mkdir()
+    for_agent(workspace)
     extra = agentctl_caller(k)(lambda c: c.create_instance(session_id=sid, task_id=show["task_id"], command=MOCK,
                                                 cwd=str(workspace)))
     k.agent_pids.add(extra["pid"])

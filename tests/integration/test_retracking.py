@@ -29,6 +29,7 @@ from tests.support.processes import alive, group_alive
 from tests.support.sessions import agentctl_caller
 from tests.support.streams import agent_chunks
 from tests.support.waiting import wait_until
+from tests.support.workspaces import for_agent
 
 pytestmark = pytest.mark.timeout(300)
 MOCK = [sys.executable, "-m", "daemon.agents.mock"]
@@ -135,6 +136,7 @@ def test_scenario_d_orphans_duplicates_and_missing_instances(kandev_factory, sho
     gone_row = db_row(k, "SELECT * FROM executors_running WHERE session_id = ?", gone_sid)
     workspace = short_tmp / "ws"
     workspace.mkdir()
+    for_agent(workspace)
     _kill_backend(k)
     ctl = agentctl_caller(k)
     orphan = ctl(lambda c: c.create_instance(session_id="no-such-session", task_id="t", command=MOCK,
