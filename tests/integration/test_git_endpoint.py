@@ -13,12 +13,14 @@ gives it, and so reaches the stand-in only through its session's git endpoint.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import os
 import re
 import secrets
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,6 +38,7 @@ from tests.support.git_standin import GitStandin
 from tests.support.kandev import Kandev
 from tests.support.processes import alive
 from tests.support.waiting import wait_until
+from tests.support.workspaces import for_agent
 
 # Made at run time: the source (bound read-only into every sandbox) must not hold it.
 TOKEN = "ghp_" + secrets.token_hex(18)
@@ -61,12 +64,24 @@ def _config(token_file: Path, url: str, extra: str = "") -> str:
             f'github_url = "{url}"\n{extra}')
 
 
+def _read_lease(path: Path) -> tuple[str, str | None]:
+    """The session's lease as its agent reads it. The file is the agent's uid's (0600), and
+    ``read_lease_file`` refuses a file of another owner: read through a copy of our own."""
+    fd, copy = tempfile.mkstemp(prefix="kd-lease-", dir="/var/tmp")  # 0600, ours
+    try:
+        os.write(fd, path.read_bytes())
+        os.close(fd)
+        return read_lease_file(copy)
+    finally:
+        os.unlink(copy)
+
+
 def _workspace(standin: GitStandin, tmp: Path, name: str = "ws") -> Path:
     ws = tmp / name
     subprocess.run(["git", "clone", "-q", str(standin.root / "example" / "repo.git"), str(ws)], check=True,
                    timeout=60)
     subprocess.run(["git", "-C", str(ws), "remote", "set-url", "origin", REMOTE], check=True, timeout=30)
-    return ws
+    return for_agent(ws)
 
 
 @pytest.fixture
@@ -205,7 +220,7 @@ def test_scenario_d_what_the_agent_held_ends_with_its_session_and_its_task(setup
     sid = s.start()
     dirs = SessionDirs.for_session(s.k.home, sid)
     assert commit_and_push(s, sid, "HEAD:refs/heads/d-before")[0] == 0
-    token, capability = read_lease_file(dirs.lease_file)
+    token, capability = _read_lease(dirs.lease_file)
     saved = write_lease_file(s.tmp / "saved" / "lease.json", token, capability)
     assert _check_lease(s.k.home, saved) == token
     s.k.cli("prompt", sid, "/exit 2")
@@ -228,24 +243,27 @@ def test_scenario_d_a_push_across_a_backend_sigkill_and_the_retracked_agent(setu
     s = setup
     sid = s.start()
     before = s.k.show(sid)
-    agent_env = psutil_environ(int(before["agent_pid"]))
+    # The agent commits, then waits (in the background, in its sandbox) on a fifo the test opens
+    # once the backend is dead; then it pushes with its own git configuration, as any agent would.
+    gate = s.workspace / "go.fifo"
+    os.mkfifo(gate)
+    for_agent(gate)
+    code, out = sh(s.k, sid, f"date +%s%N >> during && git add during && {GIT_ID} git commit -qm during &&"
+                             " (read x < go.fifo; git push origin HEAD:refs/heads/during-restart > push.out 2>&1;"
+                             " echo $? > push.rc) </dev/null >/dev/null 2>&1 &")
+    assert code == 0, out
     pid = s.k.backend_pid
     os.kill(pid, signal.SIGKILL)
     wait_until(lambda: not alive(pid), timeout=30)
-    env = {**agent_env, "GIT_AUTHOR_NAME": "a", "GIT_AUTHOR_EMAIL": "a@e", "GIT_COMMITTER_NAME": "a",
-           "GIT_COMMITTER_EMAIL": "a@e", "PATH": os.environ["PATH"]}
-    (s.workspace / "during").write_text("restart\n")
-    subprocess.run(["git", "add", "during"], cwd=s.workspace, env=env, check=True, timeout=30)
-    subprocess.run(["git", "commit", "-qm", "during"], cwd=s.workspace, env=env, check=True, timeout=30)
-    push = subprocess.Popen(["git", "push", "origin", "HEAD:refs/heads/during-restart"], cwd=s.workspace, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        s.k.up()
-        out, _ = push.communicate(timeout=120)
-    finally:
-        if push.poll() is None:
-            push.kill()
-    assert push.returncode == 0, out
+    with open(gate, "w") as g:  # blocks until the agent's reader has it open: the push starts now
+        g.write("go\n")
+    agent = psutil.Process(int(before["agent_pid"]))
+    wait_until(lambda: any("push" in cmd for cmd in _descendant_commands(agent)), timeout=60)
+    assert not (s.workspace / "push.rc").exists()  # the push waits for the backend
+    s.k.up()
+    rc = wait_until(lambda: (s.workspace / "push.rc").read_text().strip() or None
+                    if (s.workspace / "push.rc").exists() else None, timeout=120)
+    assert rc == "0", (s.workspace / "push.out").read_text()
     assert upstream_ref(s, "repo", "refs/heads/during-restart") is not None
     show = wait_until(lambda: v if (v := s.k.show(sid))["retracked"] else None, timeout=60)
     assert show["agent_pid"] == before["agent_pid"]
@@ -254,8 +272,13 @@ def test_scenario_d_a_push_across_a_backend_sigkill_and_the_retracked_agent(setu
     assert upstream_ref(s, "repo", "refs/heads/after-restart") is not None
 
 
-def psutil_environ(pid: int) -> dict[str, str]:
-    return dict(psutil.Process(pid).environ())
+def _descendant_commands(proc: psutil.Process) -> list[list[str]]:
+    commands = []
+    with contextlib.suppress(psutil.Error):
+        for child in proc.children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                commands.append(child.cmdline())
+    return commands
 
 
 def _ask(path: Path, payload: bytes) -> bytes:
@@ -314,7 +337,7 @@ def test_scenario_e_bad_input_clear_errors_and_nothing_leaked(setup: Setup) -> N
     assert code != 0 and "cannot reach credentials.github_url" in out, out
     assert s.k.status()["backend"]["pid"]
 
-    token, capability = read_lease_file(dirs.lease_file)
+    token, capability = _read_lease(dirs.lease_file)
     logs = [p for p in (s.k.home / "logs").rglob("*") if p.is_file()]
     assert logs
     for p in logs:

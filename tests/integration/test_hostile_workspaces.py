@@ -31,10 +31,12 @@ from tests.support.kandev import Kandev
 from tests.support.processes import alive
 from tests.support.sandbox_attacks import attack_script, attack_verdicts
 from tests.support.waiting import wait_until
+from tests.support.workspaces import for_agent
 
 pytestmark = pytest.mark.timeout(300)
 
-GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
+# safe.directory: the repository's git directory belongs to the agents' uid (for_agent)
+GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", "-c", "safe.directory=*"]
 
 
 def _git(*args: str, cwd: Path) -> str:
@@ -47,6 +49,7 @@ def _repository(path: Path) -> Path:
     (path / "README").write_text("hello\n")
     _git("add", "README", cwd=path)
     _git("commit", "-q", "-m", "init", cwd=path)
+    for_agent(path / ".git")  # the agent commits into it
     return path
 
 

@@ -21,3 +21,4 @@ def for_agent(path: Path) -> Path:
         for name in dirs + files:
             os.chown(os.path.join(root, name), user.uid, user.gid, follow_symlinks=False)
     return path
+
