@@ -22,6 +22,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from daemon.agent_user import AgentUserMissing, agent_user
 from daemon.agents.registry import BuiltinAgent
 from daemon.runtimes.npx_cache import NPX_DIR, RepairRefused, check_cache_root, npx_key
 from ipc.errors import ErrorCode
@@ -71,6 +72,14 @@ def _bin_name(package: str, doc: object) -> str:
     raise RuntimeNotPrepared(f"{package}'s package.json names no single command to run")
 
 
+def _open_to_others(tree: Path, entry: Path) -> bool:
+    """Whether another uid may enter ``tree`` and run ``entry`` (their modes; ACLs aside)."""
+    try:
+        return (os.stat(tree).st_mode & 0o005 == 0o005) and (os.stat(entry).st_mode & 0o005 == 0o005)
+    except OSError:
+        return False
+
+
 def prepared_runtime(agent: BuiltinAgent, cache_root: Path) -> PreparedRuntime:
     """The prepared entry of ``agent`` under ``cache_root`` (blocking; reads its package.json)."""
     tree = cache_root / NPX_DIR / npx_key(agent.npm_spec)
@@ -88,4 +97,12 @@ def prepared_runtime(agent: BuiltinAgent, cache_root: Path) -> PreparedRuntime:
     real = Path(os.path.realpath(entry))
     if not str(real).startswith(str(Path(os.path.realpath(tree))) + os.sep) or not os.access(real, os.X_OK):
         raise RuntimeNotPrepared(f"{entry} is not an executable inside {tree}; {hint}")
+    try:
+        user = agent_user()
+    except AgentUserMissing:
+        user = None  # the launch itself says so
+    if user is not None and user.dedicated and not _open_to_others(tree, real):
+        # prepared under a private umask (before kandev 0.3.0 ran agents as their own uid)
+        raise RuntimeNotPrepared(f"{tree} is not readable by {user.name}, the user agents run as: remove"
+                                 f" it (`rm -rf {tree}`) and {hint}")
     return PreparedRuntime([str(entry), *agent.acp_args], tree, bin_dir)

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import os
 import re
+import shutil
 import signal
 import time
 from collections.abc import Mapping, Sequence
@@ -108,20 +109,34 @@ async def stop_group(proc: asyncio.subprocess.Process, grace: float = KILL_GRACE
         await within(asyncio.shield(proc.wait()), grace)
 
 
-class CommandRunner:
-    """Runs direct-argv commands in ``cwd`` with ``env`` (default: this process's environment)."""
+# What a runtime job writes (npm's cache and the prepared trees) is public package code that agents
+# run, as another uid when kandev runs as root (daemon/agent_user.py): never private, whatever the
+# daemon's own umask (077). Nothing secret goes through these commands.
+RUNTIME_UMASK = 0o022
 
-    def __init__(self, cwd: Path | str, env: Mapping[str, str] | None = None, output_limit: int = OUTPUT_LIMIT):
+
+class CommandRunner:
+    """Runs direct-argv commands in ``cwd`` with ``env`` (default: this process's environment), with
+    the umask ``umask``."""
+
+    def __init__(self, cwd: Path | str, env: Mapping[str, str] | None = None, output_limit: int = OUTPUT_LIMIT,
+                 umask: int = RUNTIME_UMASK):
         self.cwd = str(cwd)
         self.env = dict(os.environ if env is None else env)
         self.output_limit = output_limit
+        self.umask = umask
 
     async def run(self, argv: Sequence[str], timeout: float) -> RunResult:
         argv = tuple(argv)
         start = time.monotonic()
+        if shutil.which(argv[0], path=self.env.get("PATH", os.defpath)) is None:
+            return RunResult(argv, None, "", "", False, time.monotonic() - start,
+                             f"cannot run {argv[0]}: not found on the PATH")
         try:
+            # the umask through sh (the event loop's subprocess_exec takes none; the argv stays direct:
+            # sh only sets it and execs "$@")
             proc = await asyncio.create_subprocess_exec(
-                *argv,
+                "/bin/sh", "-c", f'umask {self.umask:03o} && exec "$@"', "sh", *argv,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
