@@ -72,6 +72,8 @@ _DECLARED = (
     Fault("agentctl_slow_rotate", FaultKind.DELAY, "rotate answers late: an adoption in flight at the deadline"),
     Fault("agentctl_slow_enumeration", FaultKind.DELAY,
           "list_instances answers late: enumeration not complete at the deadline"),
+    Fault("agentctl_slow_turn_statuses", FaultKind.DELAY,
+          "turn_statuses answers late: the records' bulk turn-status read in flight at the deadline"),
     _fail("agentctl_stop_fails", "stop_instance answers an error (AC-EXECUTORS-SURVIVAL-002.15, AC-EXECUTORS-SURVIVAL-002.16)",
           ErrorCode.INTERNAL, "injected fault: stop_instance fails"),
     _fail("agentctl_turn_status_fails", "turn_status answers an error (AC-EXECUTORS-SURVIVAL-004.5)",

@@ -793,6 +793,7 @@ class AgentctlServer:
 
     async def op_turn_statuses(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         faults.hit("agentctl_turn_status_fails")  # the same test fault as one turn_status read
+        await faults.delay("agentctl_slow_turn_statuses")  # answered as the instances are after the delay
         ids = args["instance_ids"]
         if len(ids) > TURN_STATUSES_MAX or not all(isinstance(i, str) for i in ids):
             raise IpcError(ErrorCode.INVALID_ARGUMENT,

@@ -256,6 +256,7 @@ class Recovery:
                     report.stopped_orphans.append(inst["instance_id"])
                     self._stop(client, inst["instance_id"], None)
         jobs: dict[asyncio.Task[Execution | None], Record] = {}
+        late: list[Record] = []  # adopted after D: nothing a read could still publish, so none is made
         for rec in standalone:
             if rec.session_id in self.executions.executions:
                 report.retracked.append(rec.session_id)  # already tracked: the same set, no second execution (AC-EXECUTORS-SURVIVAL-002.9)
@@ -264,21 +265,22 @@ class Recovery:
             if not candidates:
                 report.not_retracked[rec.session_id] = "no_instance"  # repair path (AC-EXECUTORS-SURVIVAL-002.7)
                 continue
+            if self.past_deadline:
+                late.append(rec)
+                continue
             task = asyncio.get_running_loop().create_task(
                 self._retrack_record(client, rec, candidates, report, publish)
             )
             jobs[task] = rec
-        if self.past_deadline:
-            pending = set(jobs)
-        elif jobs:
+        if jobs:
             _, pending = await asyncio.wait(jobs, timeout=max(0.0, deadline - time.monotonic()))
         else:
             pending = set()
 
-        # 5. the deadline: whatever has no outcome is not re-tracked and its instance stopped
+        # 5. the deadline: whatever has no outcome is not re-tracked and its instance stopped; a job
+        #    still in flight runs on (never cancelled) but can no longer change that (``_decline``)
         self.past_deadline = True
-        for task in pending:
-            rec = jobs[task]
+        for rec in late + [jobs[task] for task in pending]:
             report.not_retracked[rec.session_id] = "deadline"
             for inst in by_session.get(rec.session_id, []):
                 self._stop(client, inst["instance_id"], rec.session_id)
@@ -319,13 +321,13 @@ class Recovery:
             winners = [i for i in candidates if i["instance_id"] == rec.instance_id]
             losers = [i for i in candidates if i["instance_id"] != rec.instance_id]
             if len(winners) != 1:
-                report.not_retracked[rec.session_id] = "duplicate_ambiguous"
+                self._decline(report, rec, "duplicate_ambiguous")
                 for inst in candidates:
                     self._stop(client, inst["instance_id"], rec.session_id)
                 return None
             stopped = await asyncio.gather(*(self._stop(client, i["instance_id"], rec.session_id) for i in losers))
             if not all(stopped):  # a loser still runs: the winner is not re-tracked either (AC-EXECUTORS-SURVIVAL-002.15)
-                report.not_retracked[rec.session_id] = "duplicate_stop_failed"
+                self._decline(report, rec, "duplicate_stop_failed")
                 await self._stop(client, winners[0]["instance_id"], rec.session_id)
                 return None
             candidates = winners
@@ -333,19 +335,23 @@ class Recovery:
         try:
             values = _reconstruct(rec, instance, self._commands)
         except MissingInput as exc:
-            report.not_retracked[rec.session_id] = f"missing_input={exc.name}"
+            self._decline(report, rec, f"missing_input={exc.name}")
             log_event("retrack_missing_input", f"session {rec.session_id}: required value {exc.name} missing",
                       SESSION_ID=rec.session_id, INSTANCE_ID=instance.get("instance_id"), REASON=exc.name)
             await self._stop(client, instance["instance_id"], rec.session_id)
             return None
         try:
             status = await self._statuses(client).read(instance["instance_id"])
-        except IpcError:
+        except IpcError as exc:
             # Never publish as running what we could not read (AC-EXECUTORS-SURVIVAL-004.5): stop it instead.
-            report.not_retracked[rec.session_id] = "turn_status_failed"
+            if self.past_deadline:  # the read was in flight at D (its instance is being stopped for it)
+                self._finished_late(rec, f"turn-status read failed: {exc.code}")
+                return None
+            self._decline(report, rec, "turn_status_failed")
             await self._stop(client, instance["instance_id"], rec.session_id)
             return None
         if self.past_deadline:  # completed after D: publishes nothing, changes no state (AC-EXECUTORS-SURVIVAL-003.7)
+            self._finished_late(rec, "turn status read")
             return None
         outcomes = list(status.get("outcomes") or [])
         current = status.get("current_turn_id")
@@ -406,6 +412,25 @@ class Recovery:
             except IpcError as exc:
                 log.warning("ack_turn %s failed (a later backend re-applies it harmlessly): %s", out["turn_id"], exc)
         return ex
+
+    def _decline(self, report: RecoveryReport, rec: Record, reason: str) -> None:
+        """Record why ``rec`` is not re-tracked, unless the deadline decided it first.
+
+        At D every record without an outcome is not re-tracked for ``deadline`` and its instance
+        is stopped; its job runs on (never cancelled), but what it learns afterwards is a
+        consequence, not the cause: its turn-status read, in flight at D, fails because the
+        deadline's own stop removed the instance (or times out on a loaded host). That must not
+        turn ``deadline`` into ``turn_status_failed`` (AC-EXECUTORS-SURVIVAL-003.7)."""
+        if self.past_deadline:
+            report.not_retracked.setdefault(rec.session_id, "deadline")
+            self._finished_late(rec, reason)
+        else:
+            report.not_retracked[rec.session_id] = reason
+
+    def _finished_late(self, rec: Record, what: str) -> None:
+        """A record's work in flight at D finished: recorded, re-tracks nothing (AC-EXECUTORS-SURVIVAL-003.7)."""
+        log_event("retrack_after_deadline", f"session {rec.session_id}: its re-tracking ended after the recovery"
+                  f" deadline ({what}); not re-tracked: deadline", SESSION_ID=rec.session_id, REASON=what)
 
     # ------------------------------------------------------------------ steps
     def take_guards(self) -> list[Record]:

@@ -8,20 +8,27 @@ Faults injected into the control server (``KANDEV_FAULT=<step>:<seconds>``, off 
 - a slow ``list_instances``: enumeration does not complete by the deadline, so nothing is
   re-tracked and nothing is stopped (AC-EXECUTORS-SURVIVAL-002.12); the rows are left untouched (liveness unknown).
 
+- a slow ``turn_statuses``: the records' bulk turn-status read is in flight when the deadline
+  elapses; the deadline's stop removes the instance, the read comes back without it, and the
+  session stays not re-tracked for ``deadline`` (never ``turn_status_failed``).
+
 While recovery runs, a prompt for a guarded session is refused with a retryable
 ``session_guarded`` error.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
+from daemon.agentctl.client import AgentctlClient
 from tests.support.kandev import Kandev
 from tests.support.paths import REPO_ROOT
 from tests.support.processes import alive
@@ -70,6 +77,72 @@ def test_adoption_in_flight_at_deadline_retracks_nothing_and_stops(kandev_factor
     assert show["not_retracked_reason"] == "deadline"
     assert task not in k.cli("board")["running"]
     assert k.cli("session", "list")["sessions"][0]["retracked"] is False
+
+
+def test_turn_status_read_in_flight_at_deadline_is_not_retracked_for_the_deadline(kandev_factory):
+    """AC-EXECUTORS-SURVIVAL-003.7: the bulk turn-status read is still in flight when D elapses. At D
+    the session is not re-tracked for ``deadline`` and its instance is stopped; the read then comes
+    back without the instance (the deadline's stop removed it), and that consequence does not
+    replace the reason: it stays ``deadline``, never ``turn_status_failed``. Driven in this process
+    with the backend's own recovery code against the real survivor, so that the read timeout can
+    outlast D (the config's read-budget rule forbids that) and the read is in flight at D whatever
+    the load; the server answers ``turn_statuses`` 8 s late (switched on once the survivor runs)."""
+    from daemon.backend.adoption import Adopter
+    from daemon.backend.executions import ExecutionStore
+    from daemon.backend.recovery import Recovery
+    from daemon.paths import Paths
+    from daemon.store.db import Store, sqlite_url
+
+    k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="true")
+    fault_file = k.home.parent / "deadline-faults"  # read again at every check, by the running server too
+    k.env["KANDEV_FAULT_FILE"] = str(fault_file)
+    _, _, sid, pid = _survivor(k)
+    fault_file.write_text("agentctl_slow_turn_statuses:8\n")
+
+    async def recover() -> tuple[dict[str, str], bool, dict[str, str], list[str]]:
+        store = Store.open(sqlite_url(k.home / "kandev.db"))
+        installation = (k.home / "installation-id").read_text().strip()
+        adopter = Adopter(store, Paths.for_home(k.home), installation, read_timeout_s=30, read_retries=0)
+        recovery = Recovery(store, ExecutionStore(), adopter, deadline_s=3, read_timeout_s=30, read_retries=0,
+                            boot_id="test-boot")
+        read_back = asyncio.Event()
+        statuses = recovery._statuses
+
+        class Watched:  # the recovery's own reader, telling the test when its read came back
+            def __init__(self, client: AgentctlClient) -> None:
+                self.reader = statuses(client)
+
+            async def read(self, instance_id: str) -> Any:
+                try:
+                    return await self.reader.read(instance_id)
+                finally:
+                    read_back.set()
+
+        recovery._statuses = Watched  # type: ignore[assignment,method-assign]
+
+        async def no_own_server() -> AgentctlClient:
+            raise AssertionError("the survivor was not adopted")
+
+        def publish(ex: Any) -> None:
+            raise AssertionError(f"session {ex.session_id} published after the deadline")
+
+        client = None
+        try:
+            report, client = await recovery.recover(enabled=True, start_own_server=no_own_server, publish=publish)
+            at_deadline = dict(report.not_retracked)
+            in_flight = not read_back.is_set()
+            await asyncio.wait_for(read_back.wait(), timeout=60)
+            return at_deadline, in_flight, dict(report.not_retracked), report.retracked
+        finally:
+            if client is not None:
+                await client.close()
+            store.close()
+
+    at_deadline, in_flight, after, retracked = asyncio.run(recover())
+    assert in_flight  # the read was in flight when recovery ended at D
+    assert at_deadline == {sid: "deadline"} and retracked == []
+    assert after == {sid: "deadline"}  # not turn_status_failed: the read failed because D stopped the instance
+    wait_until(lambda: not alive(pid), timeout=30)  # its instance was stopped
 
 
 def test_enumeration_not_complete_at_deadline_stops_nothing(kandev_factory):
