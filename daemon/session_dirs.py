@@ -22,7 +22,9 @@ the rest of the home (store, secrets, sockets, logs, other sessions) stays out o
 Owners (``daemon.agent_user``): ``agent/`` (with ``home/``) and ``git/`` belong to the agent's uid
 (when kandev runs as root, ``kandev-agent``; a directory of ours from before 0.3.0 is given to it
 with everything below, by a walk that follows no symlink); the session's own directory and
-``endpoint/`` stay ours (``endpoint/`` 0711: the agent reaches the socket in it, nothing else).
+``endpoint/`` stay ours; ``endpoint/`` is 0711 when the agent is another uid (it reaches the socket
+in it, nothing else) and 0700 when agents keep ours (the units: nothing of the home is opened
+that nobody needs).
 """
 
 from __future__ import annotations
@@ -44,8 +46,14 @@ ENDPOINT_SOCKET = "git.sock"
 PROXY_SOCKET = "git-proxy.sock"
 MOCK_STATE_DIR = "mock-sessions"
 HOME_DIR = "home"
-ENDPOINT_MODE = 0o711  # the agent (another uid when kandev runs as root) reaches the socket in it
+SHARED_ENDPOINT_MODE = 0o711  # the agent (another uid when kandev runs as root) reaches the socket in it
 _SESSION_ID = re.compile(r"^[0-9A-Za-z_-]{1,64}$")
+
+
+def endpoint_mode(agent: AgentUser) -> int:
+    """The mode of a session's ``endpoint/``: traversable by others only when the agent is another
+    uid (kandev as root); private when agents keep our uid (``User=kandev``)."""
+    return SHARED_ENDPOINT_MODE if agent.dedicated else 0o700
 
 
 def _private_dir(path: Path, mode: int = 0o700, agent: AgentUser | None = None) -> None:
@@ -127,7 +135,7 @@ class SessionDirs:
         agent = agent_user()
         _private_dir(self.root.parent)
         _private_dir(self.root)
-        _private_dir(self.endpoint, ENDPOINT_MODE)
+        _private_dir(self.endpoint, endpoint_mode(agent))
         for d in (self.agent_state, self.home, self.git):
             _private_dir(d, 0o700, agent)
         return self

@@ -15,7 +15,8 @@ Rules (run by the backend once its startup recovery is done, off the event loop)
   Symlinks are never followed, files of other owners never touched: every component is opened
   relative to its parent's descriptor with ``O_NOFOLLOW`` and its mode set through that
   descriptor, so swapping a directory for a symlink mid-walk redirects nothing. A session's
-  ``endpoint/`` keeps 0711 (its agent reaches the socket in it).
+  ``endpoint/`` keeps 0711 when agents run as another uid (kandev as root: its agent reaches the
+  socket in it) and is 0700 like the rest when they keep ours (the units).
 - A secret file (``secrets/``) whose mode is loose is left as it is: it may have been read, kandev
   refuses to use it (``daemon.paths.read_secret_file``), and making it private would launder it.
 - ``secrets/agentctl-cred-*`` of control servers that are gone are removed. Kept: the recorded
@@ -39,11 +40,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from daemon.agent_user import AgentUserMissing, agent_user
 from daemon.agentctl import auth
 from daemon.agentctl.launch import LaunchError, read_credential_file
 from daemon.journal import log_event
 from daemon.paths import Paths, run_dir_mode
-from daemon.session_dirs import ENDPOINT_DIR, ENDPOINT_MODE, SESSIONS_DIR
+from daemon.session_dirs import ENDPOINT_DIR, SESSIONS_DIR, endpoint_mode
 from daemon.store.models import ControlServerRecord
 from ipc.client import AsyncClient
 from ipc.errors import ErrorCode, IpcError
@@ -164,10 +166,19 @@ def tidy_home(paths: Paths, keep_credentials: Collection[str]) -> Tidied:
     return out
 
 
-def _session_dir_mode(shown: str) -> int | None:
-    """``sessions/<id>/endpoint`` stays 0711 (the agent reaches its socket); others lose group and
-    other bits."""
-    return ENDPOINT_MODE if shown.endswith("/" + ENDPOINT_DIR) and shown.count("/") >= 2 else None
+def _session_dir_modes() -> Callable[[str], int | None]:
+    """The wanted mode of a directory under ``sessions/``: ``sessions/<id>/endpoint`` gets
+    ``endpoint_mode`` (0711 when the agent is another uid: it reaches its socket); others lose
+    group and other bits. As root without the agent user no agent can reach one: 0700."""
+    try:
+        endpoint = endpoint_mode(agent_user())
+    except AgentUserMissing:
+        endpoint = 0o700
+
+    def want(shown: str) -> int | None:
+        return endpoint if shown.endswith("/" + ENDPOINT_DIR) and shown.count("/") >= 2 else None
+
+    return want
 
 
 def _tidy_top(top_fd: int, home: str, paths: Paths, out: Tidied) -> None:
@@ -211,7 +222,7 @@ def _tidy_top(top_fd: int, home: str, paths: Paths, out: Tidied) -> None:
                 _set_mode(fd, os.fstat(fd), 0o700, shown, out)
                 if name in PRIVATE_DIRS:
                     # a loose secret stays refused, never laundered (see above): secrets/ files untouched
-                    want = _session_dir_mode if name == SESSIONS_DIR else (lambda _s: None)
+                    want = _session_dir_modes() if name == SESSIONS_DIR else (lambda _s: None)
                     _tidy_tree(fd, shown, out, [MAX_ENTRIES], want, skip_files=name == paths.secrets_dir.name)
         finally:
             os.close(fd)

@@ -32,9 +32,10 @@ from typing import Any
 
 import pytest
 
+from daemon.agent_user import agent_user
 from daemon.agentctl.sandbox import sandbox_ids
 from daemon.git_credential_helper import HelperError, valid_lease
-from daemon.session_dirs import SessionDirs
+from daemon.session_dirs import SessionDirs, endpoint_mode
 from tests.support.kandev import Kandev, db_row
 from tests.support.processes import alive
 from tests.support.sandbox_attacks import attack_script, attack_verdicts, connect_argv
@@ -181,7 +182,7 @@ def test_scenario_a_passthrough_sessions_are_sandboxed_too(guests: Guests) -> No
 
 def _loose(home: Path) -> list[str]:
     """Everything under the home with a group or other permission bit, but the run dir and CLI socket."""
-    out = []
+    out, agent = [], agent_user()
     for dirpath, dirnames, filenames in os.walk(home):
         for name in dirnames + filenames:
             p = Path(dirpath) / name
@@ -191,8 +192,8 @@ def _loose(home: Path) -> list[str]:
             rel = p.relative_to(home).parts
             if rel[0] == "worktrees" and len(rel) > 2:
                 continue  # a workspace's content is the agent's work (its top directory is 0700)
-            if rel[0] == "sessions" and rel[-1] == "endpoint" and stat.S_IMODE(st.st_mode) == 0o711:
-                continue  # its agent (another uid when kandev runs as root) reaches the socket in it
+            if rel[0] == "sessions" and rel[-1] == "endpoint" and stat.S_IMODE(st.st_mode) == endpoint_mode(agent):
+                continue  # 0711 when its agent is another uid (kandev as root): it reaches the socket in it
             if stat.S_IMODE(st.st_mode) & 0o077:
                 out.append(f"{p} {stat.S_IMODE(st.st_mode):04o}")
     return out

@@ -11,8 +11,14 @@ import socket
 import stat
 from pathlib import Path
 
+import pytest
+
+from daemon import session_dirs
+from daemon.agent_user import AgentUser
+from daemon.backend import hygiene
 from daemon.backend.hygiene import _proven, tidy_home
 from daemon.paths import Paths, run_dir_mode
+from daemon.session_dirs import SessionDirs
 from ipc.errors import ErrorCode, IpcError
 from ipc.schema import OpTable
 from ipc.server import IpcServer
@@ -73,6 +79,24 @@ def test_everything_private_but_the_run_dir_and_cli_socket(tmp_path: Path) -> No
     assert mode(outside) == 0o644  # a symlink is never followed
     assert mode(exposed) == 0o644  # a loose secret is left loose (and refused), never laundered
     assert out.modes and not out.removed
+
+
+@pytest.mark.parametrize(("dedicated", "want"), [(True, 0o711), (False, 0o700)])
+def test_a_session_endpoint_is_opened_only_to_an_agent_of_another_uid(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dedicated: bool, want: int) -> None:
+    """Issue 10 item 9: a session's ``endpoint/`` is 0711 only when agents run as another uid
+    (kandev as root: the agent reaches its socket in it); under the units agents keep the service
+    uid and it is 0700 like the rest of the home, both when made and after the hygiene pass."""
+    agent = AgentUser(os.geteuid(), os.getegid(), "agents", dedicated)  # our uid: no chown needed
+    monkeypatch.setattr(session_dirs, "agent_user", lambda: agent)
+    monkeypatch.setattr(hygiene, "agent_user", lambda: agent)
+    paths = Paths.for_home(tmp_path / "home")
+    paths.ensure()
+    dirs = SessionDirs.for_session(paths.home, "s1").ensure()
+    assert mode(dirs.endpoint) == want and mode(dirs.root) == 0o700
+    os.chmod(dirs.endpoint, 0o755)
+    tidy_home(paths, keep_credentials=set())
+    assert mode(dirs.endpoint) == want
 
 
 def test_credential_files_of_gone_servers_and_the_bootstrap_are_removed(tmp_path: Path) -> None:
