@@ -68,6 +68,9 @@ import sys
 import uuid
 from typing import Any, Literal
 
+import daemon.agents.lean_sdk  # noqa: F401  (before the SDK: its models built lean, see the module)
+
+# isort: split
 import acp
 import psutil
 from acp import RequestError, update_agent_message_text, update_user_message_text

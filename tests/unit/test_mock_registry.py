@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -28,3 +29,30 @@ def test_mock_agent_runs_as_a_module_of_this_interpreter_from_this_code_root(tmp
 def test_unknown_agent_is_a_keyerror_naming_the_known_ones():
     with pytest.raises(KeyError, match="unknown agent 'nope'.*mock"):
         get_agent("nope")
+
+
+def test_the_mock_imports_the_acp_sdk_lean_and_validates_the_same():
+    """The mock's start imports the SDK with pydantic's attribute docstrings off and its models
+    finished on first use (daemon/agents/lean_sdk.py); a model still validates as before. In a
+    child process: the settings are process-wide, and no other process of kandev takes them."""
+    script = (
+        "import json, sys\n"
+        "lean = sys.argv[1] == 'lean'\n"
+        "if lean:\n"
+        "    import daemon.agents.lean_sdk\n"
+        "import acp.schema as s\n"
+        "m = s.InitializeRequest\n"
+        "before = m.__pydantic_complete__\n"
+        "r = m.model_validate({'protocolVersion': 1, 'clientCapabilities': {'fs': {'readTextFile': True}}})\n"
+        "print(json.dumps([before, m.model_fields['protocol_version'].description is None,\n"
+        "                  r.model_dump(by_alias=True, exclude_none=True)]))\n"
+    )
+    out = {}
+    for mode in ("lean", "plain"):
+        done = subprocess.run([sys.executable, "-c", script, mode], cwd=code_root(), capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        out[mode] = json.loads(done.stdout)
+    assert out["lean"][:2] == [False, True]  # deferred, no docstring read from schema.py's source
+    assert out["plain"][:2] == [True, False]  # pydantic's defaults where lean_sdk is not imported
+    assert out["lean"][2] == out["plain"][2]

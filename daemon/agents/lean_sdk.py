@@ -1,0 +1,36 @@
+"""The mock agent's import of the ACP SDK without the work it never uses (imported for effect).
+
+Every session start runs a new mock process, and most of what that start costs is importing
+the SDK: ``acp.schema`` defines some 270 pydantic models, and pydantic finishes each one as its
+class statement runs. Two parts of that are work no agent conversation uses:
+
+- the SDK's models ask for attribute docstrings (``use_attribute_docstrings``), so for every
+  class pydantic walks the stack, reads ``schema.py``'s source and parses the class's block, only
+  to fill field descriptions that appear in a generated JSON schema;
+- every model's validator is built up front, though one conversation validates a few dozen.
+
+Imported before the SDK, this module turns both off for the process: no attribute docstrings,
+and models finished on first use (pydantic's ``defer_build``: the same validation, built when a
+model is first validated or dumped instead of at import). That takes the mock's import from
+about 1.1 s to about 0.5 s of CPU on the CI machine, the larger part of each session start.
+
+Neither setting has a public switch for a third party's models, so both are set where
+pydantic keeps them; a pydantic without them is left as it is (the import is then just slower).
+Only the mock imports this module; the control server imports the SDK once per start and keeps
+pydantic's defaults.
+"""
+
+from __future__ import annotations
+
+import pydantic._internal._config as _config
+import pydantic._internal._fields as _fields
+
+
+def _no_attribute_docstrings(cls: type, use_inspect: bool = False) -> dict[str, str]:
+    return {}
+
+
+if callable(getattr(_fields, "extract_docstrings_from_cls", None)):
+    setattr(_fields, "extract_docstrings_from_cls", _no_attribute_docstrings)  # noqa: B010
+if isinstance(getattr(_config, "config_defaults", None), dict) and "defer_build" in _config.config_defaults:
+    _config.config_defaults["defer_build"] = True
