@@ -19,6 +19,10 @@ protocol (pkt-lines, as over ssh) both ways. Everything is checked here, outside
 Refusals reach git as an ``ERR`` packet (git prints ``fatal: remote error: kandev: ...``) or a
 push report, and the journal as ``git_endpoint_refused``; neither ever holds a secret.
 
+git's wire format (the header, pkt-lines, ref-update commands) is read by ``git_wire``; the
+upstream over smart HTTP is ``git_upstream``; this module holds the checks, one connection's
+exchange and the listeners.
+
 Threads, not the event loop: each listening socket has an accept thread; each connection runs in
 a bounded pool (``MAX_WORKERS``), at most ``MAX_CONNECTIONS_PER_SESSION`` per session (more are
 answered with an ``ERR`` and closed; beyond ``MAX_PENDING_REFUSALS`` waiting for that answer, closed
@@ -27,30 +31,35 @@ unanswered); every socket has a timeout, so nothing waits forever.
 
 from __future__ import annotations
 
-import base64
 import http.client
-import json
 import logging
 import os
 import socket
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
-from urllib.parse import urlsplit
 
+from daemon.backend.git_upstream import Upstream, failure_reason, strip_service_line
+from daemon.backend.git_wire import (
+    CHUNK,
+    ClientStream,
+    Header,
+    Refused,
+    err_pkt,
+    parse_commands,
+    payloads,
+    pkt,
+)
 from daemon.config import CredentialsConfig
 from daemon.credentials import CredentialError, ScopeDenied, redeem_lease
 from daemon.credentials.signing import lease_claims_unverified
 from daemon.journal import log_event
 from daemon.store.db import Store
-from daemon.version import VERSION
 
 log = logging.getLogger(__name__)
 
-SERVICES = ("git-upload-pack", "git-receive-pack")
 MAX_WORKERS = 32
 MAX_CONNECTIONS_PER_SESSION = 8
 MAX_PENDING_REFUSALS = 256
@@ -58,31 +67,10 @@ MAX_HEADER = 16 * 1024
 MAX_REQUEST = 32 * 1024 * 1024  # one upload-pack request (wants and haves)
 MAX_ADVERTISEMENT = 64 * 1024 * 1024
 CLIENT_TIMEOUT_S = 120.0
-UPSTREAM_CONNECT_TIMEOUT_S = 15.0
-UPSTREAM_TIMEOUT_S = 120.0
-CHUNK = 64 * 1024
 DRAIN_TIMEOUT_S = 2.0
 DRAIN_LIMIT = 4 * 1024 * 1024
 ZERO_OID = "0" * 40
 DEFAULT_BRANCH = "@default"
-USER_AGENT = f"git/kandev-{VERSION}"
-
-
-class Refused(Exception):
-    """A request this endpoint will not carry; ``message`` goes to git and the journal."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
-
-
-def pkt(data: bytes) -> bytes:
-    return b"%04x" % (len(data) + 4) + data
-
-
-def err_pkt(message: str) -> bytes:
-    return pkt(b"ERR " + message.encode("utf-8", "replace")[:60000])
 
 
 def ref_allowed(ref: str, patterns: tuple[str, ...], default_ref: str | None) -> bool:
@@ -99,205 +87,7 @@ def ref_allowed(ref: str, patterns: tuple[str, ...], default_ref: str | None) ->
     return allowed
 
 
-# ---------------------------------------------------------------- the agent's side of a connection
-
-
-class ClientStream:
-    """Buffered reads of git's protocol from the agent's socket."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self._buf = b""
-        self.eof = False
-
-    def _fill(self) -> bool:
-        if self.eof:
-            return False
-        data = self.sock.recv(CHUNK)
-        if not data:
-            self.eof = True
-            return False
-        self._buf += data
-        return True
-
-    def line(self, limit: int) -> bytes | None:
-        """One ``\\n``-terminated line (without it), None at end of input."""
-        while b"\n" not in self._buf:
-            if len(self._buf) > limit:
-                raise Refused("malformed", "request header too long")
-            if not self._fill():
-                return None
-        line, _, self._buf = self._buf.partition(b"\n")
-        return line
-
-    def exact(self, n: int) -> bytes:
-        while len(self._buf) < n:
-            if not self._fill():
-                raise Refused("malformed", "the connection ended inside a packet")
-        out, self._buf = self._buf[:n], self._buf[n:]
-        return out
-
-    def packet(self) -> bytes | None:
-        """One pkt-line, raw (length prefix included); None at a clean end of input."""
-        if not self._buf and not self._fill():
-            return None
-        head = self.exact(4)
-        try:
-            size = int(head, 16)
-        except ValueError:
-            raise Refused("malformed", "not a git packet") from None
-        if size in (0, 1, 2):
-            return head
-        if size < 4:
-            raise Refused("malformed", "not a git packet")
-        return head + self.exact(size - 4)
-
-    def section(self, limit: int) -> bytes | None:
-        """Packets up to and including a flush; None at end of input before any."""
-        out: list[bytes] = []
-        total = 0
-        while True:
-            p = self.packet()
-            if p is None:
-                if out:
-                    raise Refused("malformed", "the connection ended inside a request")
-                return None
-            out.append(p)
-            total += len(p)
-            if total > limit:
-                raise Refused("too_large", "request too large")
-            if p == b"0000":
-                return b"".join(out)
-
-    def rest(self) -> Iterator[bytes]:
-        """Everything until the agent's git closes its side (the pack of a push)."""
-        if self._buf:
-            data, self._buf = self._buf, b""
-            yield data
-        while not self.eof:
-            data = self.sock.recv(CHUNK)
-            if not data:
-                self.eof = True
-                return
-            yield data
-
-
-def _payloads(section: bytes) -> list[bytes]:
-    """The data packets of a flush-terminated section, each without its length prefix."""
-    out, i = [], 0
-    while i < len(section):
-        size = int(section[i:i + 4], 16)
-        if size < 4:
-            i += 4
-            continue
-        out.append(section[i + 4:i + size])
-        i += size
-    return out
-
-
-# ---------------------------------------------------------------- the upstream
-
-
-@dataclass(frozen=True)
-class Upstream:
-    """``credentials.github_url`` and one repository on it."""
-
-    scheme: str
-    host: str
-    port: int | None
-    base_path: str
-    repository: str
-    token: str
-
-    def __repr__(self) -> str:
-        return f"Upstream({self.scheme}://{self.host}/{self.repository})"
-
-    @classmethod
-    def of(cls, github_url: str, repository: str, token: str) -> Upstream:
-        u = urlsplit(github_url)
-        return cls(u.scheme, u.hostname or "", u.port, u.path.rstrip("/"), repository, token)
-
-    @property
-    def display(self) -> str:
-        port = f":{self.port}" if self.port else ""
-        return f"{self.scheme}://{self.host}{port}{self.base_path}"
-
-    def request(self, method: str, suffix: str, body: bytes | Iterator[bytes] | None = None,
-                headers: dict[str, str] | None = None) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-        cls = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
-        conn = cls(self.host, self.port, timeout=UPSTREAM_CONNECT_TIMEOUT_S)
-        auth = base64.b64encode(f"x-access-token:{self.token}".encode()).decode()
-        all_headers = {"Authorization": f"Basic {auth}", "User-Agent": USER_AGENT, **(headers or {})}
-        path = f"{self.base_path}/{self.repository}.git/{suffix}"
-        try:
-            conn.connect()
-            if conn.sock is not None:
-                conn.sock.settimeout(UPSTREAM_TIMEOUT_S)
-            conn.request(method, path, body=body, headers=all_headers)
-            response = conn.getresponse()
-        except (OSError, http.client.HTTPException) as exc:
-            conn.close()
-            raise Refused("upstream_unreachable",
-                          f"cannot reach credentials.github_url {self.display}: {_reason(exc)}") from None
-        if response.status != 200:
-            response.read(4096)
-            conn.close()
-            raise Refused("upstream_refused", _upstream_refusal(self, response.status))
-        return conn, response
-
-
-def _reason(exc: BaseException) -> str:
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror
-    return type(exc).__name__ if not str(exc) else str(exc)[:200]
-
-
-def _upstream_refusal(up: Upstream, status: int) -> str:
-    where = f"{up.display}/{up.repository}"
-    if status in (401, 403):
-        return (f"{where} refused the token in credentials.github_token_file (HTTP {status}):"
-                " replace the token, or give it access to this repository")
-    if status == 404:
-        return (f"{where} was not found (HTTP 404): check credentials.github_url, and that the token in"
-                " credentials.github_token_file can see the repository")
-    return f"{where} answered HTTP {status}"
-
-
-def _strip_service_line(body: bytes) -> bytes:
-    """Drop smart HTTP's ``# service=...`` packet and its flush, which git's own protocol lacks."""
-    if len(body) >= 4 and body[4:14] == b"# service=":
-        size = int(body[:4], 16)
-        rest = body[size:]
-        return rest[4:] if rest.startswith(b"0000") else rest
-    return body
-
-
 # ---------------------------------------------------------------- one connection
-
-
-@dataclass(frozen=True)
-class Header:
-    service: str
-    host: str
-    path: str
-    lease_token: str
-
-    @classmethod
-    def parse(cls, line: bytes | None) -> Header:
-        if line is None:
-            raise Refused("malformed", "no request header")
-        try:
-            doc = json.loads(line)
-        except ValueError:
-            raise Refused("malformed", "the request header is not JSON") from None
-        if not isinstance(doc, dict) or doc.get("v") != 1:
-            raise Refused("malformed", "the request header is not version 1")
-        fields = {k: doc.get(k) for k in ("service", "host", "path", "lease_token")}
-        if not all(isinstance(v, str) and v and len(v) <= 4096 for v in fields.values()):
-            raise Refused("malformed", "the request header needs service, host, path and lease_token")
-        if fields["service"] not in SERVICES:
-            raise Refused("service", f"service {fields['service']!r:.40} is not carried (fetch, clone and push only)")
-        return cls(**fields)  # type: ignore[arg-type]
 
 
 class Connection:
@@ -318,7 +108,7 @@ class Connection:
         except Refused as exc:
             self._refuse(exc)
         except (OSError, http.client.HTTPException) as exc:
-            log.info("session %s: git connection ended: %s", self.session_id, _reason(exc))
+            log.info("session %s: git connection ended: %s", self.session_id, failure_reason(exc))
         except Exception:  # never a traceback that could quote a request
             log.error("session %s: git endpoint internal error", self.session_id, exc_info=False)
             self._send(err_pkt("kandev: internal error in the git endpoint (see the backend's journal)"))
@@ -385,7 +175,7 @@ class Connection:
         v2 = {"Git-Protocol": "version=2"}
         conn, resp = up.request("GET", "info/refs?service=git-upload-pack", headers=v2)
         try:
-            advertisement = _strip_service_line(resp.read(MAX_ADVERTISEMENT))
+            advertisement = strip_service_line(resp.read(MAX_ADVERTISEMENT))
         finally:
             conn.close()
         if not advertisement.startswith(pkt(b"version 2\n")):
@@ -395,7 +185,7 @@ class Connection:
             request = self.stream.section(MAX_REQUEST)
             if request is None or request == b"0000":
                 return  # git is done
-            command = _payloads(request)[:1]
+            command = payloads(request)[:1]
             if command not in ([b"command=ls-refs\n"], [b"command=fetch\n"], [b"command=ls-refs"],
                                [b"command=fetch"]):
                 raise Refused("service", "only ls-refs and fetch are carried")
@@ -413,14 +203,14 @@ class Connection:
     def _receive_pack(self, up: Upstream) -> None:
         conn, resp = up.request("GET", "info/refs?service=git-receive-pack")
         try:
-            advertisement = _strip_service_line(resp.read(MAX_ADVERTISEMENT))
+            advertisement = strip_service_line(resp.read(MAX_ADVERTISEMENT))
         finally:
             conn.close()
         self.sock.sendall(advertisement)
         commands = self.stream.section(MAX_REQUEST)
         if commands is None or commands == b"0000":
             return  # nothing to push
-        updates, caps = _parse_commands(commands)
+        updates, caps = parse_commands(commands)
         patterns = self.proxy.config.push_refs
         default_ref = self._default_branch(up) if any(p.lstrip("!") == DEFAULT_BRANCH for p in patterns) else None
         refused = [ref for _old, _new, ref in updates if not ref_allowed(ref, patterns, default_ref)]
@@ -454,7 +244,7 @@ class Connection:
         """The ref the upstream's HEAD names (protocol v0 advertises it as ``symref=HEAD:<ref>``)."""
         conn, resp = up.request("GET", "info/refs?service=git-upload-pack")
         try:
-            first = _payloads(_strip_service_line(resp.read(MAX_ADVERTISEMENT)))[:1]
+            first = payloads(strip_service_line(resp.read(MAX_ADVERTISEMENT)))[:1]
         finally:
             conn.close()
         if not first or b"\0" not in first[0]:
@@ -492,23 +282,6 @@ class Connection:
             bands = [msg] + [pkt(b"\x01" + data[i:i + size]) for i in range(0, len(data), size)]
             data = b"".join(bands) + b"0000"
         self._send(data)
-
-
-def _parse_commands(section: bytes) -> tuple[list[tuple[str, str, str]], set[str]]:
-    """receive-pack's ``<old> <new> <ref>`` commands (the first with the client's capabilities
-    after a NUL); a shallow line or anything else is refused as malformed."""
-    updates: list[tuple[str, str, str]] = []
-    caps: set[str] = set()
-    for i, payload in enumerate(_payloads(section)):
-        text = payload.rstrip(b"\n")
-        if i == 0 and b"\0" in text:
-            text, _, cap_bytes = text.partition(b"\0")
-            caps = set(cap_bytes.decode("ascii", "replace").split())
-        parts = text.decode("utf-8", "replace").split(" ")
-        if len(parts) != 3 or not parts[2].startswith("refs/") or any(len(p) not in (40, 64) for p in parts[:2]):
-            raise Refused("malformed", "not a ref-update command")
-        updates.append((parts[0], parts[1], parts[2]))
-    return updates, caps
 
 
 # ---------------------------------------------------------------- the listeners
