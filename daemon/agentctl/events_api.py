@@ -1,0 +1,98 @@
+"""The event-stream ops: what the backend reads back from an instance, attached or not.
+
+- ``attach`` makes the connection the instance's one stream: events after ``after_seq`` are
+  sent in order, in batches of what is already retained (``STREAM_BATCH``); a batch lost with
+  the connection is sent again from the backend's ``after_seq`` on its next attach.
+- ``ack_events`` discards retained events through a seq.
+- ``turn_status`` / ``turn_statuses`` are pure reads of the open turn and the retained outcomes
+  (AC-EXECUTORS-SURVIVAL-004.6); ``ack_turn`` discards one outcome (an unknown id is accepted
+  and changes nothing).
+
+The log itself and its detached bound are ``daemon.agentctl.events``'; an instance's use of it
+is ``daemon.agentctl.instance``'s.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from daemon import faults
+from daemon.agentctl.protocol import TURN_STATUSES_MAX
+from daemon.agentctl.server_context import ServerContext
+from ipc.connection import ConnectionContext
+from ipc.errors import ErrorCode, IpcError
+from ipc.framing import ConnectionClosed
+from ipc.server import Handler
+
+log = logging.getLogger("kandev.agentctl.server")
+
+STREAM_BATCH = 256  # events an attach stream takes from the log for one send (bounded in bytes by the ipc layer)
+
+
+def handlers(server: ServerContext) -> dict[str, Handler]:
+    """The event-stream ops' handlers."""
+
+    async def attach(ctx: ConnectionContext, args: dict[str, Any]) -> None:
+        inst = server.get(args["instance_id"])
+        after_seq = args.get("after_seq", 0)
+        sub = inst.attach(after_seq)
+        log.debug("conn %d: attached to %s after seq %d", server.conn_id(ctx), inst.instance_id, after_seq)
+        try:
+            await ctx.start_stream(
+                {
+                    "instance_id": inst.instance_id,
+                    "next_seq": inst.log.next_seq,
+                    "retained_events": inst.log.retained_count,
+                }
+            )
+            while True:
+                event = await sub.next()
+                if event is None:
+                    break
+                # What else is already retained goes in the same write (in order; a batch lost with
+                # the connection is sent again from the backend's after_seq on its next attach).
+                batch = [event, *sub.ready(STREAM_BATCH - 1)]
+                await ctx.send_events([(e.seq, e.kind, e.data) for e in batch])
+        except ConnectionClosed:
+            pass
+        finally:
+            inst.detach(sub)
+            log.debug("conn %d: detached from %s", server.conn_id(ctx), inst.instance_id)
+
+    async def ack_events(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        discarded = server.get(args["instance_id"]).ack_events(args["seq"])
+        return {"discarded": discarded}
+
+    async def turn_status(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        faults.hit("agentctl_turn_status_fails")  # test fault, off unless $KANDEV_FAULT says so
+        return server.get(args["instance_id"]).turn_status()
+
+    async def turn_statuses(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        faults.hit("agentctl_turn_status_fails")  # the same test fault as one turn_status read
+        await faults.delay("agentctl_slow_turn_statuses")  # answered as the instances are after the delay
+        ids = args["instance_ids"]
+        if len(ids) > TURN_STATUSES_MAX or not all(isinstance(i, str) for i in ids):
+            raise IpcError(ErrorCode.INVALID_ARGUMENT,
+                           f"instance_ids must be at most {TURN_STATUSES_MAX} instance ids (strings)")
+        statuses: dict[str, Any] = {}
+        missing: list[str] = []
+        for instance_id in ids:
+            inst = server.instances.get(instance_id)
+            if inst is None or inst.gone:
+                missing.append(instance_id)
+            else:
+                statuses[instance_id] = inst.turn_status()
+        return {"statuses": statuses, "missing": missing}
+
+    async def ack_turn(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        turn_id = args["turn_id"]
+        for inst in server.instances.values():
+            if inst.ack_turn(turn_id):
+                return {"acked": True}
+        return {"acked": False}  # unknown id: accepted, nothing changes (AC-EXECUTORS-SURVIVAL-004.6)
+
+    return {
+        "attach": attach, "ack_events": ack_events, "turn_status": turn_status, "turn_statuses": turn_statuses,
+        "ack_turn": ack_turn,
+    }

@@ -1,0 +1,168 @@
+"""The launch's instances as a service: create one (secrets, sandbox, start), stop one or all,
+and keep the agents' stderr files bounded.
+
+``InstanceService`` owns the life of the table ``ServerContext.instances`` from outside an
+instance: what goes into a new instance's spec besides the request (its secret values, read off
+the loop by ``daemon.agentctl.agent_env``; its sandboxed argv from ``SandboxHost``), the
+``agent_unsandboxed`` / ``instance_started`` journal entries, the clean-up of an instance that
+failed to start, and the bounds of ``daemon.agentctl.agent_logs``. What one instance does once
+created is ``daemon.agentctl.instance``'s; reading the request off the wire is
+``daemon.agentctl.instances_api``'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from daemon.agentctl import agent_env, agent_logs, sandbox
+from daemon.agentctl.instance import Instance, InstanceSpec
+from daemon.agentctl.sandbox import SandboxPolicy, SandboxRequest
+from daemon.agentctl.sandbox_host import SandboxHost
+from daemon.agentctl.server_context import ServerContext
+from daemon.agents.settings import SettingsError
+from daemon.journal import log_event
+from ipc.errors import ErrorCode, IpcError
+
+log = logging.getLogger("kandev.agentctl.server")
+
+
+class InstanceService:
+    """Creating and stopping the launch's instances (see the module docstring)."""
+
+    def __init__(self, server: ServerContext, sandbox_host: SandboxHost) -> None:
+        self.server = server
+        self.sandbox = sandbox_host
+
+    async def create(self, spec: InstanceSpec, sandbox_wire: Any, secret_refs: Any) -> Instance:
+        """Start the agent ``spec`` asks for, in its sandbox unless the request's ``sandbox``
+        says off; the instance is in the table and running on return."""
+        server = self.server
+        spec.secret_env = await self._agent_secrets(spec.agent, secret_refs)
+        request = SandboxRequest.from_wire(sandbox_wire)
+        if request.policy is SandboxPolicy.REQUIRED:
+            request = agent_env.hide_secret_files(request, server.config.secret_refs(), secret_refs)
+            launch = await self.sandbox.wrap(request, spec.command, spec.cwd)
+            spec.launch_argv, spec.launch_fds = launch.argv, list(launch.fds)
+            spec.sandboxed = True
+        else:
+            log_event(
+                "agent_unsandboxed",
+                f"instance {spec.instance_id} of session {spec.session_id}: agent started WITHOUT a sandbox"
+                " (agents.sandbox = \"off\"): it can reach everything this server's user can",
+                priority=4,
+                INSTANCE_ID=spec.instance_id,
+                SESSION_ID=spec.session_id,
+                TASK_ID=spec.task_id,
+                AGENT=spec.agent,
+            )
+        kwargs: dict[str, Any] = {}
+        if server.handshake_timeout is not None:
+            kwargs["handshake_timeout"] = server.handshake_timeout
+        inst = Instance(
+            spec,
+            agent_log_dir=Path(server.config.agent_log_dir),
+            turn_ids=server.turn_ids,
+            on_change=server.changed,
+            detached_event_limit=server.detached_event_limit,  # per instance, by its own stream (AC-EXECUTORS-SURVIVAL-001.9)
+            **kwargs,
+        )
+        server.instances[spec.instance_id] = inst
+        server.changed()
+        try:
+            await inst.start()
+        except BaseException as exc:
+            await inst.stop()
+            server.instances.pop(spec.instance_id, None)
+            server.changed()
+            if spec.sandboxed and isinstance(exc, IpcError) and "bwrap: " in inst.stderr_tail(1024):
+                # bwrap's own error: a host that no longer admits the sandbox says so in its type
+                support = await self.sandbox.probe()
+                if not support.available:
+                    raise sandbox.unavailable(support.reason or "unknown") from None
+            raise
+        if server.shutting_down:  # shut down while the agent was starting
+            await inst.stop()
+            server.instances.pop(spec.instance_id, None)
+            raise IpcError(ErrorCode.SHUTTING_DOWN, "create_instance: the control server is shutting down")
+        log_event(
+            "instance_started",
+            f"instance {spec.instance_id} started: agent {spec.agent or spec.command[0]} pid {inst.pid}"
+            f" ({'sandboxed' if spec.sandboxed else 'NOT sandboxed'})",
+            INSTANCE_ID=spec.instance_id,
+            SESSION_ID=spec.session_id,
+            TASK_ID=spec.task_id,
+            PID=inst.pid,
+            AGENT=spec.agent,
+            SANDBOXED=int(spec.sandboxed),
+        )
+        return inst
+
+    async def _agent_secrets(self, agent: Any, refs: Any) -> dict[str, str]:
+        """The values of the agent's ``secret_env`` references, read off the loop (agent_env)."""
+        try:
+            parsed = agent_env.parse_refs(refs, f"agents.{agent or '?'}.secret_env")
+        except SettingsError as exc:
+            raise IpcError(ErrorCode.INVALID_ARGUMENT, f"create_instance: secret_env: {exc}") from None
+        if not parsed:
+            return {}
+        try:
+            return await asyncio.to_thread(
+                agent_env.resolve, parsed, f"agents.{agent or '?'}.secret_env",
+                credentials_dir=os.environ.get("CREDENTIALS_DIRECTORY"), forbidden=self.sandbox.own_paths())
+        except agent_env.SecretUnavailable as exc:
+            raise IpcError(ErrorCode.INVALID_ARGUMENT, f"create_instance: the agent's secret cannot be read: {exc}",
+                           retryable=False) from None
+
+    async def stop(self, instance_id: str) -> bool:
+        """Stop and forget one instance; False if there is none (an absent instance counts as stopped)."""
+        inst = self.server.instances.get(instance_id)
+        if inst is None:
+            return False
+        await inst.stop()
+        self.server.instances.pop(instance_id, None)
+        self.server.changed()
+        return True
+
+    async def stop_all(self) -> list[str]:
+        """Stop every instance (in parallel; each stop is bounded); returns their ids."""
+        instances = list(self.server.instances.values())
+        results = await asyncio.gather(*(inst.stop() for inst in instances), return_exceptions=True)
+        for inst, result in zip(instances, results, strict=True):
+            if isinstance(result, BaseException):
+                log.error("stopping instance %s failed: %r", inst.instance_id, result)
+            self.server.instances.pop(inst.instance_id, None)
+        self.server.changed()
+        return [inst.instance_id for inst in instances]
+
+    async def run_agent_log_bounds(self) -> None:
+        """Keep the agents' stderr files bounded (``agent_logs``): old files of instances this
+        server does not run are pruned at start and hourly; running instances' files are capped
+        about every minute."""
+        server = self.server
+        directory = Path(server.config.agent_log_dir)
+        last_prune: float | None = None
+        while not server.shutting_down:
+            if last_prune is None or time.monotonic() - last_prune >= agent_logs.PRUNE_EVERY_S:
+                last_prune = time.monotonic()
+                keep = {inst.stderr_path for inst in server.instances.values()}
+                async with server.background_io:
+                    removed = await asyncio.to_thread(agent_logs.prune, directory, keep)
+                if removed:
+                    log_event("agent_logs_pruned", f"removed {len(removed)} agent stderr file(s) of instances"
+                              f" not running here and not written for {agent_logs.MAX_AGE_S // 86400} days",
+                              COUNT=len(removed))
+            for inst in list(server.instances.values()):
+                if inst.stderr_sink is not None:
+                    continue  # bounded while written (agent_logs.StderrSink)
+                async with server.background_io:
+                    dropped = await asyncio.to_thread(agent_logs.cap, inst.stderr_path)
+                if dropped:
+                    log_event("agent_log_truncated", f"instance {inst.instance_id}: cut {dropped} bytes of agent"
+                              f" stderr (kept under {agent_logs.MAX_BYTES} bytes)", INSTANCE_ID=inst.instance_id,
+                              DROPPED=dropped)
+            await asyncio.sleep(agent_logs.CAP_EVERY_S)
