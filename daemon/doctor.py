@@ -528,7 +528,7 @@ def _agent_limits(r: _Report, config: Config | None) -> None:
     """Which uid agents run as, the process cap and how the kernel enforces it, the OOM order, and
     whether agents get cgroups of their own (and why not)."""
     from daemon.agent_user import AgentUserMissing, agent_user, describe
-    from daemon.agentctl.instance import AGENT_OOM_SCORE_ADJ
+    from daemon.agentctl.agent_process import AGENT_OOM_SCORE_ADJ
     from daemon.platform import per_agent_cgroups
     from daemon.service import DAEMON_OOM_SCORE_ADJ
 

@@ -186,6 +186,18 @@ class StderrSink:
         return self._eof.is_set()
 
 
+def tail(path: Path, limit: int) -> str:
+    """The last ``limit`` bytes of an agent's stderr file, as text ("" if it cannot be read)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - limit))
+            return fh.read(limit).decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
 def prune(directory: Path, keep: set[Path], max_age_s: float = MAX_AGE_S, now: float | None = None) -> list[Path]:
     """Remove the stderr files in ``directory`` not written for ``max_age_s`` and not in ``keep``."""
     now = time.time() if now is None else now

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from daemon.agentctl import agent_env, agent_logs, sandbox
-from daemon.agentctl.instance import Instance, InstanceSpec
+from daemon.agentctl.agent_process import InstanceSpec
+from daemon.agentctl.instance import Instance
 from daemon.agentctl.sandbox import SandboxPolicy, SandboxRequest
 from daemon.agentctl.sandbox_host import SandboxHost
 from daemon.agentctl.server_context import ServerContext

@@ -15,7 +15,7 @@ import uuid
 from typing import Any
 
 from daemon import faults
-from daemon.agentctl.instance import InstanceSpec
+from daemon.agentctl.agent_process import InstanceSpec
 from daemon.agentctl.instances import InstanceService
 from daemon.agentctl.sandbox_host import SandboxHost
 from daemon.agentctl.server_context import ServerContext

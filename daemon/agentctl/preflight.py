@@ -41,11 +41,11 @@ async def _check() -> dict[str, Any]:
 
     missing_optional = preload.import_everything()
 
-    from daemon.agentctl import acp_internals, launch
+    from daemon.agentctl import acp_internals, instance_handover, launch
     from daemon.agentctl.handover import decode, from_fields
-    from daemon.agentctl.instance import Instance, TurnIds
     from daemon.agentctl.ownership import Ownership
     from daemon.agentctl.reexec import code_root
+    from daemon.agentctl.turns import TurnIds
     from daemon.version import VERSION
 
     acp_internals.check()
@@ -59,7 +59,7 @@ async def _check() -> dict[str, Any]:
     turn_ids = TurnIds(state.server_identity, state.turn_counter)
     not_taken_over: dict[str, list[str]] = {}
     for h in state.instances:
-        inst = Instance.from_handover(h, agent_log_dir=config.agent_log_dir, turn_ids=turn_ids)
+        inst = instance_handover.restore(h, agent_log_dir=config.agent_log_dir, turn_ids=turn_ids)
         if inst.not_taken_over:
             not_taken_over[inst.instance_id] = list(inst.not_taken_over)
     return {

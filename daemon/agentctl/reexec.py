@@ -16,7 +16,7 @@ backend). One reload at a time; a request during one joins it.
    line being read, or held back by the detached bound, stays in the transport),
    then waits until every write to the agent is on its way, the open turn's
    prompt is out, and the only agent requests we have not answered are permission
-   requests nobody answered yet (``Instance.handover_blocker``). No agent-log
+   requests nobody answered yet (``instance_handover.blocker``). No agent-log
    thread work is in flight (``server.background_io``).
 3. Capture (``AgentctlServer.capture_handover``) into a sealed memfd, and
    **preflight**: the installed code (``python -m daemon.agentctl.main
@@ -193,6 +193,8 @@ class Reloader:
             raise ReloadRefused("the control server is stopping")
 
     async def _reload(self, attempt: int, origin: str) -> None:
+        from daemon.agentctl import instance_handover  # imported late, as main imports the server
+
         server = self.server
         ipc = server.ipc
         self._check_still_wanted()
@@ -219,7 +221,7 @@ class Reloader:
             await within(server.background_io.acquire(), max(0.1, deadline - time.monotonic()))
             io_held = True
             paused = list(server.instances.values())
-            stopped = [task for inst in paused if (task := inst.pause_for_handover()) is not None]
+            stopped = [task for inst in paused if (task := instance_handover.pause(inst)) is not None]
             if stopped:
                 await asyncio.wait(stopped)
             memfd = -1
@@ -249,7 +251,7 @@ class Reloader:
             if preflight is not None:
                 await preflight.abandon()
             for inst in paused:
-                inst.resume_after_refusal()
+                instance_handover.resume_after_refusal(inst)
             if io_held:
                 server.background_io.release()
             if listener is not None:
@@ -259,7 +261,7 @@ class Reloader:
             raise
 
     async def _settle(self, deadline: float) -> None:
-        """Wait until every instance can be captured as it is (``Instance.handover_blocker``)."""
+        """Wait until every instance can be captured as it is (``instance_handover.blocker``)."""
         while True:
             self._check_still_wanted()
             blocker = self._blocker()
@@ -270,8 +272,10 @@ class Reloader:
             await asyncio.sleep(0.01)
 
     def _blocker(self) -> str | None:
+        from daemon.agentctl import instance_handover  # imported late, as main imports the server
+
         for inst in self.server.instances.values():
-            blocker: str | None = inst.handover_blocker()
+            blocker: str | None = instance_handover.blocker(inst)
             if blocker is None:
                 blocker = _reaped_unseen(inst)
             if blocker is not None:
@@ -304,10 +308,12 @@ class Reloader:
     def _exec(self, memfd: int, listener: Any, report: dict[str, Any]) -> None:
         """Replace this process image (stop signals are blocked by ``_final_capture``). Returns
         only by raising ReloadRefused, after undoing what it did."""
+        from daemon.agentctl import instance_handover  # imported late, as main imports the server
+
         server = self.server
         fds = [memfd, listener.fileno()]
         for inst in server.instances.values():
-            fds.extend(inst.handover_fds())
+            fds.extend(instance_handover.fds(inst))
         argv = entry_argv(*self._extra_args, "--resume-state-fd", str(memfd))
         log_event(
             "agentctl_reexec",

@@ -34,10 +34,10 @@ import daemon.agentctl.events_api as events_api
 import daemon.agentctl.instances_api as instances_api
 import daemon.agentctl.ownership_api as ownership_api
 import daemon.agentctl.reload_api as reload_api
-from daemon.agentctl import reload_status
+from daemon.agentctl import instance_handover, reload_status
 from daemon.agentctl.connection_auth import ConnectionAuth, authenticated
 from daemon.agentctl.handover import HANDOVER_FORMAT, ReloadHistory, ServerHandover, to_plain
-from daemon.agentctl.instance import Instance, TurnIds
+from daemon.agentctl.instance import Instance
 from daemon.agentctl.instances import InstanceService
 from daemon.agentctl.launch import LaunchConfig
 from daemon.agentctl.ownership import Ownership
@@ -45,6 +45,7 @@ from daemon.agentctl.protocol import TABLE
 from daemon.agentctl.sandbox import SandboxSupport
 from daemon.agentctl.sandbox_host import SandboxHost
 from daemon.agentctl.server_context import ServerContext
+from daemon.agentctl.turns import TurnIds
 from daemon.config import ResolvedAgentctl
 from daemon.journal import log_event
 from daemon.limits import BUFFER_LIMIT, IDLE_CONNECTION_TIMEOUT_S, connection_limit
@@ -219,7 +220,7 @@ class AgentctlServer:
             socket_identity=list(identity) if identity is not None else [],
             ownership=ctx.ownership.snapshot(),
             reload=history,
-            instances=[inst.handover_state() for inst in ctx.instances.values()],
+            instances=[instance_handover.capture(inst) for inst in ctx.instances.values()],
             quiesced_at=quiesced_at,
             sandbox_support=self.sandbox.support,
         )
@@ -248,8 +249,8 @@ class AgentctlServer:
         # until this image's own probe, started at once by start_handed_over, replaces it.
         server.sandbox.support = state.sandbox_support
         for h in state.instances:
-            inst = Instance.from_handover(h, agent_log_dir=Path(config.agent_log_dir), turn_ids=ctx.turn_ids,
-                                          on_change=ctx.changed)
+            inst = instance_handover.restore(h, agent_log_dir=Path(config.agent_log_dir), turn_ids=ctx.turn_ids,
+                                             on_change=ctx.changed)
             ctx.instances[inst.instance_id] = inst
         return server
 
@@ -258,7 +259,7 @@ class AgentctlServer:
         ctx = self.context
         for inst, h in zip(list(ctx.instances.values()), state.instances, strict=True):
             try:
-                await inst.resume_pipes(h)
+                await instance_handover.resume_pipes(inst, h)
             except Exception as exc:  # one instance's pipes never cost the others theirs
                 log.exception("instance %s: cannot take its agent's pipes back", inst.instance_id)
                 inst.not_taken_over.append(f"the agent's pipes ({type(exc).__name__}: {exc}); the agent still"

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from daemon.agent_user import give_file
-from daemon.agentctl.instance import AGENT_PATH
+from daemon.agentctl.agent_process import AGENT_PATH
 from daemon.agentctl.sandbox import SANDBOX_UNAVAILABLE, SandboxPolicy, SandboxRequest
 from daemon.agents import home_files
 from daemon.agents.mock_store import STATE_DIR_ENV

@@ -19,7 +19,9 @@ from typing import Any
 
 import pytest
 
-from daemon.agentctl.instance import KILL_GRACE, Instance, InstanceSpec, InstanceState, TurnIds
+from daemon.agentctl.agent_process import KILL_GRACE, InstanceSpec
+from daemon.agentctl.instance import Instance, InstanceState
+from daemon.agentctl.turns import TurnIds
 from ipc.errors import ErrorCode, IpcError
 from tests.support.aio import run
 
@@ -135,16 +137,17 @@ def test_identity_check_refuses_a_reused_pid(tmp_path: Path, groups: set[int]):
         inst = _instance(tmp_path, MOCK)
         await inst.start()
         groups.add(inst.pid)
-        real_proc, real_pid = inst._psproc, inst.pid
+        group = inst.group
+        real_proc, real_pid = group.psproc, group.pid
         try:
             # The recorded identity says "pid X started at time T"; X is now someone else.
             stale = psutil.Process(other.pid)
             stale._ident = (other.pid, stale._ident[1] - 100.0)
-            inst._psproc, inst.pid = stale, other.pid
-            sent = inst._signal_group(signal.SIGKILL)
+            group.psproc, group.pid = stale, other.pid
+            sent = group.signal_group(signal.SIGKILL)
         finally:
-            inst._psproc, inst.pid = real_proc, real_pid
-        signalled_own = inst._signal_group(0)
+            group.psproc, group.pid = real_proc, real_pid
+        signalled_own = group.signal_group(0)
         await inst.stop()
         return sent, signalled_own
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
+from daemon.agentctl.agent_pipe import AGENT_STDOUT_LIMIT, AgentPipeTransport
 from daemon.agentctl.events import EXCLUDED_KINDS, RETAINED_KINDS, EventLog
-from daemon.agentctl.instance import AGENT_STDOUT_LIMIT, AgentPipeTransport
 from daemon.agentctl.protocol import EventKind
 from tests.support.aio import run
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from daemon.agentctl import handover
+from daemon.agentctl.agent_process import InstanceSpec
 from daemon.agentctl.events import EventLog
 from daemon.agentctl.handover import (
     HandoverError,
@@ -34,10 +35,12 @@ from daemon.agentctl.handover import (
     to_plain,
     write_memfd,
 )
-from daemon.agentctl.instance import Instance, InstanceSpec, TurnIds
+from daemon.agentctl.instance import Instance
+from daemon.agentctl.instance_handover import capture
 from daemon.agentctl.ownership import Ownership
 from daemon.agentctl.reexec import interpreter_flags
 from daemon.agentctl.sandbox import SandboxSupport
+from daemon.agentctl.turns import TurnIds
 from ipc.errors import IpcError
 from tests.support.paths import REPO_ROOT
 
@@ -250,16 +253,16 @@ def test_agent_secrets_are_spawned_into_the_agent_then_never_kept_nor_handed_ove
     spec = InstanceSpec(instance_id="i3", session_id="s3", task_id="t3", cwd=str(tmp_path),
                         command=["sh", "-c", f'printf %s "$AGENT_KEY" > {out}'], secret_env={"AGENT_KEY": "k-42-value"})
     inst = Instance(spec, agent_log_dir=tmp_path / "logs", turn_ids=lambda: "id:1")
-    assert b"k-42-value" not in encode(_state([inst.handover_state()]))  # not even before the spawn
+    assert b"k-42-value" not in encode(_state([capture(inst)]))  # not even before the spawn
 
     async def spawn() -> None:
-        await inst._spawn()
-        assert inst._proc is not None
-        await inst._proc.wait()
+        await inst.spawn()
+        assert inst.process is not None
+        await inst.process.wait()
 
     asyncio.run(spawn())
     assert out.read_text() == "k-42-value" and spec.secret_env == {}
-    state = inst.handover_state()
+    state = capture(inst)
     assert "secret_env" not in state.spec and b"k-42-value" not in encode(_state([state]))
     lost: list[str] = []
     assert from_fields(InstanceSpec, state.spec, "spec", lost).secret_env == {} and lost == []

@@ -1,0 +1,172 @@
+"""The agent's pipes as an ACP message transport: the output path's first step and its brake.
+
+``AgentPipeTransport`` owns the framing of the agent's stdin/stdout (newline-delimited JSON, the
+SDK's framing), the requests of ours still awaiting an answer (``requests_sent``), what was read
+and not handed over (a line held back, the pieces of a long one: nothing is lost by a cancel or
+a re-exec) and the place where reading pauses for backpressure: the detached bound of
+``daemon.agentctl.events.EventLog`` is awaited before each message is handed over, so a full
+detached log leaves the agent blocked in its own write (AC-EXECUTORS-SURVIVAL-001.6).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+log = logging.getLogger("kandev.agentctl.instance")
+
+AGENT_STDOUT_LIMIT = 64 * 1024
+"""``StreamReader`` limit of the agent's stdout: it stops reading the pipe at about twice this, so
+a parked producer leaves the agent blocked instead of buffering its output in the server. Longer
+lines still work (``AgentPipeTransport._read_line`` reads them in pieces)."""
+
+class AgentPipeTransport:
+    """An ``acp`` message transport over the agent's stdin/stdout (newline-delimited JSON).
+
+    Same framing as the SDK's stdio transport; owning it gives the server
+    two things: ``eof`` (every line the agent wrote has been handed to the
+    connection) and the place where reading pauses for backpressure
+    (AC-EXECUTORS-SURVIVAL-001.6, docs/architecture.md#processes): before each message read is
+    handed over, ``gate()`` is awaited (``EventLog.wait_for_room``); the next
+    ``receive()`` is not even called meanwhile, so nothing more is read. No
+    lock is held while it waits.
+    """
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        on_garbage: Callable[[str], None] | None = None,
+        gate: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._on_garbage = on_garbage
+        self._gate = gate
+        # A line read but not handed over yet (held back by the gate, or the reading was stopped
+        # for a re-exec) and the pieces of a long line already taken from the reader: both stay
+        # here, never in a local variable, so cancelling receive() at any await loses nothing.
+        self._held: bytes | None = None
+        self._partial: list[bytes] = []
+        self._send_lock = asyncio.Lock()
+        self._sending = 0  # send() calls not yet returned
+        self.requests_sent: dict[Any, str] = {}  # JSON-RPC id -> method, until its answer is read
+        self.eof = asyncio.Event()
+
+    @property
+    def drained(self) -> bool:
+        """Whether every message the agent wrote was handed over: ``eof``, or nothing is held back
+        and the reader holds the end of the pipe and nothing else (also while parked)."""
+        return self.eof.is_set() or (self._held is None and not self._partial and self._reader.at_eof())
+
+    @property
+    def writes_settled(self) -> bool:
+        """No send in progress and nothing of ours waiting to go into the agent's stdin pipe."""
+        transport = self._writer.transport
+        return self._sending == 0 and (transport.is_closing() or transport.get_write_buffer_size() == 0)
+
+    def unread(self, buffered: bytes) -> bytes:
+        """Everything read from the agent and not handed over, in order, given the reader's buffer."""
+        return (self._held or b"") + b"".join(self._partial) + buffered
+
+    async def send(self, message: dict[str, Any]) -> None:
+        data = (json.dumps(message, separators=(",", ":")) + "\n").encode("utf-8")
+        self._sending += 1
+        try:
+            async with self._send_lock:
+                if self._writer.is_closing():
+                    raise ConnectionResetError("the agent's stdin is closed")
+                if "method" in message and "id" in message:
+                    self.requests_sent[message["id"]] = str(message["method"])
+                self._writer.write(data)
+                await self._writer.drain()
+        finally:
+            self._sending -= 1
+
+    async def receive(self) -> dict[str, Any] | None:
+        try:
+            while True:
+                if self._held is None:
+                    line = await self._read_line()
+                    if not line:
+                        self.eof.set()
+                        return None
+                    self._held = line
+                line = self._held.strip()
+                if not line:
+                    self._held = None
+                    continue
+                try:
+                    message = json.loads(line)
+                except ValueError:
+                    message = None
+                if self._gate is not None:
+                    # Parks, holding this one message back, while the detached bound is reached.
+                    # Checked after the read (not before it) so that events the server appended
+                    # while this read was waiting for the agent count too.
+                    await self._gate()
+                self._held = None
+                if isinstance(message, dict):
+                    if "method" not in message and "id" in message:
+                        self.requests_sent.pop(message["id"], None)  # the answer to one of ours
+                    return message
+                if self._on_garbage is not None:
+                    self._on_garbage(line[:200].decode("utf-8", errors="replace"))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a broken pipe is the end of the conversation
+            log.warning("reading the agent's stdout failed: %s", exc)
+            self.eof.set()
+            return None
+
+    async def _read_line(self) -> bytes:
+        try:
+            while True:
+                try:
+                    last = await self._reader.readuntil(b"\n")
+                    break
+                except asyncio.LimitOverrunError as exc:
+                    # exc.consumed bytes are buffered already: this read never waits.
+                    self._partial.append(await self._reader.readexactly(exc.consumed))
+        except asyncio.IncompleteReadError as exc:
+            last = exc.partial
+        line = b"".join(self._partial) + last
+        self._partial.clear()
+        return line
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._writer.close()
+
+
+async def wait_any(events: tuple[asyncio.Event, ...], timeout: float) -> None:
+    """Return when one of ``events`` is set or after ``timeout`` s."""
+    if any(e.is_set() for e in events):
+        return
+    waiters = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()
+
+
+async def drain(transport: AgentPipeTransport, paused: Callable[[], bool], stop: asyncio.Event, grace: float) -> bool:
+    """Wait until every line of an exited agent's stdout was read, ``stop``, or ``grace`` s of
+    reading time (a child may hold stdout open); False if the grace ran out. Time the producer
+    spends parked by the detached bound (``paused``) does not count: the rest is read after an
+    attach."""
+    loop = asyncio.get_running_loop()
+    while not transport.drained and not stop.is_set():
+        if grace <= 0:
+            return False
+        was_paused = paused()
+        started = loop.time()
+        await wait_any((transport.eof, stop), min(grace, 0.1) if not was_paused else 0.1)
+        if not (was_paused and paused()):
+            grace -= loop.time() - started
+    return True
