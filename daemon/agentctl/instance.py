@@ -13,10 +13,10 @@ State machine (supervisord-style; every change goes through ``_set_state``)::
 The rooms (docs/architecture.md#the-control-server-inside), each in its own module:
 
 - what runs: ``agent_process`` (the spec, spawn, environment, identity, signals, the kill);
-- the ACP requests: ``acp_session`` (the handshake, bounded requests, their errors);
 - the output path: ``agent_pipe`` (the agent's stdout, paused by the detached bound) into
   ``events.EventLog`` (retention, acks), its stderr through ``agent_logs.StderrSink``;
-- the turn and the permissions: ``turns`` (``Turns``, ``Permissions``, ``TurnIds``);
+- the conversation: ``conversation`` (the ACP handshake and bounded requests, ``Turns``,
+  ``Permissions``, ``TurnIds``);
 - the hand-over to the next process image: ``instance_handover``.
 
 This module keeps what ties them together: the ACP connection and its observer, which the SDK
@@ -60,7 +60,7 @@ from acp.connection import StreamDirection, StreamEvent
 from acp.exceptions import RequestError
 from acp.schema import AllowedOutcome, DeniedOutcome, RequestPermissionResponse
 
-from daemon.agentctl import acp_session, agent_logs
+from daemon.agentctl import agent_logs, conversation
 from daemon.agentctl.agent_pipe import AgentPipeTransport, drain, wait_any
 from daemon.agentctl.agent_process import (
     REAP_TIMEOUT,
@@ -69,9 +69,9 @@ from daemon.agentctl.agent_process import (
     close_launch_fds,
     killed_by,
 )
+from daemon.agentctl.conversation import Permissions, Turns, rpc_error_text, rpc_key
 from daemon.agentctl.events import EventLog, Subscription
 from daemon.agentctl.protocol import EventKind
-from daemon.agentctl.turns import Permissions, Turns, rpc_error_text, rpc_key
 from daemon.journal import log_event
 from ipc.aio import within
 from ipc.errors import ErrorCode, IpcError
@@ -292,7 +292,7 @@ class Instance:
                 await within(proc.wait(), REAP_TIMEOUT)
             raise IpcError(ErrorCode.SHUTTING_DOWN, f"instance {self.instance_id} was stopped while starting")
         conn = self.connect(proc.stdout, proc.stdin)
-        handshake = acp_session.Handshake()
+        handshake = conversation.Handshake()
         try:
             await handshake.run(conn, self.spec.cwd, self.spec.resume_session_id, self.handshake_timeout,
                                 self._settle_replay)
@@ -330,7 +330,7 @@ class Instance:
 
     async def _handshake_failure(self, step: str, exc: BaseException | None) -> str:
         """Kill the group and describe why the handshake failed."""
-        reason = acp_session.failure_reason(step, exc, self.handshake_timeout)
+        reason = conversation.failure_reason(step, exc, self.handshake_timeout)
         if not self.gone:
             # Let an agent that is exiting by itself report its own exit code.
             with contextlib.suppress(TimeoutError):
@@ -435,7 +435,7 @@ class Instance:
 
     async def _config_call(self, what: str, call: Callable[[acp.ClientSideConnection], Awaitable[Any]]) -> Any:
         """One ACP request on the current session; a refusal is ``agent_error`` (not retryable)."""
-        return await acp_session.request(self._require_running(what), what, call, self.handshake_timeout)
+        return await conversation.request(self._require_running(what), what, call, self.handshake_timeout)
 
     async def set_mode(self, mode_id: str) -> dict[str, Any]:
         """ACP ``session/set_mode`` on the current session. ``last_seq`` covers every update the
@@ -456,7 +456,7 @@ class Instance:
             f"session/set_config_option {config_id}={value!r}",
             lambda c: c.set_config_option(config_id=config_id, session_id=session_id, value=value),
         )
-        options = acp_session.dump_list(getattr(response, "config_options", None))
+        options = conversation.dump_list(getattr(response, "config_options", None))
         if options:
             self.session_info["config_options"] = options
         return {"acp_session_id": session_id, "config_options": options, "last_seq": self.log.last_seq}
@@ -469,7 +469,7 @@ class Instance:
         cwd = self.spec.cwd
         session = await self._config_call("session/new (context reset)", lambda c: c.new_session(cwd=cwd))
         self.acp_session_id = session.session_id
-        self.session_info = acp_session.session_info(session)
+        self.session_info = conversation.session_info(session)
         return {"acp_session_id": self.acp_session_id, **self.session_info, "last_seq": self.log.last_seq}
 
     def turn_status(self) -> dict[str, Any]:

@@ -28,9 +28,9 @@ from acp.schema import PromptResponse
 from daemon.agentctl import acp_internals
 from daemon.agentctl.agent_pipe import AGENT_STDOUT_LIMIT
 from daemon.agentctl.agent_process import SPEC_NOT_HANDED_OVER, AdoptedProcess, InstanceSpec
+from daemon.agentctl.conversation import Permission, rpc_key
 from daemon.agentctl.handover import InstanceHandover, RequestHandover, from_fields, to_plain
 from daemon.agentctl.instance import HANDSHAKE_TIMEOUT, Instance, InstanceState
-from daemon.agentctl.turns import Permission, rpc_key
 
 log = logging.getLogger("kandev.agentctl.instance")
 

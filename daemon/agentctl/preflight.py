@@ -42,10 +42,10 @@ async def _check() -> dict[str, Any]:
     missing_optional = preload.import_everything()
 
     from daemon.agentctl import acp_internals, instance_handover, launch
+    from daemon.agentctl.conversation import TurnIds
     from daemon.agentctl.handover import decode, from_fields
     from daemon.agentctl.ownership import Ownership
     from daemon.agentctl.reexec import code_root
-    from daemon.agentctl.turns import TurnIds
     from daemon.version import VERSION
 
     acp_internals.check()

@@ -24,12 +24,12 @@ from collections.abc import Callable
 MODULES = (
     # the control server itself
     "daemon.agentctl.acp_internals",
-    "daemon.agentctl.acp_session",
     "daemon.agentctl.agent_logs",
     "daemon.agentctl.agent_pipe",
     "daemon.agentctl.agent_process",
     "daemon.agentctl.auth",
     "daemon.agentctl.connection_auth",
+    "daemon.agentctl.conversation",
     "daemon.agentctl.events",
     "daemon.agentctl.events_api",
     "daemon.agentctl.handover",
@@ -52,7 +52,6 @@ MODULES = (
     "daemon.agentctl.sandbox_host",
     "daemon.agentctl.server",
     "daemon.agentctl.server_context",
-    "daemon.agentctl.turns",
     "daemon.config",
     "daemon.faults",
     "daemon.journal",

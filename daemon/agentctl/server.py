@@ -36,6 +36,7 @@ import daemon.agentctl.ownership_api as ownership_api
 import daemon.agentctl.reload_api as reload_api
 from daemon.agentctl import instance_handover, reload_status
 from daemon.agentctl.connection_auth import ConnectionAuth, authenticated
+from daemon.agentctl.conversation import TurnIds
 from daemon.agentctl.handover import HANDOVER_FORMAT, ReloadHistory, ServerHandover, to_plain
 from daemon.agentctl.instance import Instance
 from daemon.agentctl.instances import InstanceService
@@ -45,7 +46,6 @@ from daemon.agentctl.protocol import TABLE
 from daemon.agentctl.sandbox import SandboxSupport
 from daemon.agentctl.sandbox_host import SandboxHost
 from daemon.agentctl.server_context import ServerContext
-from daemon.agentctl.turns import TurnIds
 from daemon.config import ResolvedAgentctl
 from daemon.journal import log_event
 from daemon.limits import BUFFER_LIMIT, IDLE_CONNECTION_TIMEOUT_S, connection_limit

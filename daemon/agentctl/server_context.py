@@ -18,11 +18,11 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from daemon.agentctl.conversation import TurnIds
 from daemon.agentctl.handover import ReloadHistory
 from daemon.agentctl.instance import Instance
 from daemon.agentctl.launch import LaunchConfig
 from daemon.agentctl.ownership import Ownership
-from daemon.agentctl.turns import TurnIds
 from daemon.config import ResolvedAgentctl
 from ipc.connection import ConnectionContext
 from ipc.errors import ErrorCode, IpcError

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from daemon.agentctl.agent_process import KILL_GRACE, InstanceSpec
+from daemon.agentctl.conversation import TurnIds
 from daemon.agentctl.instance import Instance, InstanceState
-from daemon.agentctl.turns import TurnIds
 from ipc.errors import ErrorCode, IpcError
 from tests.support.aio import run
 

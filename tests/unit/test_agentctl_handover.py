@@ -19,6 +19,7 @@ import pytest
 
 from daemon.agentctl import handover
 from daemon.agentctl.agent_process import InstanceSpec
+from daemon.agentctl.conversation import TurnIds
 from daemon.agentctl.events import EventLog
 from daemon.agentctl.handover import (
     HandoverError,
@@ -40,7 +41,6 @@ from daemon.agentctl.instance_handover import capture
 from daemon.agentctl.ownership import Ownership
 from daemon.agentctl.reexec import interpreter_flags
 from daemon.agentctl.sandbox import SandboxSupport
-from daemon.agentctl.turns import TurnIds
 from ipc.errors import IpcError
 from tests.support.paths import REPO_ROOT
 

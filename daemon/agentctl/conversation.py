@@ -1,5 +1,10 @@
-"""One instance's turns and the agent's permission requests: the bookkeeping of a conversation.
+"""The conversation with one agent over ACP: the handshake, bounded requests, the turns and the
+agent's permission requests.
 
+- ``Handshake``: ``initialize``, then ``session/new`` or ``session/load`` (its history replay
+  settled by the instance); ``failure_reason`` says in words why one failed; ``request`` is one
+  ACP request on the current session, bounded in time, its refusals typed; ``session_info`` is
+  the JSON of what the agent reported about a session (modes, config options).
 - ``TurnIds``: server-wide turn ids ``<server_identity>:<n>``.
 - ``Turns``: the open turn and the outcomes retained until ``ack_turn`` names them; a turn's
   outcome is retained exactly once, after every ``session_update`` the agent sent before its
@@ -9,7 +14,7 @@
   ``stop()``. There is no auto-cancel timer, attached or not: a request raised while detached
   never expires (AC-EXECUTORS-SURVIVAL-001.9; docs/architecture.md#the-control-server-inside).
 
-What is sent to the agent, and when, is ``daemon.agentctl.instance``'s.
+When to speak, and the instance state it changes, is ``daemon.agentctl.instance``'s.
 """
 
 from __future__ import annotations
@@ -19,15 +24,23 @@ import contextlib
 import json
 import os
 from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import acp
 from acp.exceptions import RequestError
+from acp.schema import ClientCapabilities, Implementation
 
 from daemon.agentctl.events import EventLog
 from daemon.agentctl.handover import PermissionHandover
 from daemon.agentctl.protocol import EventKind
+from daemon.version import VERSION
+from ipc.aio import within
 from ipc.errors import ErrorCode, IpcError
+
+CLIENT_NAME = "kandev-agentctl"
+CLIENT_VERSION = VERSION
 
 
 def rpc_key(rpc_id: Any) -> str:
@@ -188,3 +201,95 @@ class Permissions:
     def handover(self) -> list[PermissionHandover]:
         return [PermissionHandover(p.request_id, list(p.option_ids), p.turn_id, p.tool_call_id, p.message)
                 for p in self.waiting()]
+
+
+# ---------------------------------------------------------------- the ACP requests
+
+
+class HandshakeRefused(Exception):
+    """The agent answered the handshake with something we cannot use."""
+
+
+class Handshake:
+    """Where a handshake got to (``step``, for the failure's words) and what it learnt."""
+
+    def __init__(self) -> None:
+        self.step = "initialize"
+        self.acp_session_id: str | None = None
+        self.session_info: dict[str, Any] = {"modes": None, "config_options": []}
+
+    async def run(self, conn: acp.ClientSideConnection, cwd: str, resume_session_id: str | None, timeout: float,
+                  settle: Callable[[], Awaitable[None]]) -> None:
+        """``initialize``, then ``session/load`` of ``resume_session_id`` (and ``settle`` while
+        the agent replays its history) or ``session/new``."""
+        self.step = "initialize"
+        init = await within(
+            conn.initialize(
+                protocol_version=acp.PROTOCOL_VERSION,
+                client_capabilities=ClientCapabilities(),
+                client_info=Implementation(name=CLIENT_NAME, version=CLIENT_VERSION),
+            ),
+            timeout,
+        )
+        if init.protocol_version != acp.PROTOCOL_VERSION:
+            raise HandshakeRefused(
+                f"the agent speaks ACP protocol version {init.protocol_version}, not {acp.PROTOCOL_VERSION}"
+            )
+        if resume_session_id:
+            self.step = "session/load"
+            loaded = await within(conn.load_session(cwd=cwd, session_id=resume_session_id), timeout)
+            # The answer names no session (ACP's LoadSessionResponse has no sessionId): the
+            # loaded session is the one asked for.
+            self.acp_session_id = resume_session_id
+            self.session_info = session_info(loaded)
+            self.step = "session/load (its history replay)"
+            await settle()
+        else:
+            self.step = "session/new"
+            session = await within(conn.new_session(cwd=cwd), timeout)
+            self.acp_session_id = session.session_id
+            self.session_info = session_info(session)
+
+
+def failure_reason(step: str, exc: BaseException | None, timeout: float) -> str:
+    """Why a handshake failed at ``step``, in words."""
+    if isinstance(exc, TimeoutError | asyncio.TimeoutError):
+        return f"no answer to {step} within {timeout:g} s"
+    if isinstance(exc, RequestError):
+        return f"the agent refused {step}: {rpc_error_text(exc)}"
+    if exc is None or isinstance(exc, ConnectionError | OSError):
+        return f"the agent went away during {step}"
+    return f"{step} failed: {exc}"
+
+
+async def request(conn: acp.ClientSideConnection, what: str,
+                  call: Callable[[acp.ClientSideConnection], Awaitable[Any]], timeout: float) -> Any:
+    """One ACP request on the current session; a refusal is ``agent_error`` (not retryable)."""
+    try:
+        return await within(call(conn), timeout)
+    except RequestError as exc:
+        raise IpcError(ErrorCode.AGENT_ERROR, f"the agent refused {what}: {rpc_error_text(exc)}", False) from None
+    except TimeoutError:
+        raise IpcError(ErrorCode.TIMEOUT, f"no answer to {what} within {timeout:g} s") from None
+    except (ConnectionError, OSError) as exc:
+        raise IpcError(ErrorCode.AGENT_ERROR, f"cannot reach the agent for {what}: {exc}", False) from None
+
+
+def _dump(model: Any) -> Any:
+    if model is None:
+        return None
+    if hasattr(model, "model_dump"):
+        return model.model_dump(mode="json", by_alias=True, exclude_none=True)
+    return model
+
+
+def dump_list(items: Any) -> list[Any]:
+    return [_dump(i) for i in items or []]
+
+
+def session_info(response: Any) -> dict[str, Any]:
+    """The modes and config options an ACP session/new|load answer reported, as JSON."""
+    return {
+        "modes": _dump(getattr(response, "modes", None)),
+        "config_options": dump_list(getattr(response, "config_options", None)),
+    }
