@@ -24,13 +24,28 @@ from tests.support.sdbox import SdBox
 
 BACKEND, AGENTCTL = "kandev-backend.service", "kandev-agentctl.service"
 N = 40
-pytestmark = pytest.mark.timeout(600)
+# 600 s bounds each test's own steps. The builds are module fixtures, made before the first step
+# (so the sessions are mid-turn at the upgrade however long a cold build takes) and bounded by their
+# own limits (each dpkg-buildpackage and lintian under its subprocess timeout in
+# tests/support/debs.py; a cold build of this version and its upgrade took 500 s on a loaded 2-core
+# machine, past the whole budget of the step that used to make it).
+pytestmark = pytest.mark.timeout(600, func_only=True)
 S: dict[str, Any] = {}  # state handed from one step to the next
 
 
 @pytest.fixture(scope="module")
 def release() -> Release:
     return previous_release()
+
+
+@pytest.fixture(scope="module")
+def release_deb(release: Release) -> Path:
+    return build_release_package(release)
+
+
+@pytest.fixture(scope="module")
+def debs() -> dict[str, Any]:
+    return build_packages()
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +73,9 @@ def _chunks(show: dict[str, Any]) -> list[str]:
     return [m["text"] for m in show["transcript"] if m["kind"] == "agent_message_chunk"]
 
 
-def test_b_previous_release_with_sessions_mid_turn(box: SdBox, release: Release) -> None:
-    deb = build_release_package(release)
-    _apt_install(box, deb)
+def test_b_previous_release_with_sessions_mid_turn(release_deb: Path, debs: dict[str, Any], box: SdBox,
+                                                   release: Release) -> None:
+    _apt_install(box, release_deb)
     assert box.run("dpkg-query", "-W", "-f", "${Version}", "kandev").stdout == release.version
     conf = box.read_file("/etc/kandev/kandev.toml")
     box.write_file("/etc/kandev/kandev.toml", conf.replace("#agent_survival = false", "agent_survival = true"))
@@ -84,13 +99,12 @@ def test_b_previous_release_with_sessions_mid_turn(box: SdBox, release: Release)
     S.update(sessions=sessions, agents=agents)
 
 
-def test_b_upgrade_reloads_the_old_server_in_place_and_keeps_the_agents(box: SdBox) -> None:
+def test_b_upgrade_reloads_the_old_server_in_place_and_keeps_the_agents(box: SdBox, debs: dict[str, Any]) -> None:
     """Issue 15 scenario B: apt-get install of this version over the previous release. The previous
     release (0.2.0) can reload: the maintainer scripts reload its control server, which re-executes
     this version in place (reading the previous release's hand-over), then restart the backend,
     which adopts it and re-tracks both sessions."""
     assert S, "needs the previous step"
-    debs = build_packages()
     backend_pid = box.prop(BACKEND, "MainPID")
     out = _apt_install(box, debs["deb"])
     assert box.run("dpkg-query", "-W", "-f", "${Version}", "kandev").stdout == debs["version"]
