@@ -34,6 +34,7 @@ from acp.schema import (
 from daemon.agents.registry import get_agent
 from tests.support.aio import run
 from tests.support.paths import REPO_ROOT
+from tests.support.waiting import wait_until
 
 STEP = 15.0  # bound on any single protocol exchange, in seconds
 
@@ -305,8 +306,8 @@ def test_sh_is_ended_by_a_cancel(spawn, workspace):
         async with spawn(workspace) as agent:
             await agent.initialize()
             sid = (await agent.new_session(workspace)).session_id
-            turn = asyncio.ensure_future(agent.prompt(sid, "/sh sleep 300"))
-            await asyncio.sleep(0.5)
+            turn = asyncio.ensure_future(agent.prompt(sid, "/sh touch started && sleep 300"))
+            await asyncio.to_thread(wait_until, lambda: (workspace / "started").exists(), timeout=30)
             await agent.conn.cancel(session_id=sid)
             assert await turn == "cancelled"
             assert agent.client.agent_texts()[-1].startswith("sh: exit=-15")
