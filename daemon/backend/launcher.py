@@ -37,6 +37,7 @@ from daemon.agentctl import launch as launch_file
 from daemon.agentctl.client import identify
 from daemon.config import Config
 from daemon.paths import Paths
+from daemon.store.states import LaunchMode
 from ipc.aio import within
 
 AGENTCTL_UNIT = "kandev-agentctl.service"
@@ -60,7 +61,7 @@ class ControlServerHandle:
     """A control server this backend is using (started or adopted)."""
 
     endpoint: str
-    mode: str  # "unit" | "detached" | "child"
+    mode: str  # a LaunchMode (an adopted server's record gives its value)
     credential_ref: str
     log_path: str | None  # None: an adopted server whose record names no log
     pid: int | None = None
@@ -91,8 +92,8 @@ def agentctl_argv(launch_path: str) -> list[str]:
 class Launcher:
     """Starts control servers; knows nothing about sessions or recovery."""
 
-    def __init__(self, paths: Paths, config: Config, installation_id: str, mode: str) -> None:
-        if mode not in ("unit", "detached", "child"):
+    def __init__(self, paths: Paths, config: Config, installation_id: str, mode: LaunchMode) -> None:
+        if mode not in tuple(LaunchMode):
             raise ValueError(f"unknown launch mode {mode}")
         self.paths = paths
         self.config = config
@@ -127,7 +128,7 @@ class Launcher:
             log_path=str(self.paths.agentctl_log),
         )
         try:
-            if self.mode == "unit":
+            if self.mode == LaunchMode.UNIT:
                 state = (await self._systemctl_state("is-active", AGENTCTL_UNIT)).strip()
                 if state in _UNIT_BUSY_STATES:
                     raise UnitBusy(f"{AGENTCTL_UNIT} is {state} with a server this backend did not adopt")
@@ -151,12 +152,12 @@ class Launcher:
                 handle.process.kill()
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     handle.process.wait(timeout=5)
-            if handle.pid is not None and self.mode == "unit" and not isinstance(exc, asyncio.CancelledError):
+            if handle.pid is not None and self.mode == LaunchMode.UNIT and not isinstance(exc, asyncio.CancelledError):
                 with contextlib.suppress(Exception):
                     await self._systemctl_state("stop", AGENTCTL_UNIT)  # the unit runs a server we cannot use
             self.remove_files(handle)
             raise
-        if self.mode == "unit":
+        if self.mode == LaunchMode.UNIT:
             # systemd copied it into the unit's credentials when it started the unit, and the server
             # read it from there before it answered: nothing needs the file any more (every start
             # writes a new one; a restart by anyone else fails, as intended).
@@ -170,7 +171,7 @@ class Launcher:
         paths = [self.paths.secrets_dir / handle.credential_ref, Path(handle.endpoint)]
         if handle.launch_path:
             paths.append(Path(handle.launch_path))
-        if handle.mode == "unit" and handle.launch_path:
+        if handle.mode == LaunchMode.UNIT and handle.launch_path:
             paths.append(self.paths.secrets_dir / BOOTSTRAP_CREDENTIAL)
         for path in paths:
             with contextlib.suppress(OSError):
@@ -190,7 +191,7 @@ class Launcher:
     def _spawn(self, launch_path: str) -> subprocess.Popen[bytes]:
         argv = agentctl_argv(launch_path)
         env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "LISTEN_FDS", "LISTEN_PID")}
-        if self.mode == "child":
+        if self.mode == LaunchMode.CHILD:
             # Dies with the backend, SIGKILL included; its stderr joins ours.
             return subprocess.Popen(
                 argv,

@@ -33,6 +33,7 @@ from collections.abc import Callable
 import psutil
 
 from daemon.backend.launcher import AGENTCTL_UNIT, ControlServerHandle
+from daemon.store.states import LaunchMode
 from ipc.aio import within
 
 SYSTEMCTL_TIMEOUT_S = 10.0
@@ -83,7 +84,7 @@ class ServerWatch:
         proc = self.handle.process
         if proc is not None and proc.returncode is not None:
             return describe_status(proc.returncode)
-        if self.handle.mode == "unit":
+        if self.handle.mode == LaunchMode.UNIT:
             return await _unit_reason()
         if self.handle.pid:
             return f"process {self.handle.pid} is gone; its exit status is unknown (not a child of this backend)"
