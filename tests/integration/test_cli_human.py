@@ -300,32 +300,32 @@ def test_bash_completion_offers_live_ids_and_nothing_when_the_backend_is_down(
 def test_scenario_d_follow_survives_backend_restarts(kandev_factory) -> None:
     """Issue 14 scenario D (survival on): a follow started before the backend is SIGKILLed and
     started again (and later stopped with `kandev down` and started with `kandev up`, in the same
-    turn) prints all 20 chunks exactly once, in order, says it reconnected, exits 0; a backend that
+    turn) prints all 40 chunks exactly once, in order, says it reconnected, exits 0; a backend that
     stays away ends a follow with exit status 3 after the bounded wait."""
     k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="true")
     k.up()
     _, sid = k.start_session("follow me")
-    k.cli("prompt", sid, "/slow 20")
+    k.cli("prompt", sid, "/slow 40")
     proc = k.popen("follow", sid[:8])
     out, err = TimedOutput(proc.stdout), TimedOutput(proc.stderr)
-    out.wait_for("3/20 ", timeout=60)
+    out.wait_for("3/40 ", timeout=60)
     backend = k.backend_pid
     os.kill(backend, signal.SIGKILL)
     wait_until(lambda: not alive(backend), timeout=10)
     k.up()
     wait_until(lambda: "reconnected to the backend" in err.text, timeout=60)
-    out.wait_for("9/20 ", timeout=60)  # 11 chunks (>= 10 s of the agent's time) still to come
+    out.wait_for("9/40 ", timeout=60)  # 31 chunks (>= 30 s of the agent's time) still to come
     k.cli("down")
     k.up()
     assert proc.wait(timeout=90) == 0, err.text
-    assert re.findall(r"\d+/20 ", out.text) == [f"{i}/20 " for i in range(1, 21)]
+    assert re.findall(r"\d+/40 ", out.text) == [f"{i}/40 " for i in range(1, 41)]
     assert err.text.count("lost the connection to the backend") == 2
     assert err.text.count("reconnected to the backend") == 2
     assert out.text.rstrip().endswith("[turn ended: end_turn]")
 
     proc = k.popen("follow", sid[:8], "--all", "--reconnect-timeout", "2")  # --all: it stays
     out, err = TimedOutput(proc.stdout), TimedOutput(proc.stderr)
-    out.wait_for("20/20 ", timeout=60)  # the last turn, replayed: the stream is open
+    out.wait_for("40/40 ", timeout=60)  # the last turn, replayed: the stream is open
     k.cli("down")
     started = time.monotonic()
     assert proc.wait(timeout=60) == 3
