@@ -13,7 +13,6 @@ gives it, and so reaches the stand-in only through its session's git endpoint.
 from __future__ import annotations
 
 import codecs
-import contextlib
 import os
 import re
 import secrets
@@ -36,7 +35,7 @@ from daemon.paths import Paths
 from daemon.session_dirs import SessionDirs
 from tests.support.git_standin import GitStandin
 from tests.support.kandev import Kandev
-from tests.support.processes import alive
+from tests.support.processes import alive, cmdline
 from tests.support.waiting import wait_until
 from tests.support.workspaces import for_agent
 
@@ -273,12 +272,11 @@ def test_scenario_d_a_push_across_a_backend_sigkill_and_the_retracked_agent(setu
 
 
 def _descendant_commands(proc: psutil.Process) -> list[list[str]]:
-    commands = []
-    with contextlib.suppress(psutil.Error):
-        for child in proc.children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                commands.append(child.cmdline())
-    return commands
+    try:
+        children = proc.children(recursive=True)
+    except psutil.Error:
+        return []
+    return [cmdline(child.pid) for child in children]
 
 
 def _ask(path: Path, payload: bytes) -> bytes:
