@@ -27,6 +27,19 @@ from typing import Any
 
 import pytest
 
+from tests.support.hostile_workspaces import (
+    GIT,
+    agent_said,
+    canary_script,
+    contained_attempts,
+    parse_tree,
+    plant_commondir,
+    plant_gitdir,
+    plant_repository,
+    repository_attempts,
+    repository_script,
+    tree_argv,
+)
 from tests.support.kandev import Kandev
 from tests.support.processes import alive
 from tests.support.sandbox_attacks import attack_script, attack_verdicts
@@ -35,27 +48,24 @@ from tests.support.workspaces import for_agent
 
 pytestmark = pytest.mark.timeout(300)
 
-# safe.directory: the repository's git directory belongs to the agents' uid (for_agent)
-GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", "-c", "safe.directory=*"]
-
 
 def _git(*args: str, cwd: Path) -> str:
     return subprocess.run([*GIT, *args], cwd=cwd, check=True, capture_output=True, text=True, timeout=30).stdout
 
 
+def _shell(script: str) -> str:
+    return subprocess.run(["sh", "-c", script], check=True, capture_output=True, text=True, timeout=60).stdout
+
+
 def _repository(path: Path) -> Path:
-    path.mkdir()
-    _git("init", "-q", "-b", "main", cwd=path)
-    (path / "README").write_text("hello\n")
-    _git("add", "README", cwd=path)
-    _git("commit", "-q", "-m", "init", cwd=path)
+    _shell(repository_script(str(path)))
     for_agent(path / ".git")  # the agent commits into it
     return path
 
 
 def _sh(k: Kandev, sid: str, script: str) -> str:
     k.cli("prompt", sid, "/sh " + script, "--wait")
-    said = [m["text"] for m in k.show(sid)["transcript"] if m["kind"] == "agent_message_chunk"][-1]
+    said = agent_said(k.show(sid))
     assert said.startswith("sh: "), said
     return said
 
@@ -68,14 +78,9 @@ def _worktree_session(k: Kandev, repo: Path, title: str) -> tuple[str, str]:
 
 
 def _tree(root: Path) -> dict[str, str]:
-    """Every file below ``root`` (relative path -> content), directories as ``<dir>``."""
-    out: dict[str, str] = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for d in dirnames:
-            out[os.path.relpath(os.path.join(dirpath, d), root)] = "<dir>"
-        for f in filenames:
-            out[os.path.relpath(os.path.join(dirpath, f), root)] = Path(dirpath, f).read_text()
-    return out
+    """Every entry below ``root`` (relative path -> content, ``<dir>``, ``-> target``)."""
+    return parse_tree(subprocess.run(tree_argv(str(root)), check=True, capture_output=True, text=True,
+                                     timeout=60).stdout)
 
 
 def test_scenario_a_a_planted_gitdir_never_decides_what_task_delete_removes(kandev_factory: Any,
@@ -83,10 +88,7 @@ def test_scenario_a_a_planted_gitdir_never_decides_what_task_delete_removes(kand
     """Issue 19 scenario A."""
     repo = _repository(short_tmp / "repo")
     canary = short_tmp / "canary"
-    for entry in ("one", "two"):  # what ``git worktree prune`` would take for stale worktree entries
-        (canary / entry).mkdir(parents=True)
-        (canary / entry / "keep").write_text(f"canary {entry}\n")
-    (canary / "file").write_text("canary file\n")
+    _shell(canary_script(str(canary)))
     before = _tree(canary)
     k = kandev_factory()
     k.up()
@@ -97,13 +99,7 @@ def test_scenario_a_a_planted_gitdir_never_decides_what_task_delete_removes(kand
     admin = repo / ".git" / "worktrees" / task
     assert (ws / ".git").read_text().strip() == f"gitdir: {admin}"
 
-    said = _sh(k, sid, " && ".join([
-        "git init -q --bare fake", "rm -rf fake/worktrees", f"ln -s {canary} fake/worktrees",
-        "git init -q --bare fake2", "rm -rf fake2/worktrees", f"ln -s {k.home} fake2/worktrees",
-        'printf "gitdir: %s/fake\\n" "$PWD" > .git',
-        f'printf "%s/fake2\\n" "$PWD" > {admin}/commondir',
-        f'printf "%s/fake2/.git\\n" "$PWD" > {admin}/gitdir',
-        "echo planted"]))
+    said = _sh(k, sid, plant_gitdir(str(canary), str(k.home), str(admin)))
     assert "planted" in said, said
 
     out = k.cli("task", "delete", task, "--stop")
@@ -130,14 +126,7 @@ def _contained(k: Kandev, sid: str, bystander: str, outside: Path, admin: Path) 
     session directory is bound there (at its own path, so the parent bwrap makes for it in its
     tmpfs lists that one entry and nothing else; ``bystander``'s is absent), and it works in its
     workspace and its own admin directory."""
-    denied = {
-        "write_outside": ["sh", "-c", f"echo pwned > {outside}/pwned"],
-        "list_other_session": ["ls", str(k.home / "sessions" / bystander)],
-    }
-    allowed = {
-        "write_workspace": ["sh", "-c", "echo hi > probe.txt && test \"$(cat probe.txt)\" = hi"],
-        "own_admin_dir": ["test", "-f", str(admin / "HEAD")],
-    }
+    denied, allowed = contained_attempts(str(k.home), bystander, str(outside), str(admin))
     said = _sh(k, sid, attack_script(denied, allowed))
     assert not attack_verdicts(said, denied, allowed), said
     assert not (outside / "pwned").exists()
@@ -159,9 +148,7 @@ def test_scenario_b_a_planted_commondir_never_decides_what_a_new_agent_sees(kand
     _, bystander = k.start_session("bystander")
     task, sid = _worktree_session(k, repo, "b")
     admin = repo / ".git" / "worktrees" / task
-    said = _sh(k, sid, " && ".join([
-        "mkdir -p fakegit", f"echo {outside} > fakegit/commondir", 'printf "gitdir: %s/fakegit\\n" "$PWD" > .git',
-        f"echo {outside} > {admin}/commondir", "echo planted"]))
+    said = _sh(k, sid, plant_commondir(str(outside), str(admin)))
     assert "planted" in said, said
     _exit_agent(k, sid)
 
@@ -198,26 +185,7 @@ def test_scenario_c_the_repository_is_not_the_agents_to_reconfigure(kandev_facto
     sibling_task, sibling = _worktree_session(k, repo, "sibling")
     common = repo / ".git"
     ws = k.home / "worktrees" / task
-    evil = ws / "evil.sh"
-    denied = {
-        "config": ["git", "config", "core.fsmonitor", str(evil)],
-        "config_append": ["sh", "-c", f"printf '[core]\\n\\tfsmonitor = {evil}\\n' >> {common}/config"],
-        "config_worktree": ["sh", "-c", f"printf '[core]\\n\\tfsmonitor = {evil}\\n' > {common}/config.worktree"],
-        "hook": ["sh", "-c", f"cp {evil} {common}/hooks/post-commit"],
-        "info_attributes": ["sh", "-c", f"echo '* filter=evil' > {common}/info/attributes"],
-        "commondir": ["sh", "-c", f"echo {ws}/fake > {common}/commondir"],
-        "main_index": ["sh", "-c", f"echo x > {common}/index"],
-        "sibling_admin": ["ls", f"{common}/worktrees/{sibling_task}"],
-    }
-    allowed = {
-        "write_evil": ["sh", "-c", f"printf '#!/bin/sh\\ntouch {ran}/$(basename $0)-ran\\n' > {evil}"
-                       f" && chmod +x {evil}"],
-        "commit": [*GIT, "commit", "-q", "--allow-empty", "-m", "one"],
-        "commit_again": [*GIT, "commit", "-q", "--allow-empty", "-m", "two"],
-        "branch": ["git", "branch", "feature"],
-        "rebase": [*GIT, "rebase", "-q", "--onto", "HEAD~2", "HEAD~1"],
-        "status": ["git", "status", "--porcelain"],
-    }
+    denied, allowed = repository_attempts(str(common), str(ws), str(ran), sibling_task)
     said = _sh(k, sid, attack_script(denied, allowed))
     assert not attack_verdicts(said, denied, allowed), said
     # The other worktrees' admin entries are an empty tmpfs inside: what is made there stays there.
@@ -234,20 +202,9 @@ def test_scenario_c_the_repository_is_not_the_agents_to_reconfigure(kandev_facto
     _git("commit", "-q", "--allow-empty", "-m", "the user's", cwd=repo)
     assert list(ran.iterdir()) == []
 
-    # Planted anyway (as the user could have): a smudge filter for every file, hooks, an fsmonitor.
-    # Each leaves a file in ``ran`` if it runs on the host; the filter, where that directory is
-    # absent (inside a sandbox), leaves one in the directory it runs in instead.
-    tattle = f"touch {ran}/$0 2>/dev/null || touch $0-ran-inside-a-sandbox"
-    _git("config", "filter.evil.smudge", f"sh -c '{tattle}; cat' filter", cwd=repo)
-    _git("config", "filter.evil.required", "true", cwd=repo)
-    _git("config", "core.fsmonitor", f"{ran}/fsmonitor-program", cwd=repo)
-    (ran.parent / "fsmonitor-program").write_text(f"#!/bin/sh\ntouch {ran}/fsmonitor\n")
-    (common / "info").mkdir(exist_ok=True)
-    (common / "info" / "attributes").write_text("* filter=evil\n")
-    for hook in ("post-checkout", "reference-transaction", "post-index-change", "pre-commit"):
-        # (inside a sandbox the directory is absent: the hook then ends well, not to fail the checkout)
-        (common / "hooks" / hook).write_text(f"#!/bin/sh\ntouch {ran}/{hook} 2>/dev/null\nexit 0\n")
-        (common / "hooks" / hook).chmod(0o755)
+    # Planted anyway (as the user could have): a smudge filter for every file, hooks, an fsmonitor;
+    # each leaves a file in ``ran`` if it runs on the host (plant_repository).
+    _shell(plant_repository(str(repo), str(ran), str(short_tmp / "fsmonitor-program")))
     created = k.cli("task", "create", "--title", "new", "--executor", "worktree", "--workspace", str(repo))
     new_ws = Path(created["workspace"])
     assert list(ran.iterdir()) == []  # nothing ran outside a sandbox
