@@ -5,13 +5,20 @@ backend's SIGKILL, is attacked from inside (``/sh``) and reaches nothing of kand
 under /etc/kandev included), while its own work and ``/git-credential`` succeed; the bootstrap
 credential is gone once the control server consumed it, and the home stays private.
 
+Hostile workspaces in the installed package (each test cites its Issue 19 scenario), where agents
+keep the service uid ``kandev`` (docs/architecture.md, "Which uid an agent is"): the attacks of
+tests/integration/test_hostile_workspaces.py (shared machinery in
+``tests/support/hostile_workspaces.py``) on repositories and canaries of the kandev user, from inside
+with the mock's ``/sh``; the automatic resume follows ``systemctl kill`` of the control server's unit.
+
 The .deb is built once per content of what goes into it, with a rebuild of a higher version (the
 upgrade) and the lintian report (``tests/support/debs.py``, cached in /var/tmp/kandev-deb-cache/).
 
 Inside the box (no network: apt resolves the Depends from what set-up installed on the host) the
 tests run in file order on one box, each step starting from the state the previous one left:
 install -> survival on -> the demo flow as root and as a kandev group member, SIGKILL ->
-restart -> upgrade -> journal -> exposure score -> remove -> reinstall -> purge.
+restart -> upgrade -> journal -> exposure score -> hostile workspaces -> claude-code with a credential ->
+remove -> reinstall -> purge.
 """
 
 from __future__ import annotations
@@ -27,6 +34,19 @@ from typing import Any
 import pytest
 
 from tests.support.debs import build_packages
+from tests.support.hostile_workspaces import (
+    GIT,
+    agent_said,
+    canary_script,
+    contained_attempts,
+    parse_tree,
+    plant_commondir,
+    plant_gitdir,
+    plant_repository,
+    repository_attempts,
+    repository_script,
+    tree_argv,
+)
 from tests.support.sandbox_attacks import attack_script, attack_verdicts, connect_argv
 from tests.support.sdbox import SdBox
 
@@ -370,6 +390,178 @@ def test_d_exposure(pkg: Box) -> None:
         scores[unit] = float(m.group(1))
     _record(exposure=scores)
     assert scores[BACKEND] <= EXPOSURE_LIMIT, scores
+
+
+# ---------------------------------------------------------------- Issue 19 under the units
+
+HOSTILE = f"{HOME}/hostile"  # the scenarios' repositories and canaries: the kandev user's, as its agents are
+
+
+def _as_kandev(b: Box, script: str) -> str:
+    return b.box.run("runuser", "-u", "kandev", "--", "sh", "-c", script).stdout
+
+
+def _sh(b: Box, sid: str, script: str) -> str:
+    b.kandev("prompt", sid, "/sh " + script, "--wait")
+    said = agent_said(b.show(sid))
+    assert said.startswith("sh: "), said
+    return said
+
+
+def _tree(b: Box, root: str) -> dict[str, Any]:
+    return parse_tree(b.box.run(*tree_argv(root)).stdout)
+
+
+def _git_in_box(b: Box, repo: str, *args: str) -> str:
+    return b.box.run(*GIT, "-C", repo, *args).stdout
+
+
+def _hostile_repository(b: Box, name: str) -> str:
+    """A repository of the kandev user (whose uid the agents keep under the units) for a scenario."""
+    repo = f"{HOSTILE}/{name}"
+    _as_kandev(b, f"mkdir -p {HOSTILE} && " + repository_script(repo))
+    return repo
+
+
+def _worktree_session(b: Box, repo: str, title: str) -> tuple[str, str]:
+    task = b.kandev("task", "create", "--title", title, "--executor", "worktree", "--workspace", repo)["task_id"]
+    sid = b.kandev("session", "start", task)["session_id"]
+    assert b.box.wait_for(lambda: b.show(sid)["state"] == "WAITING_FOR_INPUT", timeout=60), sid
+    return task, sid
+
+
+def test_issue19_a_a_planted_gitdir_never_decides_what_task_delete_removes(pkg: Box) -> None:
+    """Issue 19 scenario A under the units (agents keep the service uid ``kandev``, so whatever
+    kandev's own processes could delete, theirs could too but for the sandbox): the agent's ``.git``
+    names a fake git directory whose ``worktrees`` is a symlink to canary files of the kandev user,
+    its admin directory's ``commondir`` one whose ``worktrees`` is the home; ``task delete --stop``
+    leaves every canary and the home whole and removes exactly the recorded worktree."""
+    b = pkg
+    repo = _hostile_repository(b, "a-repo")
+    canary = f"{HOSTILE}/a-canary"
+    _as_kandev(b, canary_script(canary))
+    before = _tree(b, canary)
+    bystander = b.kandev("session", "start", b.kandev("task", "create", "--title", "a bystander")["task_id"])
+    task, sid = _worktree_session(b, repo, "a attacker")
+    home_before = sorted(b.box.run("ls", "-A", HOME).stdout.split())
+    ws, admin = f"{HOME}/worktrees/{task}", f"{repo}/.git/worktrees/{task}"
+    assert b.box.read_file(f"{ws}/.git").strip() == f"gitdir: {admin}"
+
+    said = _sh(b, sid, plant_gitdir(canary, HOME, admin))
+    assert "planted" in said, said
+
+    out = b.kandev("task", "delete", task, "--stop")
+    assert out["deleted"] is True and out["stopped"] == [sid], out
+    assert out["worktree"] == f"removed; its branch kandev/{task} is kept"
+    assert _tree(b, canary) == before  # every canary survives
+    assert sorted(b.box.run("ls", "-A", HOME).stdout.split()) == home_before  # the home is whole
+    for gone in (ws, admin):  # exactly what was recorded went
+        assert b.box.run("test", "-e", gone, check=False).returncode != 0, gone
+    assert {ws, admin} <= set(out["removed"]), out
+    assert f"kandev/{task}" in _git_in_box(b, repo, "branch", "--list")
+    assert ws not in _git_in_box(b, repo, "worktree", "list")
+    assert b.kandev("status")["backend"]["state"] == "ready"
+    b.kandev("prompt", bystander["session_id"], "still here", "--wait")
+
+
+def _contained(b: Box, sid: str, bystander: str, outside: str, admin: str) -> None:
+    """The new agent of ``sid`` cannot write ``outside``, list ``<home>/sessions`` or see the
+    bystander's session directory, and works in its workspace and its own admin directory."""
+    denied, allowed = contained_attempts(HOME, bystander, outside, admin)
+    denied["list_sessions"] = ["ls", f"{HOME}/sessions"]
+    said = _sh(b, sid, attack_script(denied, allowed))
+    assert not attack_verdicts(said, denied, allowed), said
+    assert _tree(b, outside) == {"precious": "the user's\n"}
+
+
+def test_issue19_b_a_planted_commondir_never_decides_what_a_new_agent_sees(pkg: Box) -> None:
+    """Issue 19 scenario B under the units: a ``.git`` whose ``commondir`` names a directory of the
+    kandev user outside the workspace, then the agent exits; ``kandev resume``, ``reset-context
+    --restart`` and an automatic resume (``features.auto_resume``, after ``systemctl kill -s KILL
+    kandev-agentctl``: the backend starts a new control server and resumes what the loss
+    interrupted) each give an agent that cannot write that directory nor list ``<home>/sessions``,
+    and works in its own workspace. The configuration is put back afterwards."""
+    b = pkg
+    conf = b.box.read_file("/etc/kandev/kandev.toml")
+    assert "\n#auto_resume = false\n" in conf
+    b.box.write_file("/etc/kandev/kandev.toml", conf.replace("\n#auto_resume = false\n", "\nauto_resume = true\n"))
+    b.box.systemctl("restart", BACKEND)
+    try:
+        repo = _hostile_repository(b, "b-repo")
+        outside = f"{HOSTILE}/b-outside"
+        _as_kandev(b, f"mkdir {outside} && echo \"the user's\" > {outside}/precious")
+        bystander = b.kandev("session", "start", b.kandev("task", "create", "--title", "b bystander")["task_id"])
+        task, sid = _worktree_session(b, repo, "b attacker")
+        admin = f"{repo}/.git/worktrees/{task}"
+        said = _sh(b, sid, plant_commondir(outside, admin))
+        assert "planted" in said, said
+        b.kandev("prompt", sid, "/exit 1")
+        assert b.box.wait_for(lambda: (s := b.show(sid))["state"] == "FAILED" and not s["live"], timeout=30)
+
+        b.kandev("resume", sid)
+        assert b.box.wait_for(lambda: (s := b.show(sid))["live"] and s["state"] == "WAITING_FOR_INPUT", timeout=60)
+        _contained(b, sid, bystander["session_id"], outside, admin)
+
+        pid = b.show(sid)["agent_pid"]
+        b.kandev("session", "reset-context", sid, "--restart")
+        assert b.box.wait_for(lambda: (s := b.show(sid))["live"] and s["agent_pid"] != pid
+                              and s["state"] == "WAITING_FOR_INPUT", timeout=60)
+        _contained(b, sid, bystander["session_id"], outside, admin)
+
+        pid, server = b.show(sid)["agent_pid"], b.prop(AGENTCTL, "MainPID")
+        b.box.systemctl("kill", "-s", "KILL", AGENTCTL)
+        show = b.box.wait_for(lambda: s if (s := b.show(sid))["live"] and s["agent_pid"] != pid
+                              and s["state"] == "WAITING_FOR_INPUT" else None, timeout=90)
+        assert show, "the session was not resumed automatically"
+        assert b.prop(AGENTCTL, "MainPID") not in ("0", server)
+        assert [e["SESSION_ID"] for e in b.box.journal_json("KANDEV_EVENT=session_resumed", f"SESSION_ID={sid}")
+                if e.get("AUTOMATIC") == "1"], "no automatic resume of the session in the journal"
+        _contained(b, sid, bystander["session_id"], outside, admin)
+    finally:
+        b.box.write_file("/etc/kandev/kandev.toml", conf)
+        b.box.systemctl("restart", BACKEND)
+
+
+def test_issue19_c_the_repository_is_not_the_agents_to_reconfigure(pkg: Box) -> None:
+    """Issue 19 scenario C under the units: from a worktree session of a repository of the kandev
+    user, writing its config, hooks and info/attributes (and the other ways to reach the next git
+    on the host) fails while commit, branch and rebase work; a sibling session's and the user's own
+    ``git status`` run nothing; with a filter, attributes, hooks and an fsmonitor planted by the
+    user anyway, a new ``task create --executor worktree`` runs none of them outside a sandbox (the
+    filter runs, contained, inside one)."""
+    b = pkg
+    repo = _hostile_repository(b, "c-repo")
+    ran = f"{HOSTILE}/c-ran"  # anything that runs outside a sandbox, as kandev or root, leaves a file here
+    _as_kandev(b, f"mkdir {ran}")
+    task, sid = _worktree_session(b, repo, "c attacker")
+    sibling_task, sibling = _worktree_session(b, repo, "c sibling")
+    common = f"{repo}/.git"
+    denied, allowed = repository_attempts(common, f"{HOME}/worktrees/{task}", ran, sibling_task)
+    said = _sh(b, sid, attack_script(denied, allowed))
+    assert not attack_verdicts(said, denied, allowed), said
+    # The other worktrees' admin entries are an empty tmpfs inside: what is made there stays there.
+    _sh(b, sid, f"mkdir {common}/worktrees/planted")
+    assert sorted(b.box.run("ls", f"{common}/worktrees").stdout.split()) == sorted([task, sibling_task])
+    assert _git_in_box(b, repo, "log", "--format=%s", f"kandev/{task}").split() == ["two", "init"]  # rebased
+    assert "feature" in _git_in_box(b, repo, "branch", "--list")
+    for absent in ("commondir", "config.worktree"):
+        assert b.box.run("test", "-e", f"{common}/{absent}", check=False).returncode != 0, absent
+
+    # A sibling session's and the user's own git status run no fsmonitor (nor anything else).
+    said = _sh(b, sibling, "git status --porcelain && echo status-ok")
+    assert "status-ok" in said, said
+    _as_kandev(b, f"cd {repo} && git status --porcelain && {' '.join(GIT)} commit -q --allow-empty -m users")
+    _git_in_box(b, repo, "status", "--porcelain")  # and root's
+    assert b.box.run("ls", "-A", ran).stdout.split() == []
+
+    # Planted anyway, by the repository's user (kandev): each leaves a file in ``ran`` if it runs on the host.
+    _as_kandev(b, plant_repository(repo, ran, f"{HOSTILE}/c-fsmonitor"))
+    created = b.kandev("task", "create", "--title", "c new", "--executor", "worktree", "--workspace", repo)
+    new_ws = created["workspace"]
+    assert b.box.run("ls", "-A", ran).stdout.split() == []  # nothing ran outside a sandbox
+    assert b.box.read_file(f"{new_ws}/README") == "hello\n"
+    # The filter did run, inside the checkout's sandbox (where ``ran`` is absent).
+    b.box.run("test", "-e", f"{new_ws}/filter-ran-inside-a-sandbox")
 
 
 CLAUDE_KEY = "sk-ant-box-" + "0123456789abcdef" * 2  # the box's own test key
