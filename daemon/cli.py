@@ -307,7 +307,8 @@ def _retry_control_server(paths: Paths, status: dict[str, Any]) -> dict[str, Any
 
 def _check_config(config_path: str | None) -> None:
     """What the backend would refuse at start, refused here first, naming file, key, value, range."""
-    from daemon.config import ConfigError, check_config, config_file
+    from daemon.config import check_config, config_file
+    from daemon.config_keys import ConfigError
 
     try:
         check_config(config_path)
@@ -480,7 +481,8 @@ def _agents(config_path: str | None) -> dict[str, Any]:
     """The built-in agents, each with the variable names its configuration gives it (no value)."""
     from daemon.agents.registry import BUILTIN_AGENTS
     from daemon.agents.settings import describe
-    from daemon.config import Config, ConfigError, load_config
+    from daemon.config import Config, load_config
+    from daemon.config_keys import ConfigError
 
     error = None
     try:

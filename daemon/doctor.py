@@ -42,7 +42,8 @@ from typing import Any
 
 from daemon import platform
 from daemon.agents.settings import describe as describe_agent
-from daemon.config import Config, ConfigError, check_config, config_file
+from daemon.config import Config, check_config, config_file
+from daemon.config_keys import ConfigError
 from daemon.paths import SERVICE_GROUP, Paths
 from daemon.platform import AGENTCTL_UNIT, Check, Probes
 

@@ -1,7 +1,8 @@
 """The backend's client of ``kandev-agentctl``.
 
-``AgentctlClient.connect`` runs the ownership handshake of docs/architecture.md#ownership on a
-fresh connection, in this order, and sends nothing else before it succeeds:
+``AgentctlClient.connect`` runs the ownership handshake of docs/architecture.md#ownership
+(``daemon.agentctl.client_handshake``) on a fresh connection, in this order, and sends nothing else
+before it succeeds:
 
 1. ``identify`` (unauthenticated). An error answer, no identity or no
    capability set (unreadable), or an identity other than
@@ -38,8 +39,8 @@ the same pair (AC-EXECUTORS-CONTROL-OWNERSHIP-002.10). After the confirmation
 every connection and stream authenticated under the old credential is closed
 by the server.
 
-``identify(socket_path)`` is the standalone, unauthenticated probe: None when
-nothing answers (no socket, connection refused, timeout).
+``daemon.agentctl.client_handshake.identify(socket_path)`` is the standalone, unauthenticated
+probe: None when nothing answers (no socket, connection refused, timeout).
 
 Reconnection (Issue 15). The server closes every connection when it
 re-executes (``reload``): a request it refused with ``reloading``, or that was
@@ -60,19 +61,24 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from daemon.agentctl import auth
+from daemon.agentctl.client_handshake import (
+    RELOAD_WINDOW_S,
+    authenticate,
+    handshake,
+    reload_seen_recently,
+    saw_reload,
+)
 from daemon.agentctl.protocol import (
     AGENT_LIMITS_CAPABILITY,
     AGENT_SECRETS_CAPABILITY,
     RELOAD_CAPABILITY,
     SANDBOX_CAPABILITY,
-    VERSION,
 )
 from daemon.agentctl.replies import (
     CreatedInstance,
     InstanceEntry,
     NewProviderSession,
     ReloadStarted,
-    ServerIdentity,
     ServerInfo,
     StopResult,
     TurnStatus,
@@ -81,10 +87,7 @@ from daemon.agentctl.sandbox import SANDBOX_UNAVAILABLE, SandboxPolicy
 from ipc.client import AsyncClient, EventStream
 from ipc.errors import ErrorCode, IpcError
 
-__all__ = ["ADOPT", "DRIVE", "AgentctlClient", "OwnershipRefused", "identify"]
-
-IDENTITY_MISMATCH = "identity_mismatch"
-AUTHENTICATION_FAILURE = "authentication_failure"
+__all__ = ["ADOPT", "DRIVE", "AgentctlClient"]
 
 DRIVE = "drive"
 """Connect purpose: the credential must be the current one (instance operations, streams, claim)."""
@@ -98,130 +101,7 @@ STOP_TIMEOUT = 30.0
 """Seconds ``stop_instance`` may take (SIGTERM, 3 s grace, SIGKILL, reaping)."""
 SHUTDOWN_TIMEOUT = 60.0
 """Seconds ``ownership_shutdown`` may take (every instance stopped in parallel)."""
-RELOAD_WINDOW_S = 90.0
-"""How long a call keeps connecting and sending again while the server re-executes."""
 _RETRY_PAUSE_S = 0.05
-
-
-class OwnershipRefused(Exception):
-    """The server is not one this backend may drive. ``reason``: ``identity_mismatch`` or
-    ``authentication_failure`` (the refusal reasons of docs/requirements.md#control-server-ownership)."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-        self.detail = detail
-
-
-async def identify(socket_path: str | os.PathLike[str], timeout: float = 2.0) -> ServerIdentity | None:
-    """The server's unauthenticated identity, or None if nothing answers.
-
-    Raises ``IpcError`` when something answers with an error (it is then not a
-    control server this backend can identify).
-    """
-    try:
-        conn = await AsyncClient.connect(socket_path, timeout=timeout, hello=False)
-    except IpcError as exc:
-        if exc.code in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT):
-            return None
-        raise
-    try:
-        result = await conn.call("identify", timeout=timeout)
-    except IpcError as exc:
-        if exc.code in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT):
-            return None
-        if exc.code == ErrorCode.RELOADING:  # alive, re-executing: the caller asks again
-            _saw_reload()
-        raise
-    finally:
-        await conn.close()
-    return cast(ServerIdentity, result) if isinstance(result, dict) else None  # the wire, as the server sends it
-
-
-async def _handshake(
-    conn: AsyncClient,
-    *,
-    credential: bytes,
-    installation_id: str,
-    expected_identity: str | None,
-    timeout: float,
-) -> dict[str, Any]:
-    """identify -> prove (verified) -> auth_begin/auth_finish on ``conn``; returns the identify result."""
-    try:
-        info = await conn.call("identify", timeout=timeout)
-    except IpcError as exc:
-        if exc.code in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.INCOMPATIBLE_VERSION, ErrorCode.RELOADING):
-            if exc.code == ErrorCode.RELOADING:
-                _saw_reload()
-            raise
-        # Something answers, but not with an identity: unreadable counts as a mismatch.
-        raise OwnershipRefused(IDENTITY_MISMATCH, f"identify was refused: {exc.message}") from None
-    identity = info.get("server_identity") if isinstance(info, dict) else None
-    capabilities = info.get("capabilities") if isinstance(info, dict) else None
-    if not isinstance(identity, str) or not identity:
-        raise OwnershipRefused(IDENTITY_MISMATCH, "the server reported no identity")
-    if not isinstance(capabilities, list) or not all(isinstance(c, str) for c in capabilities):
-        raise OwnershipRefused(IDENTITY_MISMATCH, "the server reported no capability set")
-    if expected_identity is not None and identity != expected_identity:
-        raise OwnershipRefused(IDENTITY_MISMATCH, "the server's identity is not the recorded one")
-    version = info.get("protocol_version")
-    if not isinstance(version, list) or not version or version[0] != VERSION[0]:
-        raise IpcError(
-            ErrorCode.INCOMPATIBLE_VERSION,
-            f"the control server speaks protocol {version!r:.40}; this client speaks major {VERSION[0]}",
-        )
-
-    challenge = auth.new_challenge()
-    answer = await conn.call("prove", {"challenge": challenge}, timeout=timeout)
-    proofs = answer.get("proofs") if isinstance(answer, dict) else None
-    expected = auth.server_proof(credential, challenge, identity, installation_id)
-    proven = False
-    if isinstance(proofs, list):
-        for proof in proofs[:2]:  # at most two acceptable credentials
-            proven |= auth.verify(expected, proof)
-    if not proven:
-        raise OwnershipRefused(AUTHENTICATION_FAILURE, "the server did not prove it holds the credential")
-
-    info = dict(info)
-    info["credential_role"] = await _authenticate(conn, credential=credential, identity=identity, timeout=timeout)
-    return info
-
-
-async def _authenticate(conn: AsyncClient, *, credential: bytes, identity: str, timeout: float) -> str | None:
-    """auth_begin/auth_finish with ``credential``; returns the slot the server says it filled
-    (``current`` / ``superseded``; None from a server that does not say)."""
-    begun = await conn.call("auth_begin", timeout=timeout)
-    nonce = begun.get("nonce") if isinstance(begun, dict) else None
-    if not isinstance(nonce, bytes) or len(nonce) != auth.CHALLENGE_BYTES:
-        raise OwnershipRefused(AUTHENTICATION_FAILURE, "the server sent a malformed nonce")
-    try:
-        finished = await conn.call(
-            "auth_finish",
-            {"proof": auth.connection_proof(credential, nonce, identity)},
-            timeout=timeout,
-        )
-    except IpcError as exc:
-        if exc.code == ErrorCode.UNAUTHENTICATED:
-            raise OwnershipRefused(AUTHENTICATION_FAILURE, exc.message) from None
-        raise
-    role = finished.get("credential") if isinstance(finished, dict) else None
-    return role if isinstance(role, str) else None
-
-
-_last_reload_seen: float | None = None  # loop time a server last answered "reloading"
-
-
-def reload_seen_recently() -> bool:
-    """Whether a control server said it is re-executing within ``RELOAD_WINDOW_S``: a slow
-    answer is then most likely that re-exec, not a dead server (the backend's read budget uses it)."""
-    if _last_reload_seen is None:
-        return False
-    return asyncio.get_running_loop().time() - _last_reload_seen < RELOAD_WINDOW_S
-
-
-def _saw_reload() -> None:
-    global _last_reload_seen
-    _last_reload_seen = asyncio.get_running_loop().time()
 
 
 class AgentctlClient:
@@ -280,7 +160,7 @@ class AgentctlClient:
         path = os.fspath(socket_path)
         conn = await AsyncClient.connect(path, timeout=timeout, hello=False)
         try:
-            info = await _handshake(
+            info = await handshake(
                 conn,
                 credential=credential,
                 installation_id=installation_id,
@@ -335,7 +215,7 @@ class AgentctlClient:
                     self.on_superseded(self)
                 if exc.code != ErrorCode.RELOADING:
                     raise
-                _saw_reload()
+                saw_reload()
                 if reload_deadline is None:
                     reload_deadline = loop.time() + RELOAD_WINDOW_S
                 elif loop.time() >= reload_deadline:
@@ -363,7 +243,7 @@ class AgentctlClient:
         loop = asyncio.get_running_loop()
         cause = self._conn.closed_by
         if cause is not None and cause.code == ErrorCode.RELOADING:
-            _saw_reload()  # the server closed this connection to re-execute
+            saw_reload()  # the server closed this connection to re-execute
         await self._conn.close()  # its reader task ends here, not in the garbage collector
         if patient_until is None and reload_seen_recently():
             patient_until = loop.time() + RELOAD_WINDOW_S
@@ -371,7 +251,7 @@ class AgentctlClient:
             try:
                 conn = await AsyncClient.connect(self.socket_path, timeout=self.timeout, hello=False)
                 try:
-                    info = await _handshake(conn, credential=self._credential, installation_id=self._installation_id,
+                    info = await handshake(conn, credential=self._credential, installation_id=self._installation_id,
                                             expected_identity=self.identity, timeout=self.timeout)
                 except BaseException:
                     await conn.close()
@@ -424,7 +304,7 @@ class AgentctlClient:
         On success later ``attach`` connections use it too; returns the slot it filled. A refusal
         raises ``OwnershipRefused(authentication_failure)`` and leaves the connection unauthenticated.
         """
-        role = await _authenticate(self._conn, credential=credential, identity=self.identity, timeout=self.timeout)
+        role = await authenticate(self._conn, credential=credential, identity=self.identity, timeout=self.timeout)
         self._credential = credential
         self.credential_role = role
         return role
@@ -604,7 +484,7 @@ class AgentctlClient:
         """
         conn = await AsyncClient.connect(self.socket_path, timeout=self.timeout, hello=False)
         try:
-            await _handshake(
+            await handshake(
                 conn,
                 credential=self._credential,
                 installation_id=self._installation_id,

@@ -15,7 +15,7 @@ so a server that could not serve its configured keys refuses to start naming the
 agent's sandbox shows those files (``daemon.agentctl.agent_env``).
 
 The numbers are handed over as given and checked by ``validate`` (which uses
-``daemon.config.validate_agentctl``) when the server starts: out of range is a
+``daemon.config_agentctl.validate_agentctl``) when the server starts: out of range is a
 refusal, never a clamp (AC-EXECUTORS-SURVIVAL-001.8). The log path is computed
 by the starter (AC-EXECUTORS-SURVIVAL-001.3).
 
@@ -39,7 +39,8 @@ from typing import Any
 from daemon.agentctl import agent_env
 from daemon.agentctl.auth import CREDENTIAL_BYTES
 from daemon.agents.settings import SecretRef, SettingsError
-from daemon.config import ConfigError, ResolvedAgentctl, validate_agentctl
+from daemon.config_agentctl import ResolvedAgentctl, validate_agentctl
+from daemon.config_keys import ConfigError
 from daemon.paths import Paths, SecretFileError, read_secret_file, write_secret_file
 
 MODES = ("unit", "detached", "child")
@@ -163,7 +164,7 @@ def dump(config: LaunchConfig, path: str | os.PathLike[str]) -> None:
 
 def validate(config: LaunchConfig, *, check_secrets: bool = True) -> ResolvedAgentctl:
     """Check the numeric settings and (``check_secrets``) that every agent's secret can be read;
-    raises ``daemon.config.ConfigError`` naming the key (value and range for numbers; never a
+    raises ``daemon.config_keys.ConfigError`` naming the key (value and range for numbers; never a
     secret). A re-exec does not check the secrets: its running agents have theirs already, and a
     key gone meanwhile fails only a later start of that agent, never the reload."""
     resolved = validate_agentctl(

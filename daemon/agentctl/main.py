@@ -48,7 +48,8 @@ from daemon.agentctl import launch, preflight, preload, reload_client, resume
 from daemon.agentctl.handover import HandoverError
 from daemon.agentctl.launch import LaunchConfig, LaunchError
 from daemon.agentctl.reexec import Reloader
-from daemon.config import ConfigError, ResolvedAgentctl
+from daemon.config_agentctl import ResolvedAgentctl
+from daemon.config_keys import ConfigError
 from daemon.journal import log_event
 from daemon.paths import resolve_home
 from daemon.service import (

@@ -53,6 +53,8 @@ MODULES = (
     "daemon.agentctl.server",
     "daemon.agentctl.server_context",
     "daemon.config",
+    "daemon.config_agentctl",
+    "daemon.config_keys",
     "daemon.faults",
     "daemon.journal",
     "daemon.limits",

@@ -46,7 +46,7 @@ from daemon.agentctl.protocol import TABLE
 from daemon.agentctl.sandbox import SandboxSupport
 from daemon.agentctl.sandbox_host import SandboxHost
 from daemon.agentctl.server_context import ServerContext
-from daemon.config import ResolvedAgentctl
+from daemon.config_agentctl import ResolvedAgentctl
 from daemon.journal import log_event
 from daemon.limits import BUFFER_LIMIT, IDLE_CONNECTION_TIMEOUT_S, connection_limit
 from daemon.version import VERSION

@@ -23,7 +23,7 @@ from daemon.agentctl.handover import ReloadHistory
 from daemon.agentctl.instance import Instance
 from daemon.agentctl.launch import LaunchConfig
 from daemon.agentctl.ownership import Ownership
-from daemon.config import ResolvedAgentctl
+from daemon.config_agentctl import ResolvedAgentctl
 from ipc.connection import ConnectionContext
 from ipc.errors import ErrorCode, IpcError
 from ipc.server import IpcServer

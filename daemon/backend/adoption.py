@@ -37,13 +37,8 @@ from typing import Any
 
 from daemon import faults
 from daemon.agentctl import launch as launch_file
-from daemon.agentctl.client import (
-    RELOAD_WINDOW_S,
-    AgentctlClient,
-    OwnershipRefused,
-    identify,
-    reload_seen_recently,
-)
+from daemon.agentctl.client import AgentctlClient
+from daemon.agentctl.client_handshake import RELOAD_WINDOW_S, OwnershipRefused, identify, reload_seen_recently
 from daemon.agentctl.protocol import REQUIRED_CAPABILITIES
 from daemon.agentctl.replies import ServerIdentity
 from daemon.paths import Paths

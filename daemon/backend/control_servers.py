@@ -21,13 +21,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from daemon.agentctl.client import AgentctlClient, OwnershipRefused, identify
+from daemon.agentctl.client import AgentctlClient
+from daemon.agentctl.client_handshake import OwnershipRefused, identify
 from daemon.agentctl.replies import ServerIdentity
 from daemon.backend.control_link import Attached, ControlServerLink, LinkState, Loss
 from daemon.backend.credential_endpoints import CredentialEndpoints
 from daemon.backend.executions import Execution, ExecutionStore
 from daemon.backend.launcher import ControlServerHandle, Launcher, UnitBusy
-from daemon.backend.recovery import LostAgent, repair_lost_server
+from daemon.backend.repair import LostAgent, repair_lost_server
 from daemon.backend.server_watch import ServerWatch
 from daemon.config import Config
 from daemon.journal import log_event

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from daemon.agentctl.client import AgentctlClient, OwnershipRefused
+from daemon.agentctl.client import AgentctlClient
+from daemon.agentctl.client_handshake import OwnershipRefused
 from daemon.backend.events import apply_events, mark_agent_gone
 from daemon.journal import log_event
 from daemon.store.db import Store

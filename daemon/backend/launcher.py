@@ -34,7 +34,7 @@ from pathlib import Path
 import psutil
 
 from daemon.agentctl import launch as launch_file
-from daemon.agentctl.client import identify
+from daemon.agentctl.client_handshake import identify
 from daemon.config import Config
 from daemon.paths import Paths
 from daemon.store.states import LaunchMode

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select
 
-from daemon.backend.recovery import repair_interrupted
+from daemon.backend.repair import repair_interrupted
 from daemon.backend.sessions import get_session
 from daemon.journal import log_event
 from daemon.store.db import Store

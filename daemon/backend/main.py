@@ -25,7 +25,8 @@ from daemon.backend.app import Backend
 from daemon.backend.lock import HomeLock, LockHeld, StoreLock, StoreLocked
 from daemon.backend.space_wait import when_space
 from daemon.backend.store_care import probe_write
-from daemon.config import Config, ConfigError, check_config
+from daemon.config import Config, check_config
+from daemon.config_keys import ConfigError
 from daemon.journal import log_event
 from daemon.limits import BUFFER_LIMIT, IDLE_CONNECTION_TIMEOUT_S, connection_limit
 from daemon.paths import Paths, installation_id, resolve_home

@@ -16,9 +16,9 @@ With the capability disabled or unavailable there is no adoption and nothing is
 reported recovered (AC-EXECUTORS-SURVIVAL-005.1); a provably-own survivor from an
 earlier launch is stopped first (AC-EXECUTORS-SURVIVAL-005.5).
 
-The same repair path serves a control server that dies under a running backend:
-``repair_lost_server`` makes its sessions what this startup recovery would make them
-with no server left (``daemon.backend.control_link`` calls it through the backend).
+What a re-tracked record is rebuilt from is ``daemon.backend.reconstruction``; the repair path
+reconciliation sends a dead session to is ``daemon.backend.repair``, which also serves a control
+server that dies under a running backend (``repair_lost_server``).
 """
 
 from __future__ import annotations
@@ -38,32 +38,17 @@ from daemon.agentctl.client import AgentctlClient
 from daemon.backend.adoption import Adopter, Adoption, AdoptionOutcome
 from daemon.backend.events import apply_turn_outcome, mark_running
 from daemon.backend.executions import Execution, ExecutionStore
-from daemon.backend.liveness import DEAD, Scope, classify, live_groups, stop_leftover_group
+from daemon.backend.liveness import DEAD, Scope, classify
+from daemon.backend.reconstruction import MissingInput, Record, reconstruct
 from daemon.backend.recovery_batch import TurnStatusReader, WriteBatch
+from daemon.backend.repair import ACTIVE_STATES, iso_utc, repair_interrupted
 from daemon.journal import log_event
-from daemon.store import transcript, transitions
 from daemon.store.db import Store
-from daemon.store.models import ControlServerRecord, ExecutorRunning, Task, TaskSession, Turn
-from daemon.store.states import SessionState, TaskState
+from daemon.store.models import ControlServerRecord, ExecutorRunning, TaskSession
 from daemon.store.transcript import ensure_turn
 from ipc.errors import ErrorCode, IpcError
 
 log = logging.getLogger(__name__)
-
-ACTIVE_STATES = (SessionState.STARTING, SessionState.RUNNING)
-
-
-@dataclass
-class Record:
-    """A live standalone recovery-inventory row, as read before any contact."""
-
-    session_id: str
-    task_id: str
-    instance_id: str
-    last_event_seq: int
-    passthrough: bool
-    agent_profile: str | None
-    workspace_path: str | None
 
 
 @dataclass
@@ -76,72 +61,6 @@ class RecoveryReport:
     stopped_with_backend: list[str] = field(default_factory=list)  # agents the last backend stopped cleanly
     duration_ms: float = 0.0
     adoption: Adoption = field(default_factory=lambda: Adoption(AdoptionOutcome.DISABLED))
-
-
-class MissingInput(Exception):
-    """A required reconstruction value is authoritatively absent (AC-EXECUTORS-SURVIVAL-002.4)."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self.name = name
-
-
-# Declared source of every value a re-tracked execution gets back (AC-EXECUTORS-SURVIVAL-002.14):
-#   (a) the recovery-inventory row   (b) another durable record of ours
-#   (c) the adopted instance          (d) re-derived from (a)-(c), never read from the instance
-RECONSTRUCTION_SOURCES: dict[str, str] = {
-    "session_id": "a",  # row.session_id (also the correlation key the server reports, AC-EXECUTORS-SURVIVAL-002.1)
-    "task_id": "a",
-    "workspace_path": "a",
-    "instance_id": "a",  # row.instance_id, the agent execution id (duplicate tie-break, AC-EXECUTORS-SURVIVAL-002.10)
-    "agent_profile": "a",  # row.agent_profile
-    "last_event_seq": "a",
-    "passthrough": "b",  # task_sessions.passthrough, the durable mode (AC-EXECUTORS-SURVIVAL-005.3)
-    "acp_session_id": "c",  # the provider session id the instance holds
-    "workspace_roots": "c",  # read back from the instance, never pushed to it (AC-EXECUTORS-SURVIVAL-002.5)
-    "agent_pid": "c",
-    "agent_pid_start_time": "c",
-    "agent_command": "d",  # re-derived from agent_profile and the built-in registry as it is now (AC-EXECUTORS-SURVIVAL-002.3)
-}
-
-
-def _reconstruct(rec: Record, instance: dict[str, Any], commands: dict[str, list[str] | None] | None = None
-                 ) -> dict[str, Any]:
-    """Collect every value from its one declared source; a required one missing → MissingInput.
-    ``commands``: the agent commands already re-derived in this recovery, by profile (derived
-    once per profile and run: the registry does not change during one recovery)."""
-    from daemon.agents.registry import get_agent
-
-    values: dict[str, Any] = {
-        "session_id": rec.session_id,
-        "task_id": rec.task_id,
-        "workspace_path": rec.workspace_path,
-        "instance_id": instance.get("instance_id"),
-        "agent_profile": rec.agent_profile,
-        "last_event_seq": rec.last_event_seq,
-        "passthrough": rec.passthrough,
-        "acp_session_id": instance.get("acp_session_id"),
-        "workspace_roots": instance.get("workspace_roots"),
-        "agent_pid": instance.get("pid"),
-        "agent_pid_start_time": instance.get("pid_start_time"),
-    }
-    for name in ("workspace_path", "agent_profile", "acp_session_id", "workspace_roots", "agent_pid"):
-        if not values[name]:
-            raise MissingInput(name)
-    profile = str(rec.agent_profile)
-    if commands is None or profile not in commands:
-        try:
-            command: list[str] | None = list(get_agent(profile).argv())
-        except KeyError:
-            command = None
-        if commands is not None:
-            commands[profile] = command
-    else:
-        command = commands[profile]
-    if command is None:
-        raise MissingInput("agent_command")
-    values["agent_command"] = list(command)
-    return values
 
 
 class Recovery:
@@ -333,7 +252,7 @@ class Recovery:
             candidates = winners
         instance = candidates[0]
         try:
-            values = _reconstruct(rec, instance, self._commands)
+            values = reconstruct(rec, instance, self._commands)
         except MissingInput as exc:
             self._decline(report, rec, f"missing_input={exc.name}")
             log_event("retrack_missing_input", f"session {rec.session_id}: required value {exc.name} missing",
@@ -569,7 +488,7 @@ class Recovery:
         self.reconciled = True
 
     def _repair(self, db: Any, session_id: str, now: datetime) -> None:
-        repair_interrupted(db, session_id, now, interruption={"cause": "backend_restart", "at": _iso(now)})
+        repair_interrupted(db, session_id, now, interruption={"cause": "backend_restart", "at": iso_utc(now)})
 
 
 def _preload(db: Any, session_ids: list[str]) -> list[Any]:
@@ -582,101 +501,3 @@ def _preload(db: Any, session_ids: list[str]) -> list[Any]:
         rows += db.scalars(select(TaskSession).where(TaskSession.id.in_(chunk))).all()
         rows += db.scalars(select(ExecutorRunning).where(ExecutorRunning.session_id.in_(chunk))).all()
     return rows
-
-
-def _iso(now: datetime) -> str:
-    return now.isoformat().replace("+00:00", "Z")
-
-
-def repair_interrupted(
-    db: Any,
-    session_id: str,
-    now: datetime,
-    *,
-    reason: str = "interrupted by backend restart",
-    interruption: dict[str, Any] | None = None,
-) -> None:
-    """The stale-execution repair path: the row no longer claims a live process (resume token
-    and worktree kept), open turns are abandoned, an active session waits for input and its
-    task goes to review marked interrupted. ``interruption`` (why and when) is kept on the row
-    until the session gets an agent again; ``session show`` reports it."""
-    row = db.get(ExecutorRunning, session_id)
-    if row is not None and row.status == "live":
-        row.status = "stale"
-        row.updated_at = now
-        if interruption is not None:
-            row.metadata_json = {**(row.metadata_json or {}), "interruption": interruption}
-    session = db.get(TaskSession, session_id)
-    if session is None or session.state not in ACTIVE_STATES:
-        return
-    for turn in db.scalars(select(Turn).where(Turn.session_id == session_id, Turn.state == "open")):
-        turn.state = "abandoned"
-        turn.stop_reason = "interrupted"
-        turn.ended_at = now
-    transitions.transition_session(
-        db, session_id, SessionState.WAITING_FOR_INPUT, expected_from={session.state}, reason=reason,
-    )
-    task = db.get(Task, session.task_id)
-    if task is not None and task.state != TaskState.DONE:  # a task the user marked done stays done
-        transitions.set_task_state(db, session.task_id, TaskState.REVIEW, interrupted=True)
-
-
-@dataclass(frozen=True)
-class LostAgent:
-    """An agent that ran on a control server that is gone: what identifies it, and how far its
-    event stream was received."""
-
-    session_id: str
-    pid: int | None
-    start_time: float | None
-    last_seq: int
-
-
-def repair_lost_server(
-    db: Any, *, endpoint: str, tracked: list[LostAgent], reason: str, now: datetime
-) -> list[str]:
-    """A control server died under a running backend: make every session that lived on it what
-    startup recovery would make it with no server left (reconciliation's repair path).
-
-    The sessions are the executions the backend tracked on it plus every live inventory row that
-    names its endpoint. For each: its agent is checked by pid + start time and anything left of
-    its process group is killed (``liveness.stop_leftover_group``); one transcript note says that
-    the events the server held but never delivered are lost, with the last seq received; then
-    the repair (open turn ``interrupted``, session waiting for input and resumable with its
-    token, task in review, marked interrupted). Returns the sessions repaired."""
-    agents = {a.session_id: a for a in tracked}
-    rows = db.scalars(
-        select(ExecutorRunning).where(ExecutorRunning.status == "live", ExecutorRunning.endpoint == endpoint)
-    ).all()
-    for row in rows:
-        if row.session_id not in agents:
-            agents[row.session_id] = LostAgent(row.session_id, row.agent_pid, row.agent_pid_start_time,
-                                               row.last_event_seq or 0)
-    interruption = {"cause": "control_server_lost", "reason": reason, "at": _iso(now)}
-    repaired: list[str] = []
-    groups = live_groups() if agents else set()
-    for session_id, agent in sorted(agents.items()):
-        leftover = stop_leftover_group(agent.pid, agent.start_time, groups)
-        if leftover != "gone":
-            log_event("agent_group_leftover", f"session {session_id}: agent pid {agent.pid} outlived its control"
-                      f" server: {'its process group was killed' if leftover == 'killed' else 'identity unknown, left alone'}",
-                      priority=4, SESSION_ID=session_id, AGENT_PID=agent.pid, OUTCOME=leftover)
-        session = db.get(TaskSession, session_id)
-        if session is None:
-            continue
-        row = db.get(ExecutorRunning, session_id)
-        last_seq = max(agent.last_seq, (row.last_event_seq or 0) if row is not None else 0)
-        transcript.append(
-            db, session_id, role="system", kind="control_server_lost",
-            text=(f"The control server was lost ({reason}) and the agent with it. Events it held for this session"
-                  f" but never delivered are lost; the last event received was seq {last_seq}. The conversation"
-                  " can continue: kandev resume " + session_id),
-            created_at=now,
-        )
-        repair_interrupted(db, session_id, now, reason=f"interrupted: control server lost ({reason})",
-                           interruption={**interruption, "last_seq": last_seq})
-        repaired.append(session_id)
-        log_event("session_interrupted", f"session {session_id} interrupted: control server lost ({reason});"
-                  f" last event received: seq {last_seq}", priority=4, SESSION_ID=session_id,
-                  TASK_ID=session.task_id, REASON="control_server_lost", LAST_SEQ=last_seq)
-    return repaired

@@ -7,7 +7,7 @@ import asyncio
 import os
 from typing import Any
 
-from daemon.agentctl.client import identify
+from daemon.agentctl.client_handshake import identify
 from daemon.backend import agent_launch
 from daemon.backend.context import BackendContext, BackendState
 from daemon.backend.control_link import LinkState

@@ -24,7 +24,8 @@ from typing import Any
 import pytest
 
 from daemon.agentctl import auth
-from daemon.agentctl.client import AgentctlClient, OwnershipRefused, identify
+from daemon.agentctl.client import AgentctlClient
+from daemon.agentctl.client_handshake import OwnershipRefused, identify
 from daemon.agentctl.protocol import TABLE, EventKind
 from ipc.client import AsyncClient, EventStream
 from ipc.errors import ErrorCode, IpcError

@@ -29,7 +29,8 @@ import psutil
 import pytest
 
 from daemon.agentctl import auth, launch
-from daemon.agentctl.client import AgentctlClient, identify
+from daemon.agentctl.client import AgentctlClient
+from daemon.agentctl.client_handshake import identify
 from daemon.agentctl.protocol import EventKind
 from daemon.version import VERSION
 from ipc.client import Event

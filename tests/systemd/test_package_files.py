@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from daemon import cli
-from daemon.config import SECTIONS, Config, load_config
+from daemon.config import Config, load_config
+from daemon.config_keys import SECTIONS
 
 REPO = Path(__file__).resolve().parents[2]
 PKG = REPO / "packaging"

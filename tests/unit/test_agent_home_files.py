@@ -11,7 +11,8 @@ import pytest
 
 from daemon.agents import home_files
 from daemon.agents.settings import describe
-from daemon.config import ConfigError, load_config, validate_backend
+from daemon.config import load_config, validate_backend
+from daemon.config_keys import ConfigError
 
 
 def _file(path: Path, text: str = '{"ok": true}\n', mode: int = 0o600) -> Path:

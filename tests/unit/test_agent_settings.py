@@ -12,7 +12,8 @@ from daemon.agentctl import agent_env, launch
 from daemon.agentctl.sandbox import SandboxRequest
 from daemon.agents.settings import SecretKind, SecretRef, SettingsError, describe
 from daemon.agents.settings import agent_env as plain_env
-from daemon.config import ConfigError, load_config, validate_backend
+from daemon.config import load_config, validate_backend
+from daemon.config_keys import ConfigError
 
 
 def _secret(path: Path, value: str = "s3cret-value", mode: int = 0o600) -> Path:

@@ -18,7 +18,7 @@ from daemon.agentctl.conversation import TurnIds
 from daemon.agentctl.events import MAX_EVENT_BYTES, EventLog, plain, sendable
 from daemon.agentctl.instance import InstanceState, can_transition
 from daemon.agentctl.launch import LaunchConfig, LaunchError
-from daemon.config import ConfigError
+from daemon.config_keys import ConfigError
 from tests.support.aio import run
 
 CRED = bytes(range(32))

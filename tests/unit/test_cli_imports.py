@@ -29,6 +29,7 @@ HUMAN = {"daemon.human.errors", "daemon.human.fmt", "daemon.human.render", "daem
          "daemon.human.table", "daemon.human.term", "daemon.human.transcript", "daemon.human.views"}
 # Never for these commands: the heavy machinery of other commands and of the daemons.
 NEVER = {"asyncio", "sqlalchemy", "acp", "tomllib", "subprocess", "daemon.doctor", "daemon.config",
+         "daemon.config_keys", "daemon.config_agentctl",
          "daemon.platform", "daemon.agents", "daemon.agents.registry", "daemon.human.follow", "ipc.client",
          "ipc.server", "ipc.aio", "uvloop", "psutil"}
 

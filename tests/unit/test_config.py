@@ -11,18 +11,9 @@ from pathlib import Path
 import pytest
 
 from daemon import config as cfg
-from daemon.config import (
-    AgentctlConfig,
-    Config,
-    ConfigError,
-    agentctl_settings,
-    format_duration,
-    load_config,
-    parse_duration,
-    resolve_unowned_period,
-    validate_agentctl,
-    validate_backend,
-)
+from daemon.config import AgentctlConfig, Config, agentctl_settings, load_config, validate_backend
+from daemon.config_agentctl import resolve_unowned_period, validate_agentctl
+from daemon.config_keys import ConfigError, format_duration, parse_duration
 
 
 @pytest.fixture(autouse=True)

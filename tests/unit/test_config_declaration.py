@@ -1,4 +1,4 @@
-"""Each config key is declared once (daemon/config.py ``SETTINGS``: type, default, range, doc) and
+"""Each config key is declared once (daemon/config_keys.py ``SETTINGS``: type, default, range, doc) and
 everything else agrees with that declaration: the section dataclasses, the refusals, and the
 README's configuration table, which must be exactly the generated one (Issue 13 item 3)."""
 
@@ -10,17 +10,9 @@ from pathlib import Path
 import pytest
 
 from daemon import config as cfg
-from daemon.config import (
-    SECTION_TYPES,
-    SECTIONS,
-    SETTING,
-    SETTINGS,
-    TABLE_FIELDS,
-    Config,
-    ConfigError,
-    Kind,
-    load_config,
-)
+from daemon import config_agentctl, config_keys
+from daemon.config import SECTION_TYPES, TABLE_FIELDS, Config, load_config
+from daemon.config_keys import SECTIONS, SETTING, SETTINGS, ConfigError, Kind
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -40,18 +32,18 @@ def _readme_table() -> str:
 
 
 def test_readme_configuration_table_is_the_generated_one() -> None:
-    expected = cfg.markdown_table()
+    expected = config_keys.markdown_table()
     assert _readme_table() == expected, (
-        "README.md's configuration table differs from daemon/config.py SETTINGS; replace it with:\n" + expected
+        "README.md's configuration table differs from daemon/config_keys.py SETTINGS; replace it with:\n" + expected
     )
 
 
 def test_the_readme_check_fails_when_a_declaration_changes(monkeypatch: pytest.MonkeyPatch) -> None:
     """The check above can fail: a changed default shows in the generated table."""
     changed = dataclasses.replace(SETTING["agentctl.recovery_deadline"], default=45.0)
-    monkeypatch.setattr(cfg, "SETTINGS", tuple(changed if s.key == changed.key else s for s in SETTINGS))
-    assert "| `agentctl.recovery_deadline` | `45s` |" in cfg.markdown_table()
-    assert cfg.markdown_table() != _readme_table()
+    monkeypatch.setattr(config_keys, "SETTINGS", tuple(changed if s.key == changed.key else s for s in SETTINGS))
+    assert "| `agentctl.recovery_deadline` | `45s` |" in config_keys.markdown_table()
+    assert config_keys.markdown_table() != _readme_table()
 
 
 def test_every_section_dataclass_has_exactly_the_declared_keys_with_the_declared_defaults() -> None:
@@ -81,12 +73,12 @@ def test_a_value_below_the_declared_range_is_refused_naming_key_value_and_range(
     if setting.kind is Kind.INT:
         value, given = str(int(setting.low) - 1), str(int(setting.low) - 1)
     else:
-        value = given = cfg.format_duration(setting.low - 0.05) if setting.low > 0 else "-1s"
+        value = given = config_keys.format_duration(setting.low - 0.05) if setting.low > 0 else "-1s"
     env = {setting.env_var: value}
     with pytest.raises(ConfigError) as err:
         c = load_config(None, env)
         if setting.section == "agentctl" and setting.name in ("detached_event_limit", "unowned_period"):
-            cfg.validate_agentctl(value if setting.name == "detached_event_limit" else 100,
+            config_agentctl.validate_agentctl(value if setting.name == "detached_event_limit" else 100,
                                   value if setting.name == "unowned_period" else "10min", "1h",
                                   origins={setting.key: f"env {setting.env_var}"})
         else:

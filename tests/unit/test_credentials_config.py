@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from daemon import config as cfg
-from daemon.config import ConfigError, CredentialsConfig, load_config, validate_backend
+from daemon.config import CredentialsConfig, load_config, validate_backend
+from daemon.config_keys import ConfigError
 
 
 @pytest.fixture(autouse=True)

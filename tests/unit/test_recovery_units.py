@@ -8,7 +8,7 @@ import psutil
 import pytest
 
 from daemon.backend.liveness import DEAD, LIVE, UNKNOWN, Scope, classify, pid_probe
-from daemon.backend.recovery import RECONSTRUCTION_SOURCES, MissingInput, Record, _reconstruct
+from daemon.backend.reconstruction import RECONSTRUCTION_SOURCES, MissingInput, Record, reconstruct
 
 ME = psutil.Process(os.getpid())
 
@@ -66,7 +66,7 @@ INSTANCE = {"instance_id": "i", "acp_session_id": "acp", "workspace_roots": ["/w
 def test_every_value_has_one_declared_source():
     """AC-EXECUTORS-SURVIVAL-002.3, AC-EXECUTORS-SURVIVAL-002.14: one source each, from the four allowed."""
     assert set(RECONSTRUCTION_SOURCES.values()) <= {"a", "b", "c", "d"}
-    values = _reconstruct(_record(), INSTANCE)
+    values = reconstruct(_record(), INSTANCE)
     assert set(values) == set(RECONSTRUCTION_SOURCES)
     # (d) re-derived from the profile and today's registry, never read from the instance
     from daemon.agents.registry import get_agent
@@ -77,7 +77,7 @@ def test_every_value_has_one_declared_source():
 
 def test_workspace_roots_come_from_the_instance_only():
     """AC-EXECUTORS-SURVIVAL-002.5: reach is read back from the instance, never widened or pushed."""
-    values = _reconstruct(_record(workspace_path="/w"), {**INSTANCE, "workspace_roots": ["/w/sub"]})
+    values = reconstruct(_record(workspace_path="/w"), {**INSTANCE, "workspace_roots": ["/w/sub"]})
     assert values["workspace_roots"] == ["/w/sub"]
 
 
@@ -85,12 +85,12 @@ def test_workspace_roots_come_from_the_instance_only():
 def test_authoritatively_absent_value_refuses_retracking(missing):
     """AC-EXECUTORS-SURVIVAL-002.4: the missing value is named."""
     with pytest.raises(MissingInput) as exc:
-        _reconstruct(_record(), {**INSTANCE, missing: None})
+        reconstruct(_record(), {**INSTANCE, missing: None})
     assert exc.value.name == ("agent_pid" if missing == "pid" else missing)
 
 
 def test_unknown_profile_cannot_be_rederived():
     """AC-EXECUTORS-SURVIVAL-002.4, AC-EXECUTORS-SURVIVAL-002.14 (source d)."""
     with pytest.raises(MissingInput) as exc:
-        _reconstruct(_record(agent_profile="gone-agent"), INSTANCE)
+        reconstruct(_record(agent_profile="gone-agent"), INSTANCE)
     assert exc.value.name == "agent_command"

@@ -14,7 +14,8 @@ import pytest
 from sqlalchemy.exc import OperationalError
 
 from daemon.backend.store_care import StoreCare
-from daemon.config import ConfigError, load_config, validate_backend
+from daemon.config import load_config, validate_backend
+from daemon.config_keys import ConfigError
 from daemon.store import transcript
 from daemon.store.db import Store, sqlite_url
 from daemon.store.models import Task, TaskSession
