@@ -42,9 +42,7 @@ from daemon.agents.settings import SecretRef, SettingsError
 from daemon.config_agentctl import ResolvedAgentctl, validate_agentctl
 from daemon.config_keys import ConfigError
 from daemon.paths import Paths, SecretFileError, read_secret_file, write_secret_file
-
-MODES = ("unit", "detached", "child")
-"""How the server was started: a systemd unit, a detached process, a child of the backend."""
+from daemon.store.states import LaunchMode
 
 CREDENTIAL_NAME = "agentctl-credential"
 """Name of the credential under ``$CREDENTIALS_DIRECTORY`` (``LoadCredential=agentctl-credential:...``)."""
@@ -74,7 +72,7 @@ class LaunchConfig:
     detached_event_limit: Number = 100
     unowned_period_s: Number = 600.0
     idle_timeout_s: Number = 3600.0
-    mode: str = "child"
+    mode: LaunchMode = LaunchMode.CHILD  # how the server was started (its wire value in the file)
     agent_secret_env: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -116,10 +114,10 @@ def from_json(doc: Any) -> LaunchConfig:
     if cred is not None and (not isinstance(cred, str) or not cred):
         raise LaunchError(f"launch file: 'credential_file' must be a path or null (got {cred!r:.100})")
     values["credential_file"] = cred
-    mode = doc.get("mode", "child")
-    if mode not in MODES:
-        raise LaunchError(f"launch file: 'mode' must be one of {', '.join(MODES)} (got {mode!r:.100})")
-    values["mode"] = mode
+    mode = doc.get("mode", LaunchMode.CHILD)
+    if not isinstance(mode, str) or mode not in tuple(LaunchMode):
+        raise LaunchError(f"launch file: 'mode' must be one of {', '.join(LaunchMode)} (got {mode!r:.100})")
+    values["mode"] = LaunchMode(mode)
     for key in ("detached_event_limit", "unowned_period_s", "idle_timeout_s"):
         if key in doc:
             value = doc[key]

@@ -59,6 +59,8 @@ MODULES = (
     "daemon.journal",
     "daemon.limits",
     "daemon.paths",
+    "daemon.store",
+    "daemon.store.states",
     "daemon.task_dump",
     "daemon.version",
     # the IPC layer

@@ -32,7 +32,6 @@ import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from enum import StrEnum
 from typing import Any
 
 from daemon import faults
@@ -41,6 +40,7 @@ from daemon.agentctl.client import AgentctlClient
 from daemon.agentctl.client_handshake import RELOAD_WINDOW_S, OwnershipRefused, identify, reload_seen_recently
 from daemon.agentctl.protocol import REQUIRED_CAPABILITIES
 from daemon.agentctl.replies import ServerIdentity
+from daemon.backend.api import AdoptionOutcome
 from daemon.paths import Paths
 from daemon.store.db import Store
 from daemon.store.models import ControlServerRecord
@@ -54,11 +54,7 @@ log = logging.getLogger(__name__)
 ADOPTION_STEP_TIMEOUT_S = 360.0
 
 
-class AdoptionOutcome(StrEnum):
-    ADOPTED = "adopted"
-    NO_SERVER = "no_server"  # nothing recorded, nothing answered, or it is shutting down: no refusal
-    REFUSED = "refused"  # with one reason
-    DISABLED = "disabled"  # no attempt: the capability is off
+
 
 
 @dataclass

@@ -7,7 +7,7 @@ service group); there is no further authentication on this socket.
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import Enum, StrEnum
 
 from ipc.schema import Op, OpTable
 
@@ -183,6 +183,36 @@ RESUME_OPS: list[Op] = [
         " reset blocks the prompt -> {task_id, step, position, session_id, reset, prompt}",
     ),
 ]
+
+# The named values ``status`` carries (the CLI compares these, not the strings).
+
+
+class BackendState(StrEnum):
+    """The backend's lifetime, as ``kandev status`` shows it."""
+
+    STARTING = "starting"
+    RECOVERING = "recovering"  # startup recovery runs: launches wait
+    READY = "ready"
+    STOPPING = "stopping"
+    OUT_OF_SPACE = "out_of_space"  # the store cannot open for lack of space (daemon.backend.space_wait)
+
+
+class LinkState(str, Enum):
+    NONE = "none"  # no server yet (before startup recovery; the passthrough server until first needed)
+    RUNNING = "running"
+    LOST = "lost"
+    RESTARTING = "restarting"
+    GAVE_UP = "gave_up"
+    SUPERSEDED = "superseded"
+    REPLACING = "replacing"  # the backend retires this server for a newer one (not a loss)
+
+
+class AdoptionOutcome(StrEnum):
+    ADOPTED = "adopted"
+    NO_SERVER = "no_server"  # nothing recorded, nothing answered, or it is shutting down: no refusal
+    REFUSED = "refused"  # with one reason
+    DISABLED = "disabled"  # no attempt: the capability is off
+
 
 class FollowEvent(str, Enum):
     """The kinds of event frames a ``follow`` stream sends (daemon/backend/follow.py)."""

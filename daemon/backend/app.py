@@ -32,9 +32,9 @@ import daemon.backend.task_delete as task_delete
 import daemon.backend.tasks_api as tasks_api
 import daemon.backend.workflow_api as workflow_api
 from daemon.backend import agent_launch
-from daemon.backend.adoption import Adopter, AdoptionOutcome
-from daemon.backend.api import TABLE
-from daemon.backend.context import BackendContext, BackendState
+from daemon.backend.adoption import Adopter
+from daemon.backend.api import TABLE, AdoptionOutcome, BackendState
+from daemon.backend.context import BackendContext
 from daemon.backend.context_reset import ContextReset
 from daemon.backend.executions import Execution
 from daemon.backend.follow import FollowService

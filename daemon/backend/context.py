@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from enum import StrEnum
 from pathlib import Path
 
 from daemon.agentctl.client import AgentctlClient
+from daemon.backend.api import BackendState
 from daemon.backend.control_link import ControlServerLink
 from daemon.backend.control_servers import ControlServers
 from daemon.backend.credential_endpoints import CredentialEndpoints
@@ -33,15 +33,6 @@ from daemon.platform import CapabilityStatus
 from daemon.runtimes.update import RuntimeJobs
 from daemon.store.db import Store
 from daemon.store.states import LaunchMode
-
-
-class BackendState(StrEnum):
-    """The backend's lifetime, as ``kandev status`` shows it."""
-
-    STARTING = "starting"
-    RECOVERING = "recovering"  # startup recovery runs: launches wait
-    READY = "ready"
-    STOPPING = "stopping"
 
 
 class BackendContext:

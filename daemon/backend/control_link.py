@@ -43,9 +43,9 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from enum import Enum
 from typing import Any, Protocol
 
+from daemon.backend.api import LinkState
 from daemon.journal import log_event
 from ipc.aio import cancel_and_wait
 
@@ -57,14 +57,7 @@ CRASH_LOOP_LIMIT = 5
 CRASH_LOOP_WINDOW_S = 300.0
 
 
-class LinkState(str, Enum):
-    NONE = "none"  # no server yet (before startup recovery; the passthrough server until first needed)
-    RUNNING = "running"
-    LOST = "lost"
-    RESTARTING = "restarting"
-    GAVE_UP = "gave_up"
-    SUPERSEDED = "superseded"
-    REPLACING = "replacing"  # the backend retires this server for a newer one (not a loss)
+
 
 
 class Watch(Protocol):

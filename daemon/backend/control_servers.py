@@ -24,7 +24,8 @@ from datetime import UTC, datetime
 from daemon.agentctl.client import AgentctlClient
 from daemon.agentctl.client_handshake import OwnershipRefused, identify
 from daemon.agentctl.replies import ServerIdentity
-from daemon.backend.control_link import Attached, ControlServerLink, LinkState, Loss
+from daemon.backend.api import LinkState
+from daemon.backend.control_link import Attached, ControlServerLink, Loss
 from daemon.backend.credential_endpoints import CredentialEndpoints
 from daemon.backend.executions import Execution, ExecutionStore
 from daemon.backend.launcher import ControlServerHandle, Launcher, UnitBusy

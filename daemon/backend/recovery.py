@@ -35,7 +35,8 @@ from typing import Any
 from sqlalchemy import select
 
 from daemon.agentctl.client import AgentctlClient
-from daemon.backend.adoption import Adopter, Adoption, AdoptionOutcome
+from daemon.backend.adoption import Adopter, Adoption
+from daemon.backend.api import AdoptionOutcome
 from daemon.backend.events import apply_turn_outcome, mark_running
 from daemon.backend.executions import Execution, ExecutionStore
 from daemon.backend.liveness import DEAD, Scope, classify

@@ -45,7 +45,8 @@ from typing import Any
 
 from daemon.agents.registry import get_agent
 from daemon.backend import runtime_config as rc
-from daemon.backend.context import BackendContext, BackendState
+from daemon.backend.api import BackendState
+from daemon.backend.context import BackendContext
 from daemon.backend.live_sessions import LiveSessions, conflict, iso
 from daemon.backend.session_launcher import Launched, LaunchPlan, SessionLauncher
 from daemon.backend.sessions import get_session

@@ -40,7 +40,7 @@ import psutil
 
 from daemon.agentctl.protocol import RELOAD_CAPABILITY
 from daemon.agentctl.replies import ServerInfo
-from daemon.backend.control_link import LinkState
+from daemon.backend.api import LinkState
 from daemon.journal import log_event
 from daemon.version import VERSION, installed_version, version_key
 from ipc.aio import cancel_and_wait, within

@@ -20,7 +20,8 @@ from sqlalchemy import select
 
 from daemon.agents.registry import get_agent
 from daemon.backend import agent_launch
-from daemon.backend.context import BackendContext, BackendState
+from daemon.backend.api import BackendState
+from daemon.backend.context import BackendContext
 from daemon.backend.session_launcher import LaunchPlan, LaunchProgress, LaunchStage, SessionLauncher
 from daemon.backend.session_view import PageRequest, StoredSession, read_session
 from daemon.credentials import CredentialError

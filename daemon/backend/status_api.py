@@ -9,8 +9,8 @@ from typing import Any
 
 from daemon.agentctl.client_handshake import identify
 from daemon.backend import agent_launch
-from daemon.backend.context import BackendContext, BackendState
-from daemon.backend.control_link import LinkState
+from daemon.backend.api import BackendState, LinkState
+from daemon.backend.context import BackendContext
 from daemon.backend.server_upgrade import ServerUpgrade
 from daemon.version import VERSION
 from ipc.errors import ErrorCode, IpcError

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 
 from daemon.human.term import Colour
+from daemon.store.states import SessionState, TurnState
 
 SHORT = 8
 """Characters of an id shown to people (any unique prefix of 4 or more is accepted back)."""
@@ -60,14 +61,14 @@ def duration_ms(ms: float | int | None) -> str:
     return f"{ms / 1000:.1f} s"
 
 
-_STATE_COLOURS = {
-    "RUNNING": (Colour.GREEN,),
-    "WAITING_FOR_INPUT": (Colour.CYAN,),
-    "STARTING": (Colour.YELLOW,),
-    "CREATED": (Colour.DIM,),
-    "FAILED": (Colour.RED,),
-    "CANCELLED": (Colour.YELLOW,),
-    "COMPLETED": (Colour.DIM,),
+_STATE_COLOURS: dict[str, tuple[Colour, ...]] = {
+    SessionState.RUNNING: (Colour.GREEN,),
+    SessionState.WAITING_FOR_INPUT: (Colour.CYAN,),
+    SessionState.STARTING: (Colour.YELLOW,),
+    SessionState.CREATED: (Colour.DIM,),
+    SessionState.FAILED: (Colour.RED,),
+    SessionState.CANCELLED: (Colour.YELLOW,),
+    SessionState.COMPLETED: (Colour.DIM,),
 }
 
 
@@ -81,4 +82,4 @@ def yes_no(value: object) -> str:
 
 def stop_reason_ok(state: str | None, stop_reason: str | None, error: str | None = None) -> bool:
     """Whether a turn ended normally (``end_turn``, no error)."""
-    return state == "finished" and stop_reason == "end_turn" and not error
+    return state == TurnState.FINISHED and stop_reason == "end_turn" and not error

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from daemon.backend.api import AdoptionOutcome, BackendState, LinkState
 from daemon.human.fmt import duration_ms, short
 from daemon.human.term import Term
 
@@ -33,7 +34,8 @@ _KNOWN = {
 _ORDER = ("backend", "capability", "control_server", "adoption", "recovery")
 # reloading: re-executing in place for a moment; replacing: the backend retires a server too old to
 # reload for one of the installed version (neither is a loss)
-_HEALTHY_SERVER = {"running", "none", "reloading", "replacing"}
+# "reloading": how ``status`` shows a running server that re-executes (not a state of its link)
+_HEALTHY_SERVER = {LinkState.RUNNING, LinkState.NONE, "reloading", LinkState.REPLACING}
 
 
 def _value(value: Any) -> str:
@@ -68,7 +70,7 @@ def warnings(status: dict[str, Any]) -> list[str]:
     """What needs a person's attention, most important first."""
     out: list[str] = []
     backend = status.get("backend") or {}
-    if backend.get("state") not in (None, "ready"):
+    if backend.get("state") not in (None, BackendState.READY):
         out.append(f"the backend is {backend.get('state')}, not ready yet")
     cap = status.get("capability") or {}
     if cap.get("state") == "unavailable":
@@ -86,7 +88,7 @@ def warnings(status: dict[str, Any]) -> list[str]:
                    f" still {'have' if missed != 1 else 'has'} no agent (`kandev resume SESSION` gives one an agent"
                    " again)")
     adoption = status.get("adoption") or {}
-    if adoption.get("outcome") == "refused":
+    if adoption.get("outcome") == AdoptionOutcome.REFUSED:
         out.append(f"the control server could not be adopted: {adoption.get('reason')}")
     full = (status.get("store") or {}).get("out_of_space")
     if full:
@@ -203,8 +205,8 @@ def _capability_lines(term: Term, cap: dict[str, Any]) -> list[str]:
 
 def _server_lines(term: Term, server: dict[str, Any]) -> list[str]:
     state = str(server.get("state") or "unknown")
-    paint = term.green if state == "running" else (
-        term.dim if state == "none" else term.yellow if state in _HEALTHY_SERVER else term.red)
+    paint = term.green if state == LinkState.RUNNING else (
+        term.dim if state == LinkState.NONE else term.yellow if state in _HEALTHY_SERVER else term.red)
     head = paint(state)
     if server.get("mode"):
         head += f", {server['mode']} mode"
@@ -250,7 +252,8 @@ def render_status(status: dict[str, Any], term: Term) -> list[str]:
     backend = status.get("backend") or {}
     state = str(backend.get("state") or "unknown")
     found = warnings(status)
-    dot_paint = term.green if state == "ready" and not found else (term.yellow if state == "ready" else term.red)
+    ready = state == BackendState.READY
+    dot_paint = term.green if ready and not found else (term.yellow if ready else term.red)
     head = (f"{dot_paint(term.bullet)} {term.bold('kandev-backend')}: {dot_paint(state)}"
             f" (pid {backend.get('pid', '-')}, version {backend.get('version', '-')})")
     lines = [head]

@@ -14,6 +14,7 @@ from typing import IO, Any
 
 from daemon.human.fmt import short, stop_reason_ok
 from daemon.human.term import Colour, Term
+from daemon.store.states import TurnState
 
 _QUIET_KINDS = frozenset({"available_commands_update"})  # noise for a person: not shown
 
@@ -42,7 +43,7 @@ def turn_end_line(term: Term, outcome: dict[str, Any]) -> str:
         return term.green(f"[turn ended: {reason}]")
     if reason == "cancelled":
         return term.yellow("[turn cancelled]")
-    verb = "failed" if state == "abandoned" or error else "ended"
+    verb = "failed" if state == TurnState.ABANDONED or error else "ended"
     text = f"[turn {verb}: {reason or state or 'unknown'}]"
     if error:
         text += f" {error}"

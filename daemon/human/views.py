@@ -15,11 +15,12 @@ from daemon.human.status import warnings
 from daemon.human.table import Cell, cell, render_table
 from daemon.human.term import Colour, Term
 from daemon.human.transcript import ConversationWriter, turn_end_line
+from daemon.store.states import Attention, SessionState, TurnState
 
 BUCKETS = (("needs_attention", "Needs attention"), ("backlog", "Backlog"), ("running", "Running"),
            ("turn_finished", "Turn finished"), ("done", "Done"))
 """The board's sections, what needs the user first."""
-HIDDEN_BY_DEFAULT = frozenset({"COMPLETED", "CANCELLED"})
+HIDDEN_BY_DEFAULT = frozenset({SessionState.COMPLETED, SessionState.CANCELLED})
 """Session states `session list` leaves out unless --all (finished: nothing more will happen)."""
 
 
@@ -195,7 +196,7 @@ def board_lines(result: dict[str, Any], term: Term) -> list[str]:
             agent, state = _session_brief(t.get("latest_session"))
             attention = t.get("attention") or {}
             reason = attention.get("reason")
-            detail = session.get("last_error") if reason == "failed" or state == "FAILED" else None
+            detail = session.get("last_error") if reason == Attention.FAILED or state == SessionState.FAILED else None
             row = [short(t["task_id"], n), t.get("title") or "-", agent, cell(state, *state_styles(state)),
                    short(session.get("session_id"))]
             if bucket == "needs_attention":
@@ -237,7 +238,7 @@ def session_start_lines(result: dict[str, Any], term: Term, agent: str) -> list[
 def _last_turn(turn: dict[str, Any] | None) -> str:
     if not turn:
         return "-"
-    if turn.get("state") == "open":
+    if turn.get("state") == TurnState.OPEN:
         return f"#{turn.get('ordinal')} running {age(turn.get('started_at'))}"
     return f"#{turn.get('ordinal')} {turn.get('stop_reason') or turn.get('state')} {age(turn.get('ended_at'))} ago"
 
@@ -255,7 +256,7 @@ def session_list_lines(result: dict[str, Any], term: Term, show_all: bool) -> li
             state = s.get("state")
             retracked = "yes" if s.get("retracked") else "no"
             state_cell = cell(state, *state_styles(state))
-            if state in ("RUNNING", "WAITING_FOR_INPUT") and not s.get("live"):
+            if state in (SessionState.RUNNING, SessionState.WAITING_FOR_INPUT) and not s.get("live"):
                 state_cell = cell(f"{state} (no agent)", Colour.YELLOW)  # e.g. not re-tracked after a restart
             rows.append([short(s["session_id"], n), f"{short(s.get('task_id'))} {s.get('task_title') or ''}".rstrip(),
                          s.get("agent") or "-", state_cell, retracked,
@@ -291,8 +292,8 @@ def session_header_lines(show: dict[str, Any], term: Term, task_title: str | Non
     field("Model/mode", f"{runtime.get('model') or '-'} / {runtime.get('mode') or '-'}"
           + (f"; {', '.join(f'{k}={v}' for k, v in sorted(options.items()))}" if options else ""))
     prep = show.get("runtime_prepare") or {}
-    if prep and (state == "STARTING" or prep.get("state") != "succeeded"):
-        field("Runtime", f"{'preparing ' if state == 'STARTING' else ''}{prep.get('spec')}"
+    if prep and (state == SessionState.STARTING or prep.get("state") != "succeeded"):
+        field("Runtime", f"{'preparing ' if state == SessionState.STARTING else ''}{prep.get('spec')}"
               f" (job {short(prep.get('job_id'))}): [{prep.get('state')}] {prep.get('message') or ''}".rstrip())
     if show.get("guard"):
         field("Guard", term.yellow(str(show["guard"])))
@@ -332,7 +333,7 @@ def session_show(show: dict[str, Any], term: Term, out: IO[str], task_title: str
         if turn_id is None or turn_id not in by_id:
             return
         ordinal, turn = by_id[turn_id]
-        if turn.get("state") != "open":
+        if turn.get("state") != TurnState.OPEN:
             writer.turn_ended({**turn, "ordinal": ordinal})
 
     for e in entries:

@@ -17,12 +17,12 @@ a failed turn, a cancelled session, a session whose agent is gone.
 from __future__ import annotations
 
 import re
-from enum import Enum
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from daemon.store.models import Task, TaskSession
+from daemon.store.states import Attention
 
 BUCKETS = ("backlog", "running", "turn_finished", "needs_attention", "done")
 _BY_SESSION = {
@@ -44,15 +44,6 @@ _DIED = "agent_exited"
 # How providers say a key is missing or refused (Claude Code: "Authentication required", "Invalid API key").
 _AUTH_FAILURE = re.compile(r"authenticat|invalid (x-)?api[ _-]?key|api key|unauthori[sz]ed|\b401\b|login",
                            re.IGNORECASE)
-
-
-class Attention(str, Enum):
-    """Why a task needs its user, in a word."""
-
-    PERMISSION = "permission"  # the agent waits for an answer to a permission request
-    FAILED = "failed"  # the session failed, or its last turn did
-    CANCELLED = "cancelled"  # the session was cancelled
-    NO_AGENT = "no agent"  # the session waits for input but has no agent to answer it
 
 
 def bucket_for(task_state: str, latest_session_state: str | None) -> str:

@@ -34,12 +34,12 @@ from sqlalchemy import (
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from daemon.store.states import InventoryStatus, LaunchMode, SessionState, TaskState
+from daemon.store.states import InventoryStatus, LaunchMode, SessionState, TaskState, TurnState
 
 TASK_STATES = tuple(s.value for s in TaskState)
 EXECUTORS = ("local", "worktree")
 SESSION_STATES = tuple(s.value for s in SessionState)
-TURN_STATES = ("open", "finished", "abandoned")
+TURN_STATES = tuple(s.value for s in TurnState)
 MESSAGE_ROLES = ("user", "agent", "system")
 INVENTORY_STATUSES = tuple(s.value for s in InventoryStatus)
 LAUNCH_MODES = tuple(s.value for s in LaunchMode)

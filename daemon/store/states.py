@@ -1,4 +1,4 @@
-"""The named states of the store's rows, as ``StrEnum``s.
+"""The named states of the store's rows, as ``StrEnum``s (and the board's attention reasons).
 
 A member compares equal to its string and formats as it (``str(SessionState.FAILED) ==
 "FAILED"``), so what the store holds and what the wire carries stay the plain strings they always
@@ -8,7 +8,7 @@ and the session state machine of ``daemon.store.transitions`` are built from the
 
 from __future__ import annotations
 
-from enum import StrEnum
+from enum import Enum, StrEnum
 
 
 class SessionState(StrEnum):
@@ -28,6 +28,15 @@ class TaskState(StrEnum):
     DONE = "done"
 
 
+class TurnState(StrEnum):
+    """A turn: in progress (``open``), ended by its agent (``finished``, with a stop reason), or
+    ended without one (``abandoned``: its agent is gone)."""
+
+    OPEN = "open"
+    FINISHED = "finished"
+    ABANDONED = "abandoned"
+
+
 class InventoryStatus(StrEnum):
     """An ``executors_running`` row: its agent believed running (``live``) or known gone (``stale``)."""
 
@@ -41,3 +50,12 @@ class LaunchMode(StrEnum):
     UNIT = "unit"
     DETACHED = "detached"
     CHILD = "child"
+
+
+class Attention(str, Enum):
+    """Why a task needs its user, in a word."""
+
+    PERMISSION = "permission"  # the agent waits for an answer to a permission request
+    FAILED = "failed"  # the session failed, or its last turn did
+    CANCELLED = "cancelled"  # the session was cancelled
+    NO_AGENT = "no agent"  # the session waits for input but has no agent to answer it

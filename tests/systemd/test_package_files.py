@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon import cli
+from daemon import cli_parser
 from daemon.config import Config, load_config
 from daemon.config_keys import SECTIONS
 
@@ -57,7 +57,7 @@ def _subcommands(parser) -> dict[str, object]:
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
 def test_bash_completion_knows_every_command_and_option() -> None:
-    parser = cli.build_parser()
+    parser = cli_parser.build_parser()
     commands = _subcommands(parser)
     assert set(_complete("")) >= set(commands) | {"--home", "--json"}
     assert _complete("ta") == ["task"]

@@ -245,7 +245,7 @@ def test_an_agents_stderr_is_shown_without_its_control_sequences() -> None:
 
 def test_a_mistyped_command_gets_the_closest_one() -> None:
     """Issue 23 item 4: "did you mean" for commands and subcommands, the choices otherwise."""
-    from daemon.cli import did_you_mean
+    from daemon.cli_parser import did_you_mean
 
     m = "argument command: invalid choice: 'sesion' (choose from 'up', 'down', 'session', 'status')"
     assert did_you_mean(m) == "unknown command 'sesion'; did you mean 'session'?"
@@ -259,7 +259,8 @@ def test_a_mistyped_command_gets_the_closest_one() -> None:
 
 def test_the_board_places_tasks_that_need_their_user_with_a_reason() -> None:
     """Issue 23 item 3: permission, failed (session or turn), cancelled, no agent; done wins."""
-    from daemon.store.board import Attention, placement
+    from daemon.store.board import placement
+    from daemon.store.states import Attention
 
     assert placement("in_progress", "RUNNING", live=True, open_permission=True) == (
         "needs_attention", Attention.PERMISSION)
@@ -282,7 +283,8 @@ def test_the_board_places_tasks_that_need_their_user_with_a_reason() -> None:
 
 def test_a_provider_authentication_failure_names_the_agents_secret_env() -> None:
     """Issue 23 item 3 (Why 8): Claude Code's "Authentication required" hints at its secret_env."""
-    from daemon.store.board import Attention, attention_hint
+    from daemon.store.board import attention_hint
+    from daemon.store.states import Attention
 
     for error in ("Authentication required", "Invalid API key · Please run /login", "401 Unauthorized"):
         hint = attention_hint(Attention.FAILED, "claude-code", error)

@@ -20,13 +20,15 @@ from tests.support.paths import REPO_ROOT
 
 # kandev's own modules the common commands may import, whatever the command.
 BUDGET = {
-    "daemon", "daemon.cli", "daemon.paths", "daemon.version", "daemon.backend", "daemon.backend.api",
+    "daemon", "daemon.cli", "daemon.cli_backend", "daemon.cli_parser", "daemon.paths", "daemon.version",
+    "daemon.backend", "daemon.backend.api",
     "daemon.human",
     "ipc", "ipc.errors", "ipc.schema", "ipc.framing", "ipc.hello", "ipc.sync_client",
 }
 # What printing for people adds (without --json): the views and their helpers, never the doctor.
 HUMAN = {"daemon.human.errors", "daemon.human.fmt", "daemon.human.render", "daemon.human.status",
-         "daemon.human.table", "daemon.human.term", "daemon.human.transcript", "daemon.human.views"}
+         "daemon.human.table", "daemon.human.term", "daemon.human.transcript", "daemon.human.views",
+         "daemon.store", "daemon.store.states"}  # the named states the views compare (enums only)
 # Never for these commands: the heavy machinery of other commands and of the daemons.
 NEVER = {"asyncio", "sqlalchemy", "acp", "tomllib", "subprocess", "daemon.doctor", "daemon.config",
          "daemon.config_keys", "daemon.config_agentctl",

@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from daemon.backend.control_link import Attached, ControlServerLink, CrashLoop, LinkState, Loss
+from daemon.backend.api import LinkState
+from daemon.backend.control_link import Attached, ControlServerLink, CrashLoop, Loss
 
 
 class Clock:

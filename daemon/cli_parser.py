@@ -1,0 +1,226 @@
+"""The ``kandev`` command line's grammar: every command, flag and argument type (``build_parser``),
+the exit codes, and how a usage error is said (``Usage``; argparse's "invalid choice" as
+``did_you_mean``). Imported by every command: only argparse and the standard library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import NoReturn
+
+from daemon.human import RECONNECT_TIMEOUT_S
+from daemon.version import VERSION
+
+EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+
+
+class Usage(Exception):
+    """A command line the CLI refuses before asking the backend (exit status 2)."""
+
+
+_INVALID_CHOICE = r"argument (?P<arg>\S+): invalid choice: '(?P<given>[^']*)' \(choose from (?P<choices>.*)\)"
+
+
+def did_you_mean(message: str) -> str:
+    """argparse's "invalid choice" as people say it: the unknown command and the closest one."""
+    import difflib
+    import re
+
+    m = re.fullmatch(_INVALID_CHOICE, message)
+    if m is None:
+        return message
+    choices = re.findall(r"'([^']*)'", m["choices"])
+    close = difflib.get_close_matches(m["given"], choices, n=1, cutoff=0.6)
+    hint = f"did you mean '{close[0]}'?" if close else f"one of: {', '.join(choices)}"
+    if m["arg"].startswith("-"):
+        return f"{m['arg']}: '{m['given']}' is not a choice; {hint}"
+    return f"unknown command '{m['given']}'; {hint}"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # argparse exits 2 already; keep the message format ours
+        self.print_usage(sys.stderr)
+        print(f"kandev: {did_you_mean(message)}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def _page_size(text: str) -> int:
+    value = _whole(text)
+    if not 1 <= value <= 10_000:
+        raise argparse.ArgumentTypeError(f"{text!r} is not in 1..10000")
+    return value
+
+
+def _cursor(text: str) -> int:
+    value = _whole(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value <= 3600:
+        raise argparse.ArgumentTypeError(f"{text!r} is not in (0, 3600] seconds")
+    return value
+
+
+def _whole(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+
+
+_GLOBAL_HELP = {"--home": "the kandev home whose backend to use (default: $KANDEV_HOME, $STATE_DIRECTORY,"
+                " ~/.local/share/kandev)", "--json": "print one JSON object on stdout (for scripts)"}
+
+
+def _with_globals(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--home`` and ``--json`` after a command too (``kandev status --json``); given there, they win
+    over the same flags before the command, and not given there, they change nothing."""
+    parser.add_argument("--home", default=argparse.SUPPRESS, metavar="DIR", help=_GLOBAL_HELP["--home"])
+    parser.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help=_GLOBAL_HELP["--json"])
+    return parser
+
+
+class _Commands:
+    """``add_subparsers`` whose every parser takes the global flags and says what it does."""
+
+    def __init__(self, parser: argparse.ArgumentParser, dest: str) -> None:
+        self._sub = parser.add_subparsers(dest=dest, required=True, parser_class=_Parser, metavar="COMMAND")
+
+    def add(self, name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
+        return _with_globals(self._sub.add_parser(name, help=help, description=description or help))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="kandev", description="Run and observe kandev agents (README.md, kandev(1)).")
+    p.add_argument("--home", metavar="DIR", help=_GLOBAL_HELP["--home"])
+    p.add_argument("--json", action="store_true", help=_GLOBAL_HELP["--json"])
+    p.add_argument("--version", action="version", version=f"kandev {VERSION}", help="print kandev's version and exit")
+    sub = _Commands(p, "command")
+
+    up = sub.add("up", "start the backend in the background (no service manager); if it runs but gave up"
+                 " restarting a control server that kept dying, make it try again")
+    up.add_argument("--config", metavar="FILE", help="the configuration file for the backend (checked first;"
+                    " default: $KANDEV_CONFIG, /etc/kandev/kandev.toml)")
+    down = sub.add("down", "stop the backend gracefully (nothing to do when none runs)")
+    down.add_argument("--agents", action="store_true", help="also stop a detached control server and every agent"
+                      " (with survival on they otherwise keep running for the next backend)")
+    sub.add("status", "backend, capability, control server (running and installed versions), recovery")
+    actl = _Commands(sub.add("agentctl", "the control server"), "agentctl_cmd")
+    actl.add("reload", "re-execute the control server's installed code in place; its agents keep running (exit 1"
+             " if it refuses: the old code keeps serving)")
+
+    store = _Commands(sub.add("store", "the backend's store"), "store_cmd")
+    store.add("vacuum", "give the store's free space (after transcript retention or task deletes) back to the"
+              " filesystem; prints the size before and after")
+
+    task = _Commands(sub.add("task", "tasks: create, list, show, finish, delete"), "task_cmd")
+    tc = task.add("create", "create a task")
+    tc.add_argument("--title", required=True, help="what the task is about (shown on the board)")
+    tc.add_argument("--workspace", metavar="DIR", help="the agents' working directory (default: a new directory"
+                    " under the home)")
+    tc.add_argument("--executor", choices=["local", "worktree"], default="local",
+                    help="local: agents work in the workspace itself; worktree: in a git worktree of it on branch"
+                    " kandev/TASK (default: local)")
+    tc.add_argument("--steps", help="workflow steps 'name[:reset][:prompt=TEXT],...' (e.g."
+                    " 'plan,implement:reset:prompt=Implement it'); the first is entered at once")
+    tp = task.add("proceed", "enter the task's next workflow step: its context reset, then its prompt")
+    tp.add_argument("task_id", metavar="TASK", help="the task's id (any unique prefix of 4+ characters)")
+    tw = task.add("workflow", "the task's workflow steps and where it is")
+    tw.add_argument("task_id", metavar="TASK", help="the task's id (any unique prefix of 4+ characters)")
+    task.add("list", "every task: title, bucket, sessions, agent, workflow step")
+    tsh = task.add("show", "one task: title, workspace, executor, bucket, workflow, its sessions")
+    tsh.add_argument("task_id", metavar="TASK", help="the task's id (any unique prefix of 4+ characters)")
+    tdo = task.add("done", "mark the task done: it moves to DONE on the board (its sessions stay readable)")
+    tdo.add_argument("task_id", metavar="TASK", help="the task's id (any unique prefix of 4+ characters)")
+    tre = task.add("reopen", "take a done task back: it goes where its latest session puts it")
+    tre.add_argument("task_id", metavar="TASK", help="the task's id (any unique prefix of 4+ characters)")
+    td = task.add("delete", "remove a task whose sessions have no agent: its sessions, their directories (the"
+                  " agents' HOMEs), and its workspace if kandev created it")
+    td.add_argument("task_id", metavar="TASK", help="the task's id (any unique prefix of 4+ characters)")
+    td.add_argument("--stop", action="store_true", help="stop the task's idle agents first (a running turn"
+                    " is still refused: kandev cancel it)")
+
+    session = _Commands(sub.add("session", "sessions: start, show, list, stop, configure"), "session_cmd")
+    ss = session.add("start", "start an agent session for a task")
+    ss.add_argument("task_id", metavar="TASK", help="the task's id (any unique prefix of 4+ characters)")
+    ss.add_argument("--agent", default="mock", help="a built-in agent (kandev agents lists them; default: mock)")
+    ss.add_argument("--prompt", metavar="TEXT", help="a first prompt, sent once the agent is ready")
+    ss.add_argument("--passthrough", action="store_true",
+                    help="run the agent under the backend's own control server, never detached (no survival)")
+    sh = session.add("show", "one session: state, agent, turns, one page of its transcript")
+    sh.add_argument("session_id", metavar="SESSION", help="the session's id (any unique prefix of 4+ characters)")
+    where = sh.add_mutually_exclusive_group()
+    where.add_argument("--tail", type=_page_size, metavar="N",
+                       help="the last N transcript entries (default: the last 10000)")
+    where.add_argument("--after-seq", type=_cursor, metavar="S",
+                       help="the entries after cursor S (a page's next_cursor; 0: from the start)")
+    sh.add_argument("--limit", type=_page_size, metavar="N", help="with --after-seq: at most N entries (default 10000)")
+    sl = session.add("list", "sessions, newest first (finished ones with --all; --json: every session)")
+    sl.add_argument("--all", action="store_true", help="also COMPLETED and CANCELLED sessions")
+    sst = session.add("stop", "end the session's agent (gracefully, then its whole process group); the session"
+                      " stays readable and kandev resume gives it an agent again")
+    sst.add_argument("session_id", metavar="SESSION", help="the session's id (any unique prefix of 4+ characters)")
+    sc = session.add("configure", "set the agent's model, mode and options (applied through the agent)")
+    sc.add_argument("session_id", metavar="SESSION", help="the session's id (any unique prefix of 4+ characters)")
+    sc.add_argument("--model", metavar="M", help="the model (the agent's config option of category model)")
+    sc.add_argument("--mode", metavar="X", help="the agent's mode (e.g. plan, code; the agent lists its own)")
+    sc.add_argument("--option", action="append", default=[], metavar="ID=VALUE", help="a config option (repeatable)")
+    sr = session.add("reset-context", "a new provider session with model, mode and options restored")
+    sr.add_argument("session_id", metavar="SESSION", help="the session's id (any unique prefix of 4+ characters)")
+    sr.add_argument("--restart", action="store_true",
+                    help="restart the agent process instead of a new ACP session on the same process")
+
+    rs = sub.add("resume", "give a session that lost its agent an agent again (session/load)")
+    rs.add_argument("session_id", metavar="SESSION", help="the session's id (any unique prefix of 4+ characters)")
+    rs.add_argument("--fresh", action="store_true", help="start a new provider conversation (wipes the token)")
+
+    pr = sub.add("prompt", "send a prompt to a session")
+    pr.add_argument("session_id", metavar="SESSION", help="the session's id (any unique prefix of 4+ characters)")
+    pr.add_argument("text", help="the prompt (quote it; the mock agent also takes /slow N, /fail, /permission...)")
+    how = pr.add_mutually_exclusive_group()
+    how.add_argument("--wait", action="store_true", help="wait for the turn to end")
+    how.add_argument("--follow", action="store_true",
+                     help="print the agent's output as it arrives until the turn ends (exit 1 if it ends badly)")
+    pr.add_argument("--reconnect-timeout", type=_seconds, default=RECONNECT_TIMEOUT_S, metavar="S",
+                    help=f"with --follow: how long to wait for a lost backend (default {RECONNECT_TIMEOUT_S:g})")
+    fo = sub.add("follow", "print a session's current (or last) turn as the agent writes it")
+    fo.add_argument("session_id", metavar="SESSION", help="the session's id (any unique prefix of 4+ characters)")
+    fo.add_argument("--all", action="store_true", help="keep following every later turn until Ctrl-C")
+    fo.add_argument("--reconnect-timeout", type=_seconds, default=RECONNECT_TIMEOUT_S, metavar="S",
+                    help=f"how long to wait for a lost backend before exit status 3 (default {RECONNECT_TIMEOUT_S:g})")
+    lo = sub.add("logs", "the agent's standard error (its own log lines: the session's current or last agent)")
+    lo.add_argument("session_id", metavar="SESSION", help="the session's id (any unique prefix of 4+ characters)")
+    lo.add_argument("-f", "--follow", action="store_true", help="keep printing lines as the agent writes them,"
+                    " until Ctrl-C")
+    lo.add_argument("--tail", type=_page_size, default=50, metavar="N", help="the last N lines (default 50)")
+    pe = sub.add("permission", "answer an agent's open permission request")
+    pe.add_argument("session_id", metavar="SESSION", help="the session's id (any unique prefix of 4+ characters)")
+    pe.add_argument("request_id", metavar="REQUEST", help="the request's id (shown by follow and session show)")
+    choice = pe.add_mutually_exclusive_group(required=True)
+    choice.add_argument("--option", help="the option id to choose (see session show: permissions)")
+    choice.add_argument("--cancel", action="store_true", help="answer the request as cancelled")
+    ca = sub.add("cancel", "cancel the session's running turn (exit 1 when none runs)")
+    ca.add_argument("session_id", metavar="SESSION", help="the session's id (any unique prefix of 4+ characters)")
+    bo = sub.add("board", "tasks by bucket, NEEDS ATTENTION first with the reason")
+    bo.add_argument("--watch", action="store_true", help="redraw when the board changes, until Ctrl-C")
+    bo.add_argument("--interval", type=_seconds, default=1.0, metavar="S", help="with --watch: seconds between looks")
+    doc = sub.add("doctor", "check this installation (no backend needed); exit 1 if a check fails")
+    doc.add_argument("--config", metavar="FILE",
+                     help="config file to check (default: $KANDEV_CONFIG, /etc/kandev/kandev.toml)")
+    ag = sub.add("agents", "the built-in agents with package and pinned version, and the names of the variables"
+                 " each gets from [agents.NAME] (never a value)")
+    ag.add_argument("--config", metavar="FILE",
+                    help="config file to read (default: $KANDEV_CONFIG, /etc/kandev/kandev.toml)")
+    runtime = _Commands(sub.add("runtime", "managed npm runtimes of the built-in agents"), "runtime_cmd")
+    ru = runtime.add("update", "prepare the agent's pinned npm package, repair its own npx cache entry once if that"
+                     " fails, then ACP-probe it (progress on stderr; exit 1 if the job fails)")
+    ru.add_argument("agent", help="a built-in npm agent (see kandev agents)")
+    return p
