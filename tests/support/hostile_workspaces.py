@@ -106,14 +106,19 @@ def plant_commondir(outside: str, admin: str) -> str:
 
 def contained_attempts(home: str, bystander: str, outside: str, admin: str) -> tuple[Attempts, Attempts]:
     """What a new agent of the attacking session tries: (denied, allowed). It cannot
-    write ``outside`` nor see another session's directory; it works in its workspace and its own
-    admin directory."""
+    write ``outside``, list ``<home>/sessions`` (the parents the sandbox makes to reach its own
+    session directory are traverse-only, in a read-only root: it cannot chmod them open either,
+    though under the units it owns them) nor see another session's directory; it works in its
+    workspace, its own HOME and its own admin directory."""
     denied = {
         "write_outside": ["sh", "-c", f"echo pwned > {shlex.quote(outside)}/pwned"],
+        "list_sessions": ["ls", f"{home}/sessions"],
+        "open_sessions": ["chmod", "0755", f"{home}/sessions"],
         "list_other_session": ["ls", f"{home}/sessions/{bystander}"],
     }
     allowed = {
         "write_workspace": ["sh", "-c", "echo hi > probe.txt && test \"$(cat probe.txt)\" = hi"],
+        "own_home": ["sh", "-c", 'ls -a "$HOME" && touch "$HOME/probe"'],
         "own_admin_dir": ["test", "-f", f"{admin}/HEAD"],
     }
     return denied, allowed

@@ -465,10 +465,10 @@ def test_issue19_a_a_planted_gitdir_never_decides_what_task_delete_removes(pkg: 
 
 
 def _contained(b: Box, sid: str, bystander: str, outside: str, admin: str) -> None:
-    """The new agent of ``sid`` cannot write ``outside``, list ``<home>/sessions`` or see the
-    bystander's session directory, and works in its workspace and its own admin directory."""
+    """The new agent of ``sid`` cannot write ``outside``, list ``<home>/sessions`` (nor chmod it open,
+    though its uid is the service's) or see the bystander's session directory, and works in its
+    workspace, its HOME and its own admin directory (``contained_attempts``)."""
     denied, allowed = contained_attempts(HOME, bystander, outside, admin)
-    denied["list_sessions"] = ["ls", f"{HOME}/sessions"]
     said = _sh(b, sid, attack_script(denied, allowed))
     assert not attack_verdicts(said, denied, allowed), said
     assert _tree(b, outside) == {"precious": "the user's\n"}
