@@ -74,7 +74,7 @@ class InstanceSpec:
     # The agent's secret values (``daemon.agentctl.agent_env``), for its environment only: emptied
     # once the agent is spawned (it has them), so they never travel in a re-exec's hand-over.
     secret_env: dict[str, str] = field(default_factory=dict, repr=False)
-    # Descriptors bwrap inherits (the user namespace of ``daemon.agentctl.sandbox.make_userns``):
+    # Descriptors bwrap inherits (the user namespace of ``daemon.agentctl.userns.make_userns``):
     # closed here once the agent is spawned (or stopped before it was).
     launch_fds: list[int] = field(default_factory=list, repr=False)
 

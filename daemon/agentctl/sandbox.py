@@ -5,7 +5,9 @@ kandev's. The control server wraps the agent's argv in ``bwrap`` (Debian ``bubbl
 sandbox of Flatpak and of Claude Code on Linux) with a new user and pid namespace (and the mount
 namespace bwrap always makes); the network is shared. The view (``build_argv``):
 
-- a fresh root (tmpfs) where every directory exists only because something was bound into it;
+- a fresh root (tmpfs), read-only once built, where every directory exists only because something
+  was bound into it; those directories are traverse-only (the agent reaches its own session
+  directory below ``<home>/sessions`` but cannot list ``<home>/sessions`` or anything above it);
 - read-only: the system (``/usr``, ``/etc``, ``/opt``, the ``/bin``, ``/lib*``, ``/sbin`` symlinks of
   a merged-usr system or those directories), the Python interpreter's prefixes and kandev's own code
   (the mock agent and the git credential helper run from them), the ``node`` prefix, plus what the
@@ -54,7 +56,6 @@ namespaces allowed, a /proc mount admitted) and says why not.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import enum
 import os
@@ -69,17 +70,18 @@ from pathlib import Path
 from typing import Any
 
 from daemon.agent_user import AgentUser, AgentUserMissing, agent_user
+from daemon.agentctl.userns import make_userns
 from ipc.errors import ErrorCode, IpcError
 
 BWRAP = "bwrap"
 SANDBOX_UNAVAILABLE = ErrorCode.SANDBOX_UNAVAILABLE
 """The error code of a launch refused because the sandbox cannot be made (``agents.sandbox = required``)."""
 SETPRIV = "/usr/bin/setpriv"
-CLONE_NEWUSER = 0x10000000
 PROBE_TIMEOUT_S = 10.0
 SYSTEM_DIRS = ("/usr", "/etc", "/opt")
 SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 PRIVATE_TMP = ("/tmp", "/var/tmp")
+TRAVERSE_ONLY = "0111"  # the mode of the directories the sandbox makes to lead to a mount point
 RESOLV_CONF = "/etc/resolv.conf"
 PRLIMIT = "/usr/bin/prlimit"
 _MAX_PATHS = 64
@@ -310,88 +312,6 @@ def sandbox_ids() -> tuple[int, int]:
     return user.uid, user.gid
 
 
-_LIBC = ctypes.CDLL(None, use_errno=True)  # resolved in the parent: a forked child only calls it
-
-
-def _enter_new_userns() -> None:
-    """``preexec_fn`` of ``make_userns``'s first holder process."""
-    if _LIBC.unshare(CLONE_NEWUSER) != 0:
-        os._exit(126)
-
-
-def _enter_nested_userns(parent_fd: int) -> Any:
-    """``preexec_fn`` of the second holder: join the set-up namespace, then make one inside it."""
-
-    def enter() -> None:
-        if _LIBC.setns(parent_fd, CLONE_NEWUSER) != 0 or _LIBC.unshare(CLONE_NEWUSER) != 0:
-            os._exit(126)
-
-    return enter
-
-
-def _join_userns(fd: int) -> Any:
-    """``preexec_fn``: enter the user namespace at ``fd`` (we own it: every capability in it)."""
-
-    def enter() -> None:
-        if _LIBC.setns(fd, CLONE_NEWUSER) != 0:
-            os._exit(126)
-
-    return enter
-
-
-def _holder(preexec: Any, maps: dict[str, str], *, writer_ns: int | None = None) -> int:
-    """A process in a new user namespace (``preexec`` makes it), whose uid and gid maps are written
-    by us, or for a nested namespace from inside its parent ``writer_ns`` (the kernel takes a map
-    only from the namespace itself or its parent); the namespace as a descriptor (it lives on
-    with the descriptor once the holder has ended)."""
-    extra = () if writer_ns is None else (writer_ns,)
-    holder = subprocess.Popen(["/bin/cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, preexec_fn=preexec, close_fds=True, pass_fds=extra)
-    try:
-        proc = f"/proc/{holder.pid}"
-        if os.stat(f"{proc}/ns/user").st_ino == os.stat("/proc/self/ns/user").st_ino:
-            raise OSError("the holder process did not get a new user namespace")
-        if writer_ns is None:
-            for name in ("uid_map", "gid_map"):
-                with open(f"{proc}/{name}", "w", encoding="ascii") as fh:
-                    fh.write(maps[name])
-        else:
-            done = subprocess.run(
-                ["/bin/sh", "-c", 'printf "$1" > "/proc/$0/uid_map" && printf "$2" > "/proc/$0/gid_map"',
-                 str(holder.pid), maps["uid_map"], maps["gid_map"]],
-                preexec_fn=_join_userns(writer_ns), pass_fds=extra, capture_output=True, timeout=PROBE_TIMEOUT_S,
-                check=False)
-            if done.returncode != 0:
-                raise OSError(f"cannot map the agent's namespace: {_first_line(done.stderr.decode(errors='replace'))}")
-        return os.open(f"{proc}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
-    finally:
-        assert holder.stdin is not None
-        holder.stdin.close()
-        try:
-            holder.wait(PROBE_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            holder.kill()
-            holder.wait()
-
-
-def make_userns(user: AgentUser) -> tuple[int, int]:
-    """The two user namespaces of one agent of a server running as root, as descriptors for bwrap's
-    ``--userns`` and ``--userns2``. The first, for bwrap's set-up only, maps uid and gid 0 to host
-    root (bwrap mounts as root of it, so it reaches every path root can) and the agent's uid and
-    gid to themselves. The second, made inside the first, maps the agent's uid and gid and nothing
-    else: bwrap enters it once the mounts are done, so the agent's namespace has no root at all.
-    Blocking: call it off the event loop."""
-    setup = _holder(_enter_new_userns, {"uid_map": f"0 0 1\n{user.uid} {user.uid} 1\n",
-                                        "gid_map": f"0 0 1\n{user.gid} {user.gid} 1\n"})
-    try:
-        agent = _holder(_enter_nested_userns(setup), {"uid_map": f"{user.uid} {user.uid} 1\n",
-                                                      "gid_map": f"{user.gid} {user.gid} 1\n"}, writer_ns=setup)
-    except BaseException:
-        os.close(setup)
-        raise
-    return setup, agent
-
-
 def _covered(path: str, roots: Iterable[str]) -> bool:
     return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
 
@@ -585,19 +505,20 @@ def build_argv(view: SandboxView, command: Sequence[str], userns: tuple[int, int
     for depth, order, _path, args in sorted(ops, key=lambda op: (op[0], op[1], op[2])):
         del depth, order
         argv += args
-    if view.own_userns:
-        # bwrap made the directories leading to each mount point as root of the namespace, with the
-        # server's umask (077): open them to the agent. Only those of the sandbox's own root
-        # (tmpfs), never a directory of the host inside something bound.
-        mounted = [p for _d, _o, p, _a in ops]
-        parents = {os.path.dirname(p.rstrip("/")) for p in mounted}
-        ancestors = {a for p in parents for a in _ancestors(p)}
-        for d in sorted(ancestors, key=_depth):
-            if not _covered(d, bound) and d not in PRIVATE_TMP:
-                argv += ["--chmod", "0755", d]
-        for tmp in PRIVATE_TMP:  # the agent's own /tmp and /var/tmp, like any system's
-            argv += ["--chmod", "1777", tmp]
-    argv += ["--proc", "/proc", "--dev", "/dev"]
+    # The directories bwrap made in the sandbox's own root (tmpfs) only to lead to a mount point
+    # (``<home>/sessions`` above a session's directory, say) are traverse-only: the agent reaches
+    # what is bound below them but lists none of them (never a directory of the host inside
+    # something bound). The root is remounted read-only at the end, so an agent that owns them (a
+    # server not running as root: bwrap made them as the agent's uid) cannot open them again.
+    mounted = [p for _d, _o, p, _a in ops]
+    parents = {os.path.dirname(p.rstrip("/")) for p in mounted}
+    ancestors = {a for p in parents for a in _ancestors(p)}
+    for d in sorted(ancestors, key=_depth):
+        if not _covered(d, bound) and d not in PRIVATE_TMP:
+            argv += ["--chmod", TRAVERSE_ONLY, d]
+    for tmp in PRIVATE_TMP:  # the agent's own /tmp and /var/tmp, like any system's
+        argv += ["--chmod", "1777", tmp]
+    argv += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/"]
     if view.own_userns:
         # bwrap changes directory without its capabilities, as root of the namespace, which may not
         # enter a workspace of the agent's: env does it once the agent's uid is in force.

@@ -231,3 +231,23 @@ def test_a_server_that_may_not_make_an_ipc_namespace_still_sandboxes_without_one
     owned = dataclasses.replace(view([("/ws", RW)]), own_userns=True, own_ipc=False)
     argv = build_argv(owned, ["agent"], (7, 8))
     assert "--unshare-ipc" not in argv and "--unshare-pid" in argv and "--userns2" in argv
+
+
+def test_the_directories_leading_to_a_bind_are_traverse_only_and_the_root_read_only() -> None:
+    """Issue 19 scenario B: bwrap makes ``<home>/sessions`` (and every directory above it) in the
+    sandbox's own root only to reach the session's directory: the agent may pass through them but
+    list none, and the root is remounted read-only after every mount, so an agent that owns those
+    directories (a server not running as root) cannot make them readable again."""
+    for own_userns in (False, True):
+        v = dataclasses.replace(view([("/usr", RO), ("/srv/kd/sessions/s1", RW), ("/ws", RW)]), own_userns=own_userns)
+        argv = build_argv(v, ["agent"], (3, 4) if own_userns else None)
+        head = argv[:argv.index("--")]
+        chmods = {head[i + 2]: head[i + 1] for i, a in enumerate(head) if a == "--chmod"}
+        for d in ("/srv", "/srv/kd", "/srv/kd/sessions"):
+            assert chmods[d] == "0111", (d, chmods)
+        assert "/srv/kd/sessions/s1" not in chmods and "/usr" not in chmods and "/ws" not in chmods
+        assert chmods["/tmp"] == chmods["/var/tmp"] == "1777"
+        assert head[-2:] == ["--remount-ro", "/"] or head[-4:-2] == ["--remount-ro", "/"], head[-6:]
+        # the root goes read-only after the last mount (binds, masks, /proc, /dev)
+        last_mount = max(i for i, a in enumerate(head) if a in ("--bind", "--ro-bind", "--tmpfs", "--proc", "--dev"))
+        assert head.index("--remount-ro") > last_mount
