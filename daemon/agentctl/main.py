@@ -43,6 +43,7 @@ import os
 import signal
 from pathlib import Path
 
+import daemon.acp_lean  # noqa: F401  (before the SDK: its models built lean, see the module)
 from daemon import faults
 from daemon.agentctl import launch, preflight, preload, reload_client, resume
 from daemon.agentctl.handover import HandoverError

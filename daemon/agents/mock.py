@@ -68,7 +68,7 @@ import sys
 import uuid
 from typing import Any, Literal
 
-import daemon.agents.lean_sdk  # noqa: F401  (before the SDK: its models built lean, see the module)
+import daemon.acp_lean  # noqa: F401  (before the SDK: its models built lean, see the module)
 
 # isort: split
 import acp

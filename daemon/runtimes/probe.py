@@ -18,9 +18,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import acp
-from acp.schema import ClientCapabilities, Implementation
-
 from daemon.runtimes.proc import DETAIL_LIMIT, drain, sanitize, stop_group
 from daemon.version import VERSION
 from ipc.aio import within
@@ -51,13 +48,25 @@ class _ProbeClient:
         return None
 
     async def request_permission(self, *args: Any, **kwargs: Any) -> Any:
+        import acp
+
         raise acp.RequestError.method_not_found("session/request_permission")
+
+
+def _import_sdk() -> None:
+    """The ACP SDK, imported only by a probe: the backend's start does not pay for its ~270
+    pydantic models (most of a second of CPU), and a probe imports it once, off the event loop."""
+    import acp.schema  # noqa: F401
 
 
 async def acp_probe(
     argv: Sequence[str], *, cwd: Path | str, env: Mapping[str, str], timeout: float
 ) -> ProbeResult:
     """Start ``argv``, send ACP ``initialize``, stop the process group; never raises for the agent's faults."""
+    await asyncio.to_thread(_import_sdk)
+    import acp
+    from acp.schema import ClientCapabilities, Implementation
+
     start = time.monotonic()
     try:
         proc = await asyncio.create_subprocess_exec(

@@ -33,13 +33,13 @@ def test_unknown_agent_is_a_keyerror_naming_the_known_ones():
 
 def test_the_mock_imports_the_acp_sdk_lean_and_validates_the_same():
     """The mock's start imports the SDK with pydantic's attribute docstrings off and its models
-    finished on first use (daemon/agents/lean_sdk.py); a model still validates as before. In a
+    finished on first use (daemon/acp_lean.py); a model still validates as before. In a
     child process: the settings are process-wide, and no other process of kandev takes them."""
     script = (
         "import json, sys\n"
         "lean = sys.argv[1] == 'lean'\n"
         "if lean:\n"
-        "    import daemon.agents.lean_sdk\n"
+        "    import daemon.acp_lean\n"
         "import acp.schema as s\n"
         "m = s.InitializeRequest\n"
         "before = m.__pydantic_complete__\n"
@@ -54,5 +54,5 @@ def test_the_mock_imports_the_acp_sdk_lean_and_validates_the_same():
         assert done.returncode == 0, done.stderr
         out[mode] = json.loads(done.stdout)
     assert out["lean"][:2] == [False, True]  # deferred, no docstring read from schema.py's source
-    assert out["plain"][:2] == [True, False]  # pydantic's defaults where lean_sdk is not imported
+    assert out["plain"][:2] == [True, False]  # pydantic's defaults where daemon.acp_lean is not imported
     assert out["lean"][2] == out["plain"][2]

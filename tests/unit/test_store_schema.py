@@ -115,15 +115,15 @@ def test_store_state_check_constraint(store: Store) -> None:
 
 def test_store_migration_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A migration that fails part-way leaves no tables behind (DDL runs inside one transaction)."""
-    from daemon.store import db as dbmod
+    from alembic import command
 
-    real = dbmod.command.upgrade
+    real = command.upgrade
 
     def failing(cfg: object, revision: str) -> None:
         real(cfg, revision)  # type: ignore[arg-type]
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(dbmod.command, "upgrade", failing)
+    monkeypatch.setattr(command, "upgrade", failing)
     url = sqlite_url(tmp_path / "kandev.db")
     with pytest.raises(RuntimeError, match="boom"):
         Store.open(url)
