@@ -12,6 +12,7 @@ from tests.support import npm_runtimes
 from tests.support.paths import REPO_ROOT, venv_python_path
 from tests.support.postgres import PgCluster
 from tests.support.postgres import require as postgres_bin
+from tests.support.schedule import module_rank
 
 
 @pytest.fixture(scope="session")
@@ -60,3 +61,16 @@ def claude_npm_cache() -> Path:
     """An npm cache with the pinned claude-code runtime prepared in it (tests/support/npm_runtimes.py),
     once per machine; give it to daemons as ``npm_config_cache``."""
     return npm_runtimes.cache_or_skip("claude-code")
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest modules first (tests/support/schedule.py); tests keep their order in a module."""
+    root = config.rootpath
+
+    def rank(item: pytest.Item) -> int:
+        try:
+            return module_rank(item.path.relative_to(root).as_posix())
+        except ValueError:
+            return module_rank(str(item.path))
+
+    items.sort(key=rank)  # a stable sort: every other order is kept

@@ -35,11 +35,13 @@ trap 'rm -f "$log"' EXIT
 set +e
 # Most tests wait on real daemons and agents rather than compute (on 2 cores the whole suite keeps
 # them about half busy): five workers, one test file per worker (--dist loadfile keeps each
-# module's systemd box and fixtures on one worker). Measured on 2 idle cores: 3 workers 14:00,
-# 5 workers 11:40, every test passing both ways. KANDEV_TEST_WORKERS=0 runs serially.
+# module's systemd box and fixtures on one worker), the longest modules first
+# (tests/support/schedule.py; --no-loadscope-reorder keeps that order instead of starting the
+# modules with the most tests first, which left the few longest to run on alone at the end).
+# KANDEV_TEST_WORKERS=0 runs serially.
 workers=${KANDEV_TEST_WORKERS:-5}
 parallel=()
-[ "$workers" != 0 ] && parallel=(-n "$workers" --dist loadfile)
+[ "$workers" != 0 ] && parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -ra "${parallel[@]}" "$@" 2>&1 | tee "$log"
 pytest_rc=${PIPESTATUS[0]}
 set -e

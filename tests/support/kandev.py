@@ -219,3 +219,14 @@ def mock_state_file(k: Kandev, name: str) -> Path:
     found = sorted(k.home.glob(f"sessions/*/agent/mock-sessions/{name}"))
     assert len(found) <= 1, found
     return found[0] if found else k.home / "sessions" / "?" / "agent" / "mock-sessions" / name
+
+
+def logged_problems(k: Kandev) -> str:
+    """The last warnings and errors both daemons of ``k`` logged (shown with a failure)."""
+    lines = []
+    for name in ("backend.log", "agentctl.log"):
+        path = k.home / "logs" / name
+        if path.exists():
+            lines += [f"{name}: {line[:400]}" for line in path.read_text(errors="replace").splitlines()
+                      if " WARNING " in line or " ERROR " in line]
+    return "\n".join(lines[-60:])

@@ -75,3 +75,10 @@ def cmdline(pid: int) -> list[str]:
         return psutil.Process(pid).cmdline()
     except psutil.Error:
         return []
+
+
+def identity(pid: int) -> tuple[int, float]:
+    """A process's identity: its pid and start time (a reused pid has another start time)."""
+    import psutil
+
+    return pid, psutil.Process(pid).create_time()
