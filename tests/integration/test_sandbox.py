@@ -71,20 +71,32 @@ class Guests:
 
 @pytest.fixture
 def guests(kandev_factory: Any, short_tmp: Path) -> Iterator[Guests]:
+    """Two sessions of one home, agent survival on (a detached control server)."""
+    yield _guests(kandev_factory, short_tmp, survival=True)
+
+
+@pytest.fixture
+def guests_without_survival(kandev_factory: Any, short_tmp: Path) -> Iterator[Guests]:
+    """The same with agent survival off (the control server is the backend's child)."""
+    yield _guests(kandev_factory, short_tmp, survival=False)
+
+
+def _guests(kandev_factory: Any, short_tmp: Path, *, survival: bool) -> Guests:
     token_file = short_tmp / "github-token"
     token_file.write_text(UPSTREAM + "\n")
     token_file.chmod(0o600)
     repo = _repo(short_tmp / "repo", "https://github.com/example/repo.git")
     other = _repo(short_tmp / "other", "https://github.com/example/other.git")
     (other / "private.txt").write_text("another session's work\n")
-    k = kandev_factory("home", f'[credentials]\ngithub_token_file = "{token_file}"\n[features]\nagent_survival = true\n')
+    k = kandev_factory("home", f'[credentials]\ngithub_token_file = "{token_file}"\n'
+                       f'[features]\nagent_survival = {"true" if survival else "false"}\n')
     k.up()
     task = k.cli("task", "create", "--title", "a", "--workspace", str(repo))["task_id"]
     other_task = k.cli("task", "create", "--title", "b", "--workspace", str(other))["task_id"]
     sid = k.cli("session", "start", task)["session_id"]
     other_sid = k.cli("session", "start", other_task)["session_id"]
     k.show(sid), k.show(other_sid)
-    yield Guests(k, token_file, sid, repo, other_sid, other)
+    return Guests(k, token_file, sid, repo, other_sid, other)
 
 
 def _attempts(g: Guests) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
@@ -133,7 +145,8 @@ def _attack(g: Guests, sid: str) -> None:
 def test_scenario_a_an_agent_reaches_its_workspace_and_nothing_of_kandev(guests: Guests) -> None:
     """Issue 10 scenario A, then again once the backend was SIGKILLed and the agent re-tracked
     (survival on): same pid, same start time, the same containment, and git still authenticates
-    through the session's endpoint, which the new backend serves again."""
+    through the session's endpoint, which the new backend serves again. Issue 19 scenario F: and
+    again after a reload of the control server in place (``kandev agentctl reload``)."""
     g, k = guests, guests.k
     before = k.show(g.sid)
     assert (g.workspace / ".git").is_dir()
@@ -146,6 +159,20 @@ def test_scenario_a_an_agent_reaches_its_workspace_and_nothing_of_kandev(guests:
     k.up()
     show = wait_until(lambda: s if (s := k.show(g.sid))["retracked"] else None, timeout=60)
     assert (show["agent_pid"], show["agent_pid_start_time"]) == (before["agent_pid"], before["agent_pid_start_time"])
+    _attack(g, g.sid)
+
+    server = k.status()["control_server"]["pid"]
+    reloaded = k.cli("agentctl", "reload", timeout=200)
+    assert reloaded["outcome"] == "reexecuted" and reloaded["pid"] == server
+    assert k.show(g.sid)["agent_pid"] == before["agent_pid"]
+    _attack(g, g.sid)
+
+
+def test_issue_19_scenario_f_the_same_containment_without_survival(guests_without_survival: Guests) -> None:
+    """Issue 19 scenario F, survival off: every attempt of Issue 10 scenario A fails the same way
+    when the control server is the backend's child."""
+    g = guests_without_survival
+    assert g.k.status()["control_server"]["mode"] == "child"
     _attack(g, g.sid)
 
 
