@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from tests.support.disk import Filler, free_bytes, small_filesystem
-from tests.support.kandev import Kandev, make_env
+from tests.support.kandev import CliError, Kandev, make_env
 from tests.support.processes import alive
 from tests.support.waiting import wait_until
 
@@ -90,11 +90,23 @@ def _check_reported_and_waiting(k: Kandev, sid: str, backend: int) -> None:
     assert not check["ok"] and "out of space" in check["detail"], check
 
 
+def _show_once_open(k: Kandev, sid: str) -> dict[str, Any] | None:
+    """``session show``, or None while a backend that waited for space has not yet seen it come
+    back (it looks again as the free space grows, or every few seconds): refused with the
+    retryable ``store_out_of_space`` until it opened its store."""
+    try:
+        return k.show(sid)
+    except CliError as exc:
+        if "store_out_of_space" not in str(exc):
+            raise
+        return None
+
+
 def _catches_up(k: Kandev, filler: Filler, sid: str) -> None:
     """Space back: the turn completes with every chunk once and in order, the warning clears."""
     filler.free()
-    done = wait_until(lambda: s if (s := k.show(sid))["state"] == "WAITING_FOR_INPUT" else None, timeout=300,
-                      interval=0.5)
+    done = wait_until(lambda: s if (s := _show_once_open(k, sid)) and s["state"] == "WAITING_FOR_INPUT" else None,
+                      timeout=300, interval=0.5)
     assert [(t["state"], t["stop_reason"]) for t in done["turns"]] == [("finished", "end_turn")]
     assert _chunks(k, sid) == [f"{i}/{N} " for i in range(1, N + 1)]
     wait_until(lambda: _out_of_space(k) is None, timeout=30, message="the out-of-space warning never cleared")
