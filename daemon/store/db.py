@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy import Engine, create_engine, event, inspect
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -94,12 +94,7 @@ def _at_head(engine: Engine) -> bool:
     if head is None:
         return False
     with engine.connect() as connection:
-        has_table = connection.exec_driver_sql(
-            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'alembic_version'"
-        ).first() if engine.dialect.name == "sqlite" else connection.execute(
-            text("SELECT 1 FROM information_schema.tables WHERE table_name = 'alembic_version'"
-                 " AND table_schema = current_schema()")).first()
-        if not has_table:
+        if not inspect(connection).has_table("alembic_version"):
             return False
         rows = connection.exec_driver_sql("SELECT version_num FROM alembic_version").all()
     return [r[0] for r in rows] == [head]
