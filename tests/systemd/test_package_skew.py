@@ -51,6 +51,7 @@ def debs() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def box(sdbox: SdBox) -> SdBox:
     sdbox.run("rm", "-f", "/usr/sbin/policy-rc.d")  # as in test_package.py: the box stands for a machine
+    sdbox.run("rm", "-f", "/var/lib/man-db/auto-update")  # as in test_package.py: no man-db trigger
     return sdbox
 
 
