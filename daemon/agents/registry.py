@@ -111,10 +111,14 @@ BUILTIN_AGENTS: dict[str, BuiltinAgent] = {
         npm_agent("gemini", "@google/gemini-cli", "0.61.0", ("--acp",),
                   default_env=(("GEMINI_CLI_TRUST_WORKSPACE", "true"), ("GEMINI_TELEMETRY_ENABLED", "false"))),
         # No models list from models.dev, no self-update, no session sharing, no language-server
-        # downloads: OpenCode talks to its configured provider only.
+        # downloads: OpenCode talks to its configured provider only. npm offline: at every start
+        # OpenCode installs its plugin package into its config directory in the background (the
+        # session's HOME is new, so every session: ~15 s of CPU and the npm registry); offline,
+        # npm gives up at once and nothing is installed (a session uses no plugin kandev did not give it).
         npm_agent("opencode", "opencode-ai", "1.18.33", ("acp",),
                   default_env=(("OPENCODE_DISABLE_MODELS_FETCH", "1"), ("OPENCODE_DISABLE_AUTOUPDATE", "1"),
-                               ("OPENCODE_DISABLE_SHARE", "1"), ("OPENCODE_DISABLE_LSP_DOWNLOAD", "1"))),
+                               ("OPENCODE_DISABLE_SHARE", "1"), ("OPENCODE_DISABLE_LSP_DOWNLOAD", "1"),
+                               ("npm_config_offline", "true"))),
     )
 }
 

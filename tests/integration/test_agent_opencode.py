@@ -92,6 +92,9 @@ def test_scenario_a_first_turn_configured_only_through_kandev(env: AgentEnv) -> 
     assert environ["HOME"] == str(home)
     for var in ("OPENCODE_DISABLE_MODELS_FETCH", "OPENCODE_DISABLE_AUTOUPDATE"):
         assert environ[var] == "1"
+    # npm offline: no background install of OpenCode's plugin package into its config directory
+    assert environ["npm_config_offline"] == "true"
+    assert not (home / ".config/opencode/node_modules").exists()
     copied = home / CONFIG
     assert copied.read_text() == _config(e.standin.base_url) and (copied.stat().st_mode & 0o777) == 0o600
     agents = {a["name"]: a for a in e.k.cli("agents")["agents"]}
