@@ -11,12 +11,13 @@ fields are refused with ``invalid_argument`` naming the field.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 from .errors import ErrorCode, IpcError
 
 TypeSpec = type | tuple[type, ...]
+_NO_FIELDS: Mapping[str, TypeSpec] = MappingProxyType({})
 
 
 def _type_name(spec: TypeSpec) -> str:
@@ -40,9 +41,9 @@ def _matches(value: Any, spec: TypeSpec) -> bool:
     return False
 
 
-@dataclass(frozen=True)
-class Op:
-    """One request type.
+class Op(NamedTuple):
+    """One request type (a named tuple: every CLI call imports the op tables, and ``dataclasses``
+    would cost it a third of its imports).
 
     ``auth``: the server's ``authorize`` hook is consulted before the handler.
     ``stream``: after the ok response the connection carries only
@@ -50,8 +51,8 @@ class Op:
     """
 
     name: str
-    required: Mapping[str, TypeSpec] = field(default_factory=dict)
-    optional: Mapping[str, TypeSpec] = field(default_factory=dict)
+    required: Mapping[str, TypeSpec] = _NO_FIELDS
+    optional: Mapping[str, TypeSpec] = _NO_FIELDS
     auth: bool = True
     stream: bool = False
     doc: str = ""

@@ -33,7 +33,10 @@ HUMAN = {"daemon.human.errors", "daemon.human.fmt", "daemon.human.render", "daem
 NEVER = {"asyncio", "sqlalchemy", "acp", "tomllib", "subprocess", "daemon.doctor", "daemon.config",
          "daemon.config_keys", "daemon.config_agentctl",
          "daemon.platform", "daemon.agents", "daemon.agents.registry", "daemon.human.follow", "ipc.client",
-         "ipc.server", "ipc.aio", "uvloop", "psutil"}
+         "ipc.server", "ipc.aio", "uvloop", "psutil",
+         # stdlib modules that cost a CLI call much and that it does not need (dataclasses brings
+         # inspect, ast and dis; secrets brings random, hashlib and hmac)
+         "dataclasses", "inspect", "secrets", "random"}
 
 
 def imported(*argv: str, home: Path) -> set[str]:
