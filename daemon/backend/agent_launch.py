@@ -47,7 +47,7 @@ from daemon.credentials import GitCredentials
 from daemon.credentials.agent_env import agent_git_env
 from daemon.credentials.broker import POLICY_GITHUB_LEASE
 from daemon.paths import Paths
-from daemon.runtimes.launch import RUNTIME_NOT_PREPARED, RuntimeNotPrepared, npm_cache_root, prepared_runtime
+from daemon.runtimes.launch import RUNTIME_NOT_PREPARED, RuntimeNotPrepared, find_prepared
 from daemon.session_dirs import SessionDirs
 from daemon.store.models import Task, TaskSession
 from ipc.errors import ErrorCode, IpcError
@@ -95,8 +95,7 @@ async def agent_command(backend: Backend, agent: BuiltinAgent) -> AgentCommand:
     if agent.runtime != "npm" or backend.config.agents.sandbox == SandboxPolicy.OFF.value:
         return AgentCommand(list(agent.argv()), env=env, secret_env=secrets, agent=agent.name, home_files=files)
     try:
-        root = await asyncio.to_thread(npm_cache_root)
-        prepared = await asyncio.to_thread(prepared_runtime, agent, root)
+        prepared = await asyncio.to_thread(find_prepared, agent)
     except RuntimeNotPrepared as exc:
         raise IpcError(RUNTIME_NOT_PREPARED, str(exc)) from None
     return AgentCommand(prepared.command, (str(prepared.tree),), str(prepared.bin_dir), env, secrets, agent.name, files)

@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from daemon.agents.registry import BUILTIN_AGENTS, BuiltinAgent
-from daemon.runtimes.launch import RUNTIME_NOT_PREPARED, RuntimeNotPrepared, npm_cache_root, prepared_runtime
+from daemon.runtimes.launch import RUNTIME_NOT_PREPARED, RuntimeNotPrepared, find_prepared
 from daemon.runtimes.update import MAX_WAIT_S, TERMINAL, Job, RuntimeJobs
 from daemon.store.models import TaskSession
 from daemon.store.session_metadata import SessionMetadata
@@ -36,7 +36,7 @@ PROGRESS_KEY = "runtime_prepare"
 def _check(agent: BuiltinAgent) -> str | None:
     """None when the runtime is prepared, else why not (blocking)."""
     try:
-        prepared_runtime(agent, npm_cache_root())
+        find_prepared(agent)
     except RuntimeNotPrepared as exc:
         return str(exc)
     return None

@@ -12,6 +12,9 @@ still start through npx (``BuiltinAgent.argv``).
 The cache root is what ``npm config get cache`` prints for the backend (the control server runs
 as the same user with the same environment), checked like the repair checks it; the key is
 computed (``npx_cache.npx_key``), the bin read from the package's own ``package.json``.
+``find_prepared`` asks npm once and keeps the answer: each question costs most of a second of
+CPU (npm's own start), and every session start of an npm agent asked twice. A runtime not found
+under the kept answer makes it ask again (npm's configuration may have changed since).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,3 +110,33 @@ def prepared_runtime(agent: BuiltinAgent, cache_root: Path) -> PreparedRuntime:
         raise RuntimeNotPrepared(f"{tree} is not readable by {user.name}, the user agents run as: remove"
                                  f" it (`rm -rf {tree}`) and {hint}")
     return PreparedRuntime([str(entry), *agent.acp_args], tree, bin_dir)
+
+
+class _CacheRootMemo:
+    """npm's cache directory as npm last answered (one question at a time)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._root: Path | None = None
+
+    def get(self, *, ask_again: bool) -> Path:
+        with self._lock:
+            if ask_again or self._root is None:
+                self._root = npm_cache_root()
+            return self._root
+
+
+_CACHE_ROOT = _CacheRootMemo()
+
+
+def find_prepared(agent: BuiltinAgent) -> PreparedRuntime:
+    """``prepared_runtime`` under npm's cache directory (blocking): the directory npm named
+    before, or, when the runtime is not there, the one it names now."""
+    root = _CACHE_ROOT.get(ask_again=False)
+    try:
+        return prepared_runtime(agent, root)
+    except RuntimeNotPrepared:
+        now = _CACHE_ROOT.get(ask_again=True)
+        if now == root:
+            raise
+    return prepared_runtime(agent, now)
