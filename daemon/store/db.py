@@ -1,7 +1,7 @@
 """Opening the store: engine, SQLite settings, migrations at start, and sessions.
 
-``Store.open(url)`` creates the engine, runs the alembic migrations to head
-and returns a ``Store``. For SQLite every connection gets ``journal_mode=WAL``,
+``Store.open(url)`` creates the engine, runs the alembic migrations to head (an
+empty database is created at head directly) and returns a ``Store``. For SQLite every connection gets ``journal_mode=WAL``,
 ``synchronous=FULL`` (the control-server record must be durable before a
 credential is confirmed, AC-EXECUTORS-CONTROL-OWNERSHIP-002.7), ``foreign_keys=ON`` and
 ``busy_timeout=5000``, a checkpoint every ``WAL_CHECKPOINT_PAGES`` pages of write-ahead log
@@ -22,7 +22,18 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, inspect
+from sqlalchemy import (
+    Column,
+    Connection,
+    Engine,
+    MetaData,
+    PrimaryKeyConstraint,
+    String,
+    Table,
+    create_engine,
+    event,
+    inspect,
+)
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -100,9 +111,31 @@ def _at_head(engine: Engine) -> bool:
     return [r[0] for r in rows] == [head]
 
 
-def migrate(engine: Engine) -> None:
+def _alembic_version_table() -> Table:
+    """The table alembic records a database's revision in, as alembic itself creates it."""
+    return Table("alembic_version", MetaData(), Column("version_num", String(32), nullable=False),
+                 PrimaryKeyConstraint("version_num", name="alembic_version_pkc"))
+
+
+def _create_at_head(connection: Connection, head: str) -> None:
+    """An empty database gets the models' schema and the newest revision in one go (alembic's own
+    recipe for a new database: create the tables, stamp the head). The migrations build exactly
+    that schema (tests/unit/test_store_schema.py compares the two, constraints included), and
+    skipping them spares a new home's first start most of half a second (importing alembic,
+    replaying every migration)."""
+    from daemon.store.models import Base
+
+    Base.metadata.create_all(connection)
+    version = _alembic_version_table()
+    version.create(connection)
+    connection.execute(version.insert().values(version_num=head))
+
+
+def migrate(engine: Engine, *, empty_at_head: bool = True) -> None:
     """Upgrade the database to the newest revision, in one transaction (nothing to do, and alembic
-    not even imported, when the store is at the newest revision already).
+    not even imported, when the store is at the newest revision already; an empty database is
+    created at the newest revision directly, ``_create_at_head``, unless ``empty_at_head`` is
+    False: the tests that prove the migrations build the models' schema).
 
     On SQLite foreign keys are off while migrating: a batch migration
     recreates a table, and dropping the old one with foreign keys on would
@@ -110,11 +143,7 @@ def migrate(engine: Engine) -> None:
     """
     if _at_head(engine):
         return
-    from alembic import command
-    from alembic.config import Config as AlembicConfig
-
-    cfg = AlembicConfig()
-    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    head = head_revision()
     sqlite = engine.dialect.name == "sqlite"
     with engine.connect() as connection:
         if sqlite:
@@ -124,14 +153,27 @@ def migrate(engine: Engine) -> None:
             with connection.begin():
                 if sqlite:  # pysqlite would run DDL outside any transaction
                     connection.exec_driver_sql("BEGIN IMMEDIATE")
-                cfg.attributes["connection"] = connection
-                command.upgrade(cfg, "head")
+                if empty_at_head and head is not None and not inspect(connection).get_table_names():
+                    _create_at_head(connection, head)
+                else:
+                    _upgrade(connection)
                 if sqlite and connection.exec_driver_sql("PRAGMA foreign_key_check").first():
                     raise RuntimeError("migration left rows violating foreign keys; rolled back")
         finally:
             if sqlite:
                 connection.exec_driver_sql("PRAGMA foreign_keys=ON")
                 connection.commit()
+
+
+def _upgrade(connection: Connection) -> None:
+    """alembic's upgrade to head on ``connection``, inside the caller's transaction."""
+    from alembic import command
+    from alembic.config import Config as AlembicConfig
+
+    cfg = AlembicConfig()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.attributes["connection"] = connection
+    command.upgrade(cfg, "head")
 
 
 class Store:
@@ -142,8 +184,8 @@ class Store:
         self._sessions = sessionmaker(engine, expire_on_commit=False)
 
     @classmethod
-    def open(cls, url: str) -> Store:
-        """Connect, migrate to head, and return the store."""
+    def open(cls, url: str, *, empty_at_head: bool = True) -> Store:
+        """Connect, migrate to head (``migrate``), and return the store."""
         parsed = make_url(url)
         path = sqlite_file(parsed)
         if path is not None:
@@ -152,7 +194,7 @@ class Store:
         if parsed.get_backend_name() == "sqlite":
             event.listen(engine, "connect", _on_sqlite_connect)
         try:
-            migrate(engine)
+            migrate(engine, empty_at_head=empty_at_head)
         except BaseException:
             engine.dispose()
             raise

@@ -20,10 +20,21 @@ def test_head_revision_is_alembics_head() -> None:
     assert head_revision() == ScriptDirectory.from_config(cfg).get_current_head()
 
 
+_PROBE = ("import sys; from daemon.store.db import Store; s = Store.open(sys.argv[1]); s.close();"
+          " print(sorted(m for m in sys.modules if m.split('.')[0] == 'alembic'))")
+
+
+def _alembic_modules_of_an_open(url: str) -> str:
+    done = subprocess.run([sys.executable, "-c", _PROBE, url], capture_output=True, text=True, check=True, timeout=60)
+    return done.stdout.strip() + done.stderr
+
+
 def test_a_store_at_head_opens_without_alembic(tmp_path: Path) -> None:
     url = sqlite_url(tmp_path / "kandev.db")
-    Store.open(url).close()  # created and migrated: alembic runs
-    probe = ("import sys; from daemon.store.db import Store; s = Store.open(sys.argv[1]); s.close();"
-             " print(sorted(m for m in sys.modules if m.split('.')[0] == 'alembic'))")
-    done = subprocess.run([sys.executable, "-c", probe, url], capture_output=True, text=True, check=True, timeout=60)
-    assert done.stdout.strip() == "[]", done.stdout + done.stderr
+    Store.open(url, empty_at_head=False).close()  # built by the migrations: alembic runs
+    assert _alembic_modules_of_an_open(url) == "[]"
+
+
+def test_a_new_store_is_created_without_alembic(tmp_path: Path) -> None:
+    """A new home's first start: the empty database is created at head, no migration replayed."""
+    assert _alembic_modules_of_an_open(sqlite_url(tmp_path / "kandev.db")) == "[]"

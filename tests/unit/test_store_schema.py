@@ -6,6 +6,7 @@ import os
 import stat
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from alembic.autogenerate import compare_metadata
@@ -46,21 +47,74 @@ def _session(store: Store) -> str:
         return ts.id
 
 
-def test_store_migrates_from_empty(tmp_path: Path, store: Store) -> None:
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A new, empty database on each engine kandev supports (PostgreSQL: a real server)."""
+    if request.param == "sqlite":
+        return sqlite_url(tmp_path / "kandev.db")
+    url: str = request.getfixturevalue("postgres").new_database()
+    return url
+
+
+@pytest.mark.parametrize("empty_at_head", [False, True], ids=["by the migrations", "created at head"])
+def test_store_migrates_from_empty(tmp_path: Path, empty_at_head: bool) -> None:
+    """A new store, built by the migrations or created at head (what a new home's start does):
+    every table, the newest revision recorded, the file 0600; reopening is a no-op upgrade."""
+    store = Store.open(sqlite_url(tmp_path / "kandev.db"), empty_at_head=empty_at_head)
     tables = set(inspect(store.engine).get_table_names())
     assert tables == set(Base.metadata.tables) | {"alembic_version"}
     with store.engine.connect() as conn:
         assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == _head()
     assert stat.S_IMODE(os.stat(tmp_path / "kandev.db").st_mode) == 0o600
     store.close()
-    Store.open(sqlite_url(tmp_path / "kandev.db")).close()  # reopening is a no-op upgrade
+    Store.open(sqlite_url(tmp_path / "kandev.db")).close()
 
 
-def test_store_schema_matches_models(any_store: Store) -> None:
+def test_store_schema_matches_models(store_url: str) -> None:
     """The migrations build exactly the models' schema, on SQLite and on PostgreSQL."""
-    with any_store.engine.connect() as conn:
-        diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
+    store = Store.open(store_url, empty_at_head=False)
+    try:
+        with store.engine.connect() as conn:
+            diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
+    finally:
+        store.close()
     assert diff == []
+
+
+def _schema(store: Store) -> dict[str, object]:
+    """Everything the inspector reports of every table, constraints included, order aside."""
+    def norm(items: list[Any]) -> list[str]:
+        return sorted(repr(sorted(i.items()) if isinstance(i, dict) else i) for i in items)
+
+    insp = inspect(store.engine)
+    out: dict[str, object] = {}
+    for table in sorted(insp.get_table_names()):
+        out[table] = {
+            "columns": norm([{**c, "type": str(c["type"])} for c in insp.get_columns(table)]),
+            "pk": insp.get_pk_constraint(table),
+            "fks": norm(insp.get_foreign_keys(table)),
+            "indexes": norm(insp.get_indexes(table)),
+            "uniques": norm(insp.get_unique_constraints(table)),
+            "checks": norm([{"name": c["name"], "sqltext": " ".join(str(c["sqltext"]).split())}
+                            for c in insp.get_check_constraints(table)]),
+        }
+    return out
+
+
+def test_a_store_created_at_head_is_the_migrated_store(store_url: str, request: pytest.FixtureRequest) -> None:
+    """A new home's store is created at head without replaying the migrations; it is the same
+    schema the migrations build, to the check constraint, on SQLite and on PostgreSQL."""
+    if store_url.startswith("sqlite"):
+        other = sqlite_url(Path(store_url.split("///", 1)[1]).with_name("migrated.db"))
+    else:
+        other = request.getfixturevalue("postgres").new_database()
+    created, migrated = Store.open(store_url), Store.open(other, empty_at_head=False)
+    try:
+        assert _schema(created) == _schema(migrated)
+        assert _schema(created)["tasks"]["checks"]  # type: ignore[index]  # the comparison sees constraints
+    finally:
+        created.close()
+        migrated.close()
 
 
 def test_store_sqlite_pragmas(store: Store) -> None:
@@ -126,7 +180,7 @@ def test_store_migration_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(command, "upgrade", failing)
     url = sqlite_url(tmp_path / "kandev.db")
     with pytest.raises(RuntimeError, match="boom"):
-        Store.open(url)
+        Store.open(url, empty_at_head=False)
     engine = create_engine(url)
     assert inspect(engine).get_table_names() == []
     engine.dispose()
