@@ -1,10 +1,10 @@
 """Opening the store: engine, SQLite settings, migrations at start, and sessions.
 
 ``Store.open(url)`` creates the engine, runs the alembic migrations to head (an
-empty database is created at head directly) and returns a ``Store``. For SQLite every connection gets ``journal_mode=WAL``,
-``synchronous=FULL`` (the control-server record must be durable before a
-credential is confirmed, AC-EXECUTORS-CONTROL-OWNERSHIP-002.7), ``foreign_keys=ON`` and
-``busy_timeout=5000``, a checkpoint every ``WAL_CHECKPOINT_PAGES`` pages of write-ahead log
+empty database is created at head directly) and returns a ``Store``. For SQLite
+every connection gets ``journal_mode=WAL``, ``synchronous=FULL`` (the control-server
+record must be durable before a credential is confirmed,
+AC-EXECUTORS-CONTROL-OWNERSHIP-002.7), ``foreign_keys=ON`` and ``busy_timeout=5000``, a checkpoint every ``WAL_CHECKPOINT_PAGES`` pages of write-ahead log
 whose file is then cut back to ``WAL_SIZE_LIMIT`` (so the log does not keep megabytes the
 transcript does not need), and a new database file is created 0600.
 
