@@ -4,9 +4,10 @@
 empty database is created at head directly) and returns a ``Store``. For SQLite
 every connection gets ``journal_mode=WAL``, ``synchronous=FULL`` (the control-server
 record must be durable before a credential is confirmed,
-AC-EXECUTORS-CONTROL-OWNERSHIP-002.7), ``foreign_keys=ON`` and ``busy_timeout=5000``, a checkpoint every ``WAL_CHECKPOINT_PAGES`` pages of write-ahead log
-whose file is then cut back to ``WAL_SIZE_LIMIT`` (so the log does not keep megabytes the
-transcript does not need), and a new database file is created 0600.
+AC-EXECUTORS-CONTROL-OWNERSHIP-002.7), ``foreign_keys=ON`` and ``busy_timeout=5000``, a
+checkpoint every ``WAL_CHECKPOINT_PAGES`` pages of write-ahead log whose file is then cut
+back to ``WAL_SIZE_LIMIT`` (so the log does not keep megabytes the transcript does not
+need), and a new database file is created 0600.
 
 With pysqlite's default transaction handling a transaction begins at the
 first write, so reads before it see the latest committed data. Guarded writes
@@ -99,9 +100,8 @@ def head_revision() -> str | None:
     return heads.pop() if len(heads) == 1 else None
 
 
-def _at_head(engine: Engine) -> bool:
-    """Whether the store already records the newest revision (then a start needs no alembic)."""
-    head = head_revision()
+def _at_head(engine: Engine, head: str | None) -> bool:
+    """Whether the store already records ``head``, the newest revision (then a start needs no alembic)."""
     if head is None:
         return False
     with engine.connect() as connection:
@@ -141,9 +141,9 @@ def migrate(engine: Engine, *, empty_at_head: bool = True) -> None:
     recreates a table, and dropping the old one with foreign keys on would
     cascade-delete its children. The keys are checked before committing.
     """
-    if _at_head(engine):
-        return
     head = head_revision()
+    if _at_head(engine, head):
+        return
     sqlite = engine.dialect.name == "sqlite"
     with engine.connect() as connection:
         if sqlite:
