@@ -132,11 +132,9 @@ def _sandbox_probe(env: Mapping[str, str]) -> Any:
 
 def _head_revision() -> str | None:
     try:
-        from alembic.script import ScriptDirectory
+        from daemon.store.db import head_revision
 
-        from daemon.store.db import MIGRATIONS_DIR
-
-        return ScriptDirectory(str(MIGRATIONS_DIR)).get_current_head()
+        return head_revision()  # alembic's head, read without importing alembic (test_store_head.py)
     except Exception:
         return None
 
