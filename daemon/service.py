@@ -16,19 +16,21 @@ Each main does the same things in the same order with these pieces:
    WATCHDOG); each call is one datagram; a no-op outside systemd.
 5. ``watched()``: WATCHDOG=1 from the event loop itself while the daemon runs, when the unit
    asks for it (``WatchdogSec=``): a wedged loop stops the pings and systemd restarts the daemon.
-6. Exit with an ``ExitCode``: the units and the tests rely on these values.
+6. Exit with an ``ExitCode``: the units and the tests rely on these values; ``exiting()`` around
+   main makes the interpreter's teardown skip its final garbage collection.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from enum import IntEnum
 from pathlib import Path
 
@@ -51,6 +53,19 @@ class ExitCode(IntEnum):
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def exiting() -> Iterator[None]:
+    """Around a daemon's main: once it returns (store closed, sockets closed, logs flushed), the
+    objects it made are frozen out of the garbage collector, so the interpreter's teardown does not
+    walk them all once more before the kernel frees the memory anyway (~0.15 s for the backend's
+    SQLAlchemy and pydantic class graphs: most of an idle ``kandev down``). Teardown itself (exit
+    handlers, thread joins, buffered writes) runs as before."""
+    try:
+        yield
+    finally:
+        gc.freeze()
 
 
 def ensure_std_fds() -> None:

@@ -56,6 +56,7 @@ from daemon.paths import resolve_home
 from daemon.service import (
     ExitCode,
     Notifier,
+    exiting,
     install_signal_handlers,
     prepare_process,
     say,
@@ -236,6 +237,11 @@ async def _serve_until_stopped(
 
 
 def main(argv: list[str] | None = None) -> int:
+    with exiting():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parse_args(argv)
     if args.preflight:
         return preflight.run()

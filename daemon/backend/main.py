@@ -34,6 +34,7 @@ from daemon.platform import check_capability
 from daemon.service import (
     ExitCode,
     Notifier,
+    exiting,
     install_signal_handlers,
     prepare_process,
     say,
@@ -126,6 +127,11 @@ async def _serve_until_stopped(paths: Paths, backend: Backend, notifier: Notifie
 
 
 def main(argv: list[str] | None = None) -> int:
+    with exiting():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parse(argv)
     prepare_process()  # everything under the home is private; the run dir and CLI socket set their modes
     paths = Paths.for_home(resolve_home(args.home))
