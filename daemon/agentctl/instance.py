@@ -130,7 +130,7 @@ class _AcpClient:
         self._instance = instance
 
     async def session_update(self, session_id: str, update: Any, **kwargs: Any) -> None:
-        return None  # already recorded, in arrival order, by Instance._observe
+        return None  # never called: the transport hands session/update to Instance._on_update
 
     async def request_permission(
         self, session_id: str, tool_call: Any, options: list[Any], **kwargs: Any
@@ -275,7 +275,7 @@ class Instance:
 
     def connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> acp.ClientSideConnection:
         """The ACP connection over the agent's pipes, and the watch of its exit."""
-        self.transport = AgentPipeTransport(reader, writer, self._on_garbage, self.log.wait_for_room)
+        self.transport = AgentPipeTransport(reader, writer, self._on_garbage, self.log.wait_for_room, self._on_update)
         self._exit_task = asyncio.create_task(self._watch_exit(), name=f"agentctl.exit.{self.instance_id}")
         self.conn = acp.connect_to_agent(_AcpClient(self), self.transport, observers=[self._observe])  # type: ignore[arg-type]  # partial acp.Client: acp answers method_not_found for the rest
         return self.conn
@@ -348,27 +348,27 @@ class Instance:
     # -- events from the agent --------------------------------------------------
 
     def _observe(self, event: StreamEvent) -> None:
-        """Stream observer: called synchronously, in arrival order, for every JSON-RPC message."""
+        """Stream observer: called synchronously, in arrival order, for every JSON-RPC message but
+        the ``session/update`` notifications (``_on_update``)."""
         message = event.message
-        if event.direction is not StreamDirection.OUTGOING:
-            self._last_incoming = time.monotonic()
         if event.direction is StreamDirection.OUTGOING:
             if "method" not in message and "id" in message:
                 self.incoming_open.pop(rpc_key(message["id"]), None)
                 self.permissions.answered(message["id"])
             return
-        method = message.get("method")
-        params = message.get("params")
-        if not isinstance(params, dict):
-            params = {}
+        self._last_incoming = time.monotonic()
+        method, params = message.get("method"), message.get("params")
         if method is not None and "id" in message:
             self.incoming_open[rpc_key(message["id"])] = str(method)
-        if method == "session/update" and "id" not in message:
-            self.log.append(
-                EventKind.SESSION_UPDATE, {"turn_id": self.current_turn_id, "update": params.get("update")}
-            )
-        elif method == "session/request_permission" and "id" in message:
-            self.permissions.requested(message["id"], params, message, self.current_turn_id)
+        if method == "session/request_permission" and "id" in message:
+            self.permissions.requested(message["id"], params if isinstance(params, dict) else {}, message,
+                                       self.current_turn_id)
+
+    def _on_update(self, message: dict[str, Any]) -> None:
+        """A ``session/update`` notification, in arrival order (the transport hands these here)."""
+        self._last_incoming = time.monotonic()
+        update = params.get("update") if isinstance(params := message.get("params"), dict) else None
+        self.log.append(EventKind.SESSION_UPDATE, {"turn_id": self.current_turn_id, "update": update})
 
     def _on_garbage(self, line: str) -> None:
         self.log.append(EventKind.AGENT_ERROR, {"message": f"the agent wrote a line that is not JSON-RPC: {line}"})

@@ -216,7 +216,9 @@ class PipeAgent:
             self.done.set()
 
 
-async def open_transport(agent: PipeAgent, log: EventLog) -> tuple[AgentPipeTransport, list[Any]]:
+async def open_transport(
+    agent: PipeAgent, log: EventLog, on_update: Any = None
+) -> tuple[AgentPipeTransport, list[Any]]:
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=AGENT_STDOUT_LIMIT, loop=loop)
     read_transport, _ = await loop.connect_read_pipe(
@@ -232,7 +234,7 @@ async def open_transport(agent: PipeAgent, log: EventLog) -> tuple[AgentPipeTran
     def garbage(line: str) -> None:
         log.append(EventKind.AGENT_ERROR, {"message": f"the agent wrote a line that is not JSON-RPC: {line}"})
 
-    transport = AgentPipeTransport(reader, writer, garbage, log.wait_for_room)
+    transport = AgentPipeTransport(reader, writer, garbage, log.wait_for_room, on_update)
     return transport, [read_transport, write_transport, stdin_r]
 
 
@@ -326,3 +328,41 @@ def test_lines_longer_than_the_reader_limit_arrive_whole():
 
     run(scenario())
     agent.thread.join(5)
+
+
+def test_session_updates_go_to_on_update_in_their_place_and_the_rest_to_the_connection():
+    """The transport hands ``session/update`` notifications to ``on_update`` (the instance records
+    them) and returns every other message (the SDK's connection gets those): one stream, one order.
+    A ``session/update`` that carries an id is a request, not a notification: the connection's."""
+    def line(message: dict[str, Any]) -> bytes:
+        return json.dumps({"jsonrpc": "2.0", **message}).encode() + b"\n"
+
+    lines = [
+        line({"method": "session/update", "params": {"update": {"n": 1}}}),
+        line({"id": 7, "result": {}}),
+        line({"method": "session/update", "params": {"update": {"n": 2}}}),
+        line({"method": "session/update", "params": {"update": {"n": 3}}}),
+        line({"id": "x", "method": "session/update", "params": {}}),
+        line({"method": "session/update", "params": {"update": {"n": 4}}}),
+    ]
+    agent = PipeAgent(lines)
+    seen: list[str] = []
+
+    async def scenario() -> None:
+        log = EventLog(limit=100)
+        transport, closers = await open_transport(
+            agent, log, on_update=lambda m: seen.append(f"update {m['params']['update']['n']}"))
+        agent.thread.start()
+        try:
+            while (message := await asyncio.wait_for(transport.receive(), 10)) is not None:
+                seen.append(f"connection {message['id']}")
+        finally:
+            for c in closers:
+                if isinstance(c, int):
+                    os.close(c)
+                else:
+                    c.close()
+
+    run(scenario())
+    agent.thread.join(5)
+    assert seen == ["update 1", "connection 7", "update 2", "update 3", "connection x", "update 4"]
