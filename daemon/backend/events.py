@@ -17,9 +17,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import func, select
+from sqlalchemy import Integer, Table, bindparam, case, func, select, update
 from sqlalchemy.orm import Session as DbSession
 
 from daemon.agentctl.protocol import EventKind
@@ -41,6 +41,18 @@ _AGENT_DIED = "agent_exited"
 
 def _now() -> datetime:
     return datetime.now(UTC)
+
+
+# Statements of every batch, built once on the tables (see daemon.store.transcript's note).
+_RUNNING = cast(Table, ExecutorRunning.__table__)
+_SESSIONS = cast(Table, TaskSession.__table__)
+_SESSION_EXISTS = select(_SESSIONS.c.id).where(_SESSIONS.c.id == bindparam("sid"))
+_TOP = bindparam("top", type_=Integer())
+_ADVANCE_SEQ = (update(_RUNNING)  # the highest seq applied, on the session's current instance only
+                .where(_RUNNING.c.session_id == bindparam("sid"), _RUNNING.c.instance_id == bindparam("iid"))
+                .values(last_event_seq=case((func.coalesce(_RUNNING.c.last_event_seq, 0) < _TOP, _TOP),
+                                            else_=_RUNNING.c.last_event_seq),
+                        updated_at=bindparam("now")))
 
 
 @dataclass
@@ -112,9 +124,15 @@ def apply_events(db: DbSession, session_id: str, instance_id: str, events: list[
     Transcript chunks go through one ``TranscriptWriter`` (coalesced, and an event the transcript
     already covers is skipped: exactly once)."""
     result = ApplyResult()
-    session = db.get(TaskSession, session_id)
-    if session is None:
+    if db.execute(_SESSION_EXISTS, {"sid": session_id}).first() is None:
         return result
+
+    def session() -> TaskSession:  # loaded only by the events that change the session
+        row = db.get(TaskSession, session_id)
+        if row is None:  # deleted since the check above: the batch fails and is applied again later
+            raise LookupError(f"session {session_id} vanished while its events were applied")
+        return row
+
     writer = TranscriptWriter(db, session_id)
 
     def write(ev: Any, role: str, kind: str, text: str, turn_id: Any) -> None:
@@ -127,7 +145,7 @@ def apply_events(db: DbSession, session_id: str, instance_id: str, events: list[
         if ev.kind == EventKind.TURN_STARTED:
             turn = ensure_turn(db, session_id, str(turn_id), str(data.get("text") or ""))
             if turn.state == "open":
-                mark_running(db, session, f"turn {turn_id} started")
+                mark_running(db, session(), f"turn {turn_id} started")
             write(ev, "user", "prompt", str(data.get("text") or ""), turn_id)
         elif ev.kind == EventKind.SESSION_UPDATE:
             raw_update = data.get("update")
@@ -142,9 +160,9 @@ def apply_events(db: DbSession, session_id: str, instance_id: str, events: list[
                 text = json.dumps(update, sort_keys=True, default=str)
                 role = "agent"
                 if kind == "current_mode_update":
-                    _set_runtime_config(session, "mode", update.get("currentModeId"))
+                    _set_runtime_config(session(), "mode", update.get("currentModeId"))
                 elif kind == "config_option_update":
-                    _set_runtime_config(session, "options", _config_options(update))
+                    _set_runtime_config(session(), "options", _config_options(update))
             write(ev, role, kind, text, turn_id)
         elif ev.kind == EventKind.TURN_ENDED:
             tid = str(turn_id)
@@ -163,10 +181,8 @@ def apply_events(db: DbSession, session_id: str, instance_id: str, events: list[
             write(ev, "system", str(ev.kind), json.dumps(data, sort_keys=True, default=str), turn_id)
     writer.flush()
     if events:
-        row = db.get(ExecutorRunning, session_id)
-        if row is not None and row.instance_id == instance_id:
-            row.last_event_seq = max(row.last_event_seq or 0, max(ev.seq for ev in events))
-            row.updated_at = _now()
+        db.execute(_ADVANCE_SEQ, {"sid": session_id, "iid": instance_id, "top": max(ev.seq for ev in events),
+                                  "now": _now()})
     return result
 
 
