@@ -183,7 +183,9 @@ class AsyncClient:
         self._pending[rid] = fut
         try:
             try:
-                await self._send(data)
+                written = self._write_now(data)
+                if not written or self._writer.transport.get_write_buffer_size():
+                    await self._send(b"" if written else data)  # b"": written, only the drain is left
             except IpcError:
                 refusal = fut.exception() if fut.done() and not fut.cancelled() else None
                 if refusal is not None:
@@ -201,6 +203,14 @@ class AsyncClient:
             self._pending.pop(rid, None)
             if fut.done() and not fut.cancelled():
                 fut.exception()  # retrieved (we may have raised another error for it)
+
+    def _write_now(self, data: bytes) -> bool:
+        """Write ``data`` at once when no writer waits for a drain (the common case: a request then
+        costs no lock and no drain coroutines); False: ``_send`` it."""
+        if self._failure is not None or self._write_lock.locked() or self._writer.transport.is_closing():
+            return False
+        self._writer.write(data)
+        return True
 
     async def _send(self, data: bytes) -> None:
         async with self._write_lock:

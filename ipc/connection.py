@@ -137,16 +137,28 @@ class ConnectionContext:
         """Write one encoded frame; return once the transport is below its high-water mark."""
         if self.closing or self._transport.is_closing():
             raise ConnectionClosed("connection closed")
-        if not self.write_paused and not self._write_lock.locked():
-            self._transport.write(data)  # fast path: nobody is waiting on the peer
-            if not self.write_paused:
-                return
-            async with self._write_lock:  # that write filled the pipe: later writers queue
-                await self._drain()
+        if self.try_send(data):  # fast path: nobody is waiting on the peer
+            if self.write_paused:
+                await self.settle()
             return
         async with self._write_lock:
             await self._drain()
             self._transport.write(data)
+            await self._drain()
+
+    def try_send(self, data: bytes) -> bool:
+        """Write ``data`` at once if no writer waits on the peer (the common case) and say so; on
+        False the caller awaits ``send_frame(data)``, and after a True that left ``write_paused``
+        set it awaits ``settle()``. A request's response costs no coroutine this way."""
+        if self.closing or self.write_paused or self._write_lock.locked() or self._transport.is_closing():
+            return False
+        self._transport.write(data)
+        return True
+
+    async def settle(self) -> None:
+        """After a write that filled the pipe: wait for the drain, holding the write lock, so that
+        later writers queue behind it."""
+        async with self._write_lock:
             await self._drain()
 
     def send_soon(self, data: bytes) -> None:

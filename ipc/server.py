@@ -108,6 +108,9 @@ class IpcServer:
         self.path = check_socket_path(path)
         self.table = table
         self._handlers = dict(handlers)
+        # Each request's task is named after its op (task dumps), with names made once: a task
+        # left to name itself formats "Task-<n>" at every request.
+        self._task_names = {name: f"ipc.{name}" for name in self._handlers}
         self._authorize = authorize
         self._allowed_uids = frozenset({os.getuid(), 0} if allowed_uids is None else allowed_uids)
         self._allowed_gids = frozenset(allowed_gids)
@@ -280,7 +283,8 @@ class IpcServer:
             ctx.send_soon(encode_frame({"id": rid, "ok": True, "result": args}))
             return
         conn.inflight += 1
-        task = asyncio.get_running_loop().create_task(self._run(conn, ctx, op, rid, args))
+        task = asyncio.get_running_loop().create_task(self._run(conn, ctx, op, rid, args),
+                                                      name=self._task_names.get(op.name))
         self._handler_tasks.add(task)
         if op.stream:
             ctx.stream_id = rid
@@ -353,7 +357,10 @@ class IpcServer:
                     data = error_frame(rid, IpcError(code, f"result of {op.name} not sendable"))
             else:
                 data = error_frame(rid, error)
-            await ctx.send_frame(data)
+            if not ctx.try_send(data):
+                await ctx.send_frame(data)
+            elif ctx.write_paused:
+                await ctx.settle()
         except ConnectionClosed:
             pass  # the peer left: nobody to answer
         finally:

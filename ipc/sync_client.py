@@ -119,7 +119,8 @@ class SyncClient:
             {"v": self.protocol_major, "id": rid, "op": op, "args": {} if args is None else args}
         )
         deadline = None if timeout is None else time.monotonic() + timeout
-        self._set_timeout(sock, timeout)
+        if timeout != self._timeout:
+            self._set_timeout(sock, timeout)
         try:
             sock.sendall(data)
         except TimeoutError:
