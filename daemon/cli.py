@@ -20,6 +20,7 @@ result (JSON, or through ``daemon.human``). The grammar is ``daemon.cli_parser``
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -262,6 +263,11 @@ def main(argv: list[str] | None = None) -> int:
         return status
     except BrokenPipeError:
         return _quiet_closed_pipe()
+    finally:
+        if argv is None:  # the process's own command line: it exits next
+            # Its objects frozen out of the collector: the interpreter's teardown then does not
+            # walk them all once more before the kernel frees them (~5 ms of a 50 ms call).
+            gc.freeze()
 
 
 def _main(argv: list[str]) -> int:

@@ -6,8 +6,12 @@ the exit codes, and how a usage error is said (``Usage``; argparse's "invalid ch
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import os
 import sys
-from typing import NoReturn
+from collections.abc import Iterator
+from typing import Any, NoReturn
 
 from daemon.human import RECONNECT_TIMEOUT_S
 from daemon.version import VERSION
@@ -38,7 +42,35 @@ def did_you_mean(message: str) -> str:
     return f"unknown command '{m['given']}'; {hint}"
 
 
+@functools.cache
+def _columns() -> int:
+    """What ``shutil.get_terminal_size().columns`` says ($COLUMNS, else the terminal on stdout,
+    else 80), asked once per process and without importing shutil (which imports bz2 and lzma)."""
+    try:
+        columns = int(os.environ.get("COLUMNS", ""))
+    except ValueError:
+        columns = 0
+    if columns <= 0:
+        try:
+            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns if sys.__stdout__ else 0
+        except (AttributeError, ValueError, OSError):
+            columns = 0
+    return columns or 80
+
+
+class _Formatter(argparse.HelpFormatter):
+    """argparse's help layout, with the terminal's width asked once: argparse makes a formatter for
+    every ``add_argument`` (to check its metavar), and each asked shutil for the width again."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, width=_columns() - 2)  # argparse's own margin
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _Formatter)  # subcommands' parsers get it too
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> NoReturn:  # argparse exits 2 already; keep the message format ours
         self.print_usage(sys.stderr)
         print(f"kandev: {did_you_mean(message)}", file=sys.stderr)
@@ -98,7 +130,27 @@ class _Commands:
         return _with_globals(self._sub.add_parser(name, help=help, description=description or help))
 
 
+@contextlib.contextmanager
+def _translations_remembered() -> Iterator[None]:
+    """While the parser is built, argparse's answers from gettext are remembered. argparse asks
+    for the same few strings (its group titles, "show this help message and exit") once per
+    parser, ~100 times here, and gettext remembers no miss: each time it looks for catalogue files
+    again, some eight stat calls, which was half of building the parser. The answers cannot change
+    within one process; what argparse asks afterwards (its error messages) goes to gettext again."""
+    plain = vars(argparse)["_"]
+    vars(argparse)["_"] = functools.lru_cache(maxsize=None)(plain)  # the name argparse calls
+    try:
+        yield
+    finally:
+        vars(argparse)["_"] = plain
+
+
 def build_parser() -> argparse.ArgumentParser:
+    with _translations_remembered():
+        return _build_parser()
+
+
+def _build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="kandev", description="Run and observe kandev agents (README.md, kandev(1)).")
     p.add_argument("--home", metavar="DIR", help=_GLOBAL_HELP["--home"])
     p.add_argument("--json", action="store_true", help=_GLOBAL_HELP["--json"])
