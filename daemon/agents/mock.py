@@ -60,6 +60,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import gc
 import hashlib
 import logging
 import os
@@ -479,6 +480,7 @@ def main() -> None:
     log.info("start cwd=%s switches=%s", os.getcwd(), read_switches(os.getcwd()))
     asyncio.run(_serve())
     log.info("stdin closed: exiting")
+    gc.freeze()  # the teardown then skips walking the SDK's pydantic models once more (~0.05 s a start)
 
 
 if __name__ == "__main__":
