@@ -2,10 +2,16 @@
 
 ``AsyncClient.call`` sends a request and awaits its response; any number of
 calls may be in flight on one connection, matched to their responses by
-request id by a background reader task. ``AsyncClient.stream`` turns a
-connection into an event stream: after the stream op's ok response the
-connection belongs to the returned ``EventStream``, which reads event frames
-only when iterated (so a slow consumer applies backpressure to the server).
+request id. ``AsyncClient.stream`` turns a connection into an event stream:
+after the stream op's ok response the connection belongs to the returned
+``EventStream``.
+
+The socket is read by ``_Link``, an ``asyncio.BufferedProtocol``: it decodes
+frames as the bytes arrive and resolves each caller's future itself (no reader
+task in between: a response reaches its caller one loop iteration sooner).
+An event stream's frames wait in a short queue; while it holds
+``STREAM_QUEUE_MAX`` frames the link stops reading, so a slow consumer still
+applies backpressure to the server.
 
 The blocking client for the CLI lives in ``ipc.sync_client`` and is
 re-exported here.
@@ -16,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,14 +30,11 @@ from ipc.aio import within
 
 from .errors import ErrorCode, IpcError
 from .framing import (
-    HEADER_SIZE,
     MAX_FRAME,
     ConnectionClosed,
+    FrameBuffer,
     InvalidFrame,
-    decode_body,
     encode_frame,
-    frame_length,
-    read_frame,
 )
 from .hello import HELLO, check_hello
 from .sync_client import SyncClient
@@ -39,7 +43,8 @@ __all__ = ["AsyncClient", "Event", "EventStream", "SyncClient"]
 
 log = logging.getLogger(__name__)
 
-_READ_LIMIT = 256 * 1024
+_INITIAL_BUFFER = 64 * 1024  # the link's receive buffer before a frame needs more
+STREAM_QUEUE_MAX = 64  # event frames decoded ahead of the consumer before reading pauses
 
 
 @dataclass(frozen=True)
@@ -56,29 +61,176 @@ def _copy(error: IpcError) -> IpcError:
     return IpcError(error.code, error.message, error.retryable)
 
 
+_END = object()  # in a stream's queue: the server closed the connection at a frame boundary
+
+
+class _Link(asyncio.BufferedProtocol):
+    """One client connection's socket: frames decoded as they arrive, write flow control.
+
+    Before a stream takes the connection over, each frame goes to ``AsyncClient._route`` at once
+    (it resolves the caller's future); after, frames queue for the ``EventStream``, ending with
+    ``_END`` or the error that ended the stream.
+    """
+
+    def __init__(self) -> None:
+        self.client: AsyncClient | None = None
+        self.transport: asyncio.Transport | None = None
+        self._frames = FrameBuffer(MAX_FRAME, _INITIAL_BUFFER)
+        self.streaming = False
+        self.queue: deque[Any] = deque()  # stream frames, then _END or an IpcError
+        self._waiter: asyncio.Future[None] | None = None
+        self._reading_paused = False
+        self._stopped = False  # the connection failed or ended: nothing more is decoded
+        self.write_paused = False
+        self._drain_waiters: list[asyncio.Future[None]] = []
+        self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    # -- asyncio callbacks -------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # a stream transport
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._frames.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._frames.buffer_updated(nbytes)
+        self.pump()
+
+    def eof_received(self) -> bool:
+        return False  # the transport closes; connection_lost says how it ended
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self._stopped:
+            self._stopped = True
+            client = self.client
+            path = client.path if client is not None else "?"
+            ended: Any
+            if self._frames.pending:
+                ended = ConnectionClosed(f"connection to {path} lost: closed in the middle of a frame")
+            elif exc is not None:
+                ended = ConnectionClosed(f"connection to {path} lost: {exc}")
+            elif self.streaming:
+                ended = _END  # at a frame boundary: the stream is over
+            else:
+                ended = IpcError(ErrorCode.UNAVAILABLE, f"connection to {path} closed by the server")
+            if self.streaming:
+                self._end_stream(ended)
+            elif client is not None:
+                client._fail(ended)
+        self._frames.close()
+        self.write_paused = False
+        for fut in self._drain_waiters:
+            if not fut.done():
+                fut.set_exception(ConnectionClosed("connection lost"))
+        self._drain_waiters.clear()
+        if not self.lost.done():
+            self.lost.set_result(None)
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        waiters, self._drain_waiters = self._drain_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    # -- reading -------------------------------------------------------------
+
+    def pump(self) -> None:
+        """Decode every complete frame buffered: to its caller, or to the stream's queue while it
+        has room (reading stops when it has none and resumes as the consumer takes frames)."""
+        client = self.client
+        while not self._stopped and client is not None:
+            if self.streaming and len(self.queue) >= STREAM_QUEUE_MAX:
+                self._pause_reading()
+                return
+            try:
+                frame = self._frames.next_frame()
+                if frame is None:
+                    break
+                if self.streaming:
+                    self.queue.append(frame)
+                    self._wake()
+                elif client._route(frame):
+                    self.streaming = True
+            except IpcError as exc:  # undecodable, too large, or a refusal: the connection is done
+                self._stopped = True
+                if self.streaming:
+                    self._end_stream(exc)
+                else:
+                    client._fail(exc)
+                if self.transport is not None:
+                    self.transport.close()
+                return
+        self._resume_reading()
+
+    async def next_stream_item(self) -> Any:
+        """The stream's next frame, ``_END``, or the ``IpcError`` that ended it (left queued, so
+        each later call sees the end again). Cancelling the wait loses nothing."""
+        while not self.queue:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        item = self.queue[0]
+        if isinstance(item, dict):
+            self.queue.popleft()
+            if self._reading_paused:
+                self.pump()  # decode what is buffered, then read again
+        return item
+
+    def _end_stream(self, item: Any) -> None:
+        self.queue.append(item)
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _pause_reading(self) -> None:
+        if not self._reading_paused and self.transport is not None and not self.transport.is_closing():
+            self.transport.pause_reading()
+            self._reading_paused = True
+
+    def _resume_reading(self) -> None:
+        if self._reading_paused and self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+            self._reading_paused = False
+
+    # -- writing -------------------------------------------------------------
+
+    async def drain(self) -> None:
+        """Return once the transport is below its high-water mark (``ConnectionClosed`` if lost)."""
+        while self.write_paused:
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._drain_waiters.append(fut)
+            await fut
+        if self.lost.done():
+            raise ConnectionClosed("connection lost")
+
+
 class AsyncClient:
     """One connection to an ``IpcServer``. Create it with ``await AsyncClient.connect(path)``."""
 
-    def __init__(
-        self,
-        path: str,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        protocol_major: int,
-    ) -> None:
+    def __init__(self, path: str, link: _Link, protocol_major: int) -> None:
         self.path = path
         self.protocol_major = protocol_major
         self.server_hello: dict[str, Any] | None = None
-        self._reader = reader
-        self._writer = writer
+        self._link = link
+        assert link.transport is not None
+        self._transport = link.transport
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._next_id = 1
         self._write_lock = asyncio.Lock()
         self._failure: IpcError | None = None
         self.closed_by: IpcError | None = None  # the error that ended the connection, as it came
         self._stream_id: int | None = None
-        self._handed_off = False
-        self._read_task = asyncio.get_running_loop().create_task(self._read_loop())
+        link.client = self
+        link.pump()  # anything that arrived before we were ready
 
     @classmethod
     async def connect(
@@ -91,17 +243,16 @@ class AsyncClient:
     ) -> AsyncClient:
         """Connect (within ``timeout``) and, unless ``hello=False``, check the server's version."""
         where = os.fspath(path)
+        loop = asyncio.get_running_loop()
         try:
-            reader, writer = await within(
-                asyncio.open_unix_connection(where, limit=_READ_LIMIT), timeout
-            )
+            _, link = await within(loop.create_unix_connection(_Link, where), timeout)
         except TimeoutError:
             raise IpcError(ErrorCode.UNAVAILABLE, f"timed out connecting to {where}") from None
         except OSError as exc:
             raise IpcError(
                 ErrorCode.UNAVAILABLE, f"cannot connect to {where}: {exc.strerror or exc}"
             ) from None
-        client = cls(where, reader, writer, protocol_major)
+        client = cls(where, link, protocol_major)
         if hello:
             try:
                 result = await client.call(HELLO, {"v": protocol_major}, timeout=timeout)
@@ -144,8 +295,8 @@ class AsyncClient:
         rid = self._take_id()
         self._stream_id = rid
         try:
+            # The ok response hands the link's later frames to the stream, in the same callback.
             result = await self._request(rid, op, args, timeout)
-            await self._read_task  # it stops right after delivering our ok response
         except BaseException:
             await self.close()
             raise
@@ -154,17 +305,11 @@ class AsyncClient:
     async def close(self) -> None:
         """Close the connection; pending calls fail with ``unavailable``. Idempotent."""
         self._fail(IpcError(ErrorCode.UNAVAILABLE, f"connection to {self.path} closed by the client"))
-        if not self._read_task.done():
-            self._read_task.cancel()
-            try:
-                await self._read_task
-            except asyncio.CancelledError:
-                pass
-        self._writer.close()
+        self._transport.close()
         try:
-            await within(self._writer.wait_closed(), 1.0)
-        except (TimeoutError, OSError):
-            pass
+            await within(asyncio.shield(self._link.lost), 1.0)
+        except TimeoutError:
+            self._transport.abort()
 
     # -- internals ---------------------------------------------------------
 
@@ -184,7 +329,7 @@ class AsyncClient:
         try:
             try:
                 written = self._write_now(data)
-                if not written or self._writer.transport.get_write_buffer_size():
+                if not written or self._link.write_paused:
                     await self._send(b"" if written else data)  # b"": written, only the drain is left
             except IpcError:
                 refusal = fut.exception() if fut.done() and not fut.cancelled() else None
@@ -206,20 +351,21 @@ class AsyncClient:
 
     def _write_now(self, data: bytes) -> bool:
         """Write ``data`` at once when no writer waits for a drain (the common case: a request then
-        costs no lock and no drain coroutines); False: ``_send`` it."""
-        if self._failure is not None or self._write_lock.locked() or self._writer.transport.is_closing():
+        costs no lock and no drain coroutine); False: ``_send`` it."""
+        if self._failure is not None or self._write_lock.locked() or self._transport.is_closing():
             return False
-        self._writer.write(data)
+        self._transport.write(data)
         return True
 
     async def _send(self, data: bytes) -> None:
         async with self._write_lock:
             if self._failure is not None:
                 raise _copy(self._failure)
-            self._writer.write(data)
+            if data:
+                self._transport.write(data)
             try:
-                await self._writer.drain()
-            except OSError as exc:
+                await self._link.drain()
+            except (ConnectionClosed, OSError) as exc:
                 lost = IpcError(ErrorCode.UNAVAILABLE, f"connection to {self.path} lost: {exc}")
                 self._fail(lost)
                 raise _copy(lost) from None
@@ -235,36 +381,12 @@ class AsyncClient:
                 self._failure = IpcError(
                     ErrorCode.UNAVAILABLE, f"connection to {self.path} is closed after: {error.message}"
                 )
+            if not self._link.streaming:
+                self._transport.close()
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(_copy(error))
         self._pending.clear()
-
-    async def _read_loop(self) -> None:
-        failure = IpcError(ErrorCode.UNAVAILABLE, f"connection to {self.path} closed by the server")
-        try:
-            while True:
-                frame = await read_frame(self._reader, MAX_FRAME)
-                if frame is None:
-                    break
-                if self._route(frame):
-                    self._handed_off = True
-                    return
-        except IpcError as exc:
-            if exc.code == ErrorCode.UNAVAILABLE:
-                failure = IpcError(exc.code, f"connection to {self.path} lost: {exc.message}")
-            else:
-                failure = _copy(exc)
-        except asyncio.CancelledError:
-            failure = IpcError(ErrorCode.UNAVAILABLE, f"connection to {self.path} closed by the client")
-            raise
-        except Exception as exc:  # a bug here must not leave callers hanging
-            log.exception("ipc client %s: reader failed", self.path)
-            failure = IpcError(ErrorCode.INTERNAL, f"client reader failed: {exc}")
-        finally:
-            if not self._handed_off:
-                self._fail(failure)
-                self._writer.close()
 
     def _route(self, frame: dict[str, Any]) -> bool:
         """Resolve the future a response belongs to; True when the stream takes over."""
@@ -286,14 +408,13 @@ class AsyncClient:
 
 
 class EventStream:
-    """The events of a stream op, read lazily from the dedicated connection."""
+    """The events of a stream op, from the dedicated connection's queue."""
 
     def __init__(self, client: AsyncClient, request_id: int, result: Any) -> None:
         self.result = result
         self._client = client
         self._request_id = request_id
         self._finished = False
-        self._size: int | None = None  # body size of a frame whose header was read
 
     def __aiter__(self) -> EventStream:
         return self
@@ -301,40 +422,16 @@ class EventStream:
     async def __anext__(self) -> Event:
         if self._finished:
             raise StopAsyncIteration
+        item = await self._client._link.next_stream_item()  # cancelling it loses nothing
         try:
-            frame = await self._read_frame()
-        except asyncio.CancelledError:
-            raise  # nothing half-read was lost: iterating again resumes the stream
+            if item is _END:
+                raise StopAsyncIteration
+            if isinstance(item, IpcError):
+                raise item  # the stream is closed below: raised once
+            return self._event(item)
         except BaseException:
             await self.close()
             raise
-        if frame is None:
-            await self.close()
-            raise StopAsyncIteration
-        try:
-            return self._event(frame)
-        except BaseException:
-            await self.close()
-            raise
-
-    async def _read_frame(self) -> dict[str, Any] | None:
-        """``read_frame``, but safe to cancel: a header already read is kept for the next call."""
-        reader = self._client._reader
-        try:
-            if self._size is None:
-                header = await reader.readexactly(HEADER_SIZE)  # consumes nothing unless complete
-                self._size = frame_length(header, MAX_FRAME)
-            body = await reader.readexactly(self._size)
-        except asyncio.IncompleteReadError as exc:
-            if self._size is None and not exc.partial:
-                return None  # the server closed at a frame boundary: the stream is over
-            raise ConnectionClosed(
-                f"connection to {self._client.path} closed in the middle of a frame"
-            ) from None
-        except ConnectionError as exc:
-            raise ConnectionClosed(f"connection to {self._client.path} lost: {exc}") from None
-        self._size = None
-        return decode_body(body)
 
     def _event(self, frame: dict[str, Any]) -> Event:
         if "seq" in frame:
