@@ -43,7 +43,9 @@ __all__ = ["AsyncClient", "Event", "EventStream", "SyncClient"]
 
 log = logging.getLogger(__name__)
 
-_INITIAL_BUFFER = 64 * 1024  # the link's receive buffer before a frame needs more
+# A connection's receive buffer before a frame needs more (it grows to a frame's size and back): a
+# backend keeps one connection per session it streams, so this is per session (1,000: 4 MiB).
+_INITIAL_BUFFER = 4 * 1024
 STREAM_QUEUE_MAX = 64  # event frames decoded ahead of the consumer before reading pauses
 
 
