@@ -210,15 +210,6 @@ class FrameBuffer:
         self._resize(0)
         self._start = self._end = 0
 
-    def _next_size(self) -> int | None:
-        """Body size of the next frame if its header is complete (checked against the limit)."""
-        if self._end - self._start < HEADER_SIZE:
-            return None
-        size: int = HEADER.unpack_from(self._buf, self._start)[0]
-        if size > self.max_size:
-            raise FrameTooLarge(size, self.max_size)
-        return size
-
     def _make_room(self) -> None:
         pending = self._end - self._start
         want = max(self._initial, 2 * pending)  # grows with what arrived, never with what is declared
@@ -245,10 +236,22 @@ class FrameBuffer:
             new[:keep] = self._view[self._start : self._start + keep]
         self._buf, self._view = new, memoryview(new)
 
-    def _take(self, size: int) -> memoryview:
-        begin = self._start + HEADER_SIZE
-        self._start = begin + size
-        return self._view[begin : self._start]
+    def _take_body(self) -> memoryview | None:
+        """The next complete frame's body, consumed (the caller releases it), or None if more bytes
+        are needed; ``FrameTooLarge`` for a prefix above the limit (nothing consumed). One method,
+        no helpers below it: this runs twice per request on either side."""
+        start = self._start
+        available = self._end - start
+        if available < HEADER_SIZE:
+            return None
+        size: int = HEADER.unpack_from(self._buf, start)[0]
+        if size > self.max_size:
+            raise FrameTooLarge(size, self.max_size)
+        if available < HEADER_SIZE + size:
+            return None
+        begin = start + HEADER_SIZE
+        self._start = end = begin + size
+        return self._view[begin:end]
 
     def _consumed(self) -> None:
         if self._start == self._end:
@@ -263,19 +266,9 @@ class FrameBuffer:
         resynchronised) or ``InvalidFrame`` (the frame was consumed: the
         stream is still in sync).
         """
-        # _next_size and _take written out: this runs twice per request on either side.
-        start = self._start
-        available = self._end - start
-        if available < HEADER_SIZE:
+        body = self._take_body()
+        if body is None:
             return None
-        size: int = HEADER.unpack_from(self._buf, start)[0]
-        if size > self.max_size:
-            raise FrameTooLarge(size, self.max_size)
-        if available < HEADER_SIZE + size:
-            return None
-        begin = start + HEADER_SIZE
-        self._start = end = begin + size
-        body = self._view[begin:end]
         try:
             return decode_body(body)
         finally:
@@ -284,10 +277,10 @@ class FrameBuffer:
 
     def skip_frame(self) -> bool:
         """Consume the next complete frame without decoding it; False if incomplete."""
-        size = self._next_size()
-        if size is None or self._end - self._start < HEADER_SIZE + size:
+        body = self._take_body()
+        if body is None:
             return False
-        self._take(size).release()
+        body.release()
         self._consumed()
         return True
 
