@@ -107,8 +107,7 @@ class ServerProtocol(asyncio.BufferedProtocol):
         return self.ctx is None or self._discarding or self.ctx.discarding
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        ctx = self.ctx  # _dropping_input written out: this runs at every read
-        if ctx is None or self._discarding or ctx.discarding:  # refused, or closed by a hand-over
+        if self._dropping_input:  # refused, or closed by a hand-over: what the peer still sends is discarded
             return _DISCARD
         try:
             return self._frames.get_buffer(sizehint)
@@ -117,8 +116,7 @@ class ServerProtocol(asyncio.BufferedProtocol):
             return _DISCARD
 
     def buffer_updated(self, nbytes: int) -> None:
-        ctx = self.ctx
-        if ctx is None or self._discarding or ctx.discarding:  # _dropping_input
+        if self._dropping_input:
             return
         self._frames.buffer_updated(nbytes)
         if self._idle_timer is not None:
