@@ -238,6 +238,15 @@ async def open_transport(
     return transport, [read_transport, write_transport, stdin_r]
 
 
+def close_transport(closers: list[Any]) -> None:
+    """Close what ``open_transport`` opened: the pipe transports and the stdin pipe's read end."""
+    for c in closers:
+        if isinstance(c, int):
+            os.close(c)
+        else:
+            c.close()
+
+
 async def pump(transport: AgentPipeTransport, log: EventLog) -> None:
     """What the SDK's receive loop plus the instance's observer do: one event per message."""
     while True:
@@ -293,11 +302,7 @@ def test_parked_transport_blocks_the_writer_and_drops_nothing():
                     assert event.kind == EventKind.SESSION_UPDATE and event.data["update"]["params"]["i"] == i
         finally:
             task.cancel()
-            for c in closers:
-                if isinstance(c, int):
-                    os.close(c)
-                else:
-                    c.close()
+            close_transport(closers)
 
     run(scenario())
     agent.thread.join(5)
@@ -320,11 +325,7 @@ def test_lines_longer_than_the_reader_limit_arrive_whole():
             sizes = [len(e.data["update"].get("params", {}).get("blob", "")) for e in got]
             assert sizes == [3 * 1024 * 1024, 0, 3 * 1024 * 1024]
         finally:
-            for c in closers:
-                if isinstance(c, int):
-                    os.close(c)
-                else:
-                    c.close()
+            close_transport(closers)
 
     run(scenario())
     agent.thread.join(5)
@@ -357,11 +358,7 @@ def test_session_updates_go_to_on_update_in_their_place_and_the_rest_to_the_conn
             while (message := await asyncio.wait_for(transport.receive(), 10)) is not None:
                 seen.append(f"connection {message['id']}")
         finally:
-            for c in closers:
-                if isinstance(c, int):
-                    os.close(c)
-                else:
-                    c.close()
+            close_transport(closers)
 
     run(scenario())
     agent.thread.join(5)
