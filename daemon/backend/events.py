@@ -45,8 +45,8 @@ def _now() -> datetime:
 
 # Statements of every batch, built once on the tables (see daemon.store.transcript's note).
 _RUNNING = cast(Table, ExecutorRunning.__table__)
-_SESSIONS = cast(Table, TaskSession.__table__)
-_SESSION_EXISTS = select(_SESSIONS.c.id).where(_SESSIONS.c.id == bindparam("sid"))
+_TASK_SESSIONS = cast(Table, TaskSession.__table__)
+_SESSION_EXISTS = select(_TASK_SESSIONS.c.id).where(_TASK_SESSIONS.c.id == bindparam("sid"))
 _TOP = bindparam("top", type_=Integer())
 _ADVANCE_SEQ = (update(_RUNNING)  # the highest seq applied, on the session's current instance only
                 .where(_RUNNING.c.session_id == bindparam("sid"), _RUNNING.c.instance_id == bindparam("iid"))
