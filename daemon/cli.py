@@ -26,7 +26,6 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 # Only what every command needs: the parser, the socket client and the protocol version. The doctor,
 # the configuration machinery, the agents' registry and the views for people are imported by the
@@ -37,7 +36,10 @@ from daemon.cli_parser import EXIT_OK, EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_USAG
 from daemon.paths import Paths, resolve_home
 from ipc.errors import ErrorCode, IpcError
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
 if TYPE_CHECKING:
+    from typing import Any
+
     from daemon.human.term import Term
 
 

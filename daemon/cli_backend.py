@@ -12,13 +12,16 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from daemon.backend.api import VERSION as API_VERSION
 from daemon.backend.api import BackendState, LinkState
 from daemon.paths import Paths
 from ipc.errors import ErrorCode, IpcError
 from ipc.sync_client import SyncClient
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
+if TYPE_CHECKING:
+    from typing import Any
 
 UP_TIMEOUT_S = 400.0  # covers the longest accepted recovery deadline (5 min) plus start-up
 DOWN_TIMEOUT_S = 60.0

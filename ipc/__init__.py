@@ -8,8 +8,11 @@ about agents, sessions or ownership: it moves typed requests, responses and
 event streams between processes of the same user.
 """
 
+from __future__ import annotations
+
 from importlib import import_module
-from typing import TYPE_CHECKING, Any
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
 
 # Each name and the module that defines it, imported on first use: a blocking client (the kandev
 # CLI) needs ipc.sync_client, never the asyncio server and clients (tests/unit/test_cli_imports.py).
@@ -39,6 +42,8 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
+    from typing import Any
+
     from .client import AsyncClient, Event, EventStream
     from .connection import ConnectionContext
     from .errors import ErrorCode, IpcError

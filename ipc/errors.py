@@ -10,7 +10,10 @@ know it ignore it.
 
 from __future__ import annotations
 
-from typing import Any
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
+if TYPE_CHECKING:
+    from typing import Any
+
 
 
 class ErrorCode:

@@ -14,14 +14,16 @@ from __future__ import annotations
 import socket
 import struct
 from _thread import _local as thread_local  # threading.local, without importing threading (the CLI's budget)
-from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-if TYPE_CHECKING:  # imported by read_frame, whose callers run asyncio anyway; blocking clients never do
-    import asyncio
-
 from .errors import ErrorCode, IpcError
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
+if TYPE_CHECKING:  # asyncio: imported by read_frame, whose callers run asyncio anyway; blocking clients never do
+    import asyncio
+    from typing import Any
+
 
 MAX_FRAME = 8 * 1024 * 1024
 """Largest frame body, in bytes, that either side sends or accepts."""

@@ -8,10 +8,12 @@ when it reads the request, the client again when it reads the answer.
 
 from __future__ import annotations
 
-from typing import Any
-
 from .errors import ErrorCode, IpcError
 from .schema import Op
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
+if TYPE_CHECKING:
+    from typing import Any
 
 HELLO = "hello"
 HELLO_OP = Op(HELLO, optional={"v": int, "client": str}, auth=False)

@@ -10,11 +10,14 @@ fields are refused with ``invalid_argument`` naming the field.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
 from types import MappingProxyType
-from typing import Any, NamedTuple
 
 from .errors import ErrorCode, IpcError
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping
+    from typing import Any
 
 TypeSpec = type | tuple[type, ...]
 _NO_FIELDS: Mapping[str, TypeSpec] = MappingProxyType({})
@@ -41,21 +44,36 @@ def _matches(value: Any, spec: TypeSpec) -> bool:
     return False
 
 
-class Op(NamedTuple):
-    """One request type (a named tuple: every CLI call imports the op tables, and ``dataclasses``
-    would cost it a third of its imports).
+class Op:
+    """One request type: its name, the fields it requires and accepts with their types, and how it
+    is served. (A plain class, not a dataclass or a ``typing.NamedTuple``: every CLI call imports
+    the op tables, and either would cost it imports of its own.)
 
     ``auth``: the server's ``authorize`` hook is consulted before the handler.
     ``stream``: after the ok response the connection carries only
     ``{seq, kind, data}`` event frames from the server.
     """
 
-    name: str
-    required: Mapping[str, TypeSpec] = _NO_FIELDS
-    optional: Mapping[str, TypeSpec] = _NO_FIELDS
-    auth: bool = True
-    stream: bool = False
-    doc: str = ""
+    __slots__ = ("name", "required", "optional", "auth", "stream", "doc")
+
+    def __init__(
+        self,
+        name: str,
+        required: Mapping[str, TypeSpec] = _NO_FIELDS,
+        optional: Mapping[str, TypeSpec] = _NO_FIELDS,
+        auth: bool = True,
+        stream: bool = False,
+        doc: str = "",
+    ) -> None:
+        self.name = name
+        self.required = required
+        self.optional = optional
+        self.auth = auth
+        self.stream = stream
+        self.doc = doc
+
+    def __repr__(self) -> str:
+        return f"Op({self.name!r}, auth={self.auth}, stream={self.stream})"
 
     def validate(self, args: Any) -> dict[str, Any]:
         if args is None:

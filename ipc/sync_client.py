@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import Any
 
 from .errors import ErrorCode, IpcError
 from .framing import (
@@ -23,6 +22,10 @@ from .framing import (
     encode_frame,
 )
 from .hello import HELLO, check_hello
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["SyncClient"]
 
