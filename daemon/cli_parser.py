@@ -11,10 +11,13 @@ import functools
 import os
 import sys
 from collections.abc import Iterator
-from typing import Any, NoReturn
 
 from daemon.human import RECONNECT_TIMEOUT_S
 from daemon.version import VERSION
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
+if TYPE_CHECKING:
+    from typing import Any, NoReturn
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 
@@ -120,14 +123,94 @@ def _with_globals(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+class _Arguments:
+    """A command's arguments as the grammar declares them (``add_argument``,
+    ``add_mutually_exclusive_group``), added to the command's parser only when a command line names
+    that command: adding every command's arguments was most of building the parser, and a call uses
+    one command."""
+
+    def __init__(self) -> None:
+        self._calls: list[tuple[_Arguments | None, tuple[Any, ...], dict[str, Any]]] = []
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> None:
+        self._calls.append((None, args, kwargs))
+
+    def add_mutually_exclusive_group(self, **kwargs: Any) -> _Arguments:
+        group = _Arguments()
+        self._calls.append((group, (), kwargs))
+        return group
+
+    def add_to(self, parser: argparse.ArgumentParser | argparse._MutuallyExclusiveGroup) -> None:
+        for group, args, kwargs in self._calls:
+            if group is None:
+                parser.add_argument(*args, **kwargs)
+            else:
+                group.add_to(parser.add_mutually_exclusive_group(**kwargs))
+
+
+class _Declared:
+    """A command as the grammar declares it, its parser not built yet: argparse's ``add_parser``
+    makes one of these (it is the sub-commands' ``parser_class``), and ``build`` makes the parser
+    when a command line names the command. Building every command's parser and arguments was most
+    of building the grammar, and a call uses one command."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs  # what add_parser gives the parser: prog, description
+        self.arguments = _Arguments()
+
+    def build(self) -> argparse.ArgumentParser:
+        parser = _with_globals(_Parser(**self.kwargs))
+        self.arguments.add_to(parser)
+        return parser
+
+
+class _CommandAction(argparse._SubParsersAction):  # type: ignore[type-arg]
+    """argparse's sub-command action, which first builds the named command's parser (once)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        _build_command(self, values[0] if values else None)
+        super().__call__(parser, namespace, values, option_string)
+
+
+def _build_command(action: _CommandAction, name: Any) -> None:
+    declared = action.choices.get(name) if isinstance(action.choices, dict) else None
+    if isinstance(declared, _Declared):
+        with _translations_remembered():
+            action.choices[name] = declared.build()  # choices is the action's name -> parser map
+
+
 class _Commands:
-    """``add_subparsers`` whose every parser takes the global flags and says what it does."""
+    """``add_subparsers`` whose every parser takes the global flags and says what it does: ``add``
+    declares a command (its parser built when a command line names it), ``group`` one with commands
+    of its own."""
 
     def __init__(self, parser: argparse.ArgumentParser, dest: str) -> None:
-        self._sub = parser.add_subparsers(dest=dest, required=True, parser_class=_Parser, metavar="COMMAND")
+        action = parser.add_subparsers(dest=dest, required=True, parser_class=_Declared,  # type: ignore[type-var]
+                                       metavar="COMMAND", action=_CommandAction)
+        assert isinstance(action, _CommandAction)
+        self._sub = action
 
-    def add(self, name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
-        return _with_globals(self._sub.add_parser(name, help=help, description=description or help))
+    def add(self, name: str, help: str, description: str | None = None) -> _Arguments:
+        declared: Any = self._sub.add_parser(name, help=help, description=description or help)
+        assert isinstance(declared, _Declared)
+        return declared.arguments
+
+    def group(self, name: str, help: str, dest: str) -> _Commands:
+        self._sub.add_parser(name, help=help, description=help)
+        _build_command(self._sub, name)
+        return _Commands(self._sub.choices[name], dest)
+
+
+def _complete(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Every command's parser built now, as a command line naming it would (for what reads the
+    whole grammar: bash completion's and the docs' tests)."""
+    for action in parser._actions:
+        if isinstance(action, _CommandAction):
+            for name in list(action.choices or ()):
+                _build_command(action, name)
+                _complete(action.choices[name])
+    return parser
 
 
 @contextlib.contextmanager
@@ -145,9 +228,12 @@ def _translations_remembered() -> Iterator[None]:
         vars(argparse)["_"] = plain
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(complete: bool = False) -> argparse.ArgumentParser:
+    """The grammar, each command's arguments added when a command line names it (``complete``: all
+    of them now)."""
     with _translations_remembered():
-        return _build_parser()
+        parser = _build_parser()
+        return _complete(parser) if complete else parser
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -165,15 +251,15 @@ def _build_parser() -> argparse.ArgumentParser:
     down.add_argument("--agents", action="store_true", help="also stop a detached control server and every agent"
                       " (with survival on they otherwise keep running for the next backend)")
     sub.add("status", "backend, capability, control server (running and installed versions), recovery")
-    actl = _Commands(sub.add("agentctl", "the control server"), "agentctl_cmd")
+    actl = sub.group("agentctl", "the control server", "agentctl_cmd")
     actl.add("reload", "re-execute the control server's installed code in place; its agents keep running (exit 1"
              " if it refuses: the old code keeps serving)")
 
-    store = _Commands(sub.add("store", "the backend's store"), "store_cmd")
+    store = sub.group("store", "the backend's store", "store_cmd")
     store.add("vacuum", "give the store's free space (after transcript retention or task deletes) back to the"
               " filesystem; prints the size before and after")
 
-    task = _Commands(sub.add("task", "tasks: create, list, show, finish, delete"), "task_cmd")
+    task = sub.group("task", "tasks: create, list, show, finish, delete", "task_cmd")
     tc = task.add("create", "create a task")
     tc.add_argument("--title", required=True, help="what the task is about (shown on the board)")
     tc.add_argument("--workspace", metavar="DIR", help="the agents' working directory (default: a new directory"
@@ -200,7 +286,7 @@ def _build_parser() -> argparse.ArgumentParser:
     td.add_argument("--stop", action="store_true", help="stop the task's idle agents first (a running turn"
                     " is still refused: kandev cancel it)")
 
-    session = _Commands(sub.add("session", "sessions: start, show, list, stop, configure"), "session_cmd")
+    session = sub.group("session", "sessions: start, show, list, stop, configure", "session_cmd")
     ss = session.add("start", "start an agent session for a task")
     ss.add_argument("task_id", metavar="TASK", help="the task's id (any unique prefix of 4+ characters)")
     ss.add_argument("--agent", default="mock", help="a built-in agent (kandev agents lists them; default: mock)")
@@ -271,7 +357,7 @@ def _build_parser() -> argparse.ArgumentParser:
                  " each gets from [agents.NAME] (never a value)")
     ag.add_argument("--config", metavar="FILE",
                     help="config file to read (default: $KANDEV_CONFIG, /etc/kandev/kandev.toml)")
-    runtime = _Commands(sub.add("runtime", "managed npm runtimes of the built-in agents"), "runtime_cmd")
+    runtime = sub.group("runtime", "managed npm runtimes of the built-in agents", "runtime_cmd")
     ru = runtime.add("update", "prepare the agent's pinned npm package, repair its own npx cache entry once if that"
                      " fails, then ACP-probe it (progress on stderr; exit 1 if the job fails)")
     ru.add_argument("agent", help="a built-in npm agent (see kandev agents)")

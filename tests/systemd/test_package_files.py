@@ -3,6 +3,7 @@ default configuration, bash completion, sysusers.d/tmpfiles.d and the polkit rul
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import shutil
@@ -51,20 +52,20 @@ def _complete(*words: str) -> list[str]:
 
 
 def _subcommands(parser) -> dict[str, object]:
-    action = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return action.choices
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
 def test_bash_completion_knows_every_command_and_option() -> None:
-    parser = cli_parser.build_parser()
+    parser = cli_parser.build_parser(complete=True)
     commands = _subcommands(parser)
     assert set(_complete("")) >= set(commands) | {"--home", "--json"}
     assert _complete("ta") == ["task"]
     assert _complete("--json", "doc") == ["doctor"]
     for name, sub in commands.items():
         options = {o for a in sub._actions for o in a.option_strings if o.startswith("--")}
-        nested = [a for a in sub._actions if a.__class__.__name__ == "_SubParsersAction"]
+        nested = [a for a in sub._actions if isinstance(a, argparse._SubParsersAction)]
         if nested:
             for leaf_name, leaf in nested[0].choices.items():
                 assert leaf_name in _complete(name, ""), (name, leaf_name)

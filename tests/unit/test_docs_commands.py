@@ -59,7 +59,7 @@ def _names(argv: list[str]) -> str | None:
     """None when ``argv`` names a command of the parser and only options that command (or kandev
     itself) has; else what is wrong. For mentions in running text (``kandev resume``) and the man
     page's headings, which show a command's options rather than one call."""
-    parser = cli_parser.build_parser()
+    parser = cli_parser.build_parser(complete=True)
     top = {o for a in parser._actions for o in a.option_strings}
     words = list(argv)
     while words and words[0] in top:
@@ -144,7 +144,7 @@ def test_every_kandev_command_heading_of_the_man_page_parses() -> None:
 
 def test_the_man_page_describes_every_command_of_the_parser() -> None:
     headings = " | ".join(man_headings(MAN.read_text()))
-    missing = [leaf for leaf in _leaves(cli_parser.build_parser()) if not re.search(rf"(^|[ |,]){re.escape(leaf)}\b", headings)]
+    missing = [leaf for leaf in _leaves(cli_parser.build_parser(complete=True)) if not re.search(rf"(^|[ |,]){re.escape(leaf)}\b", headings)]
     assert not missing, f"kandev(1) has no .TP heading for: {missing}"
     assert "KANDEV_CONFIG" in MAN.read_text() and "KANDEV_HOME" in MAN.read_text()
 
@@ -168,7 +168,7 @@ def _parsers(parser: argparse.ArgumentParser, name: str = "kandev") -> list[tupl
 def test_every_option_of_every_command_is_described_in_its_help() -> None:
     """Issue 23 item 4: ``--help`` describes every option and argument, of every command."""
     undescribed = []
-    for name, parser in _parsers(cli_parser.build_parser()):
+    for name, parser in _parsers(cli_parser.build_parser(complete=True)):
         if not parser.description:
             undescribed.append(f"{name} (no description)")
         for action in parser._actions:
