@@ -25,7 +25,6 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
 # Only what every command needs: the parser, the socket client and the protocol version. The doctor,
 # the configuration machinery, the agents' registry and the views for people are imported by the
@@ -33,7 +32,7 @@ from pathlib import Path
 from daemon.backend.api import VERSION as API_VERSION
 from daemon.cli_backend import call, cmd_down, cmd_up
 from daemon.cli_parser import EXIT_OK, EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_USAGE, Usage, build_parser
-from daemon.paths import Paths, resolve_home
+from daemon.home import backend_socket_path, resolve_home_dir
 from ipc.errors import ErrorCode, IpcError
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
@@ -57,7 +56,7 @@ def _print(result: Any) -> None:
     print(json.dumps(result, sort_keys=True, default=str))
 
 
-def _ensure_runtime(sock: Path, agent: Any) -> None:
+def _ensure_runtime(sock: str, agent: Any) -> None:
     """A managed npm agent's runtime is prepared before its session starts, its steps on stderr
     (the backend would prepare it too, but silently)."""
     from daemon.agents.registry import BUILTIN_AGENTS
@@ -89,13 +88,13 @@ def _agents(config_path: str | None) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> Any:
-    paths = Paths.for_home(resolve_home(args.home))
-    sock = paths.backend_socket
+    home = resolve_home_dir(args.home)
+    sock = backend_socket_path(home)
     cmd = args.command
-    if cmd == "up":
-        return cmd_up(paths, args)
-    if cmd == "down":
-        return cmd_down(paths, args)
+    if cmd in ("up", "down"):
+        from daemon.paths import Paths  # every path of the home: only up and down need them
+
+        return (cmd_up if cmd == "up" else cmd_down)(Paths.for_home(home), args)
     if cmd == "status":
         return call(sock, "status")
     if cmd == "agentctl":  # reload: quiesce + preflight + exec, followed to its outcome
@@ -117,6 +116,8 @@ def run(args: argparse.Namespace) -> Any:
             return call(sock, "task_delete", {"task_id": args.task_id, "stop": args.stop}, timeout=60.0)
         call_args = {"title": args.title, "executor": args.executor}
         if args.workspace:
+            from pathlib import Path
+
             call_args["workspace"] = str(Path(args.workspace).resolve())
         if args.steps is not None:
             from daemon.backend.workflow import WorkflowError, parse_steps
@@ -180,8 +181,9 @@ def run(args: argparse.Namespace) -> Any:
         return call(sock, "board") if args.json else call(sock, "task_list")
     if cmd == "doctor":
         from daemon import doctor
+        from daemon.paths import Paths
 
-        return doctor.as_json(doctor.run_doctor(paths, config_path=args.config))
+        return doctor.as_json(doctor.run_doctor(Paths.for_home(home), config_path=args.config))
     if cmd == "runtime":
         # Imported here: the runtime updater pulls in the ACP SDK, which would add ~0.5 s to every command.
         from daemon.runtimes.cli import runtime_update
@@ -198,7 +200,7 @@ def _term() -> Term:
     return Term.for_stream(sys.stdout)
 
 
-def _follow(args: argparse.Namespace, sock: Path, turn_id: str | None = None) -> int:
+def _follow(args: argparse.Namespace, sock: str, turn_id: str | None = None) -> int:
     from daemon.human.follow import follow
 
     return follow(str(sock), args.session_id, out=sys.stdout, err=sys.stderr, term=_term(),
@@ -206,7 +208,7 @@ def _follow(args: argparse.Namespace, sock: Path, turn_id: str | None = None) ->
                   reconnect_timeout=args.reconnect_timeout, protocol_major=API_VERSION[0], json_lines=args.json)
 
 
-def _follow_logs(args: argparse.Namespace, sock: Path) -> int:
+def _follow_logs(args: argparse.Namespace, sock: str) -> int:
     """``kandev logs SESSION -f``: the last lines, then what the agent writes, until Ctrl-C. The file
     is read through the backend (it is the service user's); a look every half second."""
     from daemon.human.views import log_text
@@ -225,8 +227,8 @@ def _follow_logs(args: argparse.Namespace, sock: Path) -> int:
         return EXIT_OK
 
 
-def sock_of(args: argparse.Namespace) -> Path:
-    return Paths.for_home(resolve_home(args.home)).backend_socket
+def sock_of(args: argparse.Namespace) -> str:
+    return backend_socket_path(resolve_home_dir(args.home))
 
 
 def run_live(args: argparse.Namespace) -> int | None:

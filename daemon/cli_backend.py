@@ -11,29 +11,30 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
 from daemon.backend.api import VERSION as API_VERSION
 from daemon.backend.api import BackendState, LinkState
-from daemon.paths import Paths
 from ipc.errors import ErrorCode, IpcError
 from ipc.sync_client import SyncClient
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
 if TYPE_CHECKING:
+    from pathlib import Path
     from typing import Any
+
+    from daemon.paths import Paths
 
 UP_TIMEOUT_S = 400.0  # covers the longest accepted recovery deadline (5 min) plus start-up
 DOWN_TIMEOUT_S = 60.0
 
 
-def call(socket: Path, op: str, args: dict[str, Any] | None = None, timeout: float | None = 60.0) -> Any:
+def call(socket: str | Path, op: str, args: dict[str, Any] | None = None, timeout: float | None = 60.0) -> Any:
     """One operation on the backend's socket, on a connection of its own."""
     with SyncClient(str(socket), protocol_major=API_VERSION[0], timeout=5.0) as client:
         return client.call(op, args or {}, timeout=timeout)
 
 
-def _reachable(socket: Path) -> dict[str, Any] | None:
+def _reachable(socket: str | Path) -> dict[str, Any] | None:
     try:
         status: dict[str, Any] = call(socket, "status", timeout=5.0)
         return status
@@ -156,7 +157,7 @@ def _exited(pid: int) -> bool:
     except ProcessLookupError:
         return True
     except PermissionError:  # the service user's backend: ask /proc instead
-        return not Path(f"/proc/{pid}").exists()
+        return not os.path.exists(f"/proc/{pid}")
     return False
 
 

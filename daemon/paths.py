@@ -25,6 +25,8 @@ import re
 import stat
 from pathlib import Path
 
+from daemon.home import BACKEND_SOCKET, resolve_home_dir
+
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -53,16 +55,9 @@ class SecretFileError(PathsError):
 
 
 def resolve_home(cli_home: str | None, env: Mapping[str, str] | None = None) -> Path:
-    """The Kandev home: ``--home``, ``$KANDEV_HOME``, ``$STATE_DIRECTORY``, default."""
-    environ = os.environ if env is None else env
-    if cli_home:
-        return Path(cli_home).expanduser().absolute()
-    if environ.get("KANDEV_HOME"):
-        return Path(environ["KANDEV_HOME"]).expanduser().absolute()
-    state = environ.get("STATE_DIRECTORY", "").split(":")[0]
-    if state:
-        return Path(state).absolute()
-    return Path.home() / ".local" / "share" / "kandev"
+    """The Kandev home: ``--home``, ``$KANDEV_HOME``, ``$STATE_DIRECTORY``, default
+    (``daemon.home.resolve_home_dir``, which the CLI uses without pathlib)."""
+    return Path(resolve_home_dir(cli_home, env))
 
 
 class Paths:
@@ -82,7 +77,7 @@ class Paths:
         self.agentctl_dir = home / "agentctl"
         self.db_path = home / "kandev.db"
         self.lock_path = home / "backend.lock"
-        self.backend_socket = self.run_dir / "backend.sock"
+        self.backend_socket = home.joinpath(*BACKEND_SOCKET)
         self.agentctl_log = self.logs_dir / "agentctl.log"
         self.installation_id_path = home / "installation-id"
 

@@ -13,7 +13,10 @@ replaced its files can tell that it is older than what is installed (``kandev st
 from __future__ import annotations
 
 import re
-from pathlib import Path
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
+if TYPE_CHECKING:
+    from pathlib import Path
 
 VERSION = "0.3.0"
 
@@ -22,9 +25,9 @@ _ASSIGNMENT = re.compile(r'^VERSION = "([^"\n]{1,64})"$', re.MULTILINE)
 
 def installed_version(path: Path | None = None) -> str | None:
     """The version written in this module's file as it is on disk now; None if unreadable."""
-    source = Path(__file__) if path is None else path
     try:
-        text = source.read_text(encoding="utf-8")
+        with open(__file__ if path is None else path, encoding="utf-8") as source:  # no pathlib: see TYPE_CHECKING
+            text = source.read()
     except (OSError, UnicodeDecodeError):
         return None
     match = _ASSIGNMENT.search(text)

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import IO, Any
 
 from daemon.backend import api
+from daemon.home import backend_socket_path, resolve_home_dir
 from daemon.human.fmt import short, unique_length
-from daemon.paths import Paths, resolve_home
 from ipc.client import SyncClient
 from ipc.errors import IpcError
 
@@ -38,8 +38,8 @@ def complete(argv: list[str], out: IO[str]) -> int:
     if not argv:
         return 0
     try:
-        socket = Paths.for_home(resolve_home(home)).backend_socket
-        with SyncClient(str(socket), protocol_major=api.VERSION[0], timeout=CONNECT_TIMEOUT_S) as client:
+        socket = backend_socket_path(resolve_home_dir(home))
+        with SyncClient(socket, protocol_major=api.VERSION[0], timeout=CONNECT_TIMEOUT_S) as client:
             ids = _ids(client, argv[0], argv[1:])
     except (IpcError, OSError, KeyError, TypeError, ValueError):
         return 0

@@ -20,7 +20,7 @@ from tests.support.paths import REPO_ROOT
 
 # kandev's own modules the common commands may import, whatever the command.
 BUDGET = {
-    "daemon", "daemon.cli", "daemon.cli_backend", "daemon.cli_parser", "daemon.paths", "daemon.version",
+    "daemon", "daemon.cli", "daemon.cli_backend", "daemon.cli_parser", "daemon.home", "daemon.version",
     "daemon.backend", "daemon.backend.api",
     "daemon.human",
     "ipc", "ipc.errors", "ipc.schema", "ipc.framing", "ipc.hello", "ipc.sync_client",
@@ -37,8 +37,9 @@ NEVER = {"asyncio", "sqlalchemy", "acp", "tomllib", "subprocess", "daemon.doctor
          # stdlib modules that cost a CLI call much and that it does not need (dataclasses brings
          # inspect, ast and dis; secrets brings random, hashlib and hmac)
          "dataclasses", "inspect", "secrets", "random",
-         # typing: kandev's modules on this path name types under TYPE_CHECKING only (~4 ms a call)
-         "typing"}
+         # typing: kandev's modules on this path name types under TYPE_CHECKING only (~4 ms a call);
+         # pathlib (~4 ms with urllib.parse and ipaddress): daemon.home spells the socket's path
+         "typing", "pathlib", "daemon.paths"}
 
 
 def imported(*argv: str, home: Path) -> set[str]:
