@@ -8,11 +8,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import os
 import sys
 from collections.abc import Iterator
 
-from daemon.human import RECONNECT_TIMEOUT_S
+from daemon.human import RECONNECT_TIMEOUT_S, terminal_columns
 from daemon.version import VERSION
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
@@ -47,18 +46,8 @@ def did_you_mean(message: str) -> str:
 
 @functools.cache
 def _columns() -> int:
-    """What ``shutil.get_terminal_size().columns`` says ($COLUMNS, else the terminal on stdout,
-    else 80), asked once per process and without importing shutil (which imports bz2 and lzma)."""
-    try:
-        columns = int(os.environ.get("COLUMNS", ""))
-    except ValueError:
-        columns = 0
-    if columns <= 0:
-        try:
-            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns if sys.__stdout__ else 0
-        except (AttributeError, ValueError, OSError):
-            columns = 0
-    return columns or 80
+    """The terminal's width as argparse would ask shutil for it (fallback 80), asked once."""
+    return terminal_columns(80)
 
 
 class _Formatter(argparse.HelpFormatter):

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable
-from typing import IO, Any
 
 from daemon.human import views
 from daemon.human.errors import error_lines
@@ -17,7 +15,12 @@ from daemon.human.status import render_status
 from daemon.human.term import Term
 from ipc.errors import IpcError
 
-Call = Callable[[str, dict[str, Any]], Any]
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import IO, Any
+
+    Call = Callable[[str, dict[str, Any]], Any]  # one backend operation: (op, args) -> result
 
 _TASK_VIEWS = {"create": views.task_create_lines, "proceed": views.task_proceed_lines,
                "workflow": views.task_workflow_lines, "list": views.task_list_lines, "show": views.task_show_lines,

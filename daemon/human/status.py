@@ -9,11 +9,13 @@ as ``name: value``; a part it does not know gets a block of its own. Nothing is 
 
 from __future__ import annotations
 
-from typing import Any
-
 from daemon.backend.api import AdoptionOutcome, BackendState, LinkState
 from daemon.human.fmt import duration_ms, short
 from daemon.human.term import Term
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
+if TYPE_CHECKING:
+    from typing import Any
 
 LABEL = 15  # label column width (right-aligned, as systemctl does)
 

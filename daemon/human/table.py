@@ -4,21 +4,34 @@ if it still does not fit, the row is cut at the terminal's edge (as ``systemctl`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-
 from daemon.human.term import Colour, Term
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 GAP = "  "
 MIN_FLEX = 8
 
 
-@dataclass(frozen=True)
 class Cell:
-    """A table cell: its text and how to paint it (widths count the text only)."""
+    """A table cell: its text and how to paint it (widths count the text only). (A plain class, not
+    a dataclass: see ``daemon.human``.)"""
 
-    text: str
-    styles: tuple[Colour, ...] = ()
+    __slots__ = ("text", "styles")
+
+    def __init__(self, text: str, styles: tuple[Colour, ...] = ()) -> None:
+        self.text = text
+        self.styles = styles
+
+    def __repr__(self) -> str:
+        return f"Cell({self.text!r}, {self.styles!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Cell) and (other.text, other.styles) == (self.text, self.styles)
+
+    def __hash__(self) -> int:
+        return hash((self.text, self.styles))
 
 
 def cell(text: object, *styles: Colour) -> Cell:

@@ -8,11 +8,14 @@ terminal; into a pipe or a file every line is printed whole, so nothing is lost 
 from __future__ import annotations
 
 import os
-import shutil
-from collections.abc import Mapping
-from dataclasses import dataclass
 from enum import Enum
-from typing import IO
+
+from daemon.human import terminal_columns
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+    from typing import IO
 
 
 class Colour(str, Enum):
@@ -28,13 +31,26 @@ class Colour(str, Enum):
     CYAN = "36"
 
 
-@dataclass(frozen=True)
 class Term:
-    """How to write to one stream: with colour or not, cut to a width or not, with Unicode or ASCII."""
+    """How to write to one stream: with colour or not, cut to a width or not, with Unicode or ASCII.
+    (A plain class, not a dataclass: see ``daemon.human``.)"""
 
-    colour: bool = False
-    width: int | None = None  # None: not a terminal, never cut
-    unicode: bool = True
+    __slots__ = ("colour", "width", "unicode")
+
+    def __init__(self, colour: bool = False, width: int | None = None, unicode: bool = True) -> None:
+        self.colour = colour
+        self.width = width  # None: not a terminal, never cut
+        self.unicode = unicode
+
+    def __repr__(self) -> str:
+        return f"Term(colour={self.colour}, width={self.width}, unicode={self.unicode})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Term) and (other.colour, other.width, other.unicode) == (
+            self.colour, self.width, self.unicode)
+
+    def __hash__(self) -> int:
+        return hash((self.colour, self.width, self.unicode))
 
     @classmethod
     def for_stream(cls, stream: IO[str], environ: Mapping[str, str] | None = None) -> Term:
@@ -44,7 +60,7 @@ class Term:
         except (AttributeError, ValueError):
             tty = False
         colour = tty and "NO_COLOR" not in env and env.get("TERM") != "dumb"
-        width = shutil.get_terminal_size((100, 24)).columns if tty else None
+        width = terminal_columns(100) if tty else None
         encoding = (getattr(stream, "encoding", None) or "").lower().replace("-", "")
         return cls(colour=colour, width=width, unicode=encoding.startswith("utf"))
 

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import json
 from enum import Enum
-from typing import IO, Any
 
 from daemon.human.fmt import short, stop_reason_ok
 from daemon.human.term import Colour, Term
 from daemon.store.states import TurnState
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
+if TYPE_CHECKING:
+    from typing import IO, Any
 
 _QUIET_KINDS = frozenset({"available_commands_update"})  # noise for a person: not shown
 

@@ -8,7 +8,6 @@ long (longer only where two shown ids would otherwise look the same).
 from __future__ import annotations
 
 import re
-from typing import IO, Any
 
 from daemon.human.fmt import age, duration_ms, short, state_styles, stop_reason_ok, unique_length, yes_no
 from daemon.human.status import warnings
@@ -16,6 +15,10 @@ from daemon.human.table import Cell, cell, render_table
 from daemon.human.term import Colour, Term
 from daemon.human.transcript import ConversationWriter, turn_end_line
 from daemon.store.states import Attention, SessionState, TurnState
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
+if TYPE_CHECKING:
+    from typing import IO, Any
 
 BUCKETS = (("needs_attention", "Needs attention"), ("backlog", "Backlog"), ("running", "Running"),
            ("turn_finished", "Turn finished"), ("done", "Done"))

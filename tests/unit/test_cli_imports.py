@@ -79,3 +79,17 @@ def test_the_budget_check_sees_what_a_command_imports(tmp_path: Path) -> None:
     """The check can fail: ``doctor`` imports the doctor and the configuration."""
     modules = imported("--json", "doctor", home=tmp_path)
     assert {"daemon.doctor", "daemon.config"} <= modules
+
+
+def test_the_views_for_people_import_nothing_heavy() -> None:
+    """What a command for people adds once the backend answered (the two tests above stop at the
+    refused connection): the views render with none of the modules a call must not pay for."""
+    p = subprocess.run([sys.executable, "-X", "importtime", "-c", "import daemon.human.render"],
+                       capture_output=True, text=True, cwd=REPO_ROOT, timeout=60,
+                       env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO_ROOT)})
+    assert p.returncode == 0, p.stderr
+    modules = {line.rsplit("|", 1)[1].strip() for line in p.stderr.splitlines()
+               if line.startswith("import time:") and "|" in line}
+    assert "daemon.human.views" in modules
+    assert _own(modules) <= BUDGET | HUMAN, sorted(_own(modules) - BUDGET - HUMAN)
+    assert not modules & (NEVER | {"shutil"}), sorted(modules & (NEVER | {"shutil"}))
