@@ -26,6 +26,7 @@ from ipc.errors import ErrorCode, IpcError
 from ipc.server import ConnectionContext
 
 Handler = Callable[[ConnectionContext, dict[str, Any]], Awaitable[Any]]
+_IDS_PER_QUERY = 500  # session ids in one IN list (well under SQLite's and PostgreSQL's limits)
 
 
 def _iso(when: datetime | None) -> str | None:
@@ -45,6 +46,19 @@ def _latest_sessions(db: Session, task_ids: list[str] | None = None) -> dict[str
     sub = ranked.subquery()
     latest = db.scalars(select(TaskSession).join(sub, sub.c.id == TaskSession.id).where(sub.c.rank == 1))
     return {s.task_id: s for s in latest}
+
+
+def _last_stop_reasons(db: Session, session_ids: list[str]) -> dict[str, str | None]:
+    """Each given session's last ended turn's stop reason (None: it ended without one); sessions
+    with no ended turn are absent. One query per ``_IDS_PER_QUERY`` sessions, not one per task."""
+    reasons: dict[str, str | None] = {}
+    for start in range(0, len(session_ids), _IDS_PER_QUERY):
+        ranked = select(
+            Turn.session_id, Turn.stop_reason,
+            func.row_number().over(partition_by=Turn.session_id, order_by=Turn.ordinal.desc()).label("rank"),
+        ).where(Turn.session_id.in_(session_ids[start:start + _IDS_PER_QUERY]), Turn.state != "open").subquery()
+        reasons.update(db.execute(select(ranked.c.session_id, ranked.c.stop_reason).where(ranked.c.rank == 1)).all())
+    return reasons
 
 
 def _workflow_summary(steps: list[WorkflowStep]) -> dict[str, Any] | None:
@@ -77,13 +91,13 @@ class Views:
                 "live": tracked.get(s.id) is not None, "retracked": bool(tracked.get(s.id))}
 
     @staticmethod
-    def _placement(db: Session, task: Task, latest: TaskSession | None,
-                   tracked: dict[str, bool]) -> tuple[str, dict[str, Any] | None]:
-        """The task's bucket and, in needs_attention, {reason, hint}."""
+    def _placement(db: Session, task: Task, latest: TaskSession | None, tracked: dict[str, bool],
+                   last_stops: dict[str, str | None]) -> tuple[str, dict[str, Any] | None]:
+        """The task's bucket and, in needs_attention, {reason, hint}; ``last_stops`` from
+        ``_last_stop_reasons`` for the latest session."""
         if latest is None:
             return placement(task.state, None, live=None)[0], None
-        last_stop = db.scalar(select(Turn.stop_reason).where(Turn.session_id == latest.id, Turn.state != "open")
-                              .order_by(Turn.ordinal.desc()).limit(1))
+        last_stop = last_stops.get(latest.id)
         open_permission = latest.state == "RUNNING" and any(
             p["state"] == "open" for p in permissions(db, latest.id))
         live = None if latest.id in tracked and tracked[latest.id] is None else latest.id in tracked
@@ -94,8 +108,9 @@ class Views:
         return bucket, {"reason": reason.value, "hint": attention_hint(reason, latest.agent, latest.last_error)}
 
     def _task_row(self, db: Session, task: Task, latest: TaskSession | None, sessions: int,
-                  steps: list[WorkflowStep], tracked: dict[str, bool]) -> dict[str, Any]:
-        bucket, attention = self._placement(db, task, latest, tracked)
+                  steps: list[WorkflowStep], tracked: dict[str, bool],
+                  last_stops: dict[str, str | None]) -> dict[str, Any]:
+        bucket, attention = self._placement(db, task, latest, tracked, last_stops)
         return {
             "task_id": task.id,
             "title": task.title,
@@ -120,8 +135,9 @@ class Views:
             steps: dict[str, list[WorkflowStep]] = {}
             for step in db.scalars(select(WorkflowStep).order_by(WorkflowStep.task_id, WorkflowStep.position)):
                 steps.setdefault(step.task_id, []).append(step)
+            last_stops = _last_stop_reasons(db, [s.id for s in latest.values()])
             return {"tasks": [self._task_row(db, t, latest.get(t.id), int(counts.get(t.id, 0)), steps.get(t.id, []),
-                                             tracked) for t in tasks]}
+                                             tracked, last_stops) for t in tasks]}
 
     def read_task(self, task_id: str, tracked: dict[str, bool]) -> dict[str, Any]:
         with self.store.session() as db:
@@ -131,7 +147,9 @@ class Views:
             sessions = list(db.scalars(select(TaskSession).where(TaskSession.task_id == task_id)
                                        .order_by(TaskSession.created_at.desc(), TaskSession.id.desc())))
             steps = wf.load_steps(db, task_id)
-            row = self._task_row(db, task, sessions[0] if sessions else None, len(sessions), steps, tracked)
+            last_stops = _last_stop_reasons(db, [sessions[0].id] if sessions else [])
+            row = self._task_row(db, task, sessions[0] if sessions else None, len(sessions), steps, tracked,
+                                 last_stops)
             row["session_list"] = [self._session_summary(s, tracked) for s in sessions]
             row["steps"] = wf.describe(steps)
             return row
