@@ -23,13 +23,11 @@ import grp
 import os
 import re
 import stat
+from collections.abc import Mapping
 from pathlib import Path
+from typing import NamedTuple
 
 from daemon.home import BACKEND_SOCKET, resolve_home_dir
-
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
-if TYPE_CHECKING:
-    from collections.abc import Mapping
 
 # sockaddr_un.sun_path is 108 bytes on Linux, including the terminating NUL.
 MAX_SOCKET_PATH_BYTES = 107
@@ -60,39 +58,39 @@ def resolve_home(cli_home: str | None, env: Mapping[str, str] | None = None) -> 
     return Path(resolve_home_dir(cli_home, env))
 
 
-class Paths:
-    """Every path of one Kandev home, derived from it. Build with ``Paths.for_home``. (A plain class,
-    not a dataclass or a ``typing.NamedTuple``: every CLI call builds one, and either would cost a
-    CLI call imports of its own.)"""
+class Paths(NamedTuple):
+    """Every path of one Kandev home, derived from it. Build with ``Paths.for_home``. (The common
+    CLI commands do not import this module: they need only the backend's socket, from
+    ``daemon.home``.)"""
 
-    __slots__ = ("home", "run_dir", "secrets_dir", "logs_dir", "worktrees_dir", "agentctl_dir", "db_path",
-                 "lock_path", "backend_socket", "agentctl_log", "installation_id_path")
-
-    def __init__(self, home: Path) -> None:
-        self.home = home
-        self.run_dir = home / "run"
-        self.secrets_dir = home / "secrets"
-        self.logs_dir = home / "logs"
-        self.worktrees_dir = home / "worktrees"
-        self.agentctl_dir = home / "agentctl"
-        self.db_path = home / "kandev.db"
-        self.lock_path = home / "backend.lock"
-        self.backend_socket = home.joinpath(*BACKEND_SOCKET)
-        self.agentctl_log = self.logs_dir / "agentctl.log"
-        self.installation_id_path = home / "installation-id"
+    home: Path
+    run_dir: Path
+    secrets_dir: Path
+    logs_dir: Path
+    worktrees_dir: Path
+    agentctl_dir: Path
+    db_path: Path
+    lock_path: Path
+    backend_socket: Path
+    agentctl_log: Path
+    installation_id_path: Path
 
     @classmethod
     def for_home(cls, home: Path | str) -> Paths:
-        return cls(Path(home))
-
-    def __repr__(self) -> str:
-        return f"Paths.for_home({str(self.home)!r})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Paths) and other.home == self.home
-
-    def __hash__(self) -> int:
-        return hash(self.home)
+        h = Path(home)
+        return cls(
+            home=h,
+            run_dir=h / "run",
+            secrets_dir=h / "secrets",
+            logs_dir=h / "logs",
+            worktrees_dir=h / "worktrees",
+            agentctl_dir=h / "agentctl",
+            db_path=h / "kandev.db",
+            lock_path=h / "backend.lock",
+            backend_socket=h.joinpath(*BACKEND_SOCKET),
+            agentctl_log=h / "logs" / "agentctl.log",
+            installation_id_path=h / "installation-id",
+        )
 
     def ensure(self) -> None:
         """Create the home's directories.
