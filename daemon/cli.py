@@ -203,7 +203,7 @@ def _term() -> Term:
 def _follow(args: argparse.Namespace, sock: str, turn_id: str | None = None) -> int:
     from daemon.human.follow import follow
 
-    return follow(str(sock), args.session_id, out=sys.stdout, err=sys.stderr, term=_term(),
+    return follow(sock, args.session_id, out=sys.stdout, err=sys.stderr, term=_term(),
                   turn_id=turn_id, follow_all=bool(getattr(args, "all", False)),
                   reconnect_timeout=args.reconnect_timeout, protocol_major=API_VERSION[0], json_lines=args.json)
 
