@@ -63,11 +63,19 @@ def _arch() -> str:
     return subprocess.run(["dpkg", "--print-architecture"], capture_output=True, text=True, check=True).stdout.strip()
 
 
+# The packages the tests build are installed once and thrown away: dpkg-deb compresses them with xz
+# level 1 instead of its default 6 (dpkg >= 1.21.10 reads these variables). The same xz format, ~20%
+# larger, and ~1.5 s instead of ~17 s of one CPU per build, two builds per change of the sources. The
+# release build (debian/rules) keeps dpkg's default.
+_TEST_BUILD_ENV = {"DPKG_DEB_COMPRESSOR_TYPE": "xz", "DPKG_DEB_COMPRESSOR_LEVEL": "1"}
+
+
 def _dpkg_buildpackage(tree: Path, log: Path) -> float:
     t0 = time.monotonic()
     with open(log, "ab") as out:
         p = subprocess.run(["dpkg-buildpackage", "-us", "-uc", "-b"], cwd=tree, stdout=out, stderr=subprocess.STDOUT,
-                           stdin=subprocess.DEVNULL, timeout=BUILD_TIMEOUT, check=False)
+                           stdin=subprocess.DEVNULL, timeout=BUILD_TIMEOUT, check=False,
+                           env={**os.environ, **_TEST_BUILD_ENV})
     if p.returncode:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
         pytest.fail(f"dpkg-buildpackage failed ({p.returncode}) in {tree}:\n{tail}", pytrace=False)
