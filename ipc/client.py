@@ -185,6 +185,21 @@ class _Link(asyncio.BufferedProtocol):
                 self.pump()  # decode what is buffered, then read again
         return item
 
+    def take_frames(self, limit: int) -> list[dict[str, Any]]:
+        """Up to ``limit`` stream frames already received, in order, without waiting (what is
+        buffered and not yet decoded is decoded as the queue empties)."""
+        queue = self.queue
+        frames: list[dict[str, Any]] = []
+        while len(frames) < limit:
+            if not queue and self._reading_paused:
+                self.pump()  # decode what is buffered, then read again
+            if not queue or not isinstance(queue[0], dict):
+                break  # nothing more yet, or the stream's end: left queued for the next wait
+            frames.append(queue.popleft())
+        if self._reading_paused and len(queue) < STREAM_QUEUE_MAX:
+            self.pump()
+        return frames
+
     def _end_stream(self, item: Any) -> None:
         self.queue.append(item)
         self._wake()
@@ -417,6 +432,7 @@ class EventStream:
         self._client = client
         self._request_id = request_id
         self._finished = False
+        self._failed: IpcError | None = None  # a bad frame behind the events ``batch`` returned
 
     def __aiter__(self) -> EventStream:
         return self
@@ -424,6 +440,9 @@ class EventStream:
     async def __anext__(self) -> Event:
         if self._finished:
             raise StopAsyncIteration
+        if self._failed is not None:  # left by ``batch``
+            await self.close()
+            raise self._failed
         item = await self._client._link.next_stream_item()  # cancelling it loses nothing
         try:
             if item is _END:
@@ -434,6 +453,41 @@ class EventStream:
         except BaseException:
             await self.close()
             raise
+
+    async def batch(self, limit: int) -> list[Event]:
+        """Wait for the next event, then take the events already received with it: at most
+        ``limit``, in order, one wake-up for all of them (a consumer that stores events in batches
+        needs no reader task or queue of its own). ``[]`` once the stream has ended; the error that
+        ended it is raised by the call after the one that returned the events before it.
+        Cancelling the wait loses nothing."""
+        if limit < 1:
+            raise ValueError(f"batch limit must be >= 1, not {limit}")
+        if self._finished:
+            return []
+        link = self._client._link
+        if self._failed is not None:
+            await self.close()
+            raise self._failed
+        first = await link.next_stream_item()  # cancelling it loses nothing
+        try:
+            if first is _END:
+                raise StopAsyncIteration
+            if isinstance(first, IpcError):
+                raise first  # the stream is closed below: raised once
+            events = [self._event(first)]
+        except StopAsyncIteration:
+            await self.close()
+            return []
+        except BaseException:
+            await self.close()
+            raise
+        for frame in link.take_frames(limit - 1):
+            try:
+                events.append(self._event(frame))
+            except IpcError as exc:  # the events before it are delivered; the next call raises it
+                self._failed = exc
+                break
+        return events
 
     def _event(self, frame: dict[str, Any]) -> Event:
         if "seq" in frame:

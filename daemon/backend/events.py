@@ -134,10 +134,11 @@ def apply_events(db: DbSession, session_id: str, instance_id: str, events: list[
         return row
 
     writer = TranscriptWriter(db, session_id)
+    now = _now()  # when this batch is stored: one clock read for all its entries
 
     def write(ev: Any, role: str, kind: str, text: str, turn_id: Any) -> None:
         writer.append(role=role, kind=kind, text=text, turn_id=None if turn_id is None else str(turn_id),
-                      instance_id=instance_id, event_seq=ev.seq, created_at=_now())
+                      instance_id=instance_id, event_seq=ev.seq, created_at=now)
 
     for ev in events:
         data = ev.data if isinstance(ev.data, dict) else {}
@@ -182,7 +183,7 @@ def apply_events(db: DbSession, session_id: str, instance_id: str, events: list[
     writer.flush()
     if events:
         db.execute(_ADVANCE_SEQ, {"sid": session_id, "iid": instance_id, "top": max(ev.seq for ev in events),
-                                  "now": _now()})
+                                  "now": now})
     return result
 
 

@@ -20,7 +20,6 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
 
 from daemon.agentctl.client import AgentctlClient
 from daemon.agentctl.client_handshake import OwnershipRefused
@@ -246,30 +245,12 @@ class EventConsumer:
         stream = await client.attach(ex.instance_id, after_seq=ex.last_seq)
         ex.stream_failures = 0
         ex.warned_at = None
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-        done = object()
-
-        async def reader() -> None:
-            try:
-                async for ev in stream:
-                    queue.put_nowait(ev)
-            finally:
-                queue.put_nowait(done)
-
-        reader_task = asyncio.get_running_loop().create_task(reader())
         try:
-            finished = False
-            while not finished:
-                first = await queue.get()
-                if first is done:
-                    break
-                batch = [first]
-                while len(batch) < BATCH_MAX and not queue.empty():
-                    item = queue.get_nowait()
-                    if item is done:
-                        finished = True
-                        break
-                    batch.append(item)
+            while True:
+                # What arrived with the next event, in one wake-up: stored in one transaction.
+                batch = await stream.batch(BATCH_MAX)
+                if not batch:
+                    return  # the stream ended (a newer attach, or the server closed it)
                 batch = [ev for ev in batch if ev.seq > ex.last_seq]
                 if not batch:
                     continue
@@ -297,12 +278,7 @@ class EventConsumer:
                     with contextlib.suppress(IpcError):
                         await client.stop_instance(ex.instance_id)
                     return
-            if reader_task.done() and reader_task.exception() is not None:
-                raise reader_task.exception()  # type: ignore[misc]
         finally:
-            reader_task.cancel()
-            with contextlib.suppress(BaseException):
-                await reader_task
             with contextlib.suppress(Exception):
                 await stream.close()
 

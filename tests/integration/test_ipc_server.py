@@ -42,6 +42,7 @@ from ipc import (
     encode_frame,
     read_frame_sync,
 )
+from ipc.client import STREAM_QUEUE_MAX, EventStream
 from ipc.framing import ConnectionClosed, decode_body
 from tests.support.waiting import wait_until
 
@@ -900,6 +901,75 @@ def test_stream_iteration_can_be_cancelled_and_resumed(server: ServerThread) -> 
                 continue
             seqs.append(event.seq)
         assert [e.seq async for e in stream] == []  # and then the server ends it
+        return seqs, timeouts
+
+    seqs, timeouts = arun(main())
+    assert seqs == [0, 1, 2]
+    assert timeouts > 0
+
+
+async def _drain_in_batches(stream: EventStream, limit: int) -> list[list[int]]:
+    batches = []
+    while batch := await stream.batch(limit):
+        assert 1 <= len(batch) <= limit
+        batches.append([e.seq for e in batch])
+    return batches
+
+
+def test_stream_batches_deliver_every_event_once_in_order(server: ServerThread) -> None:
+    n, size = 2000, 16 * 1024  # beyond the socket buffers and the link's read-ahead: reading pauses
+
+    async def main() -> list[list[int]]:
+        c = await AsyncClient.connect(server.path)
+        stream = await c.stream("count", {"n": n, "size": size})
+
+        def stalled() -> bool:  # the link read ahead as far as it may: frames wait for the consumer
+            before = server.rec.sent
+            time.sleep(0.3)
+            return server.rec.sent == before
+
+        await asyncio.to_thread(wait_until, stalled, 15, 0.01, "producer stalled")
+        batches = await _drain_in_batches(stream, 500)
+        assert await stream.batch(500) == []  # ended: stays ended
+        return batches
+
+    batches = arun(main(), timeout=50)
+    assert [seq for batch in batches for seq in batch] == list(range(n))
+    assert len(batches[0]) >= STREAM_QUEUE_MAX  # one wake-up took what had been read ahead
+
+
+def test_stream_batch_returns_the_events_before_an_error_then_raises_it(server: ServerThread) -> None:
+    async def main() -> list[int]:
+        c = await AsyncClient.connect(server.path)
+        stream = await c.stream("count", {"n": 10, "fail_at": 4})
+        seen: list[int] = []
+        with pytest.raises(IpcError) as info:
+            while batch := await stream.batch(100):
+                seen.extend(e.seq for e in batch)
+        assert info.value.code == ErrorCode.AGENT_ERROR
+        assert await stream.batch(100) == []  # closed after the error
+        return seen
+
+    assert arun(main()) == [0, 1, 2, 3]
+
+
+def test_stream_batch_wait_can_be_cancelled_without_losing_events(server: ServerThread) -> None:
+    async def main() -> tuple[list[int], int]:
+        c = await AsyncClient.connect(server.path)
+        stream = await c.stream("count", {"n": 3, "delay": 0.3})
+        seqs: list[int] = []
+        timeouts = 0
+        deadline = time.monotonic() + 15
+        while len(seqs) < 3 and time.monotonic() < deadline:
+            try:
+                batch = await asyncio.wait_for(stream.batch(10), 0.05)
+            except TimeoutError:
+                timeouts += 1
+                continue
+            seqs.extend(e.seq for e in batch)
+        assert await stream.batch(10) == []
+        with pytest.raises(ValueError):
+            await stream.batch(0)
         return seqs, timeouts
 
     seqs, timeouts = arun(main())
