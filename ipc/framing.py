@@ -90,6 +90,12 @@ def encode_frame(obj: dict[str, Any]) -> bytes:
     return HEADER.pack(len(body)) + body
 
 
+def packed_size(obj: Any) -> int:
+    """How many bytes msgpack encodes ``obj`` into, as ``encode_frame`` packs it (this thread's
+    packer, not a new one per call); raises what msgpack raises for a value it cannot encode."""
+    return len(_packer().pack(obj))
+
+
 def decode_body(body: bytes | memoryview) -> dict[str, Any]:
     """Decode a frame body (without its prefix) into a map, or raise ``InvalidFrame``."""
     try:

@@ -109,8 +109,9 @@ class AgentPipeTransport:
                     self._held = None
                     continue
                 try:
-                    message = json.loads(line)
-                except ValueError:
+                    # ACP speaks UTF-8 (json.loads of bytes would first guess among UTF-8/16/32).
+                    message = json.loads(line.decode("utf-8"))
+                except ValueError:  # UnicodeDecodeError included
                     message = None
                 if self._gate is not None:
                     # Parks, holding this one message back, while the detached bound is reached.

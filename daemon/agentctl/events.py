@@ -56,9 +56,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
-
 from daemon.agentctl.protocol import EventKind
+from ipc.framing import packed_size
 
 # The closed list of docs/architecture.md#the-control-server-inside, as code: every event kind the log carries
 # and whether it is retained at the bound (parks the producer, never dropped)
@@ -108,10 +107,10 @@ def plain(value: Any) -> Any:
 def sendable(kind: str, data: dict[str, Any]) -> dict[str, Any]:
     """``data`` if it encodes into one frame; a plain copy or a size marker otherwise."""
     try:
-        size = len(msgpack.packb(data, use_bin_type=True))
+        size = packed_size(data)
     except (TypeError, ValueError, OverflowError):
         data = plain(data)
-        size = len(msgpack.packb(data, use_bin_type=True))
+        size = packed_size(data)
     if size <= MAX_EVENT_BYTES:
         return data
     marker: dict[str, Any] = {k: v for k, v in data.items() if k in ("turn_id", "request_id")}
