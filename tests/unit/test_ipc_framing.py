@@ -23,6 +23,7 @@ from ipc.framing import (
     InvalidFrame,
     decode_body,
     encode_frame,
+    packed_size,
     read_frame,
     read_frame_sync,
     write_frame_sync,
@@ -421,3 +422,11 @@ def test_budget_refuses_growth_past_the_cap_but_not_initial_buffers() -> None:
         fb.close()
     small.close()
     assert budget.used == 0 < used
+
+
+def test_packed_size_is_the_body_size_encode_frame_writes_and_fails_as_msgpack_does() -> None:
+    obj = {"seq": 7, "kind": "session_update", "data": {"text": "héllo" * 50, "b": b"\x00\x01", "n": -(2**40)}}
+    assert packed_size(obj) == len(encode_frame(obj)) - 4
+    with pytest.raises(TypeError):
+        packed_size({"x": object()})
+    assert packed_size({"x": 1}) == len(encode_frame({"x": 1})) - 4  # the failed pack left nothing behind
