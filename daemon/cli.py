@@ -211,11 +211,12 @@ def _follow(args: argparse.Namespace, sock: str, turn_id: str | None = None) -> 
 def _follow_logs(args: argparse.Namespace, sock: str) -> int:
     """``kandev logs SESSION -f``: the last lines, then what the agent writes, until Ctrl-C. The file
     is read through the backend (it is the service user's); a look every half second."""
+    from daemon.human.interrupt import UntilInterrupted
     from daemon.human.views import log_text
 
     page = call(sock, "session_logs", {"session_id": args.session_id, "tail": args.tail})
-    try:
-        while True:
+    with UntilInterrupted() as stop:
+        while not stop.requested:
             if args.json:
                 _print(page)
             elif page["text"]:
@@ -223,8 +224,7 @@ def _follow_logs(args: argparse.Namespace, sock: str) -> int:
             sys.stdout.flush()
             time.sleep(0.5)
             page = call(sock, "session_logs", {"session_id": args.session_id, "offset": page["offset"]})
-    except KeyboardInterrupt:
-        return EXIT_OK
+    return EXIT_OK
 
 
 def sock_of(args: argparse.Namespace) -> str:

@@ -83,10 +83,12 @@ def watch_board(call: Call, interval: float, out: IO[str]) -> int:
     """``board --watch``: look every ``interval`` seconds and print the board again when it changed
     (redrawn in place on a terminal that takes escape sequences, else one after the other), until
     Ctrl-C (exit 0). The first look failing fails the command."""
+    from daemon.human.interrupt import UntilInterrupted  # only this command needs it
+
     term = Term.for_stream(out)
     shown: list[str] | None = None
-    try:
-        while True:
+    with UntilInterrupted() as stop:
+        while not stop.requested:
             try:
                 lines = views.board_lines(call("task_list", {}), term)
             except IpcError as exc:
@@ -102,5 +104,4 @@ def watch_board(call: Call, interval: float, out: IO[str]) -> int:
                 out.flush()
                 shown = lines
             time.sleep(interval)
-    except KeyboardInterrupt:
-        return 0
+    return 0
