@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +14,16 @@ from tests.support.paths import REPO_ROOT, venv_python_path
 from tests.support.postgres import PgCluster
 from tests.support.postgres import require as postgres_bin
 from tests.support.schedule import module_rank
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Ctrl-C as on a terminal, however the suite was started. A non-interactive shell starts a
+    background job (``bash .ci/run &``) with SIGINT ignored, every process inherits that, and a
+    CLI started that way rightly ignores Ctrl-C: the tests that stop ``board --watch`` or
+    ``follow`` with SIGINT would then wait for it forever. Each pytest process (the workers run
+    this too) takes Python's own handler back, so the processes it starts begin with the default."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
