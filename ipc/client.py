@@ -179,26 +179,23 @@ class _Link(asyncio.BufferedProtocol):
             finally:
                 self._waiter = None
         item = self.queue[0]
-        if isinstance(item, dict):
-            self.queue.popleft()
-            if self._reading_paused:
-                self.pump()  # decode what is buffered, then read again
-        return item
+        return self._take() if isinstance(item, dict) else item
 
     def take_frames(self, limit: int) -> list[dict[str, Any]]:
         """Up to ``limit`` stream frames already received, in order, without waiting (what is
         buffered and not yet decoded is decoded as the queue empties)."""
         queue = self.queue
         frames: list[dict[str, Any]] = []
-        while len(frames) < limit:
-            if not queue and self._reading_paused:
-                self.pump()  # decode what is buffered, then read again
-            if not queue or not isinstance(queue[0], dict):
-                break  # nothing more yet, or the stream's end: left queued for the next wait
-            frames.append(queue.popleft())
-        if self._reading_paused and len(queue) < STREAM_QUEUE_MAX:
-            self.pump()
+        while len(frames) < limit and queue and isinstance(queue[0], dict):  # not the stream's end
+            frames.append(self._take())
         return frames
+
+    def _take(self) -> dict[str, Any]:
+        """The first queued frame, removed; reading resumes once the queue has room again."""
+        frame: dict[str, Any] = self.queue.popleft()
+        if self._reading_paused:
+            self.pump()  # decode what is buffered, then read again
+        return frame
 
     def _end_stream(self, item: Any) -> None:
         self.queue.append(item)
@@ -438,21 +435,10 @@ class EventStream:
         return self
 
     async def __anext__(self) -> Event:
-        if self._finished:
+        event = await self._next_event()
+        if event is None:
             raise StopAsyncIteration
-        if self._failed is not None:  # left by ``batch``
-            await self.close()
-            raise self._failed
-        item = await self._client._link.next_stream_item()  # cancelling it loses nothing
-        try:
-            if item is _END:
-                raise StopAsyncIteration
-            if isinstance(item, IpcError):
-                raise item  # the stream is closed below: raised once
-            return self._event(item)
-        except BaseException:
-            await self.close()
-            raise
+        return event
 
     async def batch(self, limit: int) -> list[Event]:
         """Wait for the next event, then take the events already received with it: at most
@@ -462,32 +448,38 @@ class EventStream:
         Cancelling the wait loses nothing."""
         if limit < 1:
             raise ValueError(f"batch limit must be >= 1, not {limit}")
-        if self._finished:
+        first = await self._next_event()
+        if first is None:
             return []
-        link = self._client._link
-        if self._failed is not None:
-            await self.close()
-            raise self._failed
-        first = await link.next_stream_item()  # cancelling it loses nothing
-        try:
-            if first is _END:
-                raise StopAsyncIteration
-            if isinstance(first, IpcError):
-                raise first  # the stream is closed below: raised once
-            events = [self._event(first)]
-        except StopAsyncIteration:
-            await self.close()
-            return []
-        except BaseException:
-            await self.close()
-            raise
-        for frame in link.take_frames(limit - 1):
+        events = [first]
+        for frame in self._client._link.take_frames(limit - 1):
             try:
                 events.append(self._event(frame))
             except IpcError as exc:  # the events before it are delivered; the next call raises it
                 self._failed = exc
                 break
         return events
+
+    async def _next_event(self) -> Event | None:
+        """The next event, waiting for it; None once the stream has ended. The error that ended it
+        (the server's, or a malformed frame) is raised once. Either way the stream is then closed.
+        Cancelling the wait loses nothing."""
+        if self._finished:
+            return None
+        if self._failed is not None:  # left by ``batch`` behind the events it returned
+            await self.close()
+            raise self._failed
+        item = await self._client._link.next_stream_item()
+        if item is _END:
+            await self.close()
+            return None
+        try:
+            if isinstance(item, IpcError):
+                raise item
+            return self._event(item)
+        except BaseException:
+            await self.close()
+            raise
 
     def _event(self, frame: dict[str, Any]) -> Event:
         if "seq" in frame:
