@@ -15,11 +15,6 @@ quick=0
 [ "${1:-}" = "--quick" ] && quick=1
 VENV=$(bash "$HERE/setup.sh" | tail -n 1)
 cd "$REPO"
-# What is measured is kandev as installed, and an installed package is byte-compiled (the .deb's
-# postinst). With PYTHONDONTWRITEBYTECODE set, or after an edit, every CLI call and daemon start would
-# compile kandev's modules from source again (a CLI call ~10 ms more): compile them once now.
-(umask 022 && "$VENV/bin/python" -m compileall -q -j 0 daemon ipc tests >/dev/null) ||
-  echo "bench.sh: compileall failed; the benchmarks compile what they import" >&2
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"   # so benchmarks can import tests.support
 shopt -s nullglob
 scripts=(tests/bench/bench_*.py)

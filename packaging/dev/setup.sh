@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent development set-up of a Debian 12 machine (run as root):
 #   1. apt packages the build and the systemd tests need (skipped when all are present),
-#   2. a virtualenv with `pip install -e '<repo>[test]'` (skipped when nothing changed).
+#   2. a virtualenv with `pip install -e '<repo>[test]'` (skipped when nothing changed),
+#   3. kandev's modules byte-compiled (only those changed since the last run).
 # Progress goes to stderr; the LAST LINE OF STDOUT is the virtualenv path, e.g.
 #   VENV=$(bash packaging/dev/setup.sh | tail -n 1)
 # Venv location: $KANDEV_VENV if set, else <repo>/.venv, except for a checkout under /tmp:
@@ -157,5 +158,15 @@ else
   installed_ok || die "kandev installed, but its packages do not resolve to $REPO from outside the checkout"
   printf '%s\n' "$STAMP" > "$STAMP_FILE"
 fi
+
+# Every daemon, CLI call and agent that the tests, the benchmarks and the demo start imports kandev's
+# code: compile it once, as an installed package is (the .deb's postinst). With PYTHONDONTWRITEBYTECODE
+# set (this machine's environment sets it), or after an edit, no process would write the bytecode and
+# each would compile the modules it imports again (a backend start ~0.4 s of CPU, a CLI call ~10 ms,
+# some thousand processes a test run); the agents, run as another user, could not write it anyway.
+# Readable by all. Up-to-date modules are skipped: a second run takes a moment.
+log "byte-compiling daemon ipc tests"
+(cd "$REPO" && umask 022 && "$VENV/bin/python" -m compileall -q -j 0 daemon ipc tests >/dev/null) ||
+  log "compileall failed; each process compiles what it imports"
 
 echo "$VENV" >&3

@@ -29,14 +29,6 @@ rm -f "$mypy_log"
 if [ "$mypy_rc" = 0 ]; then mypy_msg="mypy: clean"
 else mypy_msg="mypy: FAILED (exit $mypy_rc): ${mypy_summary:-see output above}"; fi
 
-# Every daemon, CLI call and agent the tests start imports kandev's code: compile it once now. With
-# PYTHONDONTWRITEBYTECODE set (this machine's environment sets it) no process would ever write the bytecode,
-# and each would compile the modules it imports again (a backend start ~0.4 s of CPU, some thousand
-# processes a run); the agents, run as another user, could not write it anyway. Readable by all.
-echo "== byte-compiling daemon ipc tests"
-(umask 022 && "$VENV/bin/python" -m compileall -q -j 0 daemon ipc tests >/dev/null) ||
-  echo "test.sh: compileall failed; the tests compile what they import" >&2
-
 echo "== pytest"
 log=$(mktemp /var/tmp/kandev-pytest.XXXXXX)
 trap 'rm -f "$log"' EXIT
