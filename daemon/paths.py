@@ -78,17 +78,18 @@ class Paths(NamedTuple):
     @classmethod
     def for_home(cls, home: Path | str) -> Paths:
         h = Path(home)
+        logs = h / "logs"
         return cls(
             home=h,
             run_dir=h / "run",
             secrets_dir=h / "secrets",
-            logs_dir=h / "logs",
+            logs_dir=logs,
             worktrees_dir=h / "worktrees",
             agentctl_dir=h / "agentctl",
             db_path=h / "kandev.db",
             lock_path=h / "backend.lock",
             backend_socket=h.joinpath(*BACKEND_SOCKET),
-            agentctl_log=h / "logs" / "agentctl.log",
+            agentctl_log=logs / "agentctl.log",
             installation_id_path=h / "installation-id",
         )
 
