@@ -78,6 +78,7 @@ class AgentctlServer:
             config.socket_path, TABLE, handlers, authorize=self.auth.authorize, max_connections=connection_limit(),
             # The owner's authenticated connections (calls, claims, streams) may idle; nobody else's.
             idle_timeout=IDLE_CONNECTION_TIMEOUT_S, idle_exempt=authenticated, buffer_limit=BUFFER_LIMIT,
+            on_disconnect=self._log_closed,
         )
 
     def handlers(self) -> dict[str, Handler]:
@@ -96,6 +97,12 @@ class AgentctlServer:
             return await handler(ctx, args)
 
         return run
+
+    def _log_closed(self, ctx: ConnectionContext) -> None:
+        """The end of a connection that sent an op, in the debug log next to its ops."""
+        conn_id = ctx.state.get("conn_id")
+        if conn_id is not None:
+            log.debug("conn %d (pid %d) closed", conn_id, ctx.peer.pid)
 
     # -- what main, the reloader and the preflight read --------------------------
 

@@ -24,6 +24,7 @@ from daemon.agentctl.conversation import TurnIds
 from daemon.agentctl.instance import Instance, InstanceState
 from ipc.errors import ErrorCode, IpcError
 from tests.support.aio import run
+from tests.support.waiting import eventually
 
 REPO = Path(__file__).resolve().parents[2]
 MOCK = [sys.executable, "-m", "daemon.agents.mock"]
@@ -86,8 +87,7 @@ def test_stop_during_start_leaves_nothing(tmp_path: Path, groups: set[int]):
     async def scenario() -> Instance:
         inst = _instance(tmp_path, ["sleep", "300"], handshake_timeout=30.0)
         start = asyncio.ensure_future(inst.start())
-        while inst.pid is None:
-            await asyncio.sleep(0.01)
+        await eventually(lambda: inst.pid is not None, 30, interval=0.01, message="the agent spawned")
         groups.add(inst.pid)
         assert await inst.stop() is True
         with pytest.raises(IpcError):

@@ -33,7 +33,7 @@ from ipc.framing import ConnectionClosed
 from tests.support.agentctl import STEP, Server, start_server, stop_server, write_launch
 from tests.support.aio import run
 from tests.support.processes import group_exists
-from tests.support.waiting import wait_until
+from tests.support.waiting import eventually, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -93,10 +93,7 @@ async def raw_auth(conn: AsyncClient, identity: str, credential: bytes) -> dict[
 
 
 async def wait_closed(client: AgentctlClient | AsyncClient, what: str) -> None:
-    deadline = time.monotonic() + STEP
-    while not client.closed:
-        assert time.monotonic() < deadline, f"{what}: still open"
-        await asyncio.sleep(0.05)
+    await eventually(lambda: client.closed, STEP, message=f"{what} closed")
 
 
 async def drain(stream: EventStream, seen: list[Any]) -> str:
@@ -205,10 +202,12 @@ def test_scenario_b_after_confirm_the_old_credential_is_refused_and_its_stream_c
         turn_id = await old.prompt(instance_id, "/slow 30")
         old_events: list[Any] = []
         old_reader = asyncio.ensure_future(drain(stream, old_events))
-        wait_deadline = time.monotonic() + STEP
-        while not any(e.kind == EventKind.SESSION_UPDATE for e in old_events):
-            assert time.monotonic() < wait_deadline and not old_reader.done(), old_events
-            await asyncio.sleep(0.05)
+
+        def streaming() -> bool:
+            assert not old_reader.done(), old_events
+            return any(e.kind == EventKind.SESSION_UPDATE for e in old_events)
+
+        await eventually(streaming, STEP, message="a session update on A's stream")
 
         new = await server.connect(purpose="adopt")  # backend B, with the stored C0
         rotation_id, c1 = await new.rotate()
@@ -389,10 +388,11 @@ def test_scenario_g_intruders_get_typed_refusals_while_the_owner_is_served(serve
             assert [i["instance_id"] for i in await owner.list_instances()] == [instance_id]
         assert (await owner_conn.call("list_instances"))["instances"][0]["instance_id"] == instance_id
         turn = await owner.prompt(instance_id, "hello")
-        deadline = time.monotonic() + STEP
-        while not any(o["turn_id"] == turn for o in (await owner.turn_status(instance_id))["outcomes"]):
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.05)
+
+        async def ended() -> bool:
+            return any(o["turn_id"] == turn for o in (await owner.turn_status(instance_id))["outcomes"])
+
+        await eventually(ended, STEP, message=f"the outcome of turn {turn}")
         for c in (wrong, replay, owner_conn):
             await c.close()
         await owner.close()

@@ -19,7 +19,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +35,7 @@ from daemon.version import VERSION
 from ipc.client import Event
 from tests.support.aio import run
 from tests.support.paths import REPO_ROOT
-from tests.support.waiting import wait_until
+from tests.support.waiting import eventually, wait_until
 from tests.support.workspaces import for_agent
 
 STEP = 30.0
@@ -167,13 +166,11 @@ async def read_until(stream: Any, stop: Any, into: list[Event], timeout: float =
 
 
 async def wait_info(client: AgentctlClient, predicate: Any, timeout: float = 120.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
+    async def matching() -> dict[str, Any] | None:
         info = await client.server_info()
-        if predicate(info):
-            return info
-        assert time.monotonic() < deadline, f"server_info never matched: {info}"
-        await asyncio.sleep(0.1)
+        return info if predicate(info) else None
+
+    return await eventually(matching, timeout, interval=0.1, message="server_info matching")
 
 
 def identity(pid: int) -> tuple[int, float]:
@@ -205,7 +202,7 @@ def test_reload_hands_over_turns_permissions_and_held_back_output(server: Server
         stream = await client.attach(slow["instance_id"])
         await read_until(stream, lambda e: len(chunks(seen)) >= 2, seen)
         # the flood parks at the detached bound (100 retained); the permission request is open
-        flood_listing = await wait_until_async(client, flood["instance_id"], lambda i: i["paused"])
+        flood_listing = await wait_instance(client, flood["instance_id"], lambda i: i["paused"])
         assert flood_listing["retained_events"] == 100
         perm_request = await wait_permission(client, perm["instance_id"])
         before = await client.server_info()
@@ -260,14 +257,13 @@ def test_reload_hands_over_turns_permissions_and_held_back_output(server: Server
     assert not srv.events("handover_incomplete")
 
 
-async def wait_until_async(client: AgentctlClient, instance_id: str, predicate: Any) -> dict[str, Any]:
-    deadline = time.monotonic() + STEP
-    while True:
-        for inst in await client.list_instances():
-            if inst["instance_id"] == instance_id and predicate(inst):
-                return inst
-        assert time.monotonic() < deadline, f"instance {instance_id} never matched"
-        await asyncio.sleep(0.05)
+async def wait_instance(client: AgentctlClient, instance_id: str, predicate: Any) -> dict[str, Any]:
+    """The listing of ``instance_id`` once ``predicate`` holds for it (``STEP`` at most)."""
+    async def matching() -> dict[str, Any] | None:
+        return next((i for i in await client.list_instances()
+                     if i["instance_id"] == instance_id and predicate(i)), None)
+
+    return await eventually(matching, STEP, message=f"instance {instance_id} matching")
 
 
 async def wait_permission(client: AgentctlClient, instance_id: str) -> str:
@@ -315,14 +311,13 @@ def still_running(tree: dict[int, float]) -> list[int]:
 async def finish_turn(client: AgentctlClient, instance_id: str, text: str) -> str:
     """Run one turn to its end; its stop reason."""
     turn = await client.prompt(instance_id, text)
-    deadline = time.monotonic() + STEP
-    while True:
+
+    async def stop_reason() -> str | None:
         status = await client.turn_status(instance_id)
         outcome = next((o for o in status["outcomes"] if o["turn_id"] == turn), None)
-        if outcome is not None and status["current_turn_id"] is None:
-            return str(outcome["stop_reason"])
-        assert time.monotonic() < deadline, f"turn {turn} never ended: {status}"
-        await asyncio.sleep(0.05)
+        return str(outcome["stop_reason"]) if outcome is not None and status["current_turn_id"] is None else None
+
+    return await eventually(stop_reason, STEP, message=f"the end of turn {turn}")
 
 
 def test_sandboxed_agents_survive_reloads_and_stop_still_ends_their_whole_sandbox(server: Server) -> None:
@@ -489,11 +484,14 @@ def test_nothing_is_imported_after_ready_and_replaced_files_change_nothing(serve
         await client.turn_status(iid)
         await client.set_mode(iid, "plan")
         await client.set_config_option(iid, "model", "mock-smart")
-        while (await client.turn_status(iid))["current_turn_id"] is not None:
-            await asyncio.sleep(0.05)
+
+        async def idle() -> bool:
+            return (await client.turn_status(iid))["current_turn_id"] is None
+
+        await eventually(idle, STEP, message="no turn running")
         await client.reset_context(iid)
         await client.prompt(iid, "/exit 3")
-        await wait_until_async(client, iid, lambda i: i["state"] == "exited")
+        await wait_instance(client, iid, lambda i: i["state"] == "exited")
         await client.stop_instance(iid)
 
     async def scenario() -> None:

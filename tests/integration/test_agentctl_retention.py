@@ -28,7 +28,7 @@ from tests.support.agentctl import STEP, Server, start_server, stop_server, writ
 from tests.support.aio import run
 from tests.support.processes import group_exists
 from tests.support.streams import chunks, collect_until, turn_ended, wait_outcome
-from tests.support.waiting import wait_until
+from tests.support.waiting import eventually, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -60,14 +60,16 @@ async def entry_of(client: AgentctlClient, iid: str) -> dict[str, Any]:
     raise AssertionError(f"instance {iid} is not listed")
 
 
+async def retained_at_least(client: AgentctlClient, iid: str, n: int) -> bool:
+    return int((await entry_of(client, iid))["retained_events"]) >= n
+
+
 async def until_paused(client: AgentctlClient, iid: str, timeout: float = STEP) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
+    async def paused() -> dict[str, Any] | None:
         entry = await entry_of(client, iid)
-        if entry["paused"]:
-            return entry
-        assert time.monotonic() < deadline, f"instance never paused: {entry}"
-        await asyncio.sleep(0.05)
+        return entry if entry["paused"] else None
+
+    return await eventually(paused, timeout, message=f"instance {iid} paused")
 
 
 def history_lines(server: Server, acp_session_id: str) -> int:
@@ -247,7 +249,7 @@ def test_limit_extremes(make_server, limit: int, n: int):
             iid = (await server.create(client))["instance_id"]
             turn = await client.prompt(iid, f"/flood {n}")
             entry = await until_paused(client, iid, timeout=STEP * 3)
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(0.3)  # a window: paused at the bound, it stays exactly there
             entry = await entry_of(client, iid)
             stream = await client.attach(iid, 0)
             try:
@@ -275,11 +277,8 @@ def test_permission_raised_while_detached_stays_open_then_is_answered_after_atta
         async with await server.connect() as client:
             iid = (await server.create(client))["instance_id"]
             turn = await client.prompt(iid, "/permission")
-            deadline = time.monotonic() + STEP
-            while (await entry_of(client, iid))["retained_events"] < 2:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(6.0)
+            await eventually(lambda: retained_at_least(client, iid, 2), STEP, message="2 events retained")
+            await asyncio.sleep(6.0)  # a window longer than the old 5 s auto-cancel timer
             entry = await entry_of(client, iid)
             assert entry["retained_events"] == 2 and entry["paused"] is False
             assert (await client.turn_status(iid))["current_turn_id"] == turn
@@ -309,7 +308,7 @@ def test_permission_request_held_back_by_the_bound_is_delivered_after_attach(mak
             turn = await client.prompt(iid, "/permission")
             entry = await until_paused(client, iid)
             assert entry["retained_events"] == 1
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(1.0)  # a window: held back, the request neither expires nor is read
             stream = await client.attach(iid, 0)
             try:
                 events = await collect_until(stream, lambda e: e.kind == EventKind.PERMISSION_REQUEST)
@@ -335,10 +334,8 @@ def test_permission_cancelled_at_the_bound_is_retained(make_server):
         async with await server.connect() as client:
             iid = (await server.create(client))["instance_id"]
             turn = await client.prompt(iid, "/permission")
-            deadline = time.monotonic() + STEP
-            while (await entry_of(client, iid))["retained_events"] < 2:  # full, the agent waits for us
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.05)
+            # full, the agent waits for us
+            await eventually(lambda: retained_at_least(client, iid, 2), STEP, message="2 events retained")
             await client.cancel(iid)
             entry = await until_paused(client, iid)  # the agent's answer chunk is held back
             stream = await client.attach(iid, 0)
@@ -408,7 +405,7 @@ def test_outcome_retained_while_detached_is_repeatable_until_acked(make_server):
             outcome = await wait_outcome(client, iid, turn)
             first = await client.turn_status(iid)
             assert first == {"current_turn_id": None, "outcomes": [outcome]}
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # a window: reading the outcome again later discards nothing
             assert await client.turn_status(iid) == first
             stream = await client.attach(iid, 0)
             try:

@@ -44,7 +44,7 @@ from ipc import (
 )
 from ipc.client import STREAM_QUEUE_MAX, EventStream
 from ipc.framing import ConnectionClosed, decode_body
-from tests.support.waiting import wait_until
+from tests.support.waiting import eventually, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -1300,11 +1300,8 @@ def test_served_and_handed_over_listening_sockets_keep_the_listen_backlog(sock_d
         finally:
             for s in queued:
                 s.close()
-        for _ in range(400):  # let the server accept the closed peers and see them go
-            await asyncio.sleep(0.01)
-            if not server.connections:
-                break
-        assert not server.connections
+        # the server accepts the closed peers and sees them go
+        await eventually(lambda: not server.connections, 10, interval=0.01, message="every peer gone")
 
     async def main() -> None:
         first = IpcServer(path, OpTable("t", (1, 0), []), {})

@@ -17,6 +17,7 @@ from daemon.agentctl.protocol import EventKind
 from ipc.errors import ErrorCode, IpcError
 from tests.support.agentctl import STEP, Server, start_server, stop_server, write_launch
 from tests.support.aio import run
+from tests.support.streams import wait_outcome
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -60,7 +61,7 @@ def test_create_reports_modes_options_and_handshake_seq(ctl: Server) -> None:
             assert created["handshake_seq"] == 0  # a first session/new announces nothing
             iid = created["instance_id"]
             turn = await client.prompt(iid, "hello")
-            await _wait_outcome(client, iid, turn)
+            await wait_outcome(client, iid, turn)
             await client.stop_instance(iid)
             loaded = await ctl.create(client, resume_session_id=created["acp_session_id"])
             assert loaded["acp_session_id"] == created["acp_session_id"]
@@ -71,15 +72,6 @@ def test_create_reports_modes_options_and_handshake_seq(ctl: Server) -> None:
             assert texts == ["hello", "echo: hello"]
 
     run(scenario())
-
-
-async def _wait_outcome(client: Any, iid: str, turn: str) -> None:
-    for _ in range(400):
-        status = await client.turn_status(iid)
-        if any(o["turn_id"] == turn for o in status["outcomes"]):
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("turn did not end")
 
 
 def test_set_mode_and_option_accepted_and_rejected(ctl: Server) -> None:
@@ -131,7 +123,7 @@ def test_reset_context_new_session_same_process_defaults_announced_first(ctl: Se
             assert tail[1]["sessionUpdate"] == "config_option_update"
             # prompts now go to the new session, which has no history
             turn = await client.prompt(iid, "after reset")
-            await _wait_outcome(client, iid, turn)
+            await wait_outcome(client, iid, turn)
             new_history = (ctl.mock_state / f"{reset['acp_session_id']}.history.jsonl").read_text()
             assert "after reset" in new_history
             assert not (ctl.mock_state / f"{created['acp_session_id']}.history.jsonl").exists()

@@ -71,12 +71,24 @@ class Server:
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
+    def ops_once_ended(self) -> dict[int, list[str]] | None:
+        """``ops_by_connection()`` once every connection in it has ended (the -v log says
+        ``closed``), so no op of theirs is still to come; None before."""
+        text = self.log_text()  # one read for both: a connection's ops are logged before its end
+        ops = _ops_by_connection(text)
+        ended = {int(m.group(1)) for m in re.finditer(r"conn (\d+) \(pid \d+\) closed", text)}
+        return ops if ops and set(ops) <= ended else None
+
     def ops_by_connection(self) -> dict[int, list[str]]:
         """From the -v log: the ops each connection sent, in order (refused ones included)."""
-        ops: dict[int, list[str]] = {}
-        for m in re.finditer(r"conn (\d+) \(pid \d+\) op (\w+)", self.log_text()):
-            ops.setdefault(int(m.group(1)), []).append(m.group(2))
-        return ops
+        return _ops_by_connection(self.log_text())
+
+
+def _ops_by_connection(log_text: str) -> dict[int, list[str]]:
+    ops: dict[int, list[str]] = {}
+    for m in re.finditer(r"conn (\d+) \(pid \d+\) op (\w+)", log_text):
+        ops.setdefault(int(m.group(1)), []).append(m.group(2))
+    return ops
 
 
 def write_launch(root: Path, **overrides: Any) -> Server:

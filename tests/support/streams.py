@@ -20,7 +20,7 @@ from daemon.agentctl.client import AgentctlClient
 from daemon.agentctl.protocol import EventKind
 from ipc.client import Event, EventStream
 from tests.support.agentctl import STEP
-from tests.support.waiting import wait_until
+from tests.support.waiting import eventually, wait_until
 
 
 class TimedOutput:
@@ -96,11 +96,9 @@ def turn_ended(turn_id: str) -> Callable[[Event], bool]:
 
 async def wait_outcome(client: AgentctlClient, instance_id: str, turn_id: str) -> dict[str, Any]:
     """Poll ``turn_status`` until it reports the outcome of ``turn_id`` (``2 * STEP`` at most)."""
-    deadline = time.monotonic() + STEP * 2
-    while True:
+
+    async def outcome() -> dict[str, Any] | None:
         status = await client.turn_status(instance_id)
-        for outcome in status["outcomes"]:
-            if outcome["turn_id"] == turn_id:
-                return outcome
-        assert time.monotonic() < deadline, f"turn {turn_id} never ended: {status}"
-        await asyncio.sleep(0.05)
+        return next((o for o in status["outcomes"] if o["turn_id"] == turn_id), None)
+
+    return await eventually(outcome, STEP * 2, message=f"the outcome of turn {turn_id}")

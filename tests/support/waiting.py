@@ -1,13 +1,16 @@
-"""The one polling wait of the test suite: ``wait_until(predicate, timeout)``.
+"""The one polling wait of the test suite: ``wait_until(predicate, timeout)``, and
+``eventually(probe, timeout)``, the same wait for a coroutine on a running event loop.
 
 Tests never sleep for a fixed time: they poll a condition with a bound, or wait on an event.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import time
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TypeVar, cast
 
 T = TypeVar("T")
 
@@ -23,8 +26,7 @@ def wait_until(
     Bounded: raises ``TimeoutError`` after ``timeout`` seconds (the predicate is tried one
     last time at the deadline). Exceptions raised by the predicate propagate at once.
     """
-    if timeout < 0 or interval <= 0:
-        raise ValueError(f"wait_until: bad timeout={timeout!r} / interval={interval!r}")
+    _check_bounds("wait_until", timeout, interval)
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
@@ -35,3 +37,36 @@ def wait_until(
             what = message or getattr(predicate, "__name__", repr(predicate))
             raise TimeoutError(f"wait_until: {what} still false after {timeout:g}s (last value {value!r})")
         time.sleep(min(interval, deadline - now))
+
+
+async def eventually(
+    probe: Callable[[], Awaitable[T] | T],
+    timeout: float,
+    interval: float = 0.05,
+    message: str | None = None,
+) -> T:
+    """``wait_until`` inside a coroutine: call ``probe()`` (a plain function, or a coroutine
+    function whose awaitable is awaited, e.g. a call to a server) until it returns something
+    truthy and return that value, sleeping ``interval`` on the loop in between so that the
+    other tasks run.
+
+    Bounded: raises ``TimeoutError`` after ``timeout`` seconds (the probe is tried one last
+    time at the deadline). Exceptions raised by the probe propagate at once.
+    """
+    _check_bounds("eventually", timeout, interval)
+    deadline = time.monotonic() + timeout
+    while True:
+        result = probe()
+        value = cast(T, await result) if inspect.isawaitable(result) else cast(T, result)
+        if value:
+            return value
+        now = time.monotonic()
+        if now >= deadline:
+            what = message or getattr(probe, "__name__", repr(probe))
+            raise TimeoutError(f"eventually: {what} still false after {timeout:g}s (last value {value!r})")
+        await asyncio.sleep(min(interval, deadline - now))
+
+
+def _check_bounds(who: str, timeout: float, interval: float) -> None:
+    if timeout < 0 or interval <= 0:
+        raise ValueError(f"{who}: bad timeout={timeout!r} / interval={interval!r}")

@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import threading
-import time
 from typing import Any
 
 import pytest
@@ -23,6 +22,7 @@ from daemon.agentctl.agent_pipe import AGENT_STDOUT_LIMIT, AgentPipeTransport
 from daemon.agentctl.events import EXCLUDED_KINDS, RETAINED_KINDS, EventLog
 from daemon.agentctl.protocol import EventKind
 from tests.support.aio import run
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -276,10 +276,7 @@ def test_parked_transport_blocks_the_writer_and_drops_nothing():
         agent.thread.start()
         task = asyncio.ensure_future(pump(transport, log))
         try:
-            deadline = time.monotonic() + 10
-            while not log.paused:
-                assert time.monotonic() < deadline, "the producer never parked"
-                await asyncio.sleep(0.01)
+            await eventually(lambda: log.paused, 10, interval=0.01, message="the producer parked")
             await asyncio.sleep(0.5)
             assert log.paused and log.retained_count == 100
             written = agent.written

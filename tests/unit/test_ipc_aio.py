@@ -18,6 +18,7 @@ import pytest
 from ipc.aio import cancel_and_wait, within
 from ipc.client import AsyncClient
 from tests.support.aio import run
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -70,8 +71,8 @@ def test_a_client_call_cancelled_as_its_reply_arrives_is_cancelled():
             client = await AsyncClient.connect(path, hello=False)
             try:
                 task = asyncio.create_task(client.call("ack_events", {"seq": 1}, timeout=10))
-                while not client._pending:  # the request is on the wire, its reply awaited
-                    await asyncio.sleep(0.001)
+                # the request is on the wire, its reply awaited
+                await eventually(lambda: client._pending, 10, interval=0.001, message="the request pending")
                 (fut,) = client._pending.values()
                 (outcome,) = await _complete_and_cancel(task, fut)
                 return outcome

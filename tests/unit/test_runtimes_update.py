@@ -28,6 +28,7 @@ from daemon.store.db import Store, sqlite_url
 from daemon.store.models import RuntimeUpdateJob
 from ipc.errors import IpcError
 from tests.support.aio import run
+from tests.support.waiting import eventually
 
 CLAUDE = BUILTIN_AGENTS["claude-code"]
 KEY = npx_key(CLAUDE.npm_spec)
@@ -263,7 +264,7 @@ def test_jobs_are_idempotent_per_agent_while_active(store: Store, tmp_path: Path
         jobs = manager(store, tmp_path, npm, FakeProbe())
         first, joined = jobs.request("claude-code")
         assert not joined and first.state == "queued"
-        await asyncio.sleep(0.05)
+        await eventually(lambda: first.state != "queued", 10, interval=0.01, message="the job running")  # at the gate
         second, joined = jobs.request("claude-code")
         assert joined and second is first and first.state in upd.ACTIVE
         other, joined = jobs.request("gemini")  # other agents get their own job

@@ -104,7 +104,7 @@ def test_watched_pings_while_the_block_runs_and_stops_after(notify_socket, monke
         async with watched(n):
             for _ in range(3):
                 await asyncio.to_thread(sock.recv, 64)  # blocks until a ping arrives
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # five ping periods after the block: a window in which none may come
 
     asyncio.run(main())
     _received(sock)  # pings sent before the block ended
