@@ -1,7 +1,10 @@
 """The built-in scriptable mock ACP agent.
 
 Run as ``python -m daemon.agents.mock``: one ACP conversation over stdio
-(JSON-RPC, newline-delimited, protocol version ``acp.PROTOCOL_VERSION``).
+(JSON-RPC, newline-delimited, protocol version 1), spoken with
+:mod:`daemon.agents.acp_wire` rather than the ACP SDK, whose import would cost each start
+~0.3 s of CPU more (the control server, the ACP client, still uses the SDK, and
+tests/integration/test_mock_agent.py talks to it through the SDK's client side).
 stdout is the protocol channel; one log line per request goes to stderr.
 
 Sessions are persisted by :mod:`daemon.agents.mock_store` (an atomically replaced
@@ -50,9 +53,9 @@ Failure switches, read from ``<workspace>/.kandev-mock.toml`` at each request
 every 50 ms, as Gemini CLI does),
 ``reject_mode = "plan"``, ``reject_option = "effort=high"``.
 
-The legacy ``session/set_model`` is not offered: SDK 0.12.1 routes only the
-schema 1.19 methods (plus ``_``-prefixed extensions) and answers any other
-method with "Method not found"; the model is the ``model`` config option.
+The legacy ``session/set_model`` is not offered (the SDK's agents answer it "Method not
+found" too, as any method the agent does not implement); the model is the ``model`` config
+option.
 """
 
 from __future__ import annotations
@@ -60,45 +63,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import gc
 import hashlib
 import logging
 import os
 import signal
 import sys
 import uuid
-from typing import Any, Literal
+from typing import Any
 
-import daemon.acp_lean  # noqa: F401  (before the SDK: its models built lean, see the module)
-
-# isort: split
-import acp
 import psutil
-from acp import RequestError, update_agent_message_text, update_user_message_text
-from acp.core import DEFAULT_STDIO_BUFFER_LIMIT_BYTES
-from acp.interfaces import Client
-from acp.schema import (
-    AgentCapabilities,
-    ConfigOptionUpdate,
-    CurrentModeUpdate,
-    Implementation,
-    InitializeResponse,
-    LoadSessionResponse,
-    NewSessionResponse,
-    PermissionOption,
-    PromptResponse,
-    SessionConfigOptionBoolean,
-    SessionConfigOptionSelect,
-    SessionConfigSelectOption,
-    SessionMode,
-    SessionModeState,
-    SetSessionConfigOptionResponse,
-    SetSessionModeResponse,
-    StopReason,
-    TextContentBlock,
-    ToolCallUpdate,
-)
 
+from daemon.agents.acp_wire import PROTOCOL_VERSION, AgentWire, Params, RpcError, stdio_wire
 from daemon.agents.mock_store import (
     CONFIG_VALUES,
     MODES,
@@ -115,11 +90,11 @@ SLOW_INTERVAL = 1.0
 ENOSPC_RETRY_S = 0.2
 """Seconds between attempts to record a chunk while its state dir's filesystem is full."""
 PERMISSION_OPTIONS = [
-    PermissionOption(option_id="allow", name="Allow", kind="allow_once"),
-    PermissionOption(option_id="reject", name="Reject", kind="reject_once"),
+    {"optionId": "allow", "name": "Allow", "kind": "allow_once"},
+    {"optionId": "reject", "name": "Reject", "kind": "reject_once"},
 ]
-_CONFIG_LABELS: dict[str, tuple[str, Literal["model", "thought_level"]]] = {
-    "model": ("Model", "model"), "effort": ("Effort", "thought_level")}
+_CONFIG_LABELS = {"model": ("Model", "model"), "effort": ("Effort", "thought_level")}
+StopReason = str
 
 
 def _rejected(switch: Any, value: str) -> bool:
@@ -136,53 +111,77 @@ def _int_arg(args: list[str]) -> int | None:
         return None
 
 
-def _modes(rec: SessionRecord) -> SessionModeState:
-    return SessionModeState(
-        current_mode_id=rec.mode,
-        available_modes=[SessionMode(id=m, name=m.capitalize()) for m in MODES],
-    )
+def _modes(rec: SessionRecord) -> dict[str, Any]:
+    return {"currentModeId": rec.mode, "availableModes": [{"id": m, "name": m.capitalize()} for m in MODES]}
 
 
-def _config_options(rec: SessionRecord) -> list[SessionConfigOptionSelect | SessionConfigOptionBoolean]:
+def _config_options(rec: SessionRecord) -> list[dict[str, Any]]:
     return [
-        SessionConfigOptionSelect(
-            id=config_id,
-            name=_CONFIG_LABELS[config_id][0],
-            category=_CONFIG_LABELS[config_id][1],
-            type="select",
-            current_value=rec.config[config_id],
-            options=[SessionConfigSelectOption(value=v, name=v) for v in values],
-        )
+        {
+            "id": config_id,
+            "name": _CONFIG_LABELS[config_id][0],
+            "category": _CONFIG_LABELS[config_id][1],
+            "type": "select",
+            "currentValue": rec.config[config_id],
+            "options": [{"value": v, "name": v} for v in values],
+        }
         for config_id, values in CONFIG_VALUES.items()
     ]
 
 
+def _text_update(kind: str, text: str) -> dict[str, Any]:
+    """An ``agent_message_chunk`` or ``user_message_chunk`` update of one text block."""
+    return {"sessionUpdate": kind, "content": {"type": "text", "text": text}}
+
+
+def _str_param(params: Params, name: str) -> str:
+    value = params.get(name)
+    if not isinstance(value, str):
+        raise RpcError.invalid_params({name: value, "details": f"{name} must be a string"})
+    return value
+
+
 class MockAgent:
-    """Implements the ``acp.Agent`` protocol (only the methods the mock supports)."""
+    """The ACP agent methods the mock supports (``handlers``); any other is ``Method not found``."""
 
     def __init__(self) -> None:
-        self._client: Client | None = None
+        self._wire: AgentWire | None = None
         self._sessions: dict[str, SessionRecord] = {}
         self._turns: dict[str, asyncio.Event] = {}  # session id -> cancel flag of its running turn
         self._replay_task: asyncio.Task[None] | None = None  # a replay after the load's answer
 
-    def on_connect(self, conn: Client) -> None:
-        self._client = conn
+    def handlers(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The requests and the notifications the mock answers, by ACP method name."""
+        requests = {
+            "initialize": self.initialize,
+            "session/new": self.new_session,
+            "session/load": self.load_session,
+            "session/set_mode": self.set_session_mode,
+            "session/set_config_option": self.set_config_option,
+            "session/prompt": self.prompt,
+        }
+        return requests, {"session/cancel": self.cancel}
+
+    def connect(self, wire: AgentWire) -> None:
+        self._wire = wire
 
     @property
-    def client(self) -> Client:
-        assert self._client is not None, "on_connect was not called"
-        return self._client
+    def wire(self) -> AgentWire:
+        assert self._wire is not None, "connect was not called"
+        return self._wire
 
     def _session(self, session_id: str) -> SessionRecord:
         rec = self._sessions.get(session_id)
         if rec is None:
-            raise RequestError.invalid_params({"sessionId": session_id, "details": "unknown session"})
+            raise RpcError.invalid_params({"sessionId": session_id, "details": "unknown session"})
         return rec
+
+    async def _update(self, session_id: str, update: dict[str, Any]) -> None:
+        await self.wire.notify("session/update", {"sessionId": session_id, "update": update})
 
     async def _say(self, rec: SessionRecord, text: str) -> None:
         """Send one agent message chunk, then record it (so a kill never records an unsent chunk)."""
-        await self.client.session_update(rec.session_id, update_agent_message_text(text))
+        await self._update(rec.session_id, _text_update("agent_message_chunk", text))
         while True:
             try:
                 rec.append("agent", text)
@@ -194,19 +193,20 @@ class MockAgent:
 
     # -- lifecycle -----------------------------------------------------------
 
-    async def initialize(self, protocol_version: int, **kwargs: Any) -> InitializeResponse:
-        log.info("initialize protocol_version=%s", protocol_version)
+    async def initialize(self, params: Params) -> dict[str, Any]:
+        log.info("initialize protocol_version=%s", params.get("protocolVersion"))
         if read_switches(os.getcwd()).get("fail_initialize"):
             log.info("fail_initialize set: exiting 3")
             os._exit(3)
         agent = get_agent("mock")
-        return InitializeResponse(
-            protocol_version=acp.PROTOCOL_VERSION,
-            agent_capabilities=AgentCapabilities(load_session=True),
-            agent_info=Implementation(name="kandev-mock", version=agent.version),
-        )
+        return {
+            "protocolVersion": PROTOCOL_VERSION,
+            "agentCapabilities": {"loadSession": True},
+            "agentInfo": {"name": "kandev-mock", "version": agent.version},
+        }
 
-    async def new_session(self, cwd: str, **kwargs: Any) -> NewSessionResponse:
+    async def new_session(self, params: Params) -> dict[str, Any]:
+        cwd = _str_param(params, "cwd")
         rec = SessionRecord(session_id=uuid.uuid4().hex, cwd=cwd)
         rec.save()
         reset = bool(self._sessions)
@@ -215,100 +215,91 @@ class MockAgent:
         if reset:
             # A new session on a process that already has one is a context reset: like real
             # adapters, it announces its defaults before it answers (the race RESETCFG-1 and RESETCFG-5 guard against).
-            await self.client.session_update(
-                rec.session_id, CurrentModeUpdate(session_update="current_mode_update", current_mode_id=rec.mode)
-            )
-            await self.client.session_update(
-                rec.session_id,
-                ConfigOptionUpdate(session_update="config_option_update", config_options=_config_options(rec)),
-            )
-        return NewSessionResponse(
-            session_id=rec.session_id, modes=_modes(rec), config_options=_config_options(rec)
-        )
+            await self._update(rec.session_id, {"sessionUpdate": "current_mode_update", "currentModeId": rec.mode})
+            await self._update(rec.session_id,
+                               {"sessionUpdate": "config_option_update", "configOptions": _config_options(rec)})
+        return {"sessionId": rec.session_id, "modes": _modes(rec), "configOptions": _config_options(rec)}
 
-    async def load_session(self, cwd: str, session_id: str, **kwargs: Any) -> LoadSessionResponse:
+    async def load_session(self, params: Params) -> dict[str, Any]:
+        cwd, session_id = _str_param(params, "cwd"), _str_param(params, "sessionId")
         log.info("session/load cwd=%s session=%s", cwd, session_id)
         switches = read_switches(cwd)
         if switches.get("exit_on_load"):  # the transport drops before session/load completes
             log.info("exit_on_load set: exiting 4")
             os._exit(4)
         if switches.get("fail_load"):
-            raise RequestError.internal_error({"details": "fail_load is set in .kandev-mock.toml"})
+            raise RpcError.internal_error({"details": "fail_load is set in .kandev-mock.toml"})
         rec = SessionRecord.load(session_id, cwd)
         if rec is None:
-            raise RequestError.invalid_params(
-                {"sessionId": session_id, "details": f"no such session in {state_dir(cwd)}"}
-            )
+            raise RpcError.invalid_params({"sessionId": session_id, "details": f"no such session in {state_dir(cwd)}"})
         if switches.get("replay_after_load"):
             self._replay_task = asyncio.create_task(self._replay(session_id, rec, pace=0.05))
         else:
             await self._replay(session_id, rec)
         self._sessions[session_id] = rec
-        return LoadSessionResponse(modes=_modes(rec), config_options=_config_options(rec))
+        return {"modes": _modes(rec), "configOptions": _config_options(rec)}
 
     async def _replay(self, session_id: str, rec: SessionRecord, pace: float = 0.0) -> None:
         for entry in rec.history:
             if pace:
                 await asyncio.sleep(pace)
-            update = update_user_message_text if entry.role == "user" else update_agent_message_text
-            await self.client.session_update(session_id, update(entry.text))
+            kind = "user_message_chunk" if entry.role == "user" else "agent_message_chunk"
+            await self._update(session_id, _text_update(kind, entry.text))
 
     # -- runtime configuration -----------------------------------------------
 
-    async def set_session_mode(self, session_id: str, mode_id: str, **kwargs: Any) -> SetSessionModeResponse:
+    async def set_session_mode(self, params: Params) -> dict[str, Any]:
+        session_id, mode_id = _str_param(params, "sessionId"), _str_param(params, "modeId")
         log.info("session/set_mode session=%s mode=%s", session_id, mode_id)
         rec = self._session(session_id)
         if mode_id not in MODES:
-            raise RequestError.invalid_params({"modeId": mode_id, "details": f"modes are {list(MODES)}"})
+            raise RpcError.invalid_params({"modeId": mode_id, "details": f"modes are {list(MODES)}"})
         if _rejected(read_switches(rec.cwd).get("reject_mode"), mode_id):
-            raise RequestError.internal_error({"details": f"mode {mode_id!r} rejected by .kandev-mock.toml"})
+            raise RpcError.internal_error({"details": f"mode {mode_id!r} rejected by .kandev-mock.toml"})
         if rec.mode != mode_id:
             rec.mode = mode_id
             rec.save()
-            update = CurrentModeUpdate(session_update="current_mode_update", current_mode_id=mode_id)
-            await self.client.session_update(session_id, update)
-        return SetSessionModeResponse()
+            await self._update(session_id, {"sessionUpdate": "current_mode_update", "currentModeId": mode_id})
+        return {}
 
-    async def set_config_option(
-        self, config_id: str, session_id: str, value: str | bool, **kwargs: Any
-    ) -> SetSessionConfigOptionResponse:
+    async def set_config_option(self, params: Params) -> dict[str, Any]:
+        session_id, config_id, value = _str_param(params, "sessionId"), _str_param(params, "configId"), params.get("value")
         log.info("session/set_config_option session=%s %s=%s", session_id, config_id, value)
         rec = self._session(session_id)
         allowed = CONFIG_VALUES.get(config_id)
         if allowed is None or not isinstance(value, str) or value not in allowed:
-            raise RequestError.invalid_params(
-                {"configId": config_id, "value": value, "details": f"options are {CONFIG_VALUES}"}
-            )
+            raise RpcError.invalid_params({"configId": config_id, "value": value, "details": f"options are {CONFIG_VALUES}"})
         if _rejected(read_switches(rec.cwd).get("reject_option"), f"{config_id}={value}"):
-            raise RequestError.internal_error(
-                {"details": f"option {config_id}={value} rejected by .kandev-mock.toml"}
-            )
+            raise RpcError.internal_error({"details": f"option {config_id}={value} rejected by .kandev-mock.toml"})
         if rec.config[config_id] != value:
             rec.config[config_id] = value
             rec.save()
-            options = _config_options(rec)
-            update = ConfigOptionUpdate(session_update="config_option_update", config_options=options)
-            await self.client.session_update(session_id, update)
-        return SetSessionConfigOptionResponse(config_options=_config_options(rec))
+            await self._update(session_id, {"sessionUpdate": "config_option_update", "configOptions": _config_options(rec)})
+        return {"configOptions": _config_options(rec)}
 
     # -- turns ---------------------------------------------------------------
 
-    async def prompt(self, session_id: str, prompt: list[Any], **kwargs: Any) -> PromptResponse:
-        text = "".join(block.text for block in prompt if isinstance(block, TextContentBlock))
+    async def prompt(self, params: Params) -> dict[str, Any]:
+        session_id, blocks = _str_param(params, "sessionId"), params.get("prompt")
+        if not isinstance(blocks, list):
+            raise RpcError.invalid_params({"prompt": blocks, "details": "prompt must be a list of content blocks"})
+        text = "".join(b["text"] for b in blocks if isinstance(b, dict) and b.get("type") == "text"
+                       and isinstance(b.get("text"), str))
         log.info("session/prompt session=%s text=%r", session_id, text)
         rec = self._session(session_id)
         if session_id in self._turns:
-            raise RequestError.invalid_request({"details": "a prompt is already running in this session"})
+            raise RpcError.invalid_request({"details": "a prompt is already running in this session"})
         cancel = self._turns[session_id] = asyncio.Event()
         try:
             rec.append("user", text)
-            return PromptResponse(stop_reason=await self._run_script(rec, text, cancel))
+            return {"stopReason": await self._run_script(rec, text, cancel)}
         finally:
             del self._turns[session_id]
 
-    async def cancel(self, session_id: str, **kwargs: Any) -> None:
+    async def cancel(self, params: Params) -> None:
+        session_id = params.get("sessionId")
         log.info("session/cancel session=%s running=%s", session_id, session_id in self._turns)
-        if turn := self._turns.get(session_id):
+        if isinstance(session_id, str) and (turn := self._turns.get(session_id)):
             turn.set()
 
     async def _run_script(self, rec: SessionRecord, text: str, cancel: asyncio.Event) -> StopReason:
@@ -319,7 +310,7 @@ class MockAgent:
         if command == "/permission" and not args:
             return await self._ask_permission(rec, cancel)
         if command == "/fail" and not args:
-            raise RequestError.internal_error({"details": "mock /fail"})
+            raise RpcError.internal_error({"details": "mock /fail"})
         if command == "/exit" and number is not None and 0 <= number <= 255:
             await self._say(rec, f"exiting {number}")  # written to the pipe once this returns
             log.info("/exit: exiting %d", number)
@@ -349,24 +340,25 @@ class MockAgent:
         return "cancelled" if cancel.is_set() else "end_turn"
 
     async def _ask_permission(self, rec: SessionRecord, cancel: asyncio.Event) -> StopReason:
-        tool_call = ToolCallUpdate(
-            tool_call_id=f"mock-permission-{uuid.uuid4().hex[:8]}", title="mock permission", kind="other"
+        tool_call = {"toolCallId": f"mock-permission-{uuid.uuid4().hex[:8]}", "title": "mock permission",
+                     "kind": "other"}
+        response = await self.wire.request(
+            "session/request_permission",
+            {"sessionId": rec.session_id, "toolCall": tool_call, "options": PERMISSION_OPTIONS},
         )
-        response = await self.client.request_permission(
-            session_id=rec.session_id, tool_call=tool_call, options=PERMISSION_OPTIONS
-        )
-        outcome = response.outcome
-        answer = outcome.option_id if outcome.outcome == "selected" else "cancelled"
+        outcome = response.get("outcome") if isinstance(response, dict) else None
+        selected = isinstance(outcome, dict) and outcome.get("outcome") == "selected"
+        answer = str(outcome.get("optionId")) if selected and isinstance(outcome, dict) else "cancelled"
         await self._say(rec, f"permission: {answer}")
         return "cancelled" if cancel.is_set() or answer == "cancelled" else "end_turn"
 
 
 async def _serve() -> None:
-    reader, writer = await acp.stdio_streams(limit=DEFAULT_STDIO_BUFFER_LIMIT_BYTES)
-    # Every send waits until its bytes are in the pipe: a slow reader blocks the
-    # agent (real backpressure), and /exit never loses its last chunk.
-    writer.transport.set_write_buffer_limits(high=0)
-    await acp.run_agent(MockAgent(), writer, reader)  # type: ignore[arg-type]  # partial acp.Agent: the rest is method_not_found
+    agent = MockAgent()
+    requests, notifications = agent.handlers()
+    wire = await stdio_wire(requests, notifications)
+    agent.connect(wire)
+    await wire.serve()
 
 
 async def _git_credential(cwd: str) -> str:
@@ -480,7 +472,6 @@ def main() -> None:
     log.info("start cwd=%s switches=%s", os.getcwd(), read_switches(os.getcwd()))
     asyncio.run(_serve())
     log.info("stdin closed: exiting")
-    gc.freeze()  # the teardown then skips walking the SDK's pydantic models once more (~0.05 s a start)
 
 
 if __name__ == "__main__":
