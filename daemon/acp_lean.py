@@ -1,8 +1,9 @@
 """The ACP SDK imported without the work kandev never uses (imported for effect, before the SDK).
 
-Every session start runs a new mock process, and every control-server start (each reload in
-place re-executes it) imports the SDK; most of what either costs is importing the SDK: ``acp.schema`` defines some 270 pydantic models, and pydantic finishes each one as its
-class statement runs. Two parts of that are work no agent conversation uses:
+Every control-server start (each reload in place re-executes it, and its preflight imports
+the same) imports the SDK, and that import is most of what a start costs: ``acp.schema``
+defines some 270 pydantic models, and pydantic finishes each one as its class statement runs.
+Two parts of that are work no agent conversation uses:
 
 - the SDK's models ask for attribute docstrings (``use_attribute_docstrings``), so for every
   class pydantic walks the stack, reads ``schema.py``'s source and parses the class's block, only
@@ -11,14 +12,14 @@ class statement runs. Two parts of that are work no agent conversation uses:
 
 Imported before the SDK, this module turns both off for the process: no attribute docstrings,
 and models finished on first use (pydantic's ``defer_build``: the same validation, built when a
-model is first validated or dumped instead of at import). That takes the mock's import from
-about 1.1 s to about 0.5 s of CPU on the CI machine (a control server's start: 1.45 s to 0.9 s).
+model is first validated or dumped instead of at import). That took a control server's start
+from 1.45 s to 0.9 s of CPU on the CI machine.
 
 Neither setting has a public switch for a third party's models, so both are set where
 pydantic keeps them; a pydantic without them is left as it is (the import is then just slower).
-The mock agent and the control server (``daemon.agentctl.main``) import this module first; the
-control server's preload then builds the validators of the models every conversation uses before
-it reports ready (``daemon.agentctl.preload.warm_up``). The backend does not import the SDK at
+The control server (``daemon.agentctl.main``) imports this module first (the mock agent does
+not use the SDK: ``daemon.agents.acp_wire``); its preload then builds the validators of the
+models every conversation uses before it reports ready (``daemon.agentctl.preload.warm_up``). The backend does not import the SDK at
 start at all (only a runtime probe does).
 """
 

@@ -31,8 +31,8 @@ def test_unknown_agent_is_a_keyerror_naming_the_known_ones():
         get_agent("nope")
 
 
-def test_the_mock_imports_the_acp_sdk_lean_and_validates_the_same():
-    """The mock's start imports the SDK with pydantic's attribute docstrings off and its models
+def test_the_acp_sdk_imported_lean_validates_the_same():
+    """The control server imports the SDK with pydantic's attribute docstrings off and its models
     finished on first use (daemon/acp_lean.py); a model still validates as before. In a
     child process: the settings are process-wide, and no other process of kandev takes them."""
     script = (
