@@ -35,6 +35,7 @@ from daemon.version import VERSION
 from ipc.client import Event
 from tests.support.aio import run
 from tests.support.paths import REPO_ROOT
+from tests.support.streams import wait_instance
 from tests.support.waiting import eventually, wait_until
 from tests.support.workspaces import for_agent
 
@@ -202,7 +203,7 @@ def test_reload_hands_over_turns_permissions_and_held_back_output(server: Server
         stream = await client.attach(slow["instance_id"])
         await read_until(stream, lambda e: len(chunks(seen)) >= 2, seen)
         # the flood parks at the detached bound (100 retained); the permission request is open
-        flood_listing = await wait_instance(client, flood["instance_id"], lambda i: i["paused"])
+        flood_listing = await wait_instance(client, flood["instance_id"], lambda i: i["paused"], STEP)
         assert flood_listing["retained_events"] == 100
         perm_request = await wait_permission(client, perm["instance_id"])
         before = await client.server_info()
@@ -255,15 +256,6 @@ def test_reload_hands_over_turns_permissions_and_held_back_output(server: Server
     assert srv.proc.poll() is None
     assert srv.events("agentctl_reexecuted") and not srv.events("reload_refused")
     assert not srv.events("handover_incomplete")
-
-
-async def wait_instance(client: AgentctlClient, instance_id: str, predicate: Any) -> dict[str, Any]:
-    """The listing of ``instance_id`` once ``predicate`` holds for it (``STEP`` at most)."""
-    async def matching() -> dict[str, Any] | None:
-        return next((i for i in await client.list_instances()
-                     if i["instance_id"] == instance_id and predicate(i)), None)
-
-    return await eventually(matching, STEP, message=f"instance {instance_id} matching")
 
 
 async def wait_permission(client: AgentctlClient, instance_id: str) -> str:
@@ -491,7 +483,7 @@ def test_nothing_is_imported_after_ready_and_replaced_files_change_nothing(serve
         await eventually(idle, STEP, message="no turn running")
         await client.reset_context(iid)
         await client.prompt(iid, "/exit 3")
-        await wait_instance(client, iid, lambda i: i["state"] == "exited")
+        await wait_instance(client, iid, lambda i: i["state"] == "exited", STEP)
         await client.stop_instance(iid)
 
     async def scenario() -> None:

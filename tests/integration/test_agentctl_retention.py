@@ -27,7 +27,14 @@ from ipc.client import Event
 from tests.support.agentctl import STEP, Server, start_server, stop_server, write_launch
 from tests.support.aio import run
 from tests.support.processes import group_exists
-from tests.support.streams import chunks, collect_until, turn_ended, wait_outcome
+from tests.support.streams import (
+    chunks,
+    collect_until,
+    instance_entry,
+    turn_ended,
+    wait_instance,
+    wait_outcome,
+)
 from tests.support.waiting import eventually, wait_until
 
 pytestmark = pytest.mark.timeout(240)
@@ -53,23 +60,12 @@ def make_server(private_root: Path) -> Iterator[Callable[..., Server]]:
             stop_server(srv)
 
 
-async def entry_of(client: AgentctlClient, iid: str) -> dict[str, Any]:
-    for entry in await client.list_instances():
-        if entry["instance_id"] == iid:
-            return entry
-    raise AssertionError(f"instance {iid} is not listed")
-
-
 async def retained_at_least(client: AgentctlClient, iid: str, n: int) -> bool:
-    return int((await entry_of(client, iid))["retained_events"]) >= n
+    return int((await instance_entry(client, iid))["retained_events"]) >= n
 
 
 async def until_paused(client: AgentctlClient, iid: str, timeout: float = STEP) -> dict[str, Any]:
-    async def paused() -> dict[str, Any] | None:
-        entry = await entry_of(client, iid)
-        return entry if entry["paused"] else None
-
-    return await eventually(paused, timeout, message=f"instance {iid} paused")
+    return await wait_instance(client, iid, lambda entry: entry["paused"], timeout, what="paused")
 
 
 def history_lines(server: Server, acp_session_id: str) -> int:
@@ -124,14 +120,14 @@ def test_flood_5000_detached_pauses_the_agent_then_attach_hands_over_everything(
             progress = [history_lines(server, sid)]
             for _ in range(3):  # the pause holds: no progress, nothing retained beyond the bound
                 await asyncio.sleep(0.7)
-                entries.append(await entry_of(client, iid))
+                entries.append(await instance_entry(client, iid))
                 progress.append(history_lines(server, sid))
             assert agent_alive(pid)
             assert (await client.turn_status(iid)) == {"current_turn_id": turn, "outcomes": []}
             stream = await client.attach(iid, 0)
             try:
                 events = await collect_until(stream, turn_ended(turn), timeout=STEP * 3)
-                after = await entry_of(client, iid)
+                after = await instance_entry(client, iid)
             finally:
                 await stream.close()
             return events, entries, progress, pid, after
@@ -168,10 +164,10 @@ def test_pause_is_per_instance_by_its_own_stream(make_server):
                 turn_a = await client.prompt(a["instance_id"], f"/flood {n}")
                 turn_b = await client.prompt(b["instance_id"], f"/flood {n}")
                 events = await collect_until(stream, turn_ended(turn_a), timeout=STEP * 3)
-                entry_a = await entry_of(client, a["instance_id"])
+                entry_a = await instance_entry(client, a["instance_id"])
                 entry_b = await until_paused(client, b["instance_id"])
                 await settle_progress(server, b["acp_session_id"])
-                entry_b = await entry_of(client, b["instance_id"])
+                entry_b = await instance_entry(client, b["instance_id"])
                 status_b = await client.turn_status(b["instance_id"])
                 assert status_b["current_turn_id"] == turn_b and status_b["outcomes"] == []
             finally:
@@ -250,7 +246,7 @@ def test_limit_extremes(make_server, limit: int, n: int):
             turn = await client.prompt(iid, f"/flood {n}")
             entry = await until_paused(client, iid, timeout=STEP * 3)
             await asyncio.sleep(0.3)  # a window: paused at the bound, it stays exactly there
-            entry = await entry_of(client, iid)
+            entry = await instance_entry(client, iid)
             stream = await client.attach(iid, 0)
             try:
                 events = await collect_until(stream, turn_ended(turn), timeout=STEP * 3)
@@ -279,7 +275,7 @@ def test_permission_raised_while_detached_stays_open_then_is_answered_after_atta
             turn = await client.prompt(iid, "/permission")
             await eventually(lambda: retained_at_least(client, iid, 2), STEP, message="2 events retained")
             await asyncio.sleep(6.0)  # a window longer than the old 5 s auto-cancel timer
-            entry = await entry_of(client, iid)
+            entry = await instance_entry(client, iid)
             assert entry["retained_events"] == 2 and entry["paused"] is False
             assert (await client.turn_status(iid))["current_turn_id"] == turn
             stream = await client.attach(iid, 0)
@@ -372,7 +368,7 @@ def test_agent_exit_while_paused_is_reported_after_its_held_back_output(make_ser
             await until_paused(client, iid)
             wait_until(lambda: not agent_alive(created["pid"]), 10, message="the agent exited")
             await asyncio.sleep(3.0)  # longer than the stdout drain grace
-            entry = await entry_of(client, iid)
+            entry = await instance_entry(client, iid)
             stream = await client.attach(iid, 0)
             try:
                 events = await collect_until(stream, turn_ended(turn))

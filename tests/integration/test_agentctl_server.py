@@ -37,7 +37,7 @@ from tests.support.agentctl import MOCK, STEP, Server, server_env, start_server,
 from tests.support.aio import run
 from tests.support.paths import REPO_ROOT
 from tests.support.processes import group_exists
-from tests.support.streams import chunks, collect_until, turn_ended, wait_outcome
+from tests.support.streams import chunks, collect_until, turn_ended, wait_instance, wait_outcome
 from tests.support.waiting import eventually, wait_until
 
 pytestmark = pytest.mark.timeout(180)
@@ -303,12 +303,7 @@ def test_flood_while_detached_is_retained_and_handed_over_in_order(server: Serve
         async with await server.connect() as client:
             iid = (await server.create(client))["instance_id"]
             turn = await client.prompt(iid, f"/flood {n}")
-
-            async def paused() -> dict[str, Any] | None:
-                entry = (await client.list_instances())[0]
-                return entry if entry["paused"] else None
-
-            entry = await eventually(paused, STEP, message="the instance paused")
+            entry = await wait_instance(client, iid, lambda e: e["paused"], what="paused")
             stream = await client.attach(iid, 0)
             try:
                 events = await collect_until(stream, turn_ended(turn))

@@ -102,3 +102,24 @@ async def wait_outcome(client: AgentctlClient, instance_id: str, turn_id: str) -
         return next((o for o in status["outcomes"] if o["turn_id"] == turn_id), None)
 
     return await eventually(outcome, STEP * 2, message=f"the outcome of turn {turn_id}")
+
+
+async def instance_entry(client: AgentctlClient, instance_id: str) -> dict[str, Any]:
+    """The control server's listing of one instance; an instance that is not listed fails."""
+    for entry in await client.list_instances():
+        if entry["instance_id"] == instance_id:
+            return entry
+    raise AssertionError(f"instance {instance_id} is not listed")
+
+
+async def wait_instance(
+    client: AgentctlClient, instance_id: str, predicate: Callable[[dict[str, Any]], Any], timeout: float = STEP,
+    what: str = "matching",
+) -> dict[str, Any]:
+    """The listing of ``instance_id`` once ``predicate`` holds for it (``timeout`` at most; an
+    instance that is not listed fails at once)."""
+    async def matching() -> dict[str, Any] | None:
+        entry = await instance_entry(client, instance_id)
+        return entry if predicate(entry) else None
+
+    return await eventually(matching, timeout, message=f"instance {instance_id} {what}")

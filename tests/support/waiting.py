@@ -26,17 +26,12 @@ def wait_until(
     Bounded: raises ``TimeoutError`` after ``timeout`` seconds (the predicate is tried one
     last time at the deadline). Exceptions raised by the predicate propagate at once.
     """
-    _check_bounds("wait_until", timeout, interval)
-    deadline = time.monotonic() + timeout
+    bound = _Bound("wait_until", timeout, interval, message or getattr(predicate, "__name__", repr(predicate)))
     while True:
         value = predicate()
         if value:
             return value
-        now = time.monotonic()
-        if now >= deadline:
-            what = message or getattr(predicate, "__name__", repr(predicate))
-            raise TimeoutError(f"wait_until: {what} still false after {timeout:g}s (last value {value!r})")
-        time.sleep(min(interval, deadline - now))
+        time.sleep(bound.pause(value))
 
 
 async def eventually(
@@ -53,20 +48,27 @@ async def eventually(
     Bounded: raises ``TimeoutError`` after ``timeout`` seconds (the probe is tried one last
     time at the deadline). Exceptions raised by the probe propagate at once.
     """
-    _check_bounds("eventually", timeout, interval)
-    deadline = time.monotonic() + timeout
+    bound = _Bound("eventually", timeout, interval, message or getattr(probe, "__name__", repr(probe)))
     while True:
         result = probe()
         value = cast(T, await result) if inspect.isawaitable(result) else cast(T, result)
         if value:
             return value
+        await asyncio.sleep(bound.pause(value))
+
+
+class _Bound:
+    """The deadline of one wait: how long to pause before the next try, or the timeout."""
+
+    def __init__(self, who: str, timeout: float, interval: float, what: str) -> None:
+        if timeout < 0 or interval <= 0:
+            raise ValueError(f"{who}: bad timeout={timeout!r} / interval={interval!r}")
+        self.who, self.timeout, self.interval, self.what = who, timeout, interval, what
+        self.deadline = time.monotonic() + timeout
+
+    def pause(self, last_value: object) -> float:
+        """Seconds to wait before the next try; ``TimeoutError`` once the deadline has passed."""
         now = time.monotonic()
-        if now >= deadline:
-            what = message or getattr(probe, "__name__", repr(probe))
-            raise TimeoutError(f"eventually: {what} still false after {timeout:g}s (last value {value!r})")
-        await asyncio.sleep(min(interval, deadline - now))
-
-
-def _check_bounds(who: str, timeout: float, interval: float) -> None:
-    if timeout < 0 or interval <= 0:
-        raise ValueError(f"{who}: bad timeout={timeout!r} / interval={interval!r}")
+        if now >= self.deadline:
+            raise TimeoutError(f"{self.who}: {self.what} still false after {self.timeout:g}s (last value {last_value!r})")
+        return min(self.interval, self.deadline - now)
