@@ -73,7 +73,15 @@ from typing import Any
 
 import psutil
 
-from daemon.agents.acp_wire import PROTOCOL_VERSION, AgentWire, Params, RpcError, stdio_wire
+from daemon.agents.acp_wire import (
+    PROTOCOL_VERSION,
+    AgentWire,
+    NotificationHandler,
+    Params,
+    RequestHandler,
+    RpcError,
+    stdio_wire,
+)
 from daemon.agents.mock_store import (
     CONFIG_VALUES,
     MODES,
@@ -150,9 +158,9 @@ class MockAgent:
         self._turns: dict[str, asyncio.Event] = {}  # session id -> cancel flag of its running turn
         self._replay_task: asyncio.Task[None] | None = None  # a replay after the load's answer
 
-    def handlers(self) -> tuple[dict[str, Any], dict[str, Any]]:
+    def handlers(self) -> tuple[dict[str, RequestHandler], dict[str, NotificationHandler]]:
         """The requests and the notifications the mock answers, by ACP method name."""
-        requests = {
+        requests: dict[str, RequestHandler] = {
             "initialize": self.initialize,
             "session/new": self.new_session,
             "session/load": self.load_session,
@@ -347,8 +355,10 @@ class MockAgent:
             {"sessionId": rec.session_id, "toolCall": tool_call, "options": PERMISSION_OPTIONS},
         )
         outcome = response.get("outcome") if isinstance(response, dict) else None
-        selected = isinstance(outcome, dict) and outcome.get("outcome") == "selected"
-        answer = str(outcome.get("optionId")) if selected and isinstance(outcome, dict) else "cancelled"
+        if isinstance(outcome, dict) and outcome.get("outcome") == "selected":
+            answer = str(outcome.get("optionId"))
+        else:
+            answer = "cancelled"
         await self._say(rec, f"permission: {answer}")
         return "cancelled" if cancel.is_set() or answer == "cancelled" else "end_turn"
 
