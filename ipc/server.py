@@ -4,19 +4,25 @@ The server owns the protocol mechanics so that a daemon only writes
 handlers: peer admission by ``SO_PEERCRED`` before any frame is read, the
 request envelope ``{v, id, op, args}``, the built-in ``hello``, argument
 validation against the table, the ``authorize`` hook, concurrent dispatch
-(one task per request, bounded per connection) with
+(one task per request that may wait, bounded per connection) with
 out-of-order responses, typed error responses, and stream ops. A bad frame
 or a failing handler costs at most that request (or, when the stream cannot
 be resynchronised, that connection); never the server.
 
-Handlers are ``async def handler(ctx, args) -> result``. When the peer goes
-away, ordinary handlers still run to completion (their response is
-dropped), while a stream handler is cancelled. ``close()`` cancels all.
+Handlers are ``async def handler(ctx, args) -> result``, or a plain
+``def handler(ctx, args) -> result`` for an answer that needs no waiting (a
+read of in-memory state, a flag set, a task started): the server calls a plain
+handler as soon as its request is read and writes the response at once, with
+no task in between (a task per request was a fifth of a round trip). Stream
+handlers are always ``async``. When the peer goes away, ordinary handlers
+still run to completion (their response is dropped), while a stream handler
+is cancelled. ``close()`` cancels all.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import os
 import socket
@@ -35,11 +41,14 @@ from .peercred import peer_admitted, peer_credentials
 from .schema import Op, OpTable
 from .server_protocol import REFUSAL_LINGER_S, ConnectionLimits, ServerProtocol, error_frame
 
-__all__ = ["HELLO", "Authorize", "ConnectionContext", "Handler", "IpcServer"]
+__all__ = ["HELLO", "AsyncHandler", "Authorize", "ConnectionContext", "Handler", "IpcServer", "PlainHandler"]
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[ConnectionContext, dict[str, Any]], Awaitable[Any]]
+AsyncHandler = Callable[[ConnectionContext, dict[str, Any]], Awaitable[Any]]
+PlainHandler = Callable[[ConnectionContext, dict[str, Any]], Any]
+Handler = AsyncHandler | PlainHandler
+"""An op's handler: ``async def`` (it runs in a task of its own) or plain ``def`` (called inline)."""
 Authorize = Callable[[ConnectionContext, Op], None]
 
 _CLOSE_GRACE = 1.0  # seconds close() lets connections flush before aborting them
@@ -108,6 +117,12 @@ class IpcServer:
         self.path = check_socket_path(path)
         self.table = table
         self._handlers = dict(handlers)
+        # Plain-function handlers, answered inline (see the module doc); a stream op's handler waits
+        # for its peer by nature, so it must be a coroutine function.
+        self._plain = frozenset(name for name, h in self._handlers.items() if not inspect.iscoroutinefunction(h))
+        plain_streams = sorted(name for name in self._plain if table.get(name).stream)
+        if plain_streams:
+            raise ValueError(f"stream ops need an async handler: {', '.join(plain_streams)}")
         # Each request's task is named after its op (task dumps), with names made once: a task
         # left to name itself formats "Task-<n>" at every request.
         self._task_names = {name: f"ipc.{name}" for name in self._handlers}
@@ -282,6 +297,9 @@ class IpcServer:
         if op is None:  # hello
             ctx.send_soon(encode_frame({"id": rid, "ok": True, "result": args}))
             return
+        if op.name in self._plain:
+            self._answer_now(conn, ctx, op, rid, args)
+            return
         conn.inflight += 1
         task = asyncio.get_running_loop().create_task(self._run(conn, ctx, op, rid, args),
                                                       name=self._task_names.get(op.name))
@@ -331,6 +349,51 @@ class IpcServer:
             f"{self.table.protocol} speaks protocol {major}.{minor}; client asked for major {v}",
         )
 
+    def _answer_now(
+        self, conn: ServerProtocol, ctx: ConnectionContext, op: Op, rid: Any, args: dict[str, Any]
+    ) -> None:
+        """Call a plain handler and write its response now. While our writes to the peer are
+        paused the connection reads no request at all (``ServerProtocol.process``), so this runs
+        only when the peer reads; if another response still holds the write path (an async
+        handler's, waiting for the peer), a task writes this one after it, counted in flight like
+        a running handler (so a half-closed peer still gets it)."""
+        try:
+            data = self._result_frame(op, rid, self._handlers[op.name](ctx, args))
+        except IpcError as exc:
+            data = error_frame(rid, exc)
+        except Exception:
+            data = error_frame(rid, self._internal_error(op))
+        if ctx.closing or ctx.try_send(data):
+            return
+        conn.inflight += 1
+        task = asyncio.get_running_loop().create_task(self._send_late(conn, ctx, data),
+                                                      name=self._task_names.get(op.name))
+        self._handler_tasks.add(task)
+
+    async def _send_late(self, conn: ServerProtocol, ctx: ConnectionContext, data: bytes) -> None:
+        """Write a plain handler's response once the peer reads again (see ``_answer_now``)."""
+        try:
+            await ctx.send_frame(data)
+        except ConnectionClosed:
+            pass  # the peer left: nobody to answer
+        finally:
+            self._handler_tasks.discard(asyncio.current_task())
+            conn.task_done()
+
+    def _internal_error(self, op: Op) -> IpcError:
+        """Log the handler's exception (being handled) and say only that it failed."""
+        log.exception("ipc server %s: handler for %s failed", self.path, op.name)
+        return IpcError(ErrorCode.INTERNAL, f"internal error in {op.name}")
+
+    def _result_frame(self, op: Op, rid: Any, result: Any) -> bytes:
+        """The encoded ok response, or an error response if msgpack cannot carry the result."""
+        try:
+            return encode_frame({"id": rid, "ok": True, "result": result})
+        except IpcError as exc:
+            log.error("ipc server %s: result of %s not sendable: %s", self.path, op.name, exc)
+            code = exc.code if isinstance(exc, FrameTooLarge) else ErrorCode.INTERNAL
+            return error_frame(rid, IpcError(code, f"result of {op.name} not sendable"))
+
     async def _run(
         self, conn: ServerProtocol, ctx: ConnectionContext, op: Op, rid: Any, args: dict[str, Any]
     ) -> None:
@@ -340,23 +403,14 @@ class IpcServer:
             except IpcError as exc:
                 error: IpcError | None = exc
             except Exception:
-                log.exception("ipc server %s: handler for %s failed", self.path, op.name)
-                error = IpcError(ErrorCode.INTERNAL, f"internal error in {op.name}")
+                error = self._internal_error(op)
             else:
                 error = None
             if op.stream and ctx.streaming:
                 if error is not None:  # the stream ends with the error, then closes
                     await ctx.send_frame(error_frame(rid, error))
                 return
-            if error is None:
-                try:
-                    data = encode_frame({"id": rid, "ok": True, "result": result})
-                except IpcError as exc:
-                    log.error("ipc server %s: result of %s not sendable: %s", self.path, op.name, exc)
-                    code = exc.code if isinstance(exc, FrameTooLarge) else ErrorCode.INTERNAL
-                    data = error_frame(rid, IpcError(code, f"result of {op.name} not sendable"))
-            else:
-                data = error_frame(rid, error)
+            data = self._result_frame(op, rid, result) if error is None else error_frame(rid, error)
             if not ctx.try_send(data):
                 await ctx.send_frame(data)
             elif ctx.write_paused:

@@ -60,11 +60,11 @@ def handlers(server: ServerContext) -> dict[str, Handler]:
             inst.detach(sub)
             log.debug("conn %d: detached from %s", server.conn_id(ctx), inst.instance_id)
 
-    async def ack_events(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+    def ack_events(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         discarded = server.get(args["instance_id"]).ack_events(args["seq"])
         return {"discarded": discarded}
 
-    async def turn_status(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+    def turn_status(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         faults.hit("agentctl_turn_status_fails")  # test fault, off unless $KANDEV_FAULT says so
         return server.get(args["instance_id"]).turn_status()
 
@@ -85,7 +85,7 @@ def handlers(server: ServerContext) -> dict[str, Handler]:
                 statuses[instance_id] = inst.turn_status()
         return {"statuses": statuses, "missing": missing}
 
-    async def ack_turn(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+    def ack_turn(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         turn_id = args["turn_id"]
         for inst in server.instances.values():
             if inst.ack_turn(turn_id):

@@ -125,7 +125,7 @@ def handlers(server: ServerContext, instances: InstanceService, sandbox_host: Sa
         )
         return result
 
-    async def prompt(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+    def prompt(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         inst = server.get(args["instance_id"])
         text = args["text"]
         if len(text) > MAX_TEXT:
@@ -136,7 +136,7 @@ def handlers(server: ServerContext, instances: InstanceService, sandbox_host: Sa
         await server.get(args["instance_id"]).cancel()
         return {}
 
-    async def respond_permission(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+    def respond_permission(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         server.get(args["instance_id"]).respond_permission(args["request_id"], args.get("option_id"))
         return {}
 

@@ -44,7 +44,7 @@ SHUTDOWN_REPLY_GRACE = 0.5
 def handlers(server: ServerContext, conn_auth: ConnectionAuth, instances: InstanceService) -> dict[str, Handler]:
     """The ownership ops' handlers."""
 
-    async def identify(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+    def identify(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         return {
             "server_identity": server.server_identity,
             "capabilities": [c for c in TABLE.capabilities
@@ -53,19 +53,19 @@ def handlers(server: ServerContext, conn_auth: ConnectionAuth, instances: Instan
             "unowned_period_s": server.unowned_period_s,
         }
 
-    async def prove(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+    def prove(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         challenge = args["challenge"]
         if len(challenge) != auth.CHALLENGE_BYTES:
             raise IpcError(ErrorCode.INVALID_ARGUMENT,
                            f"prove: the challenge must be {auth.CHALLENGE_BYTES} bytes, not {len(challenge)}")
         return {"proofs": server.ownership.prove(challenge, server.server_identity, server.installation_id)}
 
-    async def auth_begin(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+    def auth_begin(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         nonce = auth.new_challenge()
         ctx.state["nonce"] = nonce
         return {"nonce": nonce}
 
-    async def auth_finish(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+    def auth_finish(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         cred_id = conn_auth.authenticate(ctx, args["proof"], "auth_finish")
         role = server.ownership.role(cred_id)
         if server.ownership.bootstrap(cred_id):
@@ -95,7 +95,7 @@ def handlers(server: ServerContext, conn_auth: ConnectionAuth, instances: Instan
         # The only time a credential crosses the socket (docs/architecture.md#ownership).
         return {"rotation_id": rotation.rotation_id, "credential": rotation.credential, "replay": rotation.replay}
 
-    async def confirm_rotation(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+    def confirm_rotation(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         confirmation = server.ownership.confirm(args["rotation_id"])
         if confirmation.changed:
             cut = conn_auth.cut(confirmation.cut, f"rotation {confirmation.rotation_id} confirmed")
@@ -109,7 +109,7 @@ def handlers(server: ServerContext, conn_auth: ConnectionAuth, instances: Instan
             )
         return {"rotation_id": confirmation.rotation_id, "changed": confirmation.changed}
 
-    async def claim(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+    def claim(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         server.ownership.claim(ctx.state.get("cred_id"))
         return {"unowned_period_s": server.unowned_period_s}
 

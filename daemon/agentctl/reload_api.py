@@ -22,14 +22,14 @@ from ipc.server import Handler
 def handlers(server: ServerContext) -> dict[str, Handler]:
     """The reload ops' handlers."""
 
-    async def reload(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+    def reload(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         server.refuse_if_shutting_down("reload")
         if server.reloader is None:
             raise IpcError(ErrorCode.CONFLICT, "reload: this server was started without re-exec support")
         attempt = server.reloader.request(f"reload op from pid {ctx.peer.pid}")
         return {"attempt": attempt, "version": VERSION, "pid": os.getpid()}
 
-    async def server_info(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+    def server_info(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         return reload_status.status(server)
 
     return {"reload": reload, "server_info": server_info}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import os
 import time
@@ -92,6 +93,15 @@ class AgentctlServer:
         }
 
     def _logged(self, name: str, handler: Handler) -> Handler:
+        """``handler`` with its op logged at debug level first; a plain handler stays plain (the
+        ipc server answers those inline)."""
+        if not inspect.iscoroutinefunction(handler):
+            def run_now(ctx: ConnectionContext, args: dict[str, Any]) -> Any:
+                log.debug("conn %d (pid %d) op %s", self.context.conn_id(ctx), ctx.peer.pid, name)
+                return handler(ctx, args)
+
+            return run_now
+
         async def run(ctx: ConnectionContext, args: dict[str, Any]) -> Any:
             log.debug("conn %d (pid %d) op %s", self.context.conn_id(ctx), ctx.peer.pid, name)
             return await handler(ctx, args)

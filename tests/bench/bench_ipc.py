@@ -8,7 +8,10 @@ never competes with the server for the GIL):
 - raw: a blocking AF_UNIX echo server, the client sends a request-sized
   byte string and reads it back (the floor any protocol pays);
 - ipc sync: ``SyncClient.call("echo", ...)`` against an ``IpcServer``;
-- ipc async: ``AsyncClient.call("echo", ...)``, sequential, same server.
+- ipc async: ``AsyncClient.call("echo", ...)``, sequential, same server;
+- ipc sync, task: ``SyncClient.call("echo_task", ...)``: the same echo written as an
+  ``async def`` handler, which the server runs in a task of its own (``echo`` is a plain
+  function, answered inline, as the control server's non-waiting ops are). For information.
 
 The N round trips of each variant are split into interleaved rounds (raw,
 sync, async, raw, ...) so that noise from other processes hits every
@@ -24,8 +27,8 @@ median round, and the ratios ipc/raw, for two placements:
   blocking raw echo hardly moves;
 - spread: no pinning, the scheduler's choice (shown for information).
 
-The target is ratio <= 3 for ``SyncClient`` on the one-CPU placement,
-judged on best rounds (the least noisy estimate, as timeit does); the
+The target is ratio <= 3 for ``SyncClient`` and for ``AsyncClient`` on the
+one-CPU placement, judged on best rounds (the least noisy estimate, as timeit does); the
 verdict is printed as PASS/FAIL but the exit status is 0 either way (a
 benchmark is a measurement, not a gate).
 """
@@ -52,7 +55,10 @@ from ipc import loop as event_loop  # noqa: E402
 
 TARGET_RATIO = 3.0
 PAYLOAD = {"x": 12345, "s": "hello world"}
-TABLE = OpTable("bench", (1, 0), [Op("echo", optional={"x": int, "s": str}, auth=False)])
+TABLE = OpTable("bench", (1, 0), [
+    Op("echo", optional={"x": int, "s": str}, auth=False),
+    Op("echo_task", optional={"x": int, "s": str}, auth=False),
+])
 
 
 # -- servers (run in a subprocess) ---------------------------------------------
@@ -76,11 +82,14 @@ def run_raw_server(path: str) -> None:
 def run_ipc_server(path: str) -> None:
     from ipc import IpcServer
 
-    async def echo(ctx: object, args: dict) -> dict:
+    def echo(ctx: object, args: dict) -> dict:
+        return args
+
+    async def echo_task(ctx: object, args: dict) -> dict:
         return args
 
     async def main() -> None:
-        server = IpcServer(path, TABLE, {"echo": echo})
+        server = IpcServer(path, TABLE, {"echo": echo, "echo_task": echo_task})
         await server.start()
         await asyncio.Event().wait()
 
@@ -138,15 +147,16 @@ class RawClient:
 
 
 class SyncBench:
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, op: str = "echo") -> None:
         self.client = SyncClient(path)
-        assert self.client.call("echo", PAYLOAD) == PAYLOAD
+        self.op = op
+        assert self.client.call(op, PAYLOAD) == PAYLOAD
 
     def run(self, n: int) -> float:
-        call = self.client.call
+        call, op = self.client.call, self.op
         start = time.perf_counter()
         for _ in range(n):
-            call("echo", PAYLOAD)
+            call(op, PAYLOAD)
         return (time.perf_counter() - start) / n * 1e6
 
     def close(self) -> None:
@@ -193,6 +203,7 @@ def main() -> int:
         "raw": "raw AF_UNIX echo (blocking)",
         "sync": "ipc SyncClient  -> IpcServer",
         "async": "ipc AsyncClient -> IpcServer",
+        "sync_task": "ipc SyncClient, async handler",
     }
     all_cpus = sorted(os.sched_getaffinity(0))
     configs = [("one CPU (client and servers pinned together)", {all_cpus[0]})]
@@ -221,12 +232,12 @@ def main() -> int:
                 line += f"   ratio {best[name] / best['raw']:.2f} / {median[name] / median['raw']:.2f}"
             print(line)
         if verdict_ratio is None:
-            verdict_ratio = best["sync"] / best["raw"]
+            verdict_ratio = max(best["sync"], best["async"]) / best["raw"]
     assert verdict_ratio is not None
     verdict = "PASS" if verdict_ratio <= TARGET_RATIO else "FAIL"
     print(
-        f"{verdict}: SyncClient/raw ratio {verdict_ratio:.2f} on best rounds, one CPU "
-        f"(target <= {TARGET_RATIO:g})"
+        f"{verdict}: SyncClient and AsyncClient / raw: ratio at most {verdict_ratio:.2f} on best rounds,"
+        f" one CPU (target <= {TARGET_RATIO:g} for both)"
     )
     return 0
 
@@ -238,7 +249,8 @@ def measure(per_round: int, rounds_count: int) -> dict[str, list[float]]:
         raw_path, ipc_path = os.path.join(tmp, "raw.sock"), os.path.join(tmp, "ipc.sock")
         procs = [start_server("raw", raw_path), start_server("ipc", ipc_path)]
         try:
-            benches = {"raw": RawClient(raw_path), "sync": SyncBench(ipc_path), "async": AsyncBench(ipc_path)}
+            benches = {"raw": RawClient(raw_path), "sync": SyncBench(ipc_path), "async": AsyncBench(ipc_path),
+                       "sync_task": SyncBench(ipc_path, "echo_task")}
             for bench in benches.values():  # warm up
                 bench.run(max(1, per_round // 4))
             rounds: dict[str, list[float]] = {name: [] for name in benches}

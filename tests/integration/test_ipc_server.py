@@ -70,6 +70,12 @@ TABLE = OpTable(
             stream=True,
         ),
         Op("watch", auth=False, stream=True),
+        # Plain-function handlers (answered inline, no task): the same contract as async ones.
+        Op("sum", required={"a": int, "b": int}, optional={"pad": int}, auth=False),
+        Op("sum_async", required={"a": int, "b": int}, optional={"pad": int}, auth=False),
+        Op("refuse", required={"code": str}, auth=False),
+        Op("explode", auth=False),
+        Op("whisper", auth=True),
     ],
     capabilities=["streams", "echo"],
 )
@@ -154,7 +160,27 @@ def make_handlers(rec: Recorder, server_ref: list[IpcServer]) -> dict[str, Any]:
             rec.watch_events.append("cancelled")
             raise
 
+    def sum_(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        return {"sum": args["a"] + args["b"], "pad": b"p" * args.get("pad", 0)}
+
+    async def sum_async(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        return sum_(ctx, args)
+
+    def refuse(ctx: ConnectionContext, args: dict[str, Any]) -> None:
+        raise IpcError(args["code"], "refused inline on purpose")
+
+    def explode(ctx: ConnectionContext, args: dict[str, Any]) -> None:
+        raise RuntimeError("secret internals must not leak")
+
+    def whisper(ctx: ConnectionContext, args: dict[str, Any]) -> str:
+        return "the inline secret"
+
     return {
+        "sum": sum_,
+        "sum_async": sum_async,
+        "refuse": refuse,
+        "explode": explode,
+        "whisper": whisper,
         "echo": echo,
         "add": add,
         "slow": slow,
@@ -540,6 +566,87 @@ def test_half_closed_peer_still_gets_its_responses(server: ServerThread) -> None
         got = {f["id"]: f["result"] for f in (raw.recv(), raw.recv()) if f}
         assert got == {1: "x", 2: 2}
         assert raw.recv() is None
+    finally:
+        raw.close()
+
+
+@pytest.mark.parametrize("client", ["sync", "async"])
+def test_plain_handlers_answer_like_async_ones(server: ServerThread, client: str) -> None:
+    """A plain ``def`` handler (answered inline) has the same contract: result, typed error,
+    internal error without internals, authorization."""
+
+    async def calls(c: Any, call: Any) -> list[Any]:
+        out: list[Any] = [await call(c, "sum", {"a": 2, "b": 3})]
+        for op, args in (("refuse", {"code": ErrorCode.NOT_FOUND}), ("explode", {}), ("whisper", {}),
+                         ("sum", {"a": "x", "b": 1})):
+            try:
+                await call(c, op, args)
+            except IpcError as exc:
+                out.append((exc.code, exc.message))
+        await call(c, "login", {"token": "letmein"})
+        out.append(await call(c, "whisper", {}))
+        return out
+
+    if client == "sync":
+        with SyncClient(server.path) as sc:
+            async def sync_call(c: Any, op: str, args: dict[str, Any]) -> Any:
+                return c.call(op, args)
+            got = asyncio.run(calls(sc, sync_call))
+    else:
+        async def main() -> list[Any]:
+            async with await AsyncClient.connect(server.path) as ac:
+                async def async_call(c: Any, op: str, args: dict[str, Any]) -> Any:
+                    return await c.call(op, args)
+                return await calls(ac, async_call)
+        got = arun(main())
+    assert got[0] == {"sum": 5, "pad": b""}
+    assert got[1] == (ErrorCode.NOT_FOUND, "refused inline on purpose")
+    assert got[2] == (ErrorCode.INTERNAL, "internal error in explode")
+    assert got[3][0] == ErrorCode.UNAUTHENTICATED
+    assert got[4][0] == ErrorCode.INVALID_ARGUMENT
+    assert got[5] == "the inline secret"
+
+
+def test_a_plain_handler_answers_while_an_async_one_waits(server: ServerThread) -> None:
+    raw = Raw(server.path)
+    try:
+        raw.request(1, "slow", {"delay": 0.5, "tag": "a"})
+        raw.request(2, "sum", {"a": 1, "b": 2})
+        frames = [raw.recv(), raw.recv()]
+        assert [(f["id"], f["result"]) for f in frames if f] == [(2, {"sum": 3, "pad": b""}), (1, "a")]
+    finally:
+        raw.close()
+
+
+@pytest.mark.parametrize("half_close", [False, True])
+@pytest.mark.parametrize("mixed", [False, True])
+def test_plain_handler_responses_to_a_peer_not_reading_arrive_once(
+    server: ServerThread, half_close: bool, mixed: bool
+) -> None:
+    """Responses that fill the pipe wait for the peer (the server reads no more requests
+    meanwhile), each once; only plain handlers: in order. Mixed with async handlers, whose
+    responses hold the write path while they wait for the peer, a plain handler's response waits
+    its turn in a task. A peer that half-closed after sending still gets them all, then EOF."""
+    raw = Raw(server.path)
+    n, pad = 48, 256 * 1024  # 12 MiB of responses: far past the socket and transport buffers
+    try:
+        for rid in range(1, n + 1):
+            op = "sum_async" if mixed and rid % 2 else "sum"
+            raw.request(rid, op, {"a": rid, "b": 1, "pad": pad})
+        if half_close:
+            raw.sock.shutdown(socket.SHUT_WR)
+        got = []
+        for _ in range(n):
+            frame = raw.recv()
+            assert frame is not None and frame["ok"] is True, frame
+            got.append((frame["id"], frame["result"]["sum"], len(frame["result"]["pad"])))
+        expected = [(rid, rid + 1, pad) for rid in range(1, n + 1)]
+        assert (sorted(got) if mixed else got) == expected
+        if half_close:
+            assert raw.recv() is None
+        else:
+            raw.request(n + 1, "sum", {"a": 0, "b": 0})
+            assert raw.recv() == {"id": n + 1, "ok": True, "result": {"sum": 0, "pad": b""}}
     finally:
         raw.close()
 
@@ -1230,6 +1337,12 @@ def test_table_must_not_redefine_hello_and_handlers_must_match() -> None:
         IpcServer("/tmp/x.sock", OpTable("t", (1, 0), [Op("a"), Op("b")]), {"a": h})
     with pytest.raises(ValueError, match="not in table"):
         IpcServer("/tmp/x.sock", OpTable("t", (1, 0), [Op("a")]), {"a": h, "zz": h})
+
+    def plain(ctx: ConnectionContext, args: dict[str, Any]) -> None:
+        return None
+
+    with pytest.raises(ValueError, match="stream ops need an async handler: s"):
+        IpcServer("/tmp/x.sock", OpTable("t", (1, 0), [Op("a"), Op("s", stream=True)]), {"a": plain, "s": plain})
 
 
 # -- clients and unreachable servers -------------------------------------------------------
