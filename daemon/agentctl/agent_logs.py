@@ -87,7 +87,9 @@ class StderrSink:
         self.max_bytes = max_bytes
         self.keep_bytes = keep_bytes
         self.cut_bytes = 0  # total dropped by cuts
-        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        # What wakes the drain's poll for pause and close: an eventfd, one descriptor where a pipe
+        # took two (a control server holds one sink per agent, so this is per agent).
+        self._wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._stop = False
         self._eof = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"stderr.{name}", daemon=True)
@@ -106,10 +108,10 @@ class StderrSink:
             out, size = self._open()
             poller = select.poll()
             poller.register(self.read_fd, select.POLLIN)
-            poller.register(self._wake_r, select.POLLIN)
+            poller.register(self._wake, select.POLLIN)
             while not self._stop:
                 ready = {fd for fd, _ in poller.poll()}
-                if self._stop or self._wake_r in ready:
+                if self._stop or self._wake in ready:
                     return
                 data = os.read(self.read_fd, READ_CHUNK)
                 if not data:
@@ -156,17 +158,16 @@ class StderrSink:
             self.read_fd = -1
 
     def _halt(self) -> None:
-        if self._wake_w < 0:
+        if self._wake < 0:
             return
         self._stop = True
         with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"x")
+            os.eventfd_write(self._wake, 1)
         if self._thread.is_alive():
             self._thread.join()
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self._wake_r = self._wake_w = -1
+        with contextlib.suppress(OSError):
+            os.close(self._wake)
+        self._wake = -1
 
     def pause(self) -> int | None:
         """Stop draining, keep the pipe open; its read end (None: the pipe reached its end)."""

@@ -124,7 +124,10 @@ async def create_instances(home: Path, n: int, workspace: Path) -> tuple[list[di
     return made, enumeration
 
 
-FDS_PER_INSTANCE = 4  # the control server's end of the agent's three pipes, and its pidfd
+# Open files per surviving agent, measured: the control server's ends of the agent's three pipes,
+# its pidfd, its stderr file and the stderr drain's wake-up eventfd, then the backend's stream
+# connection once re-tracked.
+FDS_PER_INSTANCE = 7
 
 
 def room_for(n: int) -> str | None:
@@ -136,8 +139,8 @@ def room_for(n: int) -> str | None:
         return (f"the control server needs ~{FDS_PER_INSTANCE * n + 1024} open files for {n} agents;"
                 f" the open-file hard limit here is {hard}")
     pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
-    if n + 2048 > pid_max:
-        return f"{n} agent processes do not fit kernel.pid_max={pid_max}"
+    if 2 * n + 2048 > pid_max:  # each agent's process and the control server's stderr thread for it
+        return f"{n} agent processes and their stderr threads do not fit kernel.pid_max={pid_max}"
     return None
 
 
