@@ -185,8 +185,9 @@ class IpcServer:
         self._server = await loop.create_unix_server(factory, sock=sock, backlog=LISTEN_BACKLOG)
         self._listen_sock = sock
 
-    async def close(self) -> None:
-        """Stop accepting, close every connection, cancel handlers, remove the socket."""
+    async def close(self, *, keep_socket_file: bool = False) -> None:
+        """Stop accepting, close every connection, cancel handlers, remove the socket file (unless
+        ``keep_socket_file``: after ``stop_accepting``, when another server goes on serving it)."""
         if self._closing:
             return
         self._closing = True
@@ -214,7 +215,8 @@ class IpcServer:
                     )
         if self._server is not None:
             await self._server.wait_closed()
-        unlink_if_ours(self.path, self._identity)
+        if not keep_socket_file:
+            unlink_if_ours(self.path, self._identity)
 
     async def __aenter__(self) -> IpcServer:
         await self.start()

@@ -22,6 +22,7 @@ import os
 
 from daemon.backend import api
 from daemon.backend.app import Backend
+from daemon.backend.cli_listener import CliListener
 from daemon.backend.lock import HomeLock, LockHeld, StoreLock, StoreLocked
 from daemon.backend.space_wait import when_space
 from daemon.backend.store_care import probe_write
@@ -79,12 +80,12 @@ def _status_line(backend: Backend) -> str:
     )
 
 
-async def _run(paths: Paths, backend: Backend, notifier: Notifier) -> int:
+async def _run(paths: Paths, backend: Backend, notifier: Notifier, listener: CliListener) -> int:
     async with watched(notifier):
-        return await _serve_until_stopped(paths, backend, notifier)
+        return await _serve_until_stopped(paths, backend, notifier, listener)
 
 
-async def _serve_until_stopped(paths: Paths, backend: Backend, notifier: Notifier) -> int:
+async def _serve_until_stopped(paths: Paths, backend: Backend, notifier: Notifier, listener: CliListener) -> int:
     install_signal_handlers(asyncio.get_running_loop(), stop=backend.shutdown_requested.set)
 
     server = IpcServer(
@@ -97,7 +98,7 @@ async def _serve_until_stopped(paths: Paths, backend: Backend, notifier: Notifie
         idle_timeout=IDLE_CONNECTION_TIMEOUT_S,
         buffer_limit=BUFFER_LIMIT,
     )
-    await server.start()
+    await listener.serve(server)
     notifier.status("recovering")
     # Recovery may take up to the deadline (max 5 min): keep systemd's start timeout ahead of it.
     notifier.extend_timeout(backend.config.agentctl.recovery_deadline + 60)
@@ -137,6 +138,7 @@ def _main(argv: list[str] | None) -> int:
     paths = Paths.for_home(resolve_home(args.home))
     paths.ensure()
     lock = HomeLock(paths.lock_path)
+    listener = CliListener()  # the CLI socket, handed from the server waiting for space to the next
     try:
         lock.acquire()  # before anything else: a second backend stops here
     except LockHeld as exc:
@@ -170,7 +172,7 @@ def _main(argv: list[str] | None) -> int:
                 return True
 
             if when_space(paths, url, owner_checked, verbose=args.verbose, service_gids=_service_gids(),
-                          notifier=notifier) is None:
+                          notifier=notifier, listener=listener) is None:
                 return ExitCode.OK  # told to stop while waiting for space
         except ForeignStore as exc:
             say(PROGRAM, str(exc))
@@ -179,14 +181,16 @@ def _main(argv: list[str] | None) -> int:
             say(PROGRAM, f"cannot read the store: {type(exc).__name__}: {exc}")
             return ExitCode.FAILED
         try:
-            return _serve(args, paths, config, url, notifier)
+            return _serve(args, paths, config, url, notifier, listener)
         finally:
             store_lock.release()
     finally:
+        listener.release(str(paths.backend_socket))  # held only if we stop before serving it again
         lock.release()
 
 
-def _serve(args: argparse.Namespace, paths: Paths, config: Config, url: str, notifier: Notifier) -> int:
+def _serve(args: argparse.Namespace, paths: Paths, config: Config, url: str, notifier: Notifier,
+           listener: CliListener) -> int:
     """Logging → platform check → store (migrations) → the event loop, with both locks held."""
     setup_daemon_logging("backend", verbose=args.verbose)
     capability = check_capability(config)
@@ -199,7 +203,7 @@ def _serve(args: argparse.Namespace, paths: Paths, config: Config, url: str, not
         SUPERVISOR=capability.supervisor,
     )
     store = when_space(paths, url, lambda: Store.open(url), verbose=args.verbose, service_gids=_service_gids(),
-                       notifier=notifier)
+                       notifier=notifier, listener=listener)
     if store is None:
         return ExitCode.OK  # told to stop while waiting for space
     ours = installation_id(paths)
@@ -212,13 +216,12 @@ def _serve(args: argparse.Namespace, paths: Paths, config: Config, url: str, not
         return ExitCode.FAILED
     # A store that opens but takes no write (a full disk): waited out before recovery, which writes.
     if when_space(paths, url, lambda: probe_write(store, need_room=True), verbose=args.verbose,
-                  service_gids=_service_gids(),
-                  notifier=notifier) is None:
+                  service_gids=_service_gids(), notifier=notifier, listener=listener) is None:
         store.close()
         return ExitCode.OK
     backend = Backend(paths, config, capability, store, ours)
     try:
-        return event_loop.run(_run(paths, backend, notifier))
+        return event_loop.run(_run(paths, backend, notifier, listener))
     finally:
         store.close()
 

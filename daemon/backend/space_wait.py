@@ -7,8 +7,9 @@ the backend does not exit (systemd would restart it again and again). It logs
 saying so, and serves the CLI socket with ``status`` (backend state ``out_of_space`` and the
 store's path and free bytes) and ``shutdown``; every other op gets the retryable error
 ``store_out_of_space``. Each time the free space grows (or every ``daemon.store.space.RETRY_S``) it
-tries again; once the store opens, that server closes and the normal start goes on: adoption,
-re-tracking, catching up on the events the control server kept.
+tries again; once the store opens, that server stops, handing its listening socket on
+(``daemon.backend.cli_listener``: the socket never disappears meanwhile), and the normal start goes
+on: adoption, re-tracking, catching up on the events the control server kept.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any, TypeVar
 from sqlalchemy.engine import make_url
 
 from daemon.backend import api
+from daemon.backend.cli_listener import CliListener
 from daemon.limits import BUFFER_LIMIT, IDLE_CONNECTION_TIMEOUT_S
 from daemon.paths import Paths
 from daemon.service import Notifier, install_signal_handlers, setup_daemon_logging
@@ -38,9 +40,10 @@ OUT_OF_SPACE = "out_of_space"
 
 
 def when_space(paths: Paths, url: str, attempt: Callable[[], T], *, verbose: bool,
-               service_gids: list[int], notifier: Notifier) -> T | None:
-    """``attempt()``, again and again while it fails for want of space (serving ``status``
-    meanwhile); None if the backend was told to stop while waiting. Other errors propagate."""
+               service_gids: list[int], notifier: Notifier, listener: CliListener) -> T | None:
+    """``attempt()``, again and again while it fails for want of space (serving ``status`` on
+    ``listener`` meanwhile); None if the backend was told to stop while waiting. Other errors
+    propagate."""
     watch = SpaceWatch(sqlite_file(make_url(url)) or paths.home)
     while True:
         try:
@@ -51,12 +54,14 @@ def when_space(paths: Paths, url: str, attempt: Callable[[], T], *, verbose: boo
                 setup_daemon_logging("backend", verbose=verbose)
             if not watch.failed(exc):
                 raise
-        if event_loop.run(_serve_while_full(paths, watch, service_gids, notifier)):
+        if event_loop.run(_serve_while_full(paths, watch, service_gids, notifier, listener)):
             return None
 
 
-async def _serve_while_full(paths: Paths, watch: SpaceWatch, gids: list[int], notifier: Notifier) -> bool:
-    """Serve ``status`` until the free space grows (False) or a stop is asked for (True)."""
+async def _serve_while_full(paths: Paths, watch: SpaceWatch, gids: list[int], notifier: Notifier,
+                            listener: CliListener) -> bool:
+    """Serve ``status`` until the free space grows (False: the listener is handed on) or a stop is
+    asked for (True: the socket is closed)."""
     stop = asyncio.Event()
     install_signal_handlers(asyncio.get_running_loop(), stop=stop.set)
 
@@ -81,7 +86,7 @@ async def _serve_while_full(paths: Paths, watch: SpaceWatch, gids: list[int], no
     handlers.update(status=op_status, shutdown=op_shutdown)
     server = IpcServer(paths.backend_socket, api.TABLE, handlers, allowed_gids=gids, socket_mode=0o660,
                        idle_timeout=IDLE_CONNECTION_TIMEOUT_S, buffer_limit=BUFFER_LIMIT)
-    await server.start()
+    await listener.serve(server)
     notifier.ready(f"store out of space: {watch.state.path if watch.state else '?'}; waiting for space")
     try:
         waiting = asyncio.ensure_future(watch.wait_for_space())
@@ -92,5 +97,8 @@ async def _serve_while_full(paths: Paths, watch: SpaceWatch, gids: list[int], no
             with contextlib.suppress(asyncio.CancelledError):
                 await task
     finally:
-        await server.close()
+        if stop.is_set():
+            await server.close()
+        else:
+            await listener.hand_over(server)
     return stop.is_set()

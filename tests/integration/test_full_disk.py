@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -126,6 +127,34 @@ def test_scenario_e_disk_fills_while_an_agent_floods(small_home: Any, survival: 
     assert int(k.status()["backend"]["pid"]) == backend  # the same backend all along
 
 
+class _SocketWatch:
+    """Stats the backend's CLI socket file from a thread, every millisecond: how often it was
+    missing, and which sockets (inodes) it was."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.inodes: set[int] = set()
+        self.missing = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.inodes.add(os.stat(self.path).st_ino)
+            except FileNotFoundError:
+                self.missing += 1
+            self._stop.wait(0.001)
+
+    def __enter__(self) -> _SocketWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
 def test_scenario_e_disk_already_full_when_the_backend_starts(small_home: Any) -> None:
     """Issue 21 scenario E (full at start): the backend starts on a full disk, says so and waits (no
     crash loop); once space is back it opens the store, re-tracks the agent and catches up."""
@@ -147,7 +176,10 @@ def test_scenario_e_disk_already_full_when_the_backend_starts(small_home: Any) -
     assert refused.returncode != 0 and json.loads(refused.stdout)["error"]["code"] == "store_out_of_space"
     assert alive(backend) and int(k.status()["backend"]["pid"]) == backend  # waiting, not exiting and restarting
     assert alive(agent) and alive(server)
-    _catches_up(k, filler, sid)
+    # The server that waited hands its socket to the normal one: the CLI never finds none.
+    with _SocketWatch(k.home / "run" / "backend.sock") as watch:
+        _catches_up(k, filler, sid)
+    assert watch.missing == 0 and len(watch.inodes) == 1, (watch.missing, watch.inodes)
     st = k.status()
     assert int(st["backend"]["pid"]) == backend and st["recovery"]["retracked"] == 1
     assert int(k.show(sid)["agent_pid"]) == agent
