@@ -19,7 +19,7 @@ class CliListener:
     """Holds the CLI socket's listener between two servers (none held at first: the first binds)."""
 
     def __init__(self) -> None:
-        self._held: tuple[socket.socket, SocketIdentity | None] | None = None
+        self._held: tuple[socket.socket, SocketIdentity | None, str] | None = None  # listener, its file, path
 
     @property
     def held(self) -> bool:
@@ -30,7 +30,7 @@ class CliListener:
         if self._held is None:
             await server.start()
             return
-        sock, identity = self._held
+        sock, identity, _ = self._held
         self._held = None
         try:
             await server.start_on(sock, identity)
@@ -42,13 +42,13 @@ class CliListener:
     async def hand_over(self, server: IpcServer) -> None:
         """Stop ``server`` and keep its listener (and socket file) for the next server."""
         identity = server.identity
-        self._held = (server.stop_accepting(), identity)
+        self._held = (server.stop_accepting(), identity, server.path)
         await server.close(keep_socket_file=True)
 
-    def release(self, path: str) -> None:
+    def release(self) -> None:
         """The backend stops with no next server: close a held listener and remove its file."""
         if self._held is not None:
-            sock, identity = self._held
+            sock, identity, path = self._held
             self._held = None
             sock.close()
             unlink_if_ours(path, identity)

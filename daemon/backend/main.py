@@ -185,7 +185,7 @@ def _main(argv: list[str] | None) -> int:
         finally:
             store_lock.release()
     finally:
-        listener.release(str(paths.backend_socket))  # held only if we stop before serving it again
+        listener.release()  # a listener is held only if we stop before serving it again
         lock.release()
 
 

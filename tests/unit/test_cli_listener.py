@@ -7,10 +7,19 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from daemon.backend.cli_listener import CliListener
 from ipc import AsyncClient, ConnectionContext, IpcServer, Op, OpTable
 
 TABLE = OpTable("t", (1, 0), [Op("who", auth=False)])
+
+
+@pytest.fixture
+def sock_path(tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    return run / "backend.sock"
 
 
 def _server(path: Path, name: str) -> IpcServer:
@@ -20,47 +29,39 @@ def _server(path: Path, name: str) -> IpcServer:
     return IpcServer(path, TABLE, {"who": who})
 
 
-def test_a_client_connecting_between_two_servers_is_served_by_the_next(tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    run.mkdir(mode=0o700)
-    path = run / "backend.sock"
-
+def test_a_client_connecting_between_two_servers_is_served_by_the_next(sock_path: Path) -> None:
     async def main() -> None:
         listener = CliListener()
-        first = _server(path, "first")
+        first = _server(sock_path, "first")
         await listener.serve(first)  # binds
-        inode = os.stat(path).st_ino
-        async with await AsyncClient.connect(path) as c:
+        inode = os.stat(sock_path).st_ino
+        async with await AsyncClient.connect(sock_path) as c:
             assert await c.call("who") == "first"
         await listener.hand_over(first)
-        assert listener.held and os.stat(path).st_ino == inode  # the file stays, the same socket
-        waiting = asyncio.ensure_future(AsyncClient.connect(path, timeout=10))  # in the backlog
+        assert listener.held and os.stat(sock_path).st_ino == inode  # the file stays, the same socket
+        waiting = asyncio.ensure_future(AsyncClient.connect(sock_path, timeout=10))  # in the backlog
         await asyncio.sleep(0)
-        second = _server(path, "second")
+        second = _server(sock_path, "second")
         await listener.serve(second)
         assert not listener.held
         async with await waiting as c:
             assert await c.call("who") == "second"
         await second.close()
-        assert not path.exists()
+        assert not sock_path.exists()
 
     asyncio.run(asyncio.wait_for(main(), 20))
 
 
-def test_release_closes_a_held_listener_and_removes_its_file(tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    run.mkdir(mode=0o700)
-    path = run / "backend.sock"
-
+def test_release_closes_a_held_listener_and_removes_its_file(sock_path: Path) -> None:
     async def main() -> CliListener:
         listener = CliListener()
-        server = _server(path, "only")
+        server = _server(sock_path, "only")
         await listener.serve(server)
         await listener.hand_over(server)
         return listener
 
     listener = asyncio.run(asyncio.wait_for(main(), 20))
-    assert path.exists()
-    listener.release(str(path))
-    assert not path.exists() and not listener.held
-    listener.release(str(path))  # nothing held: nothing to do
+    assert sock_path.exists()
+    listener.release()
+    assert not sock_path.exists() and not listener.held
+    listener.release()  # nothing held: nothing to do
