@@ -32,8 +32,8 @@ SHOW_RATIO_BOUND = 3.0
 
 @pytest.fixture(scope="module")
 def flooded():
-    """One backend with one session whose transcript holds /flood 100000 (shared by this module),
-    and another that holds one page of chunks, /flood 10000 (``flooded_small``)."""
+    """One backend (shared by this module) and ``(kandev, sid, small_sid)``: a session whose
+    transcript holds /flood 100000, and one that holds a single page of chunks, /flood 10000."""
     with tempfile.TemporaryDirectory(prefix="kd-", dir="/var/tmp") as d:
         root = Path(d)
         root.chmod(0o700)
@@ -42,15 +42,17 @@ def flooded():
         k = Kandev(root / "home", make_env(config))
         try:
             k.up()
-            _, sid = k.start_session("flood")
-            done = k.cli("prompt", sid, f"/flood {CHUNKS}", "--wait", timeout=540)
-            assert done["stop_reason"] == "end_turn"
-            _, small_sid = k.start_session("one page")
-            done = k.cli("prompt", small_sid, f"/flood {PAGE}", "--wait", timeout=120)
-            assert done["stop_reason"] == "end_turn"
-            yield k, sid, small_sid
+            yield k, _flooded_session(k, "flood", CHUNKS, 540), _flooded_session(k, "one page", PAGE, 120)
         finally:
             k.cleanup()
+
+
+def _flooded_session(k: Kandev, title: str, chunks: int, timeout: float) -> str:
+    """A new session whose one turn, ``/flood chunks``, has ended."""
+    _, sid = k.start_session(title)
+    done = k.cli("prompt", sid, f"/flood {chunks}", "--wait", timeout=timeout)
+    assert done["stop_reason"] == "end_turn"
+    return sid
 
 
 def _timed_show(k, sid: str, *flags: str) -> tuple[float, dict]:
