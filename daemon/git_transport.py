@@ -28,6 +28,7 @@ import sys
 import time
 
 from daemon.git_credential_helper import HelperError, valid_lease
+from ipc.errors import ErrorCode
 
 CONNECT_WAIT_S = 30.0
 RETRY_EVERY_S = 0.5
@@ -45,8 +46,8 @@ def _lease(credential_socket: str, lease_file: str, host: str, path: str, deadli
         try:
             return valid_lease(lease_file, credential_socket, host, path)
         except HelperError as exc:
-            if exc.code != "unavailable" or time.monotonic() >= deadline:
-                hint = " (is the kandev backend running?)" if exc.code == "unavailable" else ""
+            if exc.code != ErrorCode.UNAVAILABLE or time.monotonic() >= deadline:
+                hint = " (is the kandev backend running?)" if exc.code == ErrorCode.UNAVAILABLE else ""
                 raise TransportError(f"{exc.code}: {exc.message}{hint}") from None
         time.sleep(RETRY_EVERY_S)
 

@@ -26,7 +26,7 @@ from daemon.agentctl.protocol import EventKind
 from daemon.store import transitions
 from daemon.store.models import ExecutorRunning, TaskSession, Turn
 from daemon.store.session_metadata import SessionMetadata
-from daemon.store.states import SessionState, TaskState
+from daemon.store.states import SessionState, TaskState, TurnState
 from daemon.store.transcript import TranscriptWriter, ensure_turn
 
 # ACP session updates that carry text for the transcript, and the role they get.
@@ -81,7 +81,7 @@ def apply_turn_outcome(
         # The agent_exited event moves the session to FAILED; nothing to wait for.
         return True
     open_turns = db.scalar(
-        select(func.count()).select_from(Turn).where(Turn.session_id == session_id, Turn.state == "open")
+        select(func.count()).select_from(Turn).where(Turn.session_id == session_id, Turn.state == TurnState.OPEN)
     )
     if session.state == SessionState.RUNNING and not open_turns:
         transitions.transition_session(
@@ -145,7 +145,7 @@ def apply_events(db: DbSession, session_id: str, instance_id: str, events: list[
         turn_id = data.get("turn_id")
         if ev.kind == EventKind.TURN_STARTED:
             turn = ensure_turn(db, session_id, str(turn_id), str(data.get("text") or ""))
-            if turn.state == "open":
+            if turn.state == TurnState.OPEN:
                 mark_running(db, session(), f"turn {turn_id} started")
             write(ev, "user", "prompt", str(data.get("text") or ""), turn_id)
         elif ev.kind == EventKind.SESSION_UPDATE:
@@ -200,7 +200,7 @@ def mark_agent_gone(db: DbSession, session_id: str, reason: str) -> None:
     session = db.get(TaskSession, session_id)
     if session is None:
         return
-    for turn in db.scalars(select(Turn).where(Turn.session_id == session_id, Turn.state == "open")):
+    for turn in db.scalars(select(Turn).where(Turn.session_id == session_id, Turn.state == TurnState.OPEN)):
         turn.state = "abandoned"
         turn.stop_reason = _AGENT_DIED
         turn.ended_at = _now()

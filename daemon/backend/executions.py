@@ -28,7 +28,7 @@ from daemon.journal import log_event
 from daemon.store.db import Store
 from daemon.store.space import SpaceWatch
 from ipc.aio import cancel_and_wait
-from ipc.errors import IpcError
+from ipc.errors import ErrorCode, IpcError
 
 log = logging.getLogger(__name__)
 
@@ -212,13 +212,13 @@ class EventConsumer:
                 self.on_gone(ex)
                 return
             except IpcError as exc:
-                if exc.code == "superseded_credential":
+                if exc.code == ErrorCode.SUPERSEDED_CREDENTIAL:
                     # Another backend adopted the server: these executions are no longer ours (AC-EXECUTORS-CONTROL-OWNERSHIP-002.3).
                     log.warning("session %s: credential superseded; no longer tracking it", ex.session_id)
                     ex.gone = True
                     self.on_gone(ex)
                     return
-                if exc.code == "not_found":
+                if exc.code == ErrorCode.NOT_FOUND:
                     log.warning("instance %s of session %s is gone", ex.instance_id, ex.session_id)
                     self._agent_gone(ex, "agent instance is gone from the control server")
                     return

@@ -63,7 +63,7 @@ from daemon.backend.transcript_hub import TranscriptHub
 from daemon.store import transcript
 from daemon.store.db import Store
 from daemon.store.models import TaskSession, Turn
-from daemon.store.states import SessionState
+from daemon.store.states import SessionState, TurnState
 from ipc.errors import ErrorCode, IpcError
 from ipc.framing import ConnectionClosed
 from ipc.server import ConnectionContext
@@ -109,7 +109,7 @@ class Round:
 def _outcome(db: Session, turn_id: str) -> dict[str, Any] | None:
     """The turn's outcome, or None while it is open (or unknown)."""
     turn = db.get(Turn, turn_id)
-    if turn is None or turn.state == "open":
+    if turn is None or turn.state == TurnState.OPEN:
         return None
     return {"turn_id": turn.id, "ordinal": turn.ordinal, "state": turn.state, "stop_reason": turn.stop_reason,
             "error": turn.error, "ended_at": turn.ended_at.isoformat() if turn.ended_at else None}

@@ -38,7 +38,7 @@ from daemon.backend.sessions import get_session
 from daemon.journal import log_event
 from daemon.store.db import Store
 from daemon.store.models import ExecutorRunning
-from daemon.store.states import SessionState
+from daemon.store.states import InventoryStatus, SessionState
 from ipc.errors import ErrorCode, IpcError
 from ipc.server import ConnectionContext
 
@@ -142,7 +142,7 @@ def take_clean_stops(store: Store) -> list[str]:
     """The sessions the previous backend recorded as stopped cleanly (each taken once)."""
     taken: list[str] = []
     with store.session() as db:
-        for row in db.scalars(select(ExecutorRunning).where(ExecutorRunning.status == "stale")):
+        for row in db.scalars(select(ExecutorRunning).where(ExecutorRunning.status == InventoryStatus.STALE)):
             meta = dict(row.metadata_json or {})
             interruption = meta.get("interruption")
             if isinstance(interruption, dict) and interruption.get("cause") == CLEAN_STOP \

@@ -46,6 +46,7 @@ from daemon.backend.repair import ACTIVE_STATES, iso_utc, repair_interrupted
 from daemon.journal import log_event
 from daemon.store.db import Store
 from daemon.store.models import ControlServerRecord, ExecutorRunning, TaskSession
+from daemon.store.states import InventoryStatus
 from daemon.store.transcript import ensure_turn
 from ipc.errors import ErrorCode, IpcError
 
@@ -360,7 +361,7 @@ class Recovery:
             rows = db.execute(
                 select(ExecutorRunning, TaskSession.passthrough)
                 .join(TaskSession, TaskSession.id == ExecutorRunning.session_id, isouter=True)
-                .where(ExecutorRunning.status == "live", ExecutorRunning.runtime == "standalone")
+                .where(ExecutorRunning.status == InventoryStatus.LIVE, ExecutorRunning.runtime == "standalone")
             ).all()
             for row, passthrough in rows:
                 records.append(
@@ -465,7 +466,7 @@ class Recovery:
         """
         now = datetime.now(UTC)
         with self.store.session() as db:
-            rows = db.scalars(select(ExecutorRunning).where(ExecutorRunning.status == "live")).all()
+            rows = db.scalars(select(ExecutorRunning).where(ExecutorRunning.status == InventoryStatus.LIVE)).all()
             untouched: set[str] = set(retracked)
             for row in rows:
                 if row.session_id in retracked:

@@ -19,7 +19,7 @@ from daemon.backend.liveness import live_groups, stop_leftover_group
 from daemon.journal import log_event
 from daemon.store import transcript, transitions
 from daemon.store.models import ExecutorRunning, Task, TaskSession, Turn
-from daemon.store.states import SessionState, TaskState
+from daemon.store.states import InventoryStatus, SessionState, TaskState, TurnState
 
 ACTIVE_STATES = (SessionState.STARTING, SessionState.RUNNING)
 
@@ -41,7 +41,7 @@ def repair_interrupted(
     task goes to review marked interrupted. ``interruption`` (why and when) is kept on the row
     until the session gets an agent again; ``session show`` reports it."""
     row = db.get(ExecutorRunning, session_id)
-    if row is not None and row.status == "live":
+    if row is not None and row.status == InventoryStatus.LIVE:
         row.status = "stale"
         row.updated_at = now
         if interruption is not None:
@@ -49,7 +49,7 @@ def repair_interrupted(
     session = db.get(TaskSession, session_id)
     if session is None or session.state not in ACTIVE_STATES:
         return
-    for turn in db.scalars(select(Turn).where(Turn.session_id == session_id, Turn.state == "open")):
+    for turn in db.scalars(select(Turn).where(Turn.session_id == session_id, Turn.state == TurnState.OPEN)):
         turn.state = "abandoned"
         turn.stop_reason = "interrupted"
         turn.ended_at = now
@@ -86,7 +86,7 @@ def repair_lost_server(
     token, task in review, marked interrupted). Returns the sessions repaired."""
     agents = {a.session_id: a for a in tracked}
     rows = db.scalars(
-        select(ExecutorRunning).where(ExecutorRunning.status == "live", ExecutorRunning.endpoint == endpoint)
+        select(ExecutorRunning).where(ExecutorRunning.status == InventoryStatus.LIVE, ExecutorRunning.endpoint == endpoint)
     ).all()
     for row in rows:
         if row.session_id not in agents:

@@ -55,7 +55,7 @@ from daemon.journal import log_event
 from daemon.store import transitions
 from daemon.store.models import ExecutorRunning, Task, TaskSession
 from daemon.store.session_metadata import SessionMetadata
-from daemon.store.states import SessionState
+from daemon.store.states import InventoryStatus, SessionState
 from ipc.errors import ErrorCode, IpcError
 
 log = logging.getLogger("kandev.backend.resume")
@@ -145,7 +145,7 @@ class ResumeService:
             if task.id in b.deleting_tasks:
                 raise conflict(f"the task of session {session_id} is being deleted")
             row = db.get(ExecutorRunning, session_id)
-            if row is not None and row.status == "live":
+            if row is not None and row.status == InventoryStatus.LIVE:
                 # The inventory still claims an agent this backend does not track (liveness unknown,
                 # or another backend owns its server): a second agent for the session is refused.
                 raise conflict(
@@ -332,7 +332,7 @@ class ResumeService:
                 row = db.get(ExecutorRunning, sid)
                 if session is None or row is None or session.state != SessionState.WAITING_FOR_INPUT:
                     continue
-                if row.status != "stale" or not row.resume_token:
+                if row.status != InventoryStatus.STALE or not row.resume_token:
                     continue
                 if sid in b.executions.executions or sid in b.executions.guards:
                     continue

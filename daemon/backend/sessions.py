@@ -29,7 +29,7 @@ from daemon.journal import log_event
 from daemon.store import transcript, transitions
 from daemon.store.models import Task, TaskSession
 from daemon.store.session_metadata import SessionMetadata
-from daemon.store.states import SessionState, TaskState
+from daemon.store.states import SessionState, TaskState, TurnState
 from daemon.store.transcript import ensure_turn
 from ipc.errors import ErrorCode, IpcError
 
@@ -174,7 +174,7 @@ class SessionService:
         waiter = ex.wait_turn(turn_id) if wait else None
         with b.store.session() as db:
             turn = ensure_turn(db, session_id, turn_id, text)
-            finished = turn.state != "open"
+            finished = turn.state != TurnState.OPEN
             stop_reason = turn.stop_reason
         result: dict[str, Any] = {"turn_id": turn_id}
         if waiter is not None:

@@ -42,6 +42,7 @@ from daemon.backend.worktree import remove_recorded, remove_unrecorded
 from daemon.journal import log_event
 from daemon.session_dirs import SessionDirs
 from daemon.store.models import ExecutorRunning, Task, TaskSession
+from daemon.store.states import InventoryStatus, SessionState
 from ipc.errors import ErrorCode, IpcError
 from ipc.server import ConnectionContext
 
@@ -59,13 +60,13 @@ def _live_reason(backend: Backend, sessions: list[TaskSession], rows: dict[str, 
         if s.id in backend.executions.executions:
             if not stop:
                 return f"session {s.id} has a running agent (--stop stops idle agents first)"
-            if s.state != "WAITING_FOR_INPUT":
+            if s.state != SessionState.WAITING_FOR_INPUT:
                 return f"session {s.id} is {s.state}: its agent is not idle (kandev cancel {s.id} ends its turn)"
             continue
-        if s.state == "STARTING":
+        if s.state == SessionState.STARTING:
             return f"session {s.id} is starting its agent"
         row = rows.get(s.id)
-        if row is not None and row.status == "live":
+        if row is not None and row.status == InventoryStatus.LIVE:
             return (f"session {s.id} may still have an agent this backend does not track (its inventory row is"
                     " live; settled at the next backend start)")
         if backend.executions.guards.get(s.id):

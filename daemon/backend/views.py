@@ -22,6 +22,7 @@ from daemon.backend.session_view import permissions
 from daemon.store.board import BUCKETS, attention_hint, placement
 from daemon.store.db import Store
 from daemon.store.models import Task, TaskSession, Turn, WorkflowStep
+from daemon.store.states import SessionState, TurnState
 from ipc.errors import ErrorCode, IpcError
 from ipc.server import ConnectionContext
 
@@ -56,7 +57,7 @@ def _last_stop_reasons(db: Session, session_ids: list[str]) -> dict[str, str | N
         ranked = select(
             Turn.session_id, Turn.stop_reason,
             func.row_number().over(partition_by=Turn.session_id, order_by=Turn.ordinal.desc()).label("rank"),
-        ).where(Turn.session_id.in_(session_ids[start:start + _IDS_PER_QUERY]), Turn.state != "open").subquery()
+        ).where(Turn.session_id.in_(session_ids[start:start + _IDS_PER_QUERY]), Turn.state != TurnState.OPEN).subquery()
         reasons.update(db.execute(select(ranked.c.session_id, ranked.c.stop_reason).where(ranked.c.rank == 1)).all())
     return reasons
 
@@ -98,7 +99,7 @@ class Views:
         if latest is None:
             return placement(task.state, None, live=None)[0], None
         last_stop = last_stops.get(latest.id)
-        open_permission = latest.state == "RUNNING" and any(
+        open_permission = latest.state == SessionState.RUNNING and any(
             p["state"] == "open" for p in permissions(db, latest.id))
         live = None if latest.id in tracked and tracked[latest.id] is None else latest.id in tracked
         bucket, reason = placement(task.state, latest.state, live=live, open_permission=open_permission,

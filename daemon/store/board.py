@@ -22,17 +22,18 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from daemon.store.models import Task, TaskSession
-from daemon.store.states import Attention
+from daemon.store.states import Attention, SessionState, TaskState
 
 BUCKETS = ("backlog", "running", "turn_finished", "needs_attention", "done")
-_BY_SESSION = {
-    "RUNNING": "running",
-    "WAITING_FOR_INPUT": "turn_finished",
-    "FAILED": "needs_attention",
-    "CANCELLED": "needs_attention",
-    "COMPLETED": "done",
+_BY_SESSION: dict[str, str] = {
+    SessionState.RUNNING: "running",
+    SessionState.WAITING_FOR_INPUT: "turn_finished",
+    SessionState.FAILED: "needs_attention",
+    SessionState.CANCELLED: "needs_attention",
+    SessionState.COMPLETED: "done",
 }
-_BY_TASK = {"backlog": "backlog", "in_progress": "running", "review": "turn_finished", "done": "done"}
+_BY_TASK: dict[str, str] = {TaskState.BACKLOG: "backlog", TaskState.IN_PROGRESS: "running",
+                            TaskState.REVIEW: "turn_finished", TaskState.DONE: "done"}
 
 
 NEEDS_ATTENTION = "needs_attention"
@@ -48,7 +49,7 @@ _AUTH_FAILURE = re.compile(r"authenticat|invalid (x-)?api[ _-]?key|api key|unaut
 
 def bucket_for(task_state: str, latest_session_state: str | None) -> str:
     """The bucket of a task given its state and its latest session's state (None: no session)."""
-    if task_state == "done":
+    if task_state == TaskState.DONE:
         return "done"
     if latest_session_state is None:
         return "backlog"
@@ -62,16 +63,16 @@ def placement(task_state: str, latest_session_state: str | None, *, live: bool |
     bucket = bucket_for(task_state, latest_session_state)
     if bucket == "done" or latest_session_state is None:
         return bucket, None
-    if open_permission and latest_session_state == "RUNNING":
+    if open_permission and latest_session_state == SessionState.RUNNING:
         return NEEDS_ATTENTION, Attention.PERMISSION
-    if latest_session_state == "FAILED":
+    if latest_session_state == SessionState.FAILED:
         return NEEDS_ATTENTION, Attention.FAILED
-    if latest_session_state == "CANCELLED":
+    if latest_session_state == SessionState.CANCELLED:
         return NEEDS_ATTENTION, Attention.CANCELLED
-    if latest_session_state == "WAITING_FOR_INPUT" and last_stop_reason in FAILED_STOPS and not (
+    if latest_session_state == SessionState.WAITING_FOR_INPUT and last_stop_reason in FAILED_STOPS and not (
             last_stop_reason == _DIED and live):
         return NEEDS_ATTENTION, Attention.FAILED
-    if latest_session_state in ("RUNNING", "WAITING_FOR_INPUT") and live is False:
+    if latest_session_state in (SessionState.RUNNING, SessionState.WAITING_FOR_INPUT) and live is False:
         return NEEDS_ATTENTION, Attention.NO_AGENT
     return bucket, None
 
