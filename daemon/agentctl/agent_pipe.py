@@ -17,6 +17,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from daemon.agentctl.agent_text import SURROGATE_ESCAPE, clean
+
 log = logging.getLogger("kandev.agentctl.instance")
 
 AGENT_STDOUT_LIMIT = 64 * 1024
@@ -113,6 +115,9 @@ class AgentPipeTransport:
                     message = json.loads(line.decode("utf-8"))
                 except ValueError:  # UnicodeDecodeError included
                     message = None
+                else:
+                    if b"\\u" in line and SURROGATE_ESCAPE.search(line):
+                        message = clean(message)  # no lone surrogate gets past here
                 if self._gate is not None:
                     # Parks, holding this one message back, while the detached bound is reached.
                     # Checked after the read (not before it) so that events the server appended

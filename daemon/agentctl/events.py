@@ -56,6 +56,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from daemon.agentctl.agent_text import clean_str
 from daemon.agentctl.protocol import EventKind
 from ipc.framing import packed_size
 
@@ -92,16 +93,19 @@ class Event:
 
 
 def plain(value: Any) -> Any:
-    """``value`` made msgpack-safe: JSON-like types, str keys, 64-bit ints (else floats/strs)."""
-    if value is None or isinstance(value, bool | str | float | bytes):
+    """``value`` made msgpack-safe: JSON-like types, str keys, 64-bit ints (else floats/strs), and
+    text without lone surrogates (``daemon.agentctl.agent_text``)."""
+    if value is None or isinstance(value, bool | float | bytes):
         return value
+    if isinstance(value, str):
+        return clean_str(value)
     if isinstance(value, int):
         return value if _INT_MIN <= value <= _INT_MAX else str(value)
     if isinstance(value, dict):
-        return {str(k): plain(v) for k, v in value.items()}
+        return {clean_str(str(k)): plain(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [plain(v) for v in value]
-    return str(value)
+    return clean_str(str(value))
 
 
 def sendable(kind: str, data: dict[str, Any]) -> dict[str, Any]:
