@@ -17,7 +17,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from daemon.agentctl.agent_text import SURROGATE_ESCAPE, clean
+from daemon.agentctl import agent_json
 
 log = logging.getLogger("kandev.agentctl.instance")
 
@@ -111,13 +111,9 @@ class AgentPipeTransport:
                     self._held = None
                     continue
                 try:
-                    # ACP speaks UTF-8 (json.loads of bytes would first guess among UTF-8/16/32).
-                    message = json.loads(line.decode("utf-8"))
+                    message = agent_json.decode(line)  # valid Unicode, at most MAX_DEPTH levels deep
                 except ValueError:  # UnicodeDecodeError included
                     message = None
-                else:
-                    if b"\\u" in line and SURROGATE_ESCAPE.search(line):
-                        message = clean(message)  # no lone surrogate gets past here
                 if self._gate is not None:
                     # Parks, holding this one message back, while the detached bound is reached.
                     # Checked after the read (not before it) so that events the server appended

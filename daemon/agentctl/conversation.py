@@ -32,7 +32,7 @@ import acp
 from acp.exceptions import RequestError
 from acp.schema import ClientCapabilities, Implementation
 
-from daemon.agentctl.events import EventLog
+from daemon.agentctl.events import EventLog, plain
 from daemon.agentctl.handover import PermissionHandover
 from daemon.agentctl.protocol import EventKind
 from daemon.version import VERSION
@@ -276,11 +276,14 @@ async def request(conn: acp.ClientSideConnection, what: str,
 
 
 def _dump(model: Any) -> Any:
+    """An SDK model the agent filled in, as msgpack-safe JSON (``events.plain``: an integer past
+    64 bits becomes a string): it is answered in ``create_instance`` and ``list_instances``, where
+    one unencodable value would fail the answer for every instance."""
     if model is None:
         return None
     if hasattr(model, "model_dump"):
-        return model.model_dump(mode="json", by_alias=True, exclude_none=True)
-    return model
+        return plain(model.model_dump(mode="json", by_alias=True, exclude_none=True))
+    return plain(model)
 
 
 def dump_list(items: Any) -> list[Any]:

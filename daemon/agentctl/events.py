@@ -56,7 +56,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from daemon.agentctl.agent_text import clean_str
+from daemon.agentctl.agent_json import clean_str
 from daemon.agentctl.protocol import EventKind
 from ipc.framing import packed_size
 
@@ -94,7 +94,7 @@ class Event:
 
 def plain(value: Any) -> Any:
     """``value`` made msgpack-safe: JSON-like types, str keys, 64-bit ints (else floats/strs), and
-    text without lone surrogates (``daemon.agentctl.agent_text``)."""
+    text without lone surrogates (``daemon.agentctl.agent_json``)."""
     if value is None or isinstance(value, bool | float | bytes):
         return value
     if isinstance(value, str):

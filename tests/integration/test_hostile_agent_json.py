@@ -1,0 +1,140 @@
+"""What an agent writes is attacker input, down to its JSON (``daemon.agentctl.agent_json``):
+
+- a lone UTF-16 surrogate (``"\\ud800"``, which JavaScript's JSON.stringify writes for a string cut
+  inside a surrogate pair) in any string becomes U+FFFD;
+- an integer past 64 bits in what the agent says about its session becomes a string;
+- whatever lies deeper than ``MAX_DEPTH`` levels is cut, and a line too deep to decode at all is
+  an ``agent_error``, after which reading goes on.
+
+Before, one lone surrogate stopped the server reading that agent ("reading the agent's stdout
+failed"), a lone surrogate or a huge integer in the agent's session answer made
+``create_instance`` and then ``list_instances`` unanswerable for every instance on the server (the
+enumeration recovery starts with), and an event nested ~1000 deep failed the backend's store
+batch at every retry. Driven on a real control server with a small real ACP agent (a script the
+test writes) beside the real mock agent.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from daemon.agentctl.agent_json import CUT, MAX_DEPTH
+from ipc.client import Event
+from tests.support.agentctl import Server, start_server, stop_server, write_launch
+from tests.support.aio import run
+from tests.support.streams import chunks, collect_until, turn_ended
+
+pytestmark = pytest.mark.timeout(120)
+
+# Every string it sends on its own carries a lone surrogate escape, keys included; "\ud83d\ude00"
+# (an escaped pair, as ensure_ascii writers send every emoji) must stay the one character it is.
+HOSTILE_AGENT = r'''
+import json, sys
+
+def send(text):
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+def update(sid, body):
+    send('{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":%s,"update":%s}}' % (json.dumps(sid), body))
+
+for line in sys.stdin:
+    msg = json.loads(line)
+    mid, method = msg.get("id"), msg.get("method")
+    if method == "initialize":
+        send('{"jsonrpc":"2.0","id":%d,"result":{"protocolVersion":1,"agentCapabilities":{},'
+             '"agentInfo":{"name":"cut \\udc80 name","version":"1"}}}' % mid)
+    elif method == "session/new":
+        send('{"jsonrpc":"2.0","id":%d,"result":{"sessionId":"lone-\\ud800-id",'
+             '"modes":{"currentModeId":"m\\udfff","availableModes":[{"id":"m\\udfff","name":"\\ud800",'
+             '"_meta":{"n":123456789012345678901234567890}}]}}}' % mid)
+    elif method == "session/prompt":
+        sid = msg["params"]["sessionId"]
+        for text in ("cut \\ud83d", "\\ud83d\\ude00 whole"):
+            update(sid, '{"sessionUpdate":"agent_message_chunk","content":{"type":"text","text":"%s"},"k\\udc00ey":1}' % text)
+        update(sid, '{"sessionUpdate":"tool_call","toolCallId":"t1","title":"deep","rawInput":%s}' % ("[" * 200 + "]" * 200))
+        update(sid, '{"sessionUpdate":"tool_call","toolCallId":"t2","title":"deeper","rawInput":%s}' % ("[" * 50000 + "]" * 50000))
+        update(sid, '{"sessionUpdate":"agent_message_chunk","content":{"type":"text","text":"after"}}')
+        send('{"jsonrpc":"2.0","id":%d,"result":{"stopReason":"end_turn","_meta":{"x":"\\udbff","d":%s}}}'
+             % (mid, "[" * 300 + "]" * 300))
+    elif mid is not None:
+        send(json.dumps({"jsonrpc": "2.0", "id": mid, "error": {"code": -32601, "message": "no"}}))
+'''
+
+
+@pytest.fixture
+def server(private_root: Path) -> Any:
+    srv = write_launch(private_root)
+    try:
+        start_server(srv)
+        yield srv
+    finally:
+        stop_server(srv)
+
+
+def _depth(value: Any) -> int:
+    if isinstance(value, dict):
+        return 1 + max((_depth(v) for v in value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max((_depth(v) for v in value), default=0)
+    return 0
+
+
+def test_hostile_json_from_an_agent_is_made_safe_and_nothing_stops(server: Server) -> None:
+    """The hostile agent starts; ``list_instances`` answers for it and for a mock beside it (its
+    session id and modes cleaned, the huge integer a string); both of its turns stream every chunk
+    in order, U+FFFD where a lone surrogate was and the escaped pair intact, the deep tool call cut
+    at ``MAX_DEPTH`` levels, the undecodable one an ``agent_error``, and each turn ends
+    ``end_turn`` (its answer was deep too); the mock's turn works after."""
+    script = server.workspace / "hostile_agent.py"
+    script.write_text(HOSTILE_AGENT)
+
+    async def scenario() -> tuple[dict[str, Any], list[dict[str, Any]], list[list[Event]], list[Event]]:
+        async with await server.connect() as client:
+            hostile = await server.create(client, session_id="hostile", command=[sys.executable, str(script)],
+                                          agent="hostile")
+            mock = await server.create(client, session_id="bystander")
+            listed = await client.list_instances()
+            turns = []
+            for _ in range(2):  # the first turn did not end its conversation
+                stream = await client.attach(hostile["instance_id"], 0 if not turns else turns[-1][-1].seq)
+                try:
+                    turn = await client.prompt(hostile["instance_id"], "go")
+                    turns.append(await collect_until(stream, turn_ended(turn)))
+                finally:
+                    await stream.close()
+            stream = await client.attach(mock["instance_id"], 0)
+            try:
+                turn = await client.prompt(mock["instance_id"], "/slow 2")
+                bystander = await collect_until(stream, turn_ended(turn))
+            finally:
+                await stream.close()
+            return hostile, listed, turns, bystander
+
+    hostile, listed, turns, bystander = run(scenario())
+    assert hostile["acp_session_id"] == "lone-\ufffd-id"
+    by_session = {entry["session_id"]: entry for entry in listed}
+    assert set(by_session) == {"hostile", "bystander"}
+    entry = by_session["hostile"]
+    assert entry["acp_session_id"] == "lone-\ufffd-id" and entry["state"] == "running"
+    assert entry["modes"]["currentModeId"] == "m\ufffd"
+    assert entry["modes"]["availableModes"][0]["_meta"] == {"n": "123456789012345678901234567890"}
+    for events in turns:
+        assert chunks(events) == ["cut \ufffd", "\U0001F600 whole", "after"]
+        said = [e.data["update"] for e in events if e.kind == "session_update"]
+        assert ["k\ufffdey" in u for u in said if "content" in u] == [True, True, False]
+        updates = {u["toolCallId"]: u for u in said if "toolCallId" in u}
+        deep = updates["t1"]["rawInput"]
+        assert _depth(deep) == MAX_DEPTH - 3  # message > params > update > rawInput: cut below MAX_DEPTH
+        inner = deep
+        while inner != CUT:
+            (inner,) = inner
+        assert "t2" not in updates
+        errors = [e.data["message"] for e in events if e.kind == "agent_error"]
+        assert len(errors) == 1 and "not JSON-RPC" in errors[0]
+        assert events[-1].data["stop_reason"] == "end_turn" and events[-1].data["error"] is None
+    assert chunks(bystander) == ["1/2 ", "2/2 "]
