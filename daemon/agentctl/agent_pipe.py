@@ -26,6 +26,14 @@ AGENT_STDOUT_LIMIT = 64 * 1024
 a parked producer leaves the agent blocked instead of buffering its output in the server. Longer
 lines still work (``AgentPipeTransport._read_line`` reads them in pieces)."""
 
+MAX_LINE_BYTES = 16 * 1024 * 1024
+"""The longest line (one message) taken from an agent; the rest of a longer one is read and
+dropped, and the line reported as an ``agent_error`` with its first bytes. Twice what one event
+may carry (``events.MAX_EVENT_BYTES``; a larger update is sent as a size marker anyway), so it
+bounds the server's memory per agent without losing anything an event could hold."""
+
+_HEAD_BYTES = 200  # of a line reported as garbage
+
 class AgentPipeTransport:
     """An ``acp`` message transport over the agent's stdin/stdout (newline-delimited JSON).
 
@@ -51,6 +59,7 @@ class AgentPipeTransport:
         on_garbage: Callable[[str], None] | None = None,
         gate: Callable[[], Awaitable[None]] | None = None,
         on_update: Callable[[dict[str, Any]], None] | None = None,
+        max_line: int = MAX_LINE_BYTES,
     ) -> None:
         self._reader = reader
         self._writer = writer
@@ -62,6 +71,12 @@ class AgentPipeTransport:
         # here, never in a local variable, so cancelling receive() at any await loses nothing.
         self._held: bytes | None = None
         self._partial: list[bytes] = []
+        self._partial_size = 0
+        # A line longer than max_line: the bytes dropped so far (its head stays in _partial), and
+        # once it ended, its whole length (while its head is held).
+        self._max_line = max_line
+        self._dropped = 0
+        self._held_cut: int | None = None
         self._send_lock = asyncio.Lock()
         self._sending = 0  # send() calls not yet returned
         self.requests_sent: dict[Any, str] = {}  # JSON-RPC id -> method, until its answer is read
@@ -107,13 +122,15 @@ class AgentPipeTransport:
                         return None
                     self._held = line
                 line = self._held.strip()
-                if not line:
+                if not line and self._held_cut is None:
                     self._held = None
                     continue
-                try:
-                    message = agent_json.decode(line)  # valid Unicode, at most MAX_DEPTH levels deep
-                except ValueError:  # UnicodeDecodeError included
-                    message = None
+                message: Any = None
+                if self._held_cut is None:
+                    try:
+                        message = agent_json.decode(line)  # valid Unicode, at most MAX_DEPTH levels deep
+                    except ValueError:  # UnicodeDecodeError included
+                        pass
                 if self._gate is not None:
                     # Parks, holding this one message back, while the detached bound is reached.
                     # Checked after the read (not before it) so that events the server appended
@@ -128,8 +145,13 @@ class AgentPipeTransport:
                     if "method" not in message and "id" in message:
                         self.requests_sent.pop(message["id"], None)  # the answer to one of ours
                     return message
+                said = line[:_HEAD_BYTES].decode("utf-8", errors="replace")
+                if self._held_cut is not None:
+                    said = (f"{said}... ({self._held_cut} bytes, longer than the {self._max_line} a message"
+                            " may be: dropped)")
+                    self._held_cut = None
                 if self._on_garbage is not None:
-                    self._on_garbage(line[:200].decode("utf-8", errors="replace"))
+                    self._on_garbage(said)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a broken pipe is the end of the conversation
@@ -138,6 +160,8 @@ class AgentPipeTransport:
             return None
 
     async def _read_line(self) -> bytes:
+        """The next line. One longer than ``max_line`` is read to its end but not kept: its head
+        is returned and its whole length left in ``_held_cut``."""
         try:
             while True:
                 try:
@@ -145,11 +169,26 @@ class AgentPipeTransport:
                     break
                 except asyncio.LimitOverrunError as exc:
                     # exc.consumed bytes are buffered already: this read never waits.
-                    self._partial.append(await self._reader.readexactly(exc.consumed))
+                    piece = await self._reader.readexactly(exc.consumed)
+                    if self._dropped:
+                        self._dropped += len(piece)
+                        continue
+                    self._partial.append(piece)
+                    self._partial_size += len(piece)
+                    if self._partial_size > self._max_line:
+                        head = b"".join(self._partial)[:_HEAD_BYTES]
+                        self._dropped = self._partial_size - len(head)
+                        self._partial, self._partial_size = [head], len(head)
         except asyncio.IncompleteReadError as exc:
             last = exc.partial
-        line = b"".join(self._partial) + last
+        if self._dropped:
+            line = self._partial[0]
+            self._held_cut = len(line) + self._dropped + len(last) - last.endswith(b"\n")
+            self._dropped = 0
+        else:
+            line = b"".join(self._partial) + last
         self._partial.clear()
+        self._partial_size = 0
         return line
 
     async def close(self) -> None:

@@ -4,7 +4,9 @@
   inside a surrogate pair) in any string becomes U+FFFD;
 - an integer past 64 bits in what the agent says about its session becomes a string;
 - whatever lies deeper than ``MAX_DEPTH`` levels is cut, and a line too deep to decode at all is
-  an ``agent_error``, after which reading goes on.
+  an ``agent_error``, after which reading goes on;
+- a line longer than ``MAX_LINE_BYTES`` is read to its end and dropped (an ``agent_error`` with its
+  head and length), so one agent cannot make the server hold an endless line.
 
 Before, one lone surrogate stopped the server reading that agent ("reading the agent's stdout
 failed"), a lone surrogate or a huge integer in the agent's session answer made
@@ -23,6 +25,7 @@ from typing import Any
 import pytest
 
 from daemon.agentctl.agent_json import CUT, MAX_DEPTH
+from daemon.agentctl.agent_pipe import MAX_LINE_BYTES
 from ipc.client import Event
 from tests.support.agentctl import Server, start_server, stop_server, write_launch
 from tests.support.aio import run
@@ -42,6 +45,7 @@ def send(text):
 def update(sid, body):
     send('{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":%s,"update":%s}}' % (json.dumps(sid), body))
 
+sent_huge = False
 for line in sys.stdin:
     msg = json.loads(line)
     mid, method = msg.get("id"), msg.get("method")
@@ -58,6 +62,12 @@ for line in sys.stdin:
             update(sid, '{"sessionUpdate":"agent_message_chunk","content":{"type":"text","text":"%s"},"k\\udc00ey":1}' % text)
         update(sid, '{"sessionUpdate":"tool_call","toolCallId":"t1","title":"deep","rawInput":%s}' % ("[" * 200 + "]" * 200))
         update(sid, '{"sessionUpdate":"tool_call","toolCallId":"t2","title":"deeper","rawInput":%s}' % ("[" * 50000 + "]" * 50000))
+        if not sent_huge:  # once: 48 MiB on one line, three times what one message may be
+            sent_huge = True
+            sys.stdout.write('{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"s","update":{"pad":"')
+            for _ in range(48):
+                sys.stdout.write("p" * (1024 * 1024))
+            send('"}}}')
         update(sid, '{"sessionUpdate":"agent_message_chunk","content":{"type":"text","text":"after"}}')
         send('{"jsonrpc":"2.0","id":%d,"result":{"stopReason":"end_turn","_meta":{"x":"\\udbff","d":%s}}}'
              % (mid, "[" * 300 + "]" * 300))
@@ -99,6 +109,7 @@ def test_hostile_json_from_an_agent_is_made_safe_and_nothing_stops(server: Serve
                                           agent="hostile")
             mock = await server.create(client, session_id="bystander")
             listed = await client.list_instances()
+            peak_before = _peak_kib(server)
             turns = []
             for _ in range(2):  # the first turn did not end its conversation
                 stream = await client.attach(hostile["instance_id"], 0 if not turns else turns[-1][-1].seq)
@@ -113,8 +124,10 @@ def test_hostile_json_from_an_agent_is_made_safe_and_nothing_stops(server: Serve
                 bystander = await collect_until(stream, turn_ended(turn))
             finally:
                 await stream.close()
+            peak_growth_kib.append(_peak_kib(server) - peak_before)
             return hostile, listed, turns, bystander
 
+    peak_growth_kib: list[int] = []
     hostile, listed, turns, bystander = run(scenario())
     assert hostile["acp_session_id"] == "lone-\ufffd-id"
     by_session = {entry["session_id"]: entry for entry in listed}
@@ -135,6 +148,20 @@ def test_hostile_json_from_an_agent_is_made_safe_and_nothing_stops(server: Serve
             (inner,) = inner
         assert "t2" not in updates
         errors = [e.data["message"] for e in events if e.kind == "agent_error"]
-        assert len(errors) == 1 and "not JSON-RPC" in errors[0]
+        assert "not JSON-RPC" in errors[0] and "longer than" not in errors[0]  # too deep to decode
+        head = '{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"s","update":{"pad":"'
+        tail = '"}}}'
+        assert errors[1:] == ([] if events is turns[1] else [
+            f"the agent wrote a line that is not JSON-RPC: {head}{'p' * (200 - len(head))}..."
+            f" ({len(head) + 48 * 1024 * 1024 + len(tail)} bytes, longer than the {MAX_LINE_BYTES} a message may"
+            " be: dropped)"])
         assert events[-1].data["stop_reason"] == "end_turn" and events[-1].data["error"] is None
     assert chunks(bystander) == ["1/2 ", "2/2 "]
+    # The 48 MiB line was never held whole: the server's peak memory grew by less than the line.
+    assert peak_growth_kib[0] < 48 * 1024, peak_growth_kib
+
+
+def _peak_kib(server: Server) -> int:
+    assert server.proc is not None
+    status = Path(f"/proc/{server.proc.pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")))

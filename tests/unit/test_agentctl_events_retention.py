@@ -217,7 +217,7 @@ class PipeAgent:
 
 
 async def open_transport(
-    agent: PipeAgent, log: EventLog, on_update: Any = None
+    agent: PipeAgent, log: EventLog, on_update: Any = None, **kw: Any
 ) -> tuple[AgentPipeTransport, list[Any]]:
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=AGENT_STDOUT_LIMIT, loop=loop)
@@ -234,7 +234,7 @@ async def open_transport(
     def garbage(line: str) -> None:
         log.append(EventKind.AGENT_ERROR, {"message": f"the agent wrote a line that is not JSON-RPC: {line}"})
 
-    transport = AgentPipeTransport(reader, writer, garbage, log.wait_for_room, on_update)
+    transport = AgentPipeTransport(reader, writer, garbage, log.wait_for_room, on_update, **kw)
     return transport, [read_transport, write_transport, stdin_r]
 
 
@@ -360,3 +360,37 @@ def test_session_updates_go_to_on_update_in_their_place_and_the_rest_to_the_conn
     run(scenario())
     agent.thread.join(5)
     assert seen == ["update 1", "connection 7", "update 2", "update 3", "connection x", "update 4"]
+
+
+def test_a_line_longer_than_max_line_is_dropped_and_reported_and_reading_goes_on():
+    """One agent cannot make the server hold an endless line: past ``max_line`` the rest of it is
+    read and dropped, the line is one agent_error with its head and its length, and the messages
+    around it arrive in order."""
+    max_line = 256 * 1024
+    huge = b'{"jsonrpc":"2.0","method":"session/update","params":{"pad":"' + b"p" * (20 * max_line) + b'"}}\n'
+    at_eof = b"z" * (3 * max_line)  # the last line, cut and never ended by a newline
+    lines = [json.dumps({"jsonrpc": "2.0", "method": "x", "params": {"i": 1}}).encode() + b"\n", huge,
+             b"\n", json.dumps({"jsonrpc": "2.0", "method": "x", "params": {"i": 2}}).encode() + b"\n", at_eof]
+    agent = PipeAgent(lines)
+
+    async def scenario() -> list[Any]:
+        log = EventLog(limit=100)
+        transport, closers = await open_transport(agent, log, max_line=max_line)
+        agent.thread.start()
+        sub = log.subscribe(0)
+        try:
+            while (message := await asyncio.wait_for(transport.receive(), 10)) is not None:
+                log.append(EventKind.SESSION_UPDATE, {"update": message})
+            return [e for e in sub.ready(10)]
+        finally:
+            close_transport(closers)
+
+    events = run(scenario())
+    agent.thread.join(5)
+    assert [e.kind for e in events] == [EventKind.SESSION_UPDATE, EventKind.AGENT_ERROR, EventKind.SESSION_UPDATE,
+                                        EventKind.AGENT_ERROR]
+    assert events[0].data["update"]["params"] == {"i": 1} and events[2].data["update"]["params"] == {"i": 2}
+    first, last = events[1].data["message"], events[3].data["message"]
+    assert first.startswith('the agent wrote a line that is not JSON-RPC: {"jsonrpc":"2.0","method":"session/update"')
+    assert f"({len(huge) - 1} bytes, longer than the {max_line} a message may be: dropped)" in first
+    assert f"({len(at_eof)} bytes, longer than" in last and len(first) < 400
