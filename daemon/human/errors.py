@@ -6,6 +6,7 @@ the JSON on stdout); this is only the human form.
 
 from __future__ import annotations
 
+from daemon.human.visible import visible
 from ipc.errors import ErrorCode, IpcError
 
 _IDS = "ids may be shortened to any unique prefix of 4 or more characters"
@@ -55,7 +56,7 @@ def hint_for(error: IpcError, command: str | None = None, session_id: str | None
 
 def error_lines(error: IpcError, command: str | None = None, session_id: str | None = None) -> list[str]:
     """What stderr gets for ``error`` (without --json)."""
-    lines = [f"kandev: {error.message or error.code}"]
+    lines = [f"kandev: {visible(error.message or error.code)}"]  # may quote an agent (its stderr tail)
     details = error.details or {}
     if error.code == ErrorCode.AMBIGUOUS_ID and isinstance(details.get("candidates"), list):
         noun = details.get("kind") or "object"

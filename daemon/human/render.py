@@ -13,6 +13,7 @@ from daemon.human import views
 from daemon.human.errors import error_lines
 from daemon.human.status import render_status
 from daemon.human.term import Term
+from daemon.human.visible import visible_data
 from ipc.errors import IpcError
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
@@ -65,8 +66,9 @@ def _lines(args: argparse.Namespace, result: Any, term: Term) -> list[str]:
 
 
 def render(args: argparse.Namespace, result: Any, out: IO[str], call: Call) -> None:
-    """Print ``result`` of the command ``args`` for people."""
+    """Print ``result`` of the command ``args`` for people (its strings made ``visible``)."""
     term = Term.for_stream(out)
+    result = visible_data(result)
     if args.command == "session" and args.session_cmd == "show":
         title = None
         try:
@@ -90,7 +92,7 @@ def watch_board(call: Call, interval: float, out: IO[str]) -> int:
     with UntilInterrupted() as stop:
         while not stop.requested:
             try:
-                lines = views.board_lines(call("task_list", {}), term)
+                lines = views.board_lines(visible_data(call("task_list", {})), term)
             except IpcError as exc:
                 if shown is None:
                     raise

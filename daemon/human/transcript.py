@@ -13,6 +13,7 @@ from enum import Enum
 
 from daemon.human.fmt import short, stop_reason_ok
 from daemon.human.term import Colour, Term
+from daemon.human.visible import visible_data
 from daemon.store.states import TurnState
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
@@ -36,7 +37,7 @@ def _json(text: str) -> dict[str, Any]:
         data = json.loads(text)
     except (ValueError, TypeError):
         return {}
-    return data if isinstance(data, dict) else {}
+    return visible_data(data) if isinstance(data, dict) else {}  # the agent's strings, decoded: made visible
 
 
 def turn_end_line(term: Term, outcome: dict[str, Any]) -> str:
@@ -97,6 +98,7 @@ class ConversationWriter:
     # -- entries ---------------------------------------------------------------
 
     def entry(self, e: dict[str, Any]) -> None:
+        e = visible_data(e)  # follow hands entries over as they arrive
         kind, text = str(e.get("kind") or ""), str(e.get("text") or "")
         t = self.term
         if kind == "prompt":
@@ -170,4 +172,4 @@ class ConversationWriter:
             self.line(self.term.dim(f"  - {e.get('content')} ({e.get('status')})"))
 
     def turn_ended(self, outcome: dict[str, Any]) -> None:
-        self.line(turn_end_line(self.term, outcome))
+        self.line(turn_end_line(self.term, visible_data(outcome)))

@@ -7,13 +7,12 @@ long (longer only where two shown ids would otherwise look the same).
 
 from __future__ import annotations
 
-import re
-
 from daemon.human.fmt import age, duration_ms, short, state_styles, stop_reason_ok, unique_length, yes_no
 from daemon.human.status import warnings
 from daemon.human.table import Cell, cell, render_table
 from daemon.human.term import Colour, Term
 from daemon.human.transcript import ConversationWriter, turn_end_line
+from daemon.human.visible import visible
 from daemon.store.states import Attention, SessionState, TurnState
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
@@ -395,13 +394,10 @@ def session_stop_lines(result: dict[str, Any], term: Term) -> list[str]:
             " agent again."]
 
 
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\x80-\x9f]")
-
-
 def log_text(text: str, term: Term) -> str:
     """An agent's stderr for a person: its own bytes, but never a control sequence (the agent wrote
     them, and a terminal would obey them): those are shown escaped."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    return visible(text)
 
 
 def logs_lines(result: dict[str, Any], term: Term) -> list[str]:

@@ -331,3 +331,25 @@ def test_scenario_d_follow_survives_backend_restarts(kandev_factory) -> None:
     assert proc.wait(timeout=60) == 3
     err.join()
     assert "did not come back within 2 s" in err.text and time.monotonic() - started < 60
+
+
+def test_what_an_agent_writes_reaches_a_terminal_without_its_control_characters(k: Kandev) -> None:
+    """An agent's output is attacker input for the operator's terminal too: escape sequences in it
+    (clear the screen, move up and rewrite a line, set the clipboard with OSC 52 for the next
+    paste) are printed escaped by every view for people, live (``prompt --follow``) and after
+    (``session show``, on a pty with colour too); ``--json`` keeps the agent's text as it was."""
+    task = k.cli("task", "create", "--title", "escapes")["task_id"]
+    sid = k.cli("session", "start", task)["session_id"]
+    _waiting(k, sid)
+    attack = r"A\033]52;c;ZWNobyBwd25lZA==\007B\033[2J\033[1A\rC\302\233D"  # \302\233: U+009B, a one-character CSI
+    followed = k.human("prompt", sid, f"/sh printf '{attack}'", "--follow")
+    assert followed.returncode == 0, followed.stderr
+    shown = k.human("session", "show", sid)
+    on_pty = _pty_run(k, "session", "show", sid)
+    for out in (followed.stdout, shown.stdout):
+        assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f\x80-\x9f]", out), repr(out)
+        assert r"A\x1b]52;c;ZWNobyBwd25lZA==\x07B\x1b[2J\x1b[1A\x0dC\x9bD" in out, out
+    assert r"A\x1b]52;c;ZWNobyBwd25lZA==\x07B\x1b[2J\x1b[1A\x0dC\x9bD" in on_pty, on_pty
+    assert "\x1b]52" not in on_pty and "\x1b[2J" not in on_pty and "\x9b" not in on_pty  # kandev's own colours only
+    said = [m["text"] for m in k.show(sid)["transcript"] if m["kind"] == "agent_message_chunk"]
+    assert any("A\x1b]52;c;ZWNobyBwd25lZA==\x07B\x1b[2J\x1b[1A\rC\x9bD" in t for t in said), said

@@ -28,7 +28,7 @@ BUDGET = {
 # What printing for people adds (without --json): the views and their helpers, never the doctor.
 HUMAN = {"daemon.human.errors", "daemon.human.fmt", "daemon.human.render", "daemon.human.status",
          "daemon.human.table", "daemon.human.term", "daemon.human.transcript", "daemon.human.views",
-         "daemon.store", "daemon.store.states"}  # the named states the views compare (enums only)
+         "daemon.human.visible", "daemon.store", "daemon.store.states"}  # the named states the views compare (enums only)
 # Never for these commands: the heavy machinery of other commands and of the daemons.
 NEVER = {"asyncio", "sqlalchemy", "acp", "tomllib", "subprocess", "daemon.doctor", "daemon.config",
          "daemon.config_keys", "daemon.config_agentctl",
