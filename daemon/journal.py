@@ -9,9 +9,11 @@ on stderr and in the file it is one line::
     2025-01-31T12:00:00.123Z INFO backend session_state session_id=ab12 to_state=RUNNING msg="..."
 
 i.e. timestamp (UTC), level, component, event, the fields as lower-case
-``key=value`` (values with spaces, quotes or ``=`` are JSON-quoted), then the
-message. Plain ``logging`` records use the same prefix followed by
-``logger: message``.
+``key=value`` (values with spaces, quotes, ``=`` or control characters are
+JSON-quoted, C1 controls escaped too), then the message. Plain ``logging``
+records use the same prefix followed by ``logger: message``, its control
+characters but newline and tab escaped: no line carries a sequence a terminal
+would obey.
 
 Secrets never go through here: the API takes event names, sentences and
 identifiers only. Never pass a credential, token, HMAC or challenge as a
@@ -94,13 +96,27 @@ class JournalHandler(logging.Handler):
             self.handleError(record)
 
 
-_NEEDS_QUOTES = re.compile(r'[\s"=\\]')
+_NEEDS_QUOTES = re.compile(r'[\s"=\\\x00-\x1f\x7f-\x9f]')
+# Control characters a terminal would obey (`tail -f` of the file): what agents wrote reaches
+# log lines (their errors, their stderr tail), so none is written as it is.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_C1 = re.compile(r"[\x7f-\x9f]")  # json.dumps(ensure_ascii=False) escapes only what is below 0x20
+
+
+def _escape(match: re.Match[str]) -> str:
+    return f"\\u{ord(match.group()):04x}"
 
 
 def _quote(value: str) -> str:
     if value and _NEEDS_QUOTES.search(value) is None:  # one regex scan, not a Python loop per character
         return value
-    return json.dumps(value, ensure_ascii=False)
+    return _C1.sub(_escape, json.dumps(value, ensure_ascii=False))
+
+
+def _plain(message: str) -> str:
+    """A plain record's message with its control characters escaped (newline and tab kept: task
+    dumps and other multi-line messages of kandev's own)."""
+    return message if _CONTROL.search(message) is None else _CONTROL.sub(_escape, message)
 
 
 class LineFormatter(logging.Formatter):
@@ -115,7 +131,7 @@ class LineFormatter(logging.Formatter):
             pairs = "".join(f" {k.lower()}={_quote(v)}" for k, v in fields.items())
             line = f"{head} {event}{pairs} msg={_quote(record.getMessage())}"
         else:
-            line = f"{head} {record.name}: {record.getMessage()}"
+            line = f"{head} {record.name}: {_plain(record.getMessage())}"
         if record.exc_info:
             line += " " + json.dumps(self.formatException(record.exc_info))
         return line

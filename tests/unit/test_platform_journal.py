@@ -56,6 +56,19 @@ def test_journal_plain_records_in_file(tmp_path: Path) -> None:
     assert m and m["rest"] == "daemon.x: hello there"
 
 
+def test_journal_file_lines_carry_no_control_sequence(tmp_path: Path) -> None:
+    """What an agent wrote reaches log lines (its errors, its stderr tail): a `tail -f` of the file
+    must not obey it. Fields and messages have their control characters escaped; a plain
+    message keeps its newlines (kandev's own task dumps are several lines)."""
+    log = _setup(tmp_path, use_journal=False)
+    log_event("agent_gone", "stderr: \x1b]52;c;eA==\x07", REASON="x\x1b[2J\x9by")
+    logging.getLogger("daemon.x").warning("agent said %s", "a\x1b[1A\rb\x9bc\nnext")
+    text = log.read_text()
+    assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", text), repr(text)
+    assert 'reason="x\\u001b[2J\\u009by" msg="stderr: \\u001b]52;c;eA==\\u0007"' in text
+    assert "daemon.x: agent said a\\u001b[1A\\u000db\\u009bc\nnext" in text
+
+
 def test_journal_fields_sent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     sent: list[tuple[str, dict[str, str]]] = []
     monkeypatch.setattr(journal, "_journal_send", lambda message, **fields: sent.append((message, fields)))
