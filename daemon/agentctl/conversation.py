@@ -118,6 +118,13 @@ class Permission:
     message: dict[str, Any] = field(default_factory=dict)  # the agent's raw request (for a hand-over)
 
 
+MAX_OPEN_PERMISSIONS = 64
+"""Open permission requests one agent may have; past it a request is answered ``cancelled`` at
+once (with an ``agent_error`` saying why). An agent asks one at a time and waits; without a bound,
+one that asks without waiting would grow the server for every agent."""
+_REFUSED = ""  # in a tool call's queue, where a refused request's answer is ("" is no request id)
+
+
 class Permissions:
     """The agent's open permission requests on one instance."""
 
@@ -136,9 +143,15 @@ class Permissions:
         tool_call: dict[str, Any] = raw_tool_call if isinstance(raw_tool_call, dict) else {}
         options: list[Any] = raw_options if isinstance(raw_options, list) else []
         option_ids = [str(o.get("optionId")) for o in options if isinstance(o, dict)]
+        tool_call_id = str(tool_call.get("toolCallId"))
+        if len(self.requests) >= MAX_OPEN_PERMISSIONS:
+            # Queued as refused, so that the answers of the requests around it keep their order.
+            self._fifo.setdefault(tool_call_id, deque()).append(_REFUSED)
+            self.log.append(EventKind.AGENT_ERROR, {"message": (
+                f"permission request cancelled unasked: the agent already has {MAX_OPEN_PERMISSIONS} open")})
+            return
         request_id = os.urandom(16).hex()
         future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
-        tool_call_id = str(tool_call.get("toolCallId"))
         self.add(Permission(request_id, option_ids, future, rpc_key(rpc_id), turn_id, tool_call_id, message))
         self.log.append(
             EventKind.PERMISSION_REQUEST,

@@ -1,4 +1,5 @@
-"""What an agent writes is attacker input, down to its JSON (``daemon.agentctl.agent_json``):
+"""What an agent writes is attacker input, down to its JSON (``daemon.agentctl.agent_json``) and
+its requests:
 
 - a lone UTF-16 surrogate (``"\\ud800"``, which JavaScript's JSON.stringify writes for a string cut
   inside a surrogate pair) in any string becomes U+FFFD;
@@ -6,7 +7,9 @@
 - whatever lies deeper than ``MAX_DEPTH`` levels is cut, and a line too deep to decode at all is
   an ``agent_error``, after which reading goes on;
 - a line longer than ``MAX_LINE_BYTES`` is read to its end and dropped (an ``agent_error`` with its
-  head and length), so one agent cannot make the server hold an endless line.
+  head and length), so one agent cannot make the server hold an endless line;
+- past ``MAX_OPEN_PERMISSIONS`` open permission requests, a request is answered ``cancelled`` at
+  once, so one agent asking without waiting cannot grow the server without bound.
 
 Before, one lone surrogate stopped the server reading that agent ("reading the agent's stdout
 failed"), a lone surrogate or a huge integer in the agent's session answer made
@@ -26,6 +29,7 @@ import pytest
 
 from daemon.agentctl.agent_json import CUT, MAX_DEPTH
 from daemon.agentctl.agent_pipe import MAX_LINE_BYTES
+from daemon.agentctl.conversation import MAX_OPEN_PERMISSIONS
 from ipc.client import Event
 from tests.support.agentctl import Server, start_server, stop_server, write_launch
 from tests.support.aio import run
@@ -165,3 +169,71 @@ def _peak_kib(server: Server) -> int:
     assert server.proc is not None
     status = Path(f"/proc/{server.proc.pid}/status").read_text()
     return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")))
+
+
+PERMISSION_FLOOD_AGENT = r'''
+import json, sys
+
+ASKED = int(sys.argv[1])
+
+def send(message):
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+prompt_id, sid, cancelled = None, None, 0
+for line in sys.stdin:
+    msg = json.loads(line)
+    mid, method = msg.get("id"), msg.get("method")
+    if method == "initialize":
+        send({"jsonrpc": "2.0", "id": mid, "result": {"protocolVersion": 1, "agentCapabilities": {}}})
+    elif method == "session/new":
+        send({"jsonrpc": "2.0", "id": mid, "result": {"sessionId": "flood"}})
+    elif method == "session/prompt":
+        prompt_id, sid = mid, msg["params"]["sessionId"]
+        for i in range(ASKED):  # all at once, none waited for
+            send({"jsonrpc": "2.0", "id": 10_000 + i, "method": "session/request_permission", "params": {
+                "sessionId": sid, "toolCall": {"toolCallId": "t", "title": f"ask {i}", "kind": "other"},
+                "options": [{"optionId": "allow", "name": "Allow", "kind": "allow_once"}]}})
+    elif method is None and isinstance(mid, int) and mid >= 10_000:
+        cancelled += msg.get("result", {}).get("outcome", {}).get("outcome") == "cancelled"
+        if cancelled == ASKED - int(sys.argv[2]):  # every request past the bound answered
+            send({"jsonrpc": "2.0", "method": "session/update", "params": {"sessionId": sid, "update": {
+                "sessionUpdate": "agent_message_chunk", "content": {"type": "text", "text": f"cancelled {cancelled}"}}}})
+            send({"jsonrpc": "2.0", "id": prompt_id, "result": {"stopReason": "end_turn"}})
+    elif mid is not None and method is not None:
+        send({"jsonrpc": "2.0", "id": mid, "error": {"code": -32601, "message": "no"}})
+'''
+
+
+def test_permission_requests_past_the_bound_are_cancelled_at_once(server: Server) -> None:
+    """An agent that asks 3x ``MAX_OPEN_PERMISSIONS`` permissions without waiting: the first
+    ``MAX_OPEN_PERMISSIONS`` are open (events the backend would show), every other one is answered
+    ``cancelled`` at once with an ``agent_error`` saying why, the agent's turn goes on and ends;
+    an open one is still answered as the backend says."""
+    script = server.workspace / "permission_flood.py"
+    script.write_text(PERMISSION_FLOOD_AGENT)
+    asked = 3 * MAX_OPEN_PERMISSIONS
+
+    async def scenario() -> list[Event]:
+        async with await server.connect() as client:
+            flood = await server.create(client, session_id="flood", agent="flood",
+                                        command=[sys.executable, str(script), str(asked), str(MAX_OPEN_PERMISSIONS)])
+            stream = await client.attach(flood["instance_id"], 0)
+            try:
+                turn = await client.prompt(flood["instance_id"], "go")
+                events = await collect_until(stream, turn_ended(turn))
+                first = next(e for e in events if e.kind == "permission_request")
+                await client.respond_permission(flood["instance_id"], first.data["request_id"], "allow")
+                return events
+            finally:
+                await stream.close()
+
+    events = run(scenario())
+    requests = [e for e in events if e.kind == "permission_request"]
+    refusals = [e.data["message"] for e in events if e.kind == "agent_error"]
+    assert len(requests) == MAX_OPEN_PERMISSIONS
+    assert [r.data["tool_call"]["title"] for r in requests] == [f"ask {i}" for i in range(MAX_OPEN_PERMISSIONS)]
+    assert refusals == [f"permission request cancelled unasked: the agent already has {MAX_OPEN_PERMISSIONS} open"] * (
+        asked - MAX_OPEN_PERMISSIONS)
+    assert chunks(events) == [f"cancelled {asked - MAX_OPEN_PERMISSIONS}"]
+    assert events[-1].data["stop_reason"] == "end_turn"
