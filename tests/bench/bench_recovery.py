@@ -1,7 +1,8 @@
 """Benchmark: re-tracking N surviving sessions, from first contact to the last publication.
 
 Run: ``python tests/bench/bench_recovery.py [N]`` (default 1000; targets: ratio <= 20 at N=1000,
-< 5 s and a backend RSS < 300 MB at N=10000).
+< 5 s and a backend RSS < 300 MB at N=10000). Where this machine cannot hold N agents (open
+files, pids) it says why and runs the largest N that fits instead, labelled as such.
 
 Set-up: a real backend and control server (survival on, no service manager);
 the backend is SIGKILLed; N instances are created on the surviving control
@@ -132,24 +133,50 @@ FDS_PER_INSTANCE = 7
 
 def room_for(n: int) -> str | None:
     """Why this machine cannot hold ``n`` surviving agents, or None if it can."""
-    import resource
-
-    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    if hard != resource.RLIM_INFINITY and FDS_PER_INSTANCE * n + 1024 > hard:
+    hard, pid_max = _limits()
+    if hard is not None and FDS_PER_INSTANCE * n + 1024 > hard:
         return (f"the control server needs ~{FDS_PER_INSTANCE * n + 1024} open files for {n} agents;"
                 f" the open-file hard limit here is {hard}")
-    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
     if 2 * n + 2048 > pid_max:  # each agent's process and the control server's stderr thread for it
         return f"{n} agent processes and their stderr threads do not fit kernel.pid_max={pid_max}"
     return None
 
 
+def _limits() -> tuple[int | None, int]:
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    return (None if hard == resource.RLIM_INFINITY else hard), pid_max
+
+
+def largest_that_fits() -> int:
+    """The largest N (a multiple of 100) that ``room_for`` admits here."""
+    hard, pid_max = _limits()
+    n = (pid_max - 2048) // 2
+    if hard is not None:
+        n = min(n, (hard - 1024) // FDS_PER_INSTANCE)
+    return n // 100 * 100
+
+
 def main() -> int:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 1000
     why = room_for(n)
-    if why is not None:
-        print(f"re-tracking N={n} surviving sessions: SKIPPED: {why}")
+    if why is None:
+        return run(n, n)
+    print(f"re-tracking N={n} surviving sessions: SKIPPED: {why}")
+    fits = largest_that_fits()
+    if fits < 1000:
         return 0
+    # The largest run this machine holds instead, labelled as such (its targets are N=1000's):
+    # how time and memory grow on the way to N, not a measurement of N.
+    print(f"  instead, the largest N that fits here (not a measurement of N={n}):")
+    return run(fits, n)
+
+
+def run(n: int, wanted: int) -> int:
+    """Measure re-tracking ``n`` sessions and print the figures; ``wanted`` is the N asked for (the
+    targets of N=10000 apply only to a run of that size)."""
     with tempfile.TemporaryDirectory(prefix="kd-rbench-", dir="/var/tmp") as d:
         root = Path(d)
         os.chmod(root, 0o700)
@@ -191,6 +218,8 @@ def main() -> int:
                 ok = retracked == n and ratio <= TARGET_RATIO
                 target = f"ratio <= {TARGET_RATIO:g}"
             print(f"  target {target} with all {n} re-tracked: {'PASS' if ok else 'FAIL'}")
+            if wanted != n:
+                print(f"  target of N={wanted}: NOT MEASURED (this machine cannot hold {wanted} agents)")
         finally:
             subprocess.run([sys.executable, "-m", "daemon.cli", "--home", str(home), "down"], env=env,
                            capture_output=True, timeout=120)
