@@ -223,8 +223,15 @@ class SessionService:
     async def show(self, session_id: str, request: PageRequest) -> dict[str, Any]:
         b = self.backend
         # Transcripts may be huge: read off the loop, one bounded page (daemon.backend.session_view).
-        stored = await asyncio.to_thread(self._read_session, session_id, request)
-        ex = b.executions.executions.get(session_id)
+        # The row's state and the tracked execution must be of one moment: a launch commits its
+        # state and starts tracking in one step of the loop, which can fall during the read (then
+        # "STARTING" and live would be shown together). If tracking changed meanwhile, read again.
+        for _ in range(3):
+            before = b.executions.executions.get(session_id)
+            stored = await asyncio.to_thread(self._read_session, session_id, request)
+            ex = b.executions.executions.get(session_id)
+            if ex is before:
+                break
         session, row = stored.session, stored.row
         meta = SessionMetadata.load(session)
         runtime = meta.runtime_config_or_empty()
