@@ -163,7 +163,7 @@ def main() -> int:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 1000
     why = room_for(n)
     if why is None:
-        return run(n, n)
+        return measure(n, n)
     print(f"re-tracking N={n} surviving sessions: SKIPPED: {why}")
     fits = largest_that_fits()
     if fits < 1000:
@@ -171,10 +171,10 @@ def main() -> int:
     # The largest run this machine holds instead, labelled as such (its targets are N=1000's):
     # how time and memory grow on the way to N, not a measurement of N.
     print(f"  instead, the largest N that fits here (not a measurement of N={n}):")
-    return run(fits, n)
+    return measure(fits, n)
 
 
-def run(n: int, wanted: int) -> int:
+def measure(n: int, wanted: int) -> int:
     """Measure re-tracking ``n`` sessions and print the figures; ``wanted`` is the N asked for (the
     targets of N=10000 apply only to a run of that size)."""
     with tempfile.TemporaryDirectory(prefix="kd-rbench-", dir="/var/tmp") as d:
