@@ -90,7 +90,11 @@ def test_scenario_d_hundred_reloads_at_random_moments(kandev_factory: Any) -> No
     finally:
         stop.set()
     driver.join(300)
-    assert not errors, (errors, logged_problems(k))
+    if errors:  # printed whole (an assertion message is cut short): what each daemon logged, and where the sessions are
+        print(logged_problems(k))
+        print({sid: db_row(k, "SELECT state, last_error FROM task_sessions WHERE id = ?", sid) for sid in (slow_sid, flood_sid)})
+        print(db_rows(k, "SELECT id, state, stop_reason FROM turns WHERE session_id = ?", flood_sid)[-3:])
+    assert not errors, errors
     assert count == 100
     assert k.show(slow_sid)["live"], logged_problems(k)
     k.cli("cancel", slow_sid)
