@@ -26,7 +26,7 @@ from daemon.agentctl.protocol import EventKind
 from daemon.store import transitions
 from daemon.store.models import ExecutorRunning, TaskSession, Turn
 from daemon.store.session_metadata import SessionMetadata
-from daemon.store.states import SessionState, TaskState, TurnState
+from daemon.store.states import InventoryStatus, SessionState, TaskState, TurnState
 from daemon.store.transcript import TranscriptWriter, ensure_turn
 
 # ACP session updates that carry text for the transcript, and the role they get.
@@ -70,7 +70,7 @@ def apply_turn_outcome(
     turn = ensure_turn(db, session_id, turn_id, None)
     if turn.state in ("finished", "abandoned"):
         return False
-    turn.state = "finished"
+    turn.state = TurnState.FINISHED
     turn.stop_reason = stop_reason
     turn.error = error
     turn.ended_at = _now()
@@ -201,7 +201,7 @@ def mark_agent_gone(db: DbSession, session_id: str, reason: str) -> None:
     if session is None:
         return
     for turn in db.scalars(select(Turn).where(Turn.session_id == session_id, Turn.state == TurnState.OPEN)):
-        turn.state = "abandoned"
+        turn.state = TurnState.ABANDONED
         turn.stop_reason = _AGENT_DIED
         turn.ended_at = _now()
     if session.state in (SessionState.STARTING, SessionState.RUNNING, SessionState.WAITING_FOR_INPUT):
@@ -215,5 +215,5 @@ def mark_agent_gone(db: DbSession, session_id: str, reason: str) -> None:
         )
     row = db.get(ExecutorRunning, session_id)
     if row is not None:
-        row.status = "stale"  # resume token and worktree identity are kept
+        row.status = InventoryStatus.STALE  # resume token and worktree identity are kept
         row.updated_at = _now()

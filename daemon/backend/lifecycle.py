@@ -76,7 +76,7 @@ async def stop_session(backend: Backend, session_id: str) -> dict[str, Any]:
     with backend.store.session() as db:
         row = db.get(ExecutorRunning, session_id)
         if row is not None:
-            row.status = "stale"  # the resume token is kept
+            row.status = InventoryStatus.STALE  # the resume token is kept
     log_event("session_agent_stopped", f"session {session_id}: agent stopped (kandev session stop)",
               SESSION_ID=session_id, TASK_ID=task_id, INSTANCE_ID=ex.instance_id, AGENT_PID=ex.agent_pid)
     return {"session_id": session_id, "task_id": task_id, "instance_id": ex.instance_id,

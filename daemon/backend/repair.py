@@ -42,7 +42,7 @@ def repair_interrupted(
     until the session gets an agent again; ``session show`` reports it."""
     row = db.get(ExecutorRunning, session_id)
     if row is not None and row.status == InventoryStatus.LIVE:
-        row.status = "stale"
+        row.status = InventoryStatus.STALE
         row.updated_at = now
         if interruption is not None:
             row.metadata_json = {**(row.metadata_json or {}), "interruption": interruption}
@@ -50,7 +50,7 @@ def repair_interrupted(
     if session is None or session.state not in ACTIVE_STATES:
         return
     for turn in db.scalars(select(Turn).where(Turn.session_id == session_id, Turn.state == TurnState.OPEN)):
-        turn.state = "abandoned"
+        turn.state = TurnState.ABANDONED
         turn.stop_reason = "interrupted"
         turn.ended_at = now
     transitions.transition_session(

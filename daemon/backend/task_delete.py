@@ -121,7 +121,7 @@ async def _stop_agents(backend: Backend, task_id: str, session_ids: list[str]) -
         with backend.store.session() as db:  # should the removal fail, a later try is not refused
             row = db.get(ExecutorRunning, sid)
             if row is not None:
-                row.status = "stale"
+                row.status = InventoryStatus.STALE
         stopped.append(sid)
         log_event("session_agent_stopped", f"session {sid}: agent stopped to delete task {task_id}",
                   SESSION_ID=sid, TASK_ID=task_id, INSTANCE_ID=ex.instance_id)
