@@ -3,7 +3,9 @@
 ``kandev_factory`` makes ``Kandev`` drivers (tests/support/kandev.py), each on a private home
 under one short temporary directory, and cleans every one up at teardown: ``kandev down``, then
 SIGTERM/SIGKILL of exactly the pids and process groups it saw. ``short_tmp`` and ``private_root``
-are private directories with short paths (Unix socket paths are limited to 107 bytes).
+are private directories with short paths (Unix socket paths are limited to 107 bytes). ``server``
+is a real control server on a ``private_root`` (tests/support/agentctl.py), stopped with every
+agent group it started; a module that needs another kind of server defines its own ``server``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.agentctl import Server, start_server, stop_server, write_launch
 from tests.support.kandev import Kandev, make_env
 
 
@@ -53,3 +56,14 @@ def private_root() -> Iterator[Path]:
         yield root
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def server(private_root: Path) -> Iterator[Server]:
+    """A real control server (``python -m daemon.agentctl.main``) on ``private_root``."""
+    srv = write_launch(private_root)
+    try:
+        start_server(srv)
+        yield srv
+    finally:
+        stop_server(srv)

@@ -17,7 +17,7 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -39,16 +39,6 @@ pytestmark = pytest.mark.timeout(240)
 
 PERIOD = 60.0  # the floor (AC-EXECUTORS-CONTROL-OWNERSHIP-003.7): the shortest period a server runs with
 TIMER_SLACK = 6.0  # timer tick (1 s) + stopping a TERM-ignoring group (3 s grace) + process exit
-
-
-@pytest.fixture
-def server(private_root: Path) -> Iterator[Server]:
-    srv = write_launch(private_root)
-    try:
-        start_server(srv)
-        yield srv
-    finally:
-        stop_server(srv)
 
 
 # ---------------------------------------------------------------- helpers

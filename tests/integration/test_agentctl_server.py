@@ -19,7 +19,6 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,19 +48,6 @@ def _killpg_refused(pgid: int) -> bool:
     except ProcessLookupError:
         return True
     return False
-
-
-# ---------------------------------------------------------------- the server fixture
-
-
-@pytest.fixture
-def server(private_root: Path) -> Iterator[Server]:
-    srv = write_launch(private_root)
-    try:
-        start_server(srv)
-        yield srv
-    finally:
-        stop_server(srv)
 
 
 # ---------------------------------------------------------------- ownership and authentication

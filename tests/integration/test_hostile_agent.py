@@ -31,7 +31,7 @@ from daemon.agentctl.agent_json import CUT, MAX_DEPTH
 from daemon.agentctl.agent_pipe import MAX_LINE_BYTES
 from daemon.agentctl.conversation import MAX_OPEN_PERMISSIONS
 from ipc.client import Event
-from tests.support.agentctl import Server, start_server, stop_server, write_launch
+from tests.support.agentctl import Server
 from tests.support.aio import run
 from tests.support.streams import chunks, collect_until, turn_ended
 
@@ -78,16 +78,6 @@ for line in sys.stdin:
     elif mid is not None:
         send(json.dumps({"jsonrpc": "2.0", "id": mid, "error": {"code": -32601, "message": "no"}}))
 '''
-
-
-@pytest.fixture
-def server(private_root: Path) -> Any:
-    srv = write_launch(private_root)
-    try:
-        start_server(srv)
-        yield srv
-    finally:
-        stop_server(srv)
 
 
 def _depth(value: Any) -> int:
