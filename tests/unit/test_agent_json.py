@@ -16,8 +16,8 @@ from daemon.agentctl.events import plain
 from daemon.backend.events import apply_events
 from daemon.store import transcript
 from daemon.store.db import Store, sqlite_url
-from daemon.store.models import Task, TaskSession
 from ipc.client import Event
+from tests.support.store_rows import new_session
 
 
 @pytest.mark.parametrize("escaped, expected", [
@@ -89,14 +89,7 @@ def test_the_deepest_event_the_control_server_passes_on_is_stored(tmp_path: Path
     ]
     store = Store.open(sqlite_url(tmp_path / "kandev.db"))
     try:
-        with store.session() as db:
-            task = Task(title="t")
-            db.add(task)
-            db.flush()
-            session = TaskSession(task_id=task.id, agent="mock")
-            db.add(session)
-            db.flush()
-            sid = session.id
+        sid = new_session(store)
         with store.session() as db:
             apply_events(db, sid, "i1", [Event(seq, "session_update", {"turn_id": None, "update": m["params"]["update"]})
                                          for seq, m in enumerate(updates, start=1)])

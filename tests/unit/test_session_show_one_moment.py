@@ -17,19 +17,13 @@ from typing import Any
 from daemon.backend.session_view import PageRequest
 from daemon.backend.sessions import SessionService
 from daemon.store.db import Store, sqlite_url
-from daemon.store.models import Task, TaskSession
+from daemon.store.models import TaskSession
+from tests.support.store_rows import new_session
 
 
 def test_a_launch_that_lands_during_the_read_is_seen_whole(tmp_path: Path) -> None:
     store = Store.open(sqlite_url(tmp_path / "kandev.db"))
-    with store.session() as db:
-        task = Task(title="t")
-        db.add(task)
-        db.flush()
-        session = TaskSession(task_id=task.id, agent="mock", state="STARTING")
-        db.add(session)
-        db.flush()
-        sid = session.id
+    sid = new_session(store, "STARTING")
     executions: dict[str, Any] = {}
     backend = SimpleNamespace(store=store, executions=SimpleNamespace(executions=executions, guards={}),
                               report=SimpleNamespace(not_retracked={}))

@@ -18,9 +18,9 @@ from daemon.config import load_config, validate_backend
 from daemon.config_keys import ConfigError
 from daemon.store import transcript
 from daemon.store.db import Store, sqlite_url
-from daemon.store.models import Task, TaskSession
 from daemon.store.space import SpaceWatch, is_out_of_space
 from tests.support.aio import run
+from tests.support.store_rows import new_session
 
 
 @pytest.fixture
@@ -66,20 +66,9 @@ def test_out_of_space_is_reported_once_and_cleared(tmp_path: Path, caplog: pytes
     run(watch.wait_for_space())  # not out of space: returns at once
 
 
-def _session(store: Store) -> str:
-    with store.session() as db:
-        task = Task(title="t")
-        db.add(task)
-        db.flush()
-        ts = TaskSession(task_id=task.id, agent="mock")
-        db.add(ts)
-        db.flush()
-        return ts.id
-
-
 def test_retention_removes_old_entries_and_vacuum_gives_space_back(store: Store) -> None:
     """Issue 24 item 2: entries older than the retention go; vacuum shrinks the file; status has the size."""
-    sid = _session(store)
+    sid = new_session(store)
     old = datetime.now(UTC) - timedelta(days=100)
     for start in range(0, 4000, 400):
         with store.session() as db:

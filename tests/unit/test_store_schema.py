@@ -36,17 +36,6 @@ def _head() -> str:
     return heads[0]
 
 
-def _session(store: Store) -> str:
-    with store.session() as db:
-        task = Task(title="t")
-        db.add(task)
-        db.flush()
-        ts = TaskSession(task_id=task.id, agent="mock")
-        db.add(ts)
-        db.flush()
-        return ts.id
-
-
 @pytest.fixture(params=["sqlite", "postgresql"])
 def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A new, empty database on each engine kandev supports (PostgreSQL: a real server)."""

@@ -8,7 +8,7 @@ import pytest
 
 from daemon.store import transitions as tr
 from daemon.store.db import Store
-from daemon.store.models import SESSION_STATES, Task, TaskSession
+from daemon.store.models import SESSION_STATES, TaskSession
 from daemon.store.transitions import (
     ALLOWED,
     InvalidTransition,
@@ -18,6 +18,7 @@ from daemon.store.transitions import (
     set_task_state,
     transition_session,
 )
+from tests.support.store_rows import new_session
 
 Event = tuple[str, str, str, str]
 
@@ -36,17 +37,6 @@ def published() -> Iterator[list[Event]]:
     remove()
 
 
-def _session(store: Store, state: str = "CREATED") -> str:
-    with store.session() as db:
-        task = Task(title="t")
-        db.add(task)
-        db.flush()
-        ts = TaskSession(task_id=task.id, agent="mock", state=state)
-        db.add(ts)
-        db.flush()
-        return ts.id
-
-
 def _state(store: Store, sid: str) -> str:
     with store.session() as db:
         row = db.get(TaskSession, sid)
@@ -59,7 +49,7 @@ EDGES = [(f, t) for f in SESSION_STATES for t in SESSION_STATES if f != t]
 
 @pytest.mark.parametrize(("frm", "to"), EDGES)
 def test_store_transition_table(store: Store, frm: str, to: str) -> None:
-    sid = _session(store, frm)
+    sid = new_session(store, frm)
     with store.session() as db:
         if to in ALLOWED[frm]:
             assert transition_session(db, sid, to, expected_from={frm}, reason="test").state == to
@@ -76,7 +66,7 @@ def test_store_transition_table_is_the_design() -> None:
 
 
 def test_store_transition_same_state_is_noop(store: Store, published: list[Event]) -> None:
-    sid = _session(store, "RUNNING")
+    sid = new_session(store, "RUNNING")
     with store.session() as db:
         row = transition_session(db, sid, "RUNNING", expected_from={"RUNNING"}, reason="x", last_error="e")
         assert row.state == "RUNNING" and row.last_error is None
@@ -84,7 +74,7 @@ def test_store_transition_same_state_is_noop(store: Store, published: list[Event
 
 
 def test_store_transition_conflict_and_unknown(store: Store) -> None:
-    sid = _session(store, "RUNNING")
+    sid = new_session(store, "RUNNING")
     with store.session() as db:
         with pytest.raises(TransitionConflict) as e:
             transition_session(db, sid, "RUNNING", expected_from={"STARTING"}, reason="x")
@@ -97,7 +87,7 @@ def test_store_transition_conflict_and_unknown(store: Store) -> None:
 
 def test_store_transition_cas_two_sessions(store: Store, published: list[Event]) -> None:
     """Two units of work race from WAITING_FOR_INPUT; the second loses cleanly with the winner's state."""
-    sid = _session(store, "WAITING_FOR_INPUT")
+    sid = new_session(store, "WAITING_FOR_INPUT")
     with store.session() as a, store.session() as b:
         assert a.get(TaskSession, sid).state == "WAITING_FOR_INPUT"  # type: ignore[union-attr]
         assert b.get(TaskSession, sid).state == "WAITING_FOR_INPUT"  # type: ignore[union-attr]
@@ -114,7 +104,7 @@ def test_store_transition_cas_change_between_read_and_write(
     store: Store, published: list[Event], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The state changes after the transition read it: the guarded UPDATE matches nothing -> conflict."""
-    sid = _session(store, "WAITING_FOR_INPUT")
+    sid = new_session(store, "WAITING_FOR_INPUT")
     with store.session() as a:
         real = a.execute
         calls = 0
@@ -137,7 +127,7 @@ def test_store_transition_cas_change_between_read_and_write(
 
 
 def test_store_transition_fields_written(store: Store) -> None:
-    sid = _session(store, "RUNNING")
+    sid = new_session(store, "RUNNING")
     with store.session() as db:
         row = transition_session(db, sid, "FAILED", expected_from={"RUNNING"}, reason="x", last_error="boom",
                                  metadata_json={"acp": {"session_id": "p1"}})
@@ -152,7 +142,7 @@ def test_store_transition_fields_written(store: Store) -> None:
 
 
 def test_store_transition_published_only_after_commit(store: Store, published: list[Event]) -> None:
-    sid = _session(store)
+    sid = new_session(store)
     with store.session() as db:
         transition_session(db, sid, "STARTING", expected_from={"CREATED"}, reason="start")
         assert published == []
@@ -160,7 +150,7 @@ def test_store_transition_published_only_after_commit(store: Store, published: l
 
 
 def test_store_transition_not_published_after_rollback(store: Store, published: list[Event]) -> None:
-    sid = _session(store)
+    sid = new_session(store)
     with pytest.raises(RuntimeError), store.session() as db:
         transition_session(db, sid, "STARTING", expected_from={"CREATED"}, reason="start")
         raise RuntimeError
@@ -171,7 +161,7 @@ def test_store_transition_not_published_after_rollback(store: Store, published: 
 
 
 def test_store_transition_same_session_object_reused_after_rollback(store: Store, published: list[Event]) -> None:
-    sid = _session(store)
+    sid = new_session(store)
     with store._sessions() as db:  # noqa: SLF001 - one Session object across two transactions
         transition_session(db, sid, "STARTING", expected_from={"CREATED"}, reason="first")
         db.rollback()
@@ -188,7 +178,7 @@ def test_store_transition_listener_failure_does_not_break_commit(store: Store, p
 
     remove = tr.add_listener(bad)
     try:
-        sid = _session(store)
+        sid = new_session(store)
         with store.session() as db:
             transition_session(db, sid, "STARTING", expected_from={"CREATED"}, reason="start")
     finally:
@@ -199,7 +189,7 @@ def test_store_transition_listener_failure_does_not_break_commit(store: Store, p
 def test_store_transition_writes_journal_entry(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     entries: list[tuple[str, dict[str, object]]] = []
     monkeypatch.setattr(tr, "log_event", lambda event, message, **f: entries.append((event, f)))
-    sid = _session(store)
+    sid = new_session(store)
     with store.session() as db:
         transition_session(db, sid, "STARTING", expected_from={"CREATED"}, reason="start")
         assert entries == []
@@ -210,7 +200,7 @@ def test_store_transition_writes_journal_entry(store: Store, monkeypatch: pytest
 
 
 def test_store_set_task_state(store: Store) -> None:
-    sid = _session(store)
+    sid = new_session(store)
     with store.session() as db:
         task_id = db.get(TaskSession, sid).task_id  # type: ignore[union-attr]
         task = set_task_state(db, task_id, "review", interrupted=True)
