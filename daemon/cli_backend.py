@@ -12,10 +12,9 @@ import os
 import sys
 import time
 
-from daemon.backend.api import VERSION as API_VERSION
 from daemon.backend.api import BackendState, LinkState
+from daemon.cli_call import call
 from ipc.errors import ErrorCode, IpcError
-from ipc.sync_client import SyncClient
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
 if TYPE_CHECKING:
@@ -26,12 +25,6 @@ if TYPE_CHECKING:
 
 UP_TIMEOUT_S = 400.0  # covers the longest accepted recovery deadline (5 min) plus start-up
 DOWN_TIMEOUT_S = 60.0
-
-
-def call(socket: str | Path, op: str, args: dict[str, Any] | None = None, timeout: float | None = 60.0) -> Any:
-    """One operation on the backend's socket, on a connection of its own."""
-    with SyncClient(str(socket), protocol_major=API_VERSION[0], timeout=5.0) as client:
-        return client.call(op, args or {}, timeout=timeout)
 
 
 def _reachable(socket: str | Path) -> dict[str, Any] | None:

@@ -11,6 +11,7 @@ import functools
 import sys
 from collections.abc import Iterator
 
+from daemon.cli_call import EXIT_OK, EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_USAGE
 from daemon.human import RECONNECT_TIMEOUT_S, terminal_columns
 from daemon.version import VERSION
 
@@ -18,7 +19,7 @@ TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CL
 if TYPE_CHECKING:
     from typing import Any, NoReturn
 
-EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+__all__ = ["EXIT_OK", "EXIT_REFUSED", "EXIT_UNREACHABLE", "EXIT_USAGE", "Usage", "build_parser", "did_you_mean"]
 
 
 class Usage(Exception):

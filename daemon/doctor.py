@@ -71,12 +71,12 @@ def _systemctl_show(unit: str, props: Sequence[str]) -> dict[str, str] | None:
 
 
 def _backend_status(socket: Path) -> dict[str, Any] | None:
-    from daemon.backend import api
+    from daemon.backend.api_version import VERSION as API_VERSION
     from ipc.client import SyncClient
     from ipc.errors import IpcError
 
     try:
-        with SyncClient(str(socket), protocol_major=api.VERSION[0], timeout=2.0) as client:
+        with SyncClient(str(socket), protocol_major=API_VERSION[0], timeout=2.0) as client:
             status: dict[str, Any] = client.call("status", {}, timeout=3.0)
             return status
     except (IpcError, OSError):

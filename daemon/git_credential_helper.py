@@ -119,10 +119,10 @@ def read_lease_file(path: str | os.PathLike[str]) -> tuple[str, str | None]:
 
 
 def _call(socket_path: str, op: str, args: dict[str, Any]) -> dict[str, Any]:
-    from daemon.backend import api
+    from daemon.backend.api_version import VERSION as API_VERSION
     from ipc.sync_client import SyncClient
 
-    with SyncClient(socket_path, protocol_major=api.VERSION[0], timeout=TIMEOUT_S) as client:
+    with SyncClient(socket_path, protocol_major=API_VERSION[0], timeout=TIMEOUT_S) as client:
         result = client.call(op, args, timeout=TIMEOUT_S)
     if not isinstance(result, dict):
         raise HelperError("internal", f"{op}: unexpected answer from the backend")

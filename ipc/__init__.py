@@ -10,8 +10,6 @@ event streams between processes of the same user.
 
 from __future__ import annotations
 
-from importlib import import_module
-
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
 
 # Each name and the module that defines it, imported on first use: a blocking client (the kandev
@@ -36,6 +34,8 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from importlib import import_module  # here: the package itself is imported by every CLI call
+
     value = getattr(import_module(f".{module}", __name__), name)
     globals()[name] = value
     return value

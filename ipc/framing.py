@@ -11,7 +11,6 @@ anything that is not a map is refused with a typed error.
 
 from __future__ import annotations
 
-import socket
 import struct
 from _thread import _local as thread_local  # threading.local, without importing threading (the CLI's budget)
 
@@ -22,6 +21,7 @@ from .errors import ErrorCode, IpcError
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
 if TYPE_CHECKING:  # asyncio: imported by read_frame, whose callers run asyncio anyway; blocking clients never do
     import asyncio
+    import socket  # its enums cost a CLI call ~4 ms; the blocking readers only call the socket's methods
     from typing import Any
 
 

@@ -1,4 +1,5 @@
-"""The built-in ``hello`` op: its declaration and the client-side version check.
+"""The built-in ``hello`` op: its name and the client-side version check (its declaration,
+``HELLO_OP``, is the server's: ``ipc.server``).
 
 Every kandev socket answers ``hello`` (no authentication) with its protocol
 name, ``[major, minor]`` version, capability set and op names. Both sides
@@ -9,14 +10,12 @@ when it reads the request, the client again when it reads the answer.
 from __future__ import annotations
 
 from .errors import ErrorCode, IpcError
-from .schema import Op
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
 if TYPE_CHECKING:
     from typing import Any
 
 HELLO = "hello"
-HELLO_OP = Op(HELLO, optional={"v": int, "client": str}, auth=False)
 
 
 def check_hello(result: Any, protocol_major: int, where: str) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from ipc.aio import within
 from .connection import ConnectionContext
 from .errors import ErrorCode, IpcError
 from .framing import MAX_FRAME, BufferBudget, ConnectionClosed, FrameTooLarge, encode_frame
-from .hello import HELLO, HELLO_OP
+from .hello import HELLO
 from .listener import LISTEN_BACKLOG, SocketIdentity, bind_listener, check_socket_path, unlink_if_ours
 from .peercred import peer_admitted, peer_credentials
 from .schema import Op, OpTable
@@ -51,6 +51,7 @@ Handler = AsyncHandler | PlainHandler
 """An op's handler: ``async def`` (it runs in a task of its own) or plain ``def`` (called inline)."""
 Authorize = Callable[[ConnectionContext, Op], None]
 
+HELLO_OP = Op(HELLO, optional={"v": int, "client": str}, auth=False)  # the built-in op every server answers
 _CLOSE_GRACE = 1.0  # seconds close() lets connections flush before aborting them
 _REFUSAL_LINGER_S = REFUSAL_LINGER_S  # seconds a refused connection stays half-open for the peer to read why
 BUFFER_LIMIT = 32 * 1024 * 1024

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 from enum import Enum, StrEnum
 
+from daemon.backend.api_version import PROTOCOL, VERSION
 from ipc.schema import Op, OpTable
-
-PROTOCOL = "kandev-backend"
-VERSION = (1, 3)  # 1.1 (release 0.2.0): agentctl_reload; 1.2: LIFECYCLE_OPS, shutdown agents, task_list attention; 1.3: store_vacuum, status.store; fields are only ever added
 
 OPS = [
     Op("status", auth=False, doc="backend, capability, control_server, recovery, adoption"),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import IO, Any
 
-from daemon.backend import api
+from daemon.backend.api_version import VERSION as API_VERSION
 from daemon.home import backend_socket_path, resolve_home_dir
 from daemon.human.fmt import short, unique_length
 from ipc.client import SyncClient
@@ -39,7 +39,7 @@ def complete(argv: list[str], out: IO[str]) -> int:
         return 0
     try:
         socket = backend_socket_path(resolve_home_dir(home))
-        with SyncClient(socket, protocol_major=api.VERSION[0], timeout=CONNECT_TIMEOUT_S) as client:
+        with SyncClient(socket, protocol_major=API_VERSION[0], timeout=CONNECT_TIMEOUT_S) as client:
             ids = _ids(client, argv[0], argv[1:])
     except (IpcError, OSError, KeyError, TypeError, ValueError):
         return 0

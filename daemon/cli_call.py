@@ -1,0 +1,28 @@
+"""One operation on the backend's socket, on a connection of its own (``call``), and the exit
+status a ``kandev`` call ends with: what every command that talks to the backend needs, and nothing
+more (the quick path of the CLI imports it; tests/unit/test_cli_imports.py keeps it lean).
+"""
+
+from __future__ import annotations
+
+from daemon.backend.api_version import VERSION as API_VERSION
+from ipc.errors import ErrorCode, IpcError
+from ipc.sync_client import SyncClient
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
+if TYPE_CHECKING:
+    from pathlib import Path
+    from typing import Any
+
+EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+
+
+def call(socket: str | Path, op: str, args: dict[str, Any] | None = None, timeout: float | None = 60.0) -> Any:
+    """One operation on the backend's socket, on a connection of its own."""
+    with SyncClient(str(socket), protocol_major=API_VERSION[0], timeout=5.0) as client:
+        return client.call(op, args or {}, timeout=timeout)
+
+
+def exit_status(exc: IpcError) -> int:
+    """3 when the backend could not be reached, 1 when it refused."""
+    return EXIT_UNREACHABLE if exc.code == ErrorCode.UNAVAILABLE else EXIT_REFUSED
