@@ -11,6 +11,7 @@ from daemon.agentctl.client_handshake import identify
 from daemon.backend import agent_launch
 from daemon.backend.api import BackendState, LinkState
 from daemon.backend.context import BackendContext
+from daemon.backend.launcher import ControlServerHandle
 from daemon.backend.server_upgrade import ServerUpgrade
 from daemon.version import VERSION
 from ipc.errors import ErrorCode, IpcError
@@ -20,8 +21,8 @@ from ipc.server import ConnectionContext, Handler
 def handlers(backend: BackendContext, upgrade: ServerUpgrade) -> dict[str, Handler]:
     b = backend
 
-    async def op_status(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
-        handle = b.handle
+    async def control_link(handle: ControlServerHandle | None) -> dict[str, Any]:
+        """The control server's link, and whether the server answers when its link says running."""
         link = b.link.snapshot()
         if handle is not None and link["state"] == LinkState.RUNNING.value:
             # running as far as its link can tell (its process is there): does it answer?
@@ -33,6 +34,13 @@ def handlers(backend: BackendContext, upgrade: ServerUpgrade) -> dict[str, Handl
                 link["state"] = "reloading" if exc.code == ErrorCode.RELOADING else "unreachable"
         if link["state"] == LinkState.RUNNING.value:
             await upgrade.refresh()
+        return link
+
+    async def op_status(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        handle = b.handle
+        # the three questions to other parties at once: a status call waits for the slowest, not the sum
+        link, sandbox, store = await asyncio.gather(
+            control_link(handle), agent_launch.sandbox_status(b), b.store_care.status())
         report = b.report
         return {
             "backend": {
@@ -72,8 +80,8 @@ def handlers(backend: BackendContext, upgrade: ServerUpgrade) -> dict[str, Handl
                 "duration_ms": round(report.duration_ms, 1),
             },
             "adoption": {"outcome": report.adoption.outcome, "reason": report.adoption.reason},
-            "sandbox": await agent_launch.sandbox_status(b),
-            "store": await b.store_care.status(),
+            "sandbox": sandbox,
+            "store": store,
         }
 
     async def op_store_vacuum(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
