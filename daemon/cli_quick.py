@@ -4,6 +4,7 @@ A CLI call is a whole interpreter start, and the modules the full path needs bef
 (argparse and json import ``re``, socket imports ``enum``) cost more than that start again. This
 module serves, without them:
 
+- ``kandev --version``;
 - ``kandev --help`` (or ``-h``) laid out for 80 columns (output that is not a terminal, without
   ``$COLUMNS``, or an 80-column terminal): the text argparse prints then, kept in
   ``daemon/cli_help.txt``; at other widths argparse lays it out;
@@ -94,6 +95,11 @@ def serve(argv: list[str]) -> int | None:
     """Run ``argv`` if this path serves it: the exit status; None when the full path must."""
     if argv in (["--help"], ["-h"]):
         return _help()
+    if argv == ["--version"]:  # what argparse's version action prints
+        from daemon.version import VERSION
+
+        print(f"kandev {VERSION}")
+        return 0
     quick = parse(argv)
     if quick is None:
         return None

@@ -12,15 +12,13 @@ replaced its files can tell that it is older than what is installed (``kandev st
 
 from __future__ import annotations
 
-import re
-
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
 if TYPE_CHECKING:
     from pathlib import Path
 
 VERSION = "0.3.0"
 
-_ASSIGNMENT = re.compile(r'^VERSION = "([^"\n]{1,64})"$', re.MULTILINE)
+_ASSIGNMENT = r'^VERSION = "([^"\n]{1,64})"$'  # re, imported by the functions: `kandev --version` needs neither
 
 
 def installed_version(path: Path | None = None) -> str | None:
@@ -30,12 +28,16 @@ def installed_version(path: Path | None = None) -> str | None:
             text = source.read()
     except (OSError, UnicodeDecodeError):
         return None
-    match = _ASSIGNMENT.search(text)
+    import re
+
+    match = re.search(_ASSIGNMENT, text, re.MULTILINE)
     return match.group(1) if match else None
 
 
 def version_key(version: str) -> tuple[int, ...]:
     """``"0.2.0"`` -> ``(0, 2, 0)`` for ordering (a suffix such as ``+test1`` or ``~rc1`` is ignored)."""
+    import re
+
     numbers: list[int] = []
     for part in re.split(r"[.]", re.split(r"[+~-]", version, maxsplit=1)[0]):
         if not part.isdigit():

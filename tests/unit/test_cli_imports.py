@@ -101,14 +101,15 @@ def test_the_views_for_people_import_nothing_heavy() -> None:
 # The quick path (daemon/cli_quick.py): kandev's modules it may import, and what it never does, not
 # even from the standard library: the imports that made a call cost three interpreter starts.
 QUICK_BUDGET = {"daemon", "daemon.cli", "daemon.cli_quick", "daemon.cli_call", "daemon.cli_json", "daemon.home",
-                "daemon.backend", "daemon.backend.api_version", "daemon.human",
+                "daemon.backend", "daemon.backend.api_version", "daemon.human", "daemon.version",
                 "ipc", "ipc.errors", "ipc.schema", "ipc.framing", "ipc.hello", "ipc.sync_client"}
 QUICK_NEVER = NEVER | {"re", "enum", "argparse", "json", "socket", "gettext", "daemon.cli_commands",
-                       "daemon.cli_parser", "daemon.cli_backend", "daemon.backend.api", "daemon.version"}
+                       "daemon.cli_parser", "daemon.cli_backend", "daemon.backend.api"}
 
 
 @pytest.mark.parametrize("argv", [
-    ("--json", "status"), ("--help",), ("--json", "board"), ("--json", "task", "list"), ("task", "show", "abcd", "--json"),
+    ("--json", "status"), ("--help",), ("--version",), ("--json", "board"), ("--json", "task", "list"),
+    ("task", "show", "abcd", "--json"),
     ("--json", "session", "list"), ("--json", "session", "show", "abcd"), ("--json", "prompt", "abcd", "hi"),
     ("--json", "logs", "abcd"),
 ])
@@ -116,7 +117,7 @@ def test_the_quick_path_imports_neither_the_grammar_nor_re_nor_enum(argv: tuple[
     """Issue 24 item 3: the calls the quick path serves, started as the ``kandev`` script starts them
     (its ``main``, not ``-m``), import no argparse, json, socket, re or enum (~1.8 interpreter starts)."""
     entry = "import sys; from daemon.cli import main; sys.exit(main())"
-    home = () if argv == ("--help",) else ("--home", str(tmp_path))
+    home = () if argv in (("--help",), ("--version",)) else ("--home", str(tmp_path))
     modules = _imports("-c", entry, *home, *argv)
     assert _own(modules) <= QUICK_BUDGET, sorted(_own(modules) - QUICK_BUDGET)
     assert not modules & QUICK_NEVER, sorted(modules & QUICK_NEVER)

@@ -136,3 +136,14 @@ def test_help_is_the_stored_text_at_80_columns_and_argparse_at_others(columns: s
             assert (status, out.getvalue()) == (0, Path(cli_quick.HELP_FILE).read_text(encoding="utf-8"))
         else:
             assert (status, out.getvalue()) == (None, "")
+
+
+def test_version_is_what_argparse_prints() -> None:
+    out = io.StringIO()
+    with redirect_stdout(out):
+        quick = serve(["--version"])
+    full_out = io.StringIO()
+    with redirect_stdout(full_out), pytest.raises(SystemExit) as full:
+        daemon.cli_commands.run_command_line(["--version"])
+    assert (quick, out.getvalue()) == (full.value.code or 0, full_out.getvalue())
+    assert out.getvalue().startswith("kandev ")
