@@ -42,6 +42,7 @@ from typing import Any
 
 from daemon import platform
 from daemon.agents.settings import describe as describe_agent
+from daemon.backend.api import LinkObserved, LinkState
 from daemon.config import Config, check_config, config_file
 from daemon.config_keys import ConfigError
 from daemon.paths import SERVICE_GROUP, Paths
@@ -357,24 +358,24 @@ def _control_server(r: _Report, status: dict[str, Any] | None) -> None:
     server = status["control_server"]
     for name, link in (("control_server", server), ("control_server.passthrough", server.get("passthrough") or {})):
         state = link.get("state")
-        if state is None or (name != "control_server" and state == "none"):
+        if state is None or (name != "control_server" and state == LinkState.NONE):
             continue
         loss = link.get("gave_up") or link.get("last_loss") or {}
         last = f"; last loss {loss.get('at')}: {loss.get('reason')}" if loss else ""
-        if state == "gave_up":
+        if state == LinkState.GAVE_UP:
             window = link.get("crash_loop") or {}
             r.add(name, False, f"gave up restarting it after {window.get('limit', '?')} losses within "
                   f"{window.get('window_s', '?')} s{last}",
                   "see `journalctl KANDEV_EVENT=control_server_lost` (or the backend log) and the control-server"
                   " log for why it dies; once fixed, `kandev up` makes the backend try again")
-        elif state in ("lost", "restarting"):
+        elif state in (LinkState.LOST, LinkState.RESTARTING):
             r.add(name, False, f"{state}: the backend is starting a new one{last}",
                   "wait a few seconds and look again; `kandev status` shows the state")
-        elif state == "superseded":
+        elif state == LinkState.SUPERSEDED:
             r.add(name, False, "superseded: another holder of this installation's credential adopted it; this"
                   " backend no longer drives it", "restart the backend (`kandev down` then `kandev up`, or"
                   " `systemctl restart kandev-backend`)")
-        elif state == "unreachable":
+        elif state == LinkObserved.UNREACHABLE:
             r.add(name, False, f"running but not answering, pid {link.get('pid', server.get('pid'))}",
                   "see the control-server log; `systemctl kill --kill-whom=main -s USR1` dumps its tasks")
         else:

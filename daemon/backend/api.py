@@ -205,6 +205,14 @@ class LinkState(str, Enum):
     REPLACING = "replacing"  # the backend retires this server for a newer one (not a loss)
 
 
+class LinkObserved(StrEnum):
+    """What ``status`` reports instead of ``LinkState.RUNNING`` when the running server does not
+    answer: observations of one status call, not states of the link's state machine."""
+
+    RELOADING = "reloading"  # it re-executes in place (kandev agentctl reload, SIGHUP)
+    UNREACHABLE = "unreachable"  # its process is there and it does not answer
+
+
 class AdoptionOutcome(StrEnum):
     ADOPTED = "adopted"
     NO_SERVER = "no_server"  # nothing recorded, nothing answered, or it is shutting down: no refusal

@@ -9,7 +9,7 @@ from typing import Any
 
 from daemon.agentctl.client_handshake import identify
 from daemon.backend import agent_launch
-from daemon.backend.api import BackendState, LinkState
+from daemon.backend.api import BackendState, LinkObserved, LinkState
 from daemon.backend.context import BackendContext
 from daemon.backend.launcher import ControlServerHandle
 from daemon.backend.server_upgrade import ServerUpgrade
@@ -29,9 +29,10 @@ def handlers(backend: BackendContext, upgrade: ServerUpgrade) -> dict[str, Handl
             try:
                 if await identify(handle.endpoint, timeout=1.0) is None:
                     # running, but it does not answer (for a moment while it re-executes)
-                    link["state"] = "reloading" if upgrade.reloading else "unreachable"
+                    link["state"] = LinkObserved.RELOADING if upgrade.reloading else LinkObserved.UNREACHABLE
             except IpcError as exc:
-                link["state"] = "reloading" if exc.code == ErrorCode.RELOADING else "unreachable"
+                link["state"] = (LinkObserved.RELOADING if exc.code == ErrorCode.RELOADING
+                                 else LinkObserved.UNREACHABLE)
         if link["state"] == LinkState.RUNNING.value:
             await upgrade.refresh()
         return link

@@ -9,7 +9,7 @@ as ``name: value``; a part it does not know gets a block of its own. Nothing is 
 
 from __future__ import annotations
 
-from daemon.backend.api import AdoptionOutcome, BackendState, LinkState
+from daemon.backend.api import AdoptionOutcome, BackendState, LinkObserved, LinkState
 from daemon.human.fmt import duration_ms, short
 from daemon.human.term import Term
 
@@ -36,8 +36,8 @@ _KNOWN = {
 _ORDER = ("backend", "capability", "control_server", "adoption", "recovery")
 # reloading: re-executing in place for a moment; replacing: the backend retires a server too old to
 # reload for one of the installed version (neither is a loss)
-# "reloading": how ``status`` shows a running server that re-executes (not a state of its link)
-_HEALTHY_SERVER = {LinkState.RUNNING, LinkState.NONE, "reloading", LinkState.REPLACING}
+# reloading: how ``status`` shows a running server that re-executes (not a state of its link)
+_HEALTHY_SERVER = {LinkState.RUNNING, LinkState.NONE, LinkObserved.RELOADING, LinkState.REPLACING}
 
 
 def _value(value: Any) -> str:
