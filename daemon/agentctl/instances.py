@@ -38,6 +38,7 @@ class InstanceService:
     def __init__(self, server: ServerContext, sandbox_host: SandboxHost) -> None:
         self.server = server
         self.sandbox = sandbox_host
+        self._stopping: asyncio.Future[list[str]] | None = None  # stop_all's one stop
 
     async def create(self, spec: InstanceSpec, sandbox_wire: Any, secret_refs: Any) -> Instance:
         """Start the agent ``spec`` asks for, in its sandbox unless the request's ``sandbox``
@@ -130,7 +131,16 @@ class InstanceService:
         return True
 
     async def stop_all(self) -> list[str]:
-        """Stop every instance (in parallel; each stop is bounded); returns their ids."""
+        """Stop every instance (in parallel; each stop is bounded); returns their ids.
+
+        Stopping everything ends the server, so it happens once: a later call (a second
+        ``ownership_shutdown``, the signal path after it) waits for the same stop and returns the
+        same ids, whether it came while the instances were stopping or after."""
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._stop_all())
+        return list(await asyncio.shield(self._stopping))
+
+    async def _stop_all(self) -> list[str]:
         instances = list(self.server.instances.values())
         results = await asyncio.gather(*(inst.stop() for inst in instances), return_exceptions=True)
         for inst, result in zip(instances, results, strict=True):
