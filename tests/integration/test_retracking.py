@@ -25,7 +25,8 @@ import pytest
 
 from daemon.agentctl.client import AgentctlClient
 from ipc.client import SyncClient
-from tests.support.kandev import Kandev, db_row
+from ipc.errors import IpcError
+from tests.support.kandev import Kandev, db_row, logged_problems
 from tests.support.processes import alive, group_alive
 from tests.support.sessions import agentctl_caller
 from tests.support.streams import agent_chunks
@@ -199,7 +200,13 @@ def test_scenario_g_hundred_sessions_survive(kandev_factory):
     # Set-up only: a few starts at a time, as several clients would, so that 100 agent starts
     # (each a new sandboxed process importing the ACP SDK) fit the time limit on a loaded host.
     with ThreadPoolExecutor(max_workers=4) as pool:
-        sessions = list(pool.map(start_running, range(100)))
+        try:
+            sessions = list(pool.map(start_running, range(100)))
+        except IpcError:  # a fresh-clone run once had "internal error in session_start": say what the backend logged
+            print(logged_problems(k))
+            log = k.home / "logs" / "backend.log"
+            print(log.read_text(errors="replace")[-8000:] if log.exists() else "(no backend.log)")  # the traceback whole
+            raise
     assert len(set(sessions)) == 100
     with SyncClient(st["backend"]["socket"], timeout=10) as backend:
         pids = {sid: backend.call("session_show", {"session_id": sid})["agent_pid"] for sid in sessions}
