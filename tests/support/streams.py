@@ -118,8 +118,14 @@ async def wait_instance(
 ) -> dict[str, Any]:
     """The listing of ``instance_id`` once ``predicate`` holds for it (``timeout`` at most; an
     instance that is not listed fails at once)."""
+    seen: list[dict[str, Any]] = []
+
     async def matching() -> dict[str, Any] | None:
         entry = await instance_entry(client, instance_id)
+        seen[:] = [entry]
         return entry if predicate(entry) else None
 
-    return await eventually(matching, timeout, message=f"instance {instance_id} {what}")
+    try:
+        return await eventually(matching, timeout, message=f"instance {instance_id} {what}")
+    except TimeoutError as exc:  # say what the listing said last, not just that it did not match
+        raise TimeoutError(f"{exc}; last listed as {seen[0] if seen else None}") from None
