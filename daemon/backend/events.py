@@ -195,6 +195,26 @@ def mark_running(db: DbSession, session: TaskSession, reason: str) -> None:
         transitions.set_task_state(db, session.task_id, TaskState.IN_PROGRESS)
 
 
+PROMPT_NOT_DELIVERED = "the last prompt did not reach the agent before the backend stopped; send it again"
+
+
+def mark_waiting_without_turn(db: DbSession, session: TaskSession, reason: str) -> None:
+    """No turn runs on the agent and none ended unread (re-tracking asked its control server), and
+    the store holds no open turn: a session left RUNNING by a backend that died between marking it
+    and handing the prompt to the agent (the turn row is written once the agent took the prompt)
+    waits for input again, told why. An open turn row is left alone (AC-EXECUTORS-SURVIVAL-003.4).
+    A turn that does run after all reaches us through its events and ``mark_running``."""
+    if session.state != SessionState.RUNNING:
+        return
+    open_turns = db.scalar(select(func.count()).select_from(Turn).where(
+        Turn.session_id == session.id, Turn.state == TurnState.OPEN))
+    if open_turns:
+        return
+    transitions.transition_session(db, session.id, SessionState.WAITING_FOR_INPUT,
+                                   expected_from={SessionState.RUNNING}, reason=reason, last_error=PROMPT_NOT_DELIVERED)
+    transitions.set_task_state(db, session.task_id, TaskState.REVIEW)
+
+
 def mark_agent_gone(db: DbSession, session_id: str, reason: str) -> None:
     """The session's agent is dead: FAILED, open turns abandoned, inventory row stale (tokens kept)."""
     session = db.get(TaskSession, session_id)

@@ -37,7 +37,7 @@ from sqlalchemy import select
 from daemon.agentctl.client import AgentctlClient
 from daemon.backend.adoption import Adopter, Adoption
 from daemon.backend.api import AdoptionOutcome
-from daemon.backend.events import apply_turn_outcome, mark_running
+from daemon.backend.events import apply_turn_outcome, mark_running, mark_waiting_without_turn
 from daemon.backend.executions import Execution, ExecutionStore
 from daemon.backend.liveness import DEAD, Scope, classify
 from daemon.backend.reconstruction import MissingInput, Record, reconstruct
@@ -289,6 +289,8 @@ class Recovery:
             if current and session is not None:  # a turn still running is published as running (AC-EXECUTORS-SURVIVAL-003.3)
                 ensure_turn(db, rec.session_id, str(current), None)
                 mark_running(db, session, f"turn {current} still running at re-tracking")
+            elif session is not None:  # no turn runs: a session still RUNNING lost its prompt with the old backend
+                mark_waiting_without_turn(db, session, "no turn running at re-tracking")
             row = db.get(ExecutorRunning, rec.session_id)
             if row is not None:
                 row.instance_id = values["instance_id"]

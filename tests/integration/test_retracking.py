@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sqlite3
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -288,3 +289,31 @@ def test_a_second_retracking_pass_is_idempotent(kandev_factory):
     assert row["status"] == "live" and row["instance_id"] == show["instance_id"]
     assert db_row(k, "SELECT state FROM task_sessions WHERE id = ?", sid)["state"] == "RUNNING"
     assert alive(show["agent_pid"])
+
+
+def test_a_session_left_running_without_its_prompt_waits_for_input_after_retracking(kandev_factory):
+    """Issue 15 scenario D found it (a backend killed while a prompt waited for a re-executing control
+    server): the dead backend had marked the session RUNNING, and the prompt never reached the agent.
+    Re-tracking asks the control server, which runs no turn and holds no outcome, so the session
+    waits for input again and says why, instead of staying RUNNING for ever; the agent is kept.
+    The crash window is made here by writing RUNNING into the store of a killed backend, as the
+    dead backend's first transaction of a prompt did."""
+    k = _enabled(kandev_factory)
+    k.up()
+    task, sid = k.start_session("lost-prompt")
+    pid = int(k.show(sid)["agent_pid"])
+    _kill_backend(k)
+    con = sqlite3.connect(k.home / "kandev.db")
+    try:
+        with con:
+            con.execute("UPDATE task_sessions SET state = 'RUNNING' WHERE id = ?", (sid,))
+    finally:
+        con.close()
+    st = k.up()
+    assert st["recovery"]["retracked"] == 1
+    show = k.show(sid)
+    assert show["state"] == "WAITING_FOR_INPUT" and show["live"], show
+    assert "did not reach the agent" in (db_row(k, "SELECT last_error FROM task_sessions WHERE id = ?", sid) or {})[
+        "last_error"]
+    assert alive(pid) and int(show["agent_pid"]) == pid
+    assert k.cli("prompt", sid, "hello again", "--wait")["stop_reason"] == "end_turn"  # it takes the prompt again
