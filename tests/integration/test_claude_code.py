@@ -85,6 +85,12 @@ def _turn(e: Env, sid: str, text: str) -> dict[str, Any]:
     return e.k.show(sid)
 
 
+def _conversation_holds(home: Path, sid: str, text: str) -> bool:
+    """Whether a conversation file of Claude Code in the session's agent HOME holds ``text``."""
+    projects = home / "sessions" / sid / "agent" / "home" / ".claude" / "projects"
+    return any(text.encode() in f.read_bytes() for f in projects.glob("*/*.jsonl")) if projects.is_dir() else False
+
+
 def _texts(show: dict[str, Any]) -> list[str]:
     return [c for c in agent_chunks(show) if c]  # Claude Code opens a text block with an empty chunk
 
@@ -201,6 +207,10 @@ def test_scenario_c_resume_loads_the_conversation(env: Env) -> None:
     e.standin.script(["The answer", " is 42."], pace=0.02)
     first = _turn(e, sid, "what is the answer?")
     old_pid = first["agent_pid"]
+    # Claude Code writes the turn into its conversation file after the turn ends; a kill before
+    # that (the CLI's quick path made the calls in between ~15 ms shorter) leaves nothing to load.
+    wait_until(lambda: _conversation_holds(k.home, sid, "is 42."), timeout=30,
+               message="Claude Code wrote the first turn to its conversation file")
     os.killpg(old_pid, signal.SIGKILL)
     wait_until(lambda: not k.show(sid)["live"], timeout=30, message="the session saw its agent die")
     resumed = k.cli("resume", sid, timeout=180)
