@@ -7,30 +7,17 @@ The backend side (capture, restore, reset-context, workflow) is in test_runtime_
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from daemon.agentctl.protocol import EventKind
 from ipc.errors import ErrorCode, IpcError
-from tests.support.agentctl import STEP, Server, start_server, stop_server, write_launch
+from tests.support.agentctl import STEP, Server
 from tests.support.aio import run
 from tests.support.streams import wait_outcome
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture
-def ctl(short_tmp: Path) -> Iterator[Server]:
-    """A real control server on a private home (the agentctl server tests' set-up)."""
-    srv = write_launch(short_tmp)
-    try:
-        start_server(srv)
-        yield srv
-    finally:
-        stop_server(srv)
 
 
 def _options(options: list[dict[str, Any]]) -> dict[str, Any]:
@@ -48,12 +35,12 @@ async def _events(client: Any, instance_id: str, upto: int) -> list[Any]:
     return out
 
 
-def test_create_reports_modes_options_and_handshake_seq(ctl: Server) -> None:
+def test_create_reports_modes_options_and_handshake_seq(server: Server) -> None:
     """RESETCFG-12 (the provider's report), handshake_seq after a session/load replay."""
 
     async def scenario() -> None:
-        async with await ctl.connect() as client:
-            created = await ctl.create(client)
+        async with await server.connect() as client:
+            created = await server.create(client)
             assert created["modes"]["currentModeId"] == "default"
             assert [m["id"] for m in created["modes"]["availableModes"]] == ["default", "plan"]
             assert _options(created["config_options"]) == {
@@ -63,7 +50,7 @@ def test_create_reports_modes_options_and_handshake_seq(ctl: Server) -> None:
             turn = await client.prompt(iid, "hello")
             await wait_outcome(client, iid, turn)
             await client.stop_instance(iid)
-            loaded = await ctl.create(client, resume_session_id=created["acp_session_id"])
+            loaded = await server.create(client, resume_session_id=created["acp_session_id"])
             assert loaded["acp_session_id"] == created["acp_session_id"]
             # the replayed history (user "hello", agent "echo: hello") is numbered before the answer
             assert loaded["handshake_seq"] == 2
@@ -74,12 +61,12 @@ def test_create_reports_modes_options_and_handshake_seq(ctl: Server) -> None:
     run(scenario())
 
 
-def test_set_mode_and_option_accepted_and_rejected(ctl: Server) -> None:
+def test_set_mode_and_option_accepted_and_rejected(server: Server) -> None:
     """RESETCFG-8: an accepted answer carries the agent's option list; a refusal is agent_error."""
 
     async def scenario() -> None:
-        async with await ctl.connect() as client:
-            created = await ctl.create(client)
+        async with await server.connect() as client:
+            created = await server.create(client)
             iid = created["instance_id"]
             res = await client.set_config_option(iid, "model", "mock-smart")
             assert _options(res["config_options"])["model"] == ("model", "mock-smart")
@@ -89,7 +76,7 @@ def test_set_mode_and_option_accepted_and_rejected(ctl: Server) -> None:
             events = await _events(client, iid, res["last_seq"])
             kinds = [e.data["update"]["sessionUpdate"] for e in events if e.kind == EventKind.SESSION_UPDATE]
             assert kinds == ["config_option_update", "current_mode_update"]
-            (ctl.workspace / ".kandev-mock.toml").write_text('reject_option = "effort=high"\n')
+            (server.workspace / ".kandev-mock.toml").write_text('reject_option = "effort=high"\n')
             with pytest.raises(IpcError) as info:
                 await client.set_config_option(iid, "effort", "high")
             assert info.value.code == ErrorCode.AGENT_ERROR and "effort=high" in info.value.message
@@ -100,13 +87,13 @@ def test_set_mode_and_option_accepted_and_rejected(ctl: Server) -> None:
     run(scenario())
 
 
-def test_reset_context_new_session_same_process_defaults_announced_first(ctl: Server) -> None:
+def test_reset_context_new_session_same_process_defaults_announced_first(server: Server) -> None:
     """RESETCFG-5 (ACP fast path): session/new on the same process; the new session's defaults
     are announced before the answer, so they are numbered at or below the answer's last_seq."""
 
     async def scenario() -> None:
-        async with await ctl.connect() as client:
-            created = await ctl.create(client)
+        async with await server.connect() as client:
+            created = await server.create(client)
             iid = created["instance_id"]
             await client.set_mode(iid, "plan")
             await client.set_config_option(iid, "effort", "high")
@@ -124,8 +111,8 @@ def test_reset_context_new_session_same_process_defaults_announced_first(ctl: Se
             # prompts now go to the new session, which has no history
             turn = await client.prompt(iid, "after reset")
             await wait_outcome(client, iid, turn)
-            new_history = (ctl.mock_state / f"{reset['acp_session_id']}.history.jsonl").read_text()
+            new_history = (server.mock_state / f"{reset['acp_session_id']}.history.jsonl").read_text()
             assert "after reset" in new_history
-            assert not (ctl.mock_state / f"{created['acp_session_id']}.history.jsonl").exists()
+            assert not (server.mock_state / f"{created['acp_session_id']}.history.jsonl").exists()
 
     run(scenario())
