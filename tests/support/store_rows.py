@@ -6,10 +6,11 @@ from daemon.store.db import Store
 from daemon.store.models import Task, TaskSession
 
 
-def new_session(store: Store, state: str = "CREATED") -> str:
-    """A task with one mock session in ``state``, committed; the session's id."""
+def new_session(store: Store, state: str = "CREATED", *, workspace: str | None = None) -> str:
+    """A task (its ``workspace``, if given) with one mock session in ``state``, committed; the
+    session's id."""
     with store.session() as db:
-        task = Task(title="t")
+        task = Task(title="t", workspace=workspace)
         db.add(task)
         db.flush()
         session = TaskSession(task_id=task.id, agent="mock", state=state)

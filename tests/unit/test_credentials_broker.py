@@ -52,7 +52,8 @@ from daemon.credentials import (
 from daemon.credentials.signing import SIGNING_KEY_NAME, _b64, _unb64
 from daemon.paths import Paths
 from daemon.store.db import Store, sqlite_url
-from daemon.store.models import CredentialLease, Installation, Task, TaskSession
+from daemon.store.models import CredentialLease, Installation, TaskSession
+from tests.support import store_rows
 
 UPSTREAM = "ghp_UPSTREAMtokenNeverLogged0123456789"
 T0 = datetime(2030, 1, 1, 12, 0, tzinfo=UTC)
@@ -96,14 +97,8 @@ def repo(tmp_path: Path) -> Path:
 
 
 def new_session(store: Store, workspace: Path | None, state: str = "STARTING") -> str:
-    with store.session() as db:
-        task = Task(title="t", workspace=str(workspace) if workspace else None)
-        db.add(task)
-        db.flush()
-        s = TaskSession(task_id=task.id, agent="mock", state=state)
-        db.add(s)
-        db.flush()
-        return s.id
+    """A starting session of a task whose workspace is ``workspace``."""
+    return store_rows.new_session(store, state, workspace=str(workspace) if workspace else None)
 
 
 def set_state(store: Store, session_id: str, state: str) -> None:
