@@ -80,10 +80,7 @@ def apply_turn_outcome(
     if stop_reason == _AGENT_DIED:
         # The agent_exited event moves the session to FAILED; nothing to wait for.
         return True
-    open_turns = db.scalar(
-        select(func.count()).select_from(Turn).where(Turn.session_id == session_id, Turn.state == TurnState.OPEN)
-    )
-    if session.state == SessionState.RUNNING and not open_turns:
+    if session.state == SessionState.RUNNING and not _open_turns(db, session_id):
         transitions.transition_session(
             db,
             session_id,
@@ -94,6 +91,14 @@ def apply_turn_outcome(
         )
         transitions.set_task_state(db, session.task_id, TaskState.REVIEW)
     return True
+
+
+def _open_turns(db: DbSession, session_id: str) -> int:
+    """How many of the session's turns are open in the store."""
+    count: int = db.scalar(
+        select(func.count()).select_from(Turn).where(Turn.session_id == session_id, Turn.state == TurnState.OPEN)
+    ) or 0
+    return count
 
 
 def _set_runtime_config(session: TaskSession, key: str, value: Any) -> None:
@@ -204,11 +209,7 @@ def mark_waiting_without_turn(db: DbSession, session: TaskSession, reason: str) 
     and handing the prompt to the agent (the turn row is written once the agent took the prompt)
     waits for input again, told why. An open turn row is left alone (AC-EXECUTORS-SURVIVAL-003.4).
     A turn that does run after all reaches us through its events and ``mark_running``."""
-    if session.state != SessionState.RUNNING:
-        return
-    open_turns = db.scalar(select(func.count()).select_from(Turn).where(
-        Turn.session_id == session.id, Turn.state == TurnState.OPEN))
-    if open_turns:
+    if session.state != SessionState.RUNNING or _open_turns(db, session.id):
         return
     transitions.transition_session(db, session.id, SessionState.WAITING_FOR_INPUT,
                                    expected_from={SessionState.RUNNING}, reason=reason, last_error=PROMPT_NOT_DELIVERED)
