@@ -103,6 +103,7 @@ def test_the_views_for_people_import_nothing_heavy() -> None:
 QUICK_BUDGET = {"daemon", "daemon.cli", "daemon.cli_quick", "daemon.cli_call", "daemon.cli_json", "daemon.home",
                 "daemon.backend", "daemon.backend.api_version", "daemon.human", "daemon.version",
                 "ipc", "ipc.errors", "ipc.schema", "ipc.framing", "ipc.hello", "ipc.sync_client"}
+ENTRY = "import sys; from daemon.cli import main; sys.exit(main())"  # what packaging/scripts/kandev runs
 QUICK_NEVER = NEVER | {"re", "enum", "argparse", "json", "socket", "gettext", "daemon.cli_commands",
                        "daemon.cli_parser", "daemon.cli_backend", "daemon.backend.api"}
 
@@ -116,15 +117,13 @@ QUICK_NEVER = NEVER | {"re", "enum", "argparse", "json", "socket", "gettext", "d
 def test_the_quick_path_imports_neither_the_grammar_nor_re_nor_enum(argv: tuple[str, ...], tmp_path: Path) -> None:
     """Issue 24 item 3: the calls the quick path serves, started as the ``kandev`` script starts them
     (its ``main``, not ``-m``), import no argparse, json, socket, re or enum (~1.8 interpreter starts)."""
-    entry = "import sys; from daemon.cli import main; sys.exit(main())"
     home = () if argv in (("--help",), ("--version",)) else ("--home", str(tmp_path))
-    modules = _imports("-c", entry, *home, *argv)
+    modules = _imports("-c", ENTRY, *home, *argv)
     assert _own(modules) <= QUICK_BUDGET, sorted(_own(modules) - QUICK_BUDGET)
     assert not modules & QUICK_NEVER, sorted(modules & QUICK_NEVER)
 
 
 def test_the_quick_path_check_sees_the_full_path(tmp_path: Path) -> None:
     """The check can fail: an option of the command (``--tail``) takes the full path, with argparse."""
-    entry = "import sys; from daemon.cli import main; sys.exit(main())"
-    modules = _imports("-c", entry, "--home", str(tmp_path), "--json", "session", "show", "abcd", "--tail", "5")
+    modules = _imports("-c", ENTRY, "--home", str(tmp_path), "--json", "session", "show", "abcd", "--tail", "5")
     assert {"argparse", "daemon.cli_commands", "re"} <= modules
