@@ -1,6 +1,9 @@
 """One operation on the backend's socket, on a connection of its own (``call``), and the exit
 status a ``kandev`` call ends with: what every command that talks to the backend needs, and nothing
 more (the quick path of the CLI imports it; tests/unit/test_cli_imports.py keeps it lean).
+
+The call speaks JSON (``ipc.codec_json``), which the backend's socket accepts beside msgpack:
+loading msgpack would cost every call a third of the interpreter's start.
 """
 
 from __future__ import annotations
@@ -19,8 +22,20 @@ EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 
 def call(socket: str | Path, op: str, args: dict[str, Any] | None = None, timeout: float | None = 60.0) -> Any:
     """One operation on the backend's socket, on a connection of its own."""
-    with SyncClient(str(socket), protocol_major=API_VERSION[0], timeout=5.0) as client:
+    with connect(socket) as client:
         return client.call(op, args or {}, timeout=timeout)
+
+
+def connect(socket: str | Path) -> SyncClient:
+    """A connection to the backend's socket, in JSON; in msgpack to a backend that refused the JSON
+    hello as an invalid frame (releases before 0.3.0 accept only msgpack: an upgraded CLI must
+    still stop the backend it replaces). The hello changes nothing, so asking twice is safe."""
+    try:
+        return SyncClient(str(socket), protocol_major=API_VERSION[0], timeout=5.0, json=True)
+    except IpcError as exc:
+        if exc.code != ErrorCode.INVALID_FRAME:
+            raise
+    return SyncClient(str(socket), protocol_major=API_VERSION[0], timeout=5.0)
 
 
 def exit_status(exc: IpcError) -> int:

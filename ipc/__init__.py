@@ -1,8 +1,9 @@
-"""kandev's IPC protocol library: length-prefixed msgpack over Unix sockets.
+"""kandev's IPC protocol library: length-prefixed msgpack (or JSON, for clients) over Unix sockets.
 
 A protocol is an ``OpTable`` (``ipc.schema``) shared by an ``IpcServer``
 (``ipc.server``) and its clients (``ipc.client``: ``AsyncClient``,
-``SyncClient``). Frames are defined in ``ipc.framing``, peer admission in
+``SyncClient``). Frames are defined in ``ipc.framing``, their bodies in ``ipc.codec_msgpack`` and
+``ipc.codec_json``, peer admission in
 ``ipc.peercred``, typed errors in ``ipc.errors``. This package knows nothing
 about agents, sessions or ownership: it moves typed requests, responses and
 event streams between processes of the same user.
@@ -19,7 +20,7 @@ _EXPORTS = {
     "ConnectionContext": "connection",
     "ErrorCode": "errors", "IpcError": "errors",
     "MAX_FRAME": "framing", "ConnectionClosed": "framing", "FrameTooLarge": "framing", "InvalidFrame": "framing",
-    "encode_frame": "framing", "read_frame": "framing", "read_frame_sync": "framing",
+    "encode_frame": "codec_msgpack", "read_frame": "framing", "read_frame_sync": "framing",
     "write_frame_sync": "framing",
     "HELLO": "hello",
     "SocketInUseError": "listener",
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from .client import AsyncClient, Event, EventStream
+    from .codec_msgpack import encode_frame
     from .connection import ConnectionContext
     from .errors import ErrorCode, IpcError
     from .framing import (
@@ -52,7 +54,6 @@ if TYPE_CHECKING:
         ConnectionClosed,
         FrameTooLarge,
         InvalidFrame,
-        encode_frame,
         read_frame,
         read_frame_sync,
         write_frame_sync,

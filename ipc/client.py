@@ -28,13 +28,13 @@ from typing import Any
 
 from ipc.aio import within
 
+from .codec_msgpack import encode_frame
 from .errors import ErrorCode, IpcError
 from .framing import (
     MAX_FRAME,
     ConnectionClosed,
     FrameBuffer,
     InvalidFrame,
-    encode_frame,
 )
 from .hello import HELLO, check_hello
 from .sync_client import SyncClient

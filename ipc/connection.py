@@ -12,10 +12,14 @@ handler's ``send_event`` blocks) and server memory stays bounded.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .framing import ConnectionClosed, encode_frame
+from . import codec_msgpack
+from .framing import ConnectionClosed
 from .peercred import PeerCredentials
+
+if TYPE_CHECKING:
+    from .framing import Codec
 
 _NO_STREAM: Any = object()
 EVENTS_PER_WRITE = 256 * 1024
@@ -45,6 +49,9 @@ class ConnectionContext:
         self._streaming = False
         self._background: set[asyncio.Task[None]] = set()
         self.discarding = False  # lingering: our side is shut for writing, their input is dropped
+        self.codec: Codec = codec_msgpack
+        """The codec of this connection's frames, both ways: msgpack, or JSON once the peer's first
+        frame was JSON on a server that accepts it (``ipc.server_protocol``)."""
 
     def __repr__(self) -> str:
         p = self.peer
@@ -102,7 +109,7 @@ class ConnectionContext:
             raise RuntimeError("start_stream() is only valid in the handler of a stream op")
         if self._streaming:
             raise RuntimeError("start_stream() called twice")
-        await self.send_frame(encode_frame({"id": self.stream_id, "ok": True, "result": result}))
+        await self.send_frame(self.codec.encode_frame({"id": self.stream_id, "ok": True, "result": result}))
         self._streaming = True
 
     async def send_event(self, seq: int, kind: str, data: Any) -> None:
@@ -112,7 +119,7 @@ class ConnectionContext:
         """
         if not self._streaming:
             raise RuntimeError("send_event() before start_stream()")
-        await self.send_frame(encode_frame({"seq": seq, "kind": kind, "data": data}))
+        await self.send_frame(self.codec.encode_frame({"seq": seq, "kind": kind, "data": data}))
 
     async def send_events(self, events: list[tuple[int, str, Any]]) -> None:
         """``send_event`` for several events, in order, written together up to ``EVENTS_PER_WRITE``
@@ -121,6 +128,7 @@ class ConnectionContext:
             raise RuntimeError("send_events() before start_stream()")
         pending: list[bytes] = []
         size = 0
+        encode_frame = self.codec.encode_frame
         for seq, kind, data in events:
             frame = encode_frame({"seq": seq, "kind": kind, "data": data})
             pending.append(frame)

@@ -1,20 +1,16 @@
-"""Wire framing: a 4-byte big-endian length, then one msgpack map.
+"""Wire framing: a 4-byte big-endian length, then one body: a msgpack map, or a JSON object.
 
-This module turns dicts into frames and frames back into dicts, for asyncio
-streams and for blocking sockets, and nothing else. Decoding is defensive:
-the length prefix is checked against a limit before the body is read, and
-buffers grow with the bytes that arrived (so a hostile prefix never makes us
-allocate), bodies are decoded with
-``raw=False``, ``strict_map_key=True``, bounded lengths and no ext types, and
-anything that is not a map is refused with a typed error.
+This module splits byte streams into frames, for asyncio and for blocking sockets, and nothing
+else; the bodies are the codecs' (``ipc.codec_msgpack``, every peer's; ``ipc.codec_json``, which a
+server may also accept from clients). Splitting is defensive: the length prefix is checked against
+a limit before the body is read, and buffers grow with the bytes that arrived (so a hostile prefix
+never makes us allocate). This module does not import msgpack: a client that speaks JSON (the
+kandev CLI) never loads it.
 """
 
 from __future__ import annotations
 
 import struct
-from _thread import _local as thread_local  # threading.local, without importing threading (the CLI's budget)
-
-import msgpack
 
 from .errors import ErrorCode, IpcError
 
@@ -22,7 +18,20 @@ TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CL
 if TYPE_CHECKING:  # asyncio: imported by read_frame, whose callers run asyncio anyway; blocking clients never do
     import asyncio
     import socket  # its enums cost a CLI call ~4 ms; the blocking readers only call the socket's methods
-    from typing import Any
+    from collections.abc import Callable
+    from typing import Any, Protocol
+
+    Decode = Callable[[bytes | memoryview], dict[str, Any]]
+    """A codec's ``decode_body``: a frame body (without its prefix) to a map, or ``InvalidFrame``."""
+
+    class Codec(Protocol):
+        """A codec of frame bodies: the modules ``ipc.codec_msgpack`` and ``ipc.codec_json``."""
+
+        NAME: str
+
+        def encode_frame(self, obj: dict[str, Any]) -> bytes: ...
+
+        def decode_body(self, body: bytes | memoryview) -> dict[str, Any]: ...
 
 
 MAX_FRAME = 8 * 1024 * 1024
@@ -42,7 +51,7 @@ class FrameTooLarge(IpcError):
 
 
 class InvalidFrame(IpcError):
-    """A frame whose body is not one msgpack map without ext types."""
+    """A frame whose body its codec cannot decode into one map."""
 
     def __init__(self, message: str) -> None:
         super().__init__(ErrorCode.INVALID_FRAME, message)
@@ -53,66 +62,6 @@ class ConnectionClosed(IpcError):
 
     def __init__(self, message: str = "connection closed") -> None:
         super().__init__(ErrorCode.UNAVAILABLE, message)
-
-
-def _refuse_ext(code: int, data: bytes) -> Any:
-    raise InvalidFrame(f"msgpack ext type {code} is not allowed")
-
-
-_packers = thread_local()
-
-
-def _packer() -> msgpack.Packer:
-    """This thread's packer: ``msgpack.packb`` builds a new one per call, which cost as much again
-    as the packing of a small frame."""
-    try:
-        packer: msgpack.Packer = _packers.packer
-    except AttributeError:
-        packer = _packers.packer = msgpack.Packer(use_bin_type=True)
-    return packer
-
-
-def encode_frame(obj: dict[str, Any]) -> bytes:
-    """Encode one map as a complete frame (length prefix included).
-
-    Raises ``FrameTooLarge`` when the body would exceed ``MAX_FRAME`` and
-    ``IpcError(invalid_argument)`` when ``obj`` is not a map or holds a value
-    msgpack cannot encode.
-    """
-    if not isinstance(obj, dict):
-        raise IpcError(ErrorCode.INVALID_ARGUMENT, f"a frame must be a map, not {type(obj).__name__}")
-    try:
-        body: bytes = _packer().pack(obj)  # a failed pack leaves the packer empty (autoreset)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise IpcError(ErrorCode.INVALID_ARGUMENT, f"value cannot be encoded: {exc}") from None
-    if len(body) > MAX_FRAME:
-        raise FrameTooLarge(len(body), MAX_FRAME)
-    return HEADER.pack(len(body)) + body
-
-
-def packed_size(obj: Any) -> int:
-    """How many bytes msgpack encodes ``obj`` into, as ``encode_frame`` packs it (this thread's
-    packer, not a new one per call); raises what msgpack raises for a value it cannot encode."""
-    return len(_packer().pack(obj))
-
-
-def decode_body(body: bytes | memoryview) -> dict[str, Any]:
-    """Decode a frame body (without its prefix) into a map, or raise ``InvalidFrame``."""
-    try:
-        obj = msgpack.unpackb(
-            body,
-            raw=False,
-            strict_map_key=True,
-            ext_hook=_refuse_ext,
-            max_ext_len=0,  # refuses the built-in timestamp ext too
-        )
-    except InvalidFrame:
-        raise
-    except Exception as exc:  # FormatError, StackError, ExtraData, ValueError, ...
-        raise InvalidFrame(f"frame body is not valid msgpack: {exc}") from None
-    if not isinstance(obj, dict):
-        raise InvalidFrame(f"frame body is a {type(obj).__name__}, not a map")
-    return obj
 
 
 def frame_length(header: bytes, max_size: int) -> int:
@@ -173,7 +122,8 @@ class FrameBuffer:
     Nothing is allocated before the first byte arrives (a connection that never sends costs no
     buffer); after a frame the buffer keeps ``initial`` bytes for the next one. ``budget``: a
     ``BufferBudget`` shared by a server's connections (growth past its cap raises
-    ``BufferLimitExceeded`` from ``get_buffer``). Call ``close()`` when the connection ends.
+    ``BufferLimitExceeded`` from ``get_buffer``). ``decode``: the codec's body decoder (default:
+    msgpack's). Call ``close()`` when the connection ends.
     """
 
     def __init__(
@@ -182,9 +132,16 @@ class FrameBuffer:
         initial: int = 64 * 1024,
         *,
         budget: BufferBudget | None = None,
+        decode: Decode | None = None,
     ) -> None:
         if initial < 1:
             raise ValueError("initial buffer size must be >= 1")
+        if decode is None:
+            from .codec_msgpack import decode_body
+
+            decode = decode_body
+        self.decode: Decode = decode
+        """How ``next_frame`` decodes a body; a server may replace it once it knows the peer's codec."""
         self.max_size = max_size
         self._initial = initial
         self._budget = budget
@@ -278,7 +235,7 @@ class FrameBuffer:
         if body is None:
             return None
         try:
-            return decode_body(body)
+            return self.decode(body)
         finally:
             body.release()
             self._consumed()
@@ -294,13 +251,15 @@ class FrameBuffer:
 
 
 async def read_frame(reader: asyncio.StreamReader, max_size: int = MAX_FRAME) -> dict[str, Any] | None:
-    """Read one frame; ``None`` on a clean EOF at a frame boundary.
+    """Read one msgpack frame; ``None`` on a clean EOF at a frame boundary.
 
     Raises ``FrameTooLarge`` (the body is not read: the stream cannot be
     resynchronised), ``InvalidFrame`` (the body was consumed, the stream is
     still in sync) or ``ConnectionClosed`` (EOF or reset mid-frame).
     """
     import asyncio
+
+    from .codec_msgpack import decode_body
 
     try:
         header = await reader.readexactly(HEADER_SIZE)
@@ -352,6 +311,8 @@ def _recv_exactly(sock: socket.socket, size: int, *, started: bool) -> bytes | N
 
 def read_frame_sync(sock: socket.socket, max_size: int = MAX_FRAME) -> dict[str, Any] | None:
     """Blocking ``read_frame`` for a plain socket (honours the socket's timeout)."""
+    from .codec_msgpack import decode_body
+
     header = _recv_exactly(sock, HEADER_SIZE, started=False)
     if header is None:
         return None
@@ -367,6 +328,8 @@ def write_frame_sync(sock: socket.socket, obj: dict[str, Any]) -> None:
     A ``TimeoutError`` propagates; part of the frame may have been sent, so
     the caller must drop the connection.
     """
+    from .codec_msgpack import encode_frame
+
     data = encode_frame(obj)
     try:
         sock.sendall(data)

@@ -34,7 +34,7 @@ from ipc.aio import within
 
 from .connection import ConnectionContext
 from .errors import ErrorCode, IpcError
-from .framing import MAX_FRAME, BufferBudget, ConnectionClosed, FrameTooLarge, encode_frame
+from .framing import MAX_FRAME, BufferBudget, ConnectionClosed, FrameTooLarge
 from .hello import HELLO
 from .listener import LISTEN_BACKLOG, SocketIdentity, bind_listener, check_socket_path, unlink_if_ours
 from .peercred import peer_admitted, peer_credentials
@@ -75,6 +75,8 @@ class IpcServer:
     ``idle_timeout`` (seconds, None: never): a connection with no request in
     flight and no stream that sent nothing for that long is told
     ``idle_timeout`` and closed, unless ``idle_exempt(ctx)`` is true.
+    ``accept_json``: a peer whose first frame is a JSON object (``ipc.codec_json``) is answered in
+    JSON on that connection; otherwise every frame is msgpack.
     ``buffer_limit``: the receive-buffer bytes all connections may hold
     together; a frame that would pass it is refused with ``buffers_full``.
     """
@@ -97,6 +99,7 @@ class IpcServer:
         idle_timeout: float | None = None,
         idle_exempt: Callable[[ConnectionContext], bool] | None = None,
         buffer_limit: int = BUFFER_LIMIT,
+        accept_json: bool = False,
     ) -> None:
         if HELLO in table or HELLO in handlers:
             raise ValueError("'hello' is built into IpcServer; a table must not redefine it")
@@ -134,7 +137,7 @@ class IpcServer:
         self._max_connections = max_connections
         self._on_disconnect = on_disconnect
         self._limits = ConnectionLimits(
-            max_frame, max_inflight_per_connection, frame_timeout, idle_timeout, idle_exempt
+            max_frame, max_inflight_per_connection, frame_timeout, idle_timeout, idle_exempt, accept_json
         )
         self._budget = BufferBudget(buffer_limit)
         self._hello_result = {
@@ -290,15 +293,15 @@ class IpcServer:
         """Answer a request inline when it can be refused (or is ``hello``), else start its handler."""
         rid = frame.get("id")
         if self._refusing is not None:  # quiesced for a hand-over: never run, so safe to retry
-            ctx.send_soon(error_frame(rid if _valid_id(rid) else None, self._refusing))
+            ctx.send_soon(error_frame(rid if _valid_id(rid) else None, self._refusing, ctx.codec))
             return
         try:
             op, args = self._admit_request(ctx, frame, rid)
         except IpcError as exc:
-            ctx.send_soon(error_frame(rid if _valid_id(rid) else None, exc))
+            ctx.send_soon(error_frame(rid if _valid_id(rid) else None, exc, ctx.codec))
             return
         if op is None:  # hello
-            ctx.send_soon(encode_frame({"id": rid, "ok": True, "result": args}))
+            ctx.send_soon(ctx.codec.encode_frame({"id": rid, "ok": True, "result": args}))
             return
         if op.name in self._plain:
             self._answer_now(conn, ctx, op, rid, args)
@@ -361,11 +364,11 @@ class IpcServer:
         handler's, waiting for the peer), a task writes this one after it, counted in flight like
         a running handler (so a half-closed peer still gets it)."""
         try:
-            data = self._result_frame(op, rid, self._handlers[op.name](ctx, args))
+            data = self._result_frame(ctx, op, rid, self._handlers[op.name](ctx, args))
         except IpcError as exc:
-            data = error_frame(rid, exc)
+            data = error_frame(rid, exc, ctx.codec)
         except Exception:
-            data = error_frame(rid, self._internal_error(op))
+            data = error_frame(rid, self._internal_error(op), ctx.codec)
         if ctx.closing or ctx.try_send(data):
             return
         conn.inflight += 1
@@ -388,14 +391,15 @@ class IpcServer:
         log.exception("ipc server %s: handler for %s failed", self.path, op.name)
         return IpcError(ErrorCode.INTERNAL, f"internal error in {op.name}")
 
-    def _result_frame(self, op: Op, rid: Any, result: Any) -> bytes:
-        """The encoded ok response, or an error response if msgpack cannot carry the result."""
+    def _result_frame(self, ctx: ConnectionContext, op: Op, rid: Any, result: Any) -> bytes:
+        """The encoded ok response, or an error response if the connection's codec cannot carry
+        the result."""
         try:
-            return encode_frame({"id": rid, "ok": True, "result": result})
+            return ctx.codec.encode_frame({"id": rid, "ok": True, "result": result})
         except IpcError as exc:
             log.error("ipc server %s: result of %s not sendable: %s", self.path, op.name, exc)
             code = exc.code if isinstance(exc, FrameTooLarge) else ErrorCode.INTERNAL
-            return error_frame(rid, IpcError(code, f"result of {op.name} not sendable"))
+            return error_frame(rid, IpcError(code, f"result of {op.name} not sendable"), ctx.codec)
 
     async def _run(
         self, conn: ServerProtocol, ctx: ConnectionContext, op: Op, rid: Any, args: dict[str, Any]
@@ -411,9 +415,9 @@ class IpcServer:
                 error = None
             if op.stream and ctx.streaming:
                 if error is not None:  # the stream ends with the error, then closes
-                    await ctx.send_frame(error_frame(rid, error))
+                    await ctx.send_frame(error_frame(rid, error, ctx.codec))
                 return
-            data = self._result_frame(op, rid, result) if error is None else error_frame(rid, error)
+            data = self._result_frame(ctx, op, rid, result) if error is None else error_frame(rid, error, ctx.codec)
             if not ctx.try_send(data):
                 await ctx.send_frame(data)
             elif ctx.write_paused:
@@ -483,14 +487,12 @@ class IpcServer:
         """Close every connection after what was already written to it, ending with ``final`` (a
         connection-level error frame) so a client's calls still in flight fail with it: they were
         not run. Connections still open after ``timeout`` s are aborted."""
-        frame = error_frame(None, final)
-
         async def finish(ctx: ConnectionContext) -> None:
             if ctx.streaming or ctx.stream_task is not None:
                 ctx.close()  # a stream peer sends nothing: it reads to a frame boundary, then EOF
                 return
             try:  # after every frame already queued on this connection
-                await within(ctx.send_frame(frame), timeout)
+                await within(ctx.send_frame(error_frame(None, final, ctx.codec)), timeout)
             except (ConnectionClosed, TimeoutError):
                 pass
             ctx.linger()  # the peer reads the final frame and closes; what it sent meanwhile is dropped

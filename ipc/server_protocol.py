@@ -29,11 +29,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
+from . import codec_json, codec_msgpack
 from .errors import ErrorCode, IpcError
-from .framing import BufferBudget, BufferLimitExceeded, FrameBuffer, FrameTooLarge, InvalidFrame, encode_frame
+from .framing import BufferBudget, BufferLimitExceeded, FrameBuffer, FrameTooLarge, InvalidFrame
 
 if TYPE_CHECKING:
     from .connection import ConnectionContext
+    from .framing import Codec
 
 _DISCARD = memoryview(bytearray(64 * 1024))  # scratch space for a refused peer's input
 REFUSAL_LINGER_S = 1.0  # seconds a refused connection stays half-open for the peer to read why
@@ -49,11 +51,12 @@ class ConnectionLimits:
     frame_timeout: float
     idle_timeout: float | None = None  # None: connections may stay idle
     idle_exempt: Callable[[ConnectionContext], bool] | None = None
+    accept_json: bool = False  # a peer whose first frame is JSON is answered in JSON (ipc.codec_json)
 
 
-def error_frame(rid: Any, error: IpcError) -> bytes:
+def error_frame(rid: Any, error: IpcError, codec: Codec = codec_msgpack) -> bytes:
     """An encoded error response (``rid`` None for connection-level errors)."""
-    return encode_frame({"id": rid, "ok": False, "error": error.to_wire()})
+    return codec.encode_frame({"id": rid, "ok": False, "error": error.to_wire()})
 
 
 class Dispatcher(Protocol):
@@ -94,6 +97,8 @@ class ServerProtocol(asyncio.BufferedProtocol):
         if self.ctx is None:
             self._done = True
             return
+        if self._limits.accept_json:
+            self._frames.decode = self._decode_first
         if self._limits.idle_timeout is not None:
             loop = asyncio.get_running_loop()
             self._last_active = loop.time()
@@ -162,6 +167,15 @@ class ServerProtocol(asyncio.BufferedProtocol):
 
     # -- frames ------------------------------------------------------------
 
+    def _decode_first(self, body: bytes | memoryview) -> dict[str, Any]:
+        """Decode the first frame of a server that accepts JSON: its first byte chooses the
+        connection's codec (``ipc.codec_json``), both ways, for the rest of the connection."""
+        codec: Codec = codec_json if body[:1] == b"{" else codec_msgpack
+        assert self.ctx is not None
+        self.ctx.codec = codec
+        self._frames.decode = codec.decode_body
+        return codec.decode_body(body)
+
     def process(self) -> None:
         """Handle every complete frame buffered, as far as flow control allows."""
         ctx = self.ctx
@@ -182,11 +196,11 @@ class ServerProtocol(asyncio.BufferedProtocol):
             except FrameTooLarge as exc:  # the body was not read: cannot resynchronise
                 self._done = True
                 if not ctx.streaming:
-                    ctx.send_soon(error_frame(None, exc))
+                    ctx.send_soon(error_frame(None, exc, ctx.codec))
                 ctx.close()
                 return
             except InvalidFrame as exc:  # the frame was consumed: still in sync
-                ctx.send_soon(error_frame(None, exc))
+                ctx.send_soon(error_frame(None, exc, ctx.codec))
                 continue
             if frame is None:
                 break
@@ -210,7 +224,7 @@ class ServerProtocol(asyncio.BufferedProtocol):
             f"incomplete frame: {self._frames.pending} bytes, then nothing for {self._frame_timeout:g} s"
         )
         if not ctx.streaming:
-            ctx.send_soon(error_frame(None, error))
+            ctx.send_soon(error_frame(None, error, ctx.codec))
         ctx.close()
 
     def _stop_frame_timer(self) -> None:
@@ -238,7 +252,7 @@ class ServerProtocol(asyncio.BufferedProtocol):
             return
         self._done = True
         error = IpcError(ErrorCode.IDLE_TIMEOUT, f"no request for {timeout:g} s: connection closed; reconnect")
-        ctx.send_soon(error_frame(None, error))
+        ctx.send_soon(error_frame(None, error, ctx.codec))
         ctx.close()
 
     def _stop_idle_timer(self) -> None:
@@ -257,7 +271,7 @@ class ServerProtocol(asyncio.BufferedProtocol):
         self._stop_idle_timer()
         self._frames.close()
         if not ctx.streaming:
-            ctx.send_soon(error_frame(None, error))
+            ctx.send_soon(error_frame(None, error, ctx.codec))
         if transport.can_write_eof() and not ctx.write_paused:
             # Half-close so the peer reads the refusal and EOF, and drop its input for a moment:
             # closing with its unread bytes queued would reset the connection and lose the refusal.

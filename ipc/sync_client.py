@@ -1,7 +1,8 @@
 """The blocking client, for the CLI: one request at a time on a plain socket.
 
 ``SyncClient`` connects (a missing or dead socket is ``IpcError(unavailable)``
-naming the path), checks the server's major version with ``hello``, and
+naming the path; ``json=True`` speaks ``ipc.codec_json`` instead of msgpack, to a server that
+accepts it: the kandev CLI does, and never loads msgpack), checks the server's major version with ``hello``, and
 then ``call`` sends a request and waits for the response with the same id,
 skipping late replies to earlier timed-out calls. Input is read through a
 ``FrameBuffer``, so a timeout in the middle of a reply loses nothing and
@@ -15,12 +16,7 @@ import os
 import time
 
 from .errors import ErrorCode, IpcError
-from .framing import (
-    MAX_FRAME,
-    ConnectionClosed,
-    FrameBuffer,
-    encode_frame,
-)
+from .framing import MAX_FRAME, ConnectionClosed, FrameBuffer
 from .hello import HELLO, check_hello
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
@@ -59,6 +55,7 @@ class SyncClient:
         protocol_major: int = 1,
         timeout: float = 5.0,
         hello: bool = True,
+        json: bool = False,
     ) -> None:
         self.path = os.fspath(path)
         self.protocol_major = protocol_major
@@ -66,7 +63,15 @@ class SyncClient:
         self._next_id = 1
         self._failure: IpcError | None = None
         self._timeout: Any = _UNSET
-        self._frames = FrameBuffer(MAX_FRAME, initial=16 * 1024)
+        if json:  # the server must accept it (IpcServer(accept_json=True)); it may refuse in msgpack
+            from . import codec_json
+
+            self._encode_frame, decode = codec_json.encode_frame, codec_json.decode_reply_body
+        else:
+            from . import codec_msgpack
+
+            self._encode_frame, decode = codec_msgpack.encode_frame, codec_msgpack.decode_body
+        self._frames = FrameBuffer(MAX_FRAME, initial=16 * 1024, decode=decode)
         sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
         try:
             sock.settimeout(timeout)
@@ -118,7 +123,7 @@ class SyncClient:
             raise IpcError(self._failure.code, self._failure.message, self._failure.retryable)
         rid = self._next_id
         self._next_id += 1
-        data = encode_frame(
+        data = self._encode_frame(
             {"v": self.protocol_major, "id": rid, "op": op, "args": {} if args is None else args}
         )
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -58,7 +58,7 @@ from typing import Any
 
 from daemon.agentctl.agent_json import clean_str
 from daemon.agentctl.protocol import EventKind
-from ipc.framing import packed_size
+from ipc.codec_msgpack import packed_size
 
 # The closed list of docs/architecture.md#the-control-server-inside, as code: every event kind the log carries
 # and whether it is retained at the bound (parks the producer, never dropped)

@@ -97,6 +97,7 @@ async def _serve_until_stopped(paths: Paths, backend: Backend, notifier: Notifie
         max_connections=connection_limit(),
         idle_timeout=IDLE_CONNECTION_TIMEOUT_S,
         buffer_limit=BUFFER_LIMIT,
+        accept_json=True,  # the kandev CLI speaks JSON (ipc.codec_json)
     )
     await listener.serve(server)
     notifier.status("recovering")

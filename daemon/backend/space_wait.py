@@ -85,7 +85,8 @@ async def _serve_while_full(paths: Paths, watch: SpaceWatch, gids: list[int], no
     handlers: dict[str, Handler] = {name: refused for name in api.TABLE.names}
     handlers.update(status=op_status, shutdown=op_shutdown)
     server = IpcServer(paths.backend_socket, api.TABLE, handlers, allowed_gids=gids, socket_mode=0o660,
-                       idle_timeout=IDLE_CONNECTION_TIMEOUT_S, buffer_limit=BUFFER_LIMIT)
+                       idle_timeout=IDLE_CONNECTION_TIMEOUT_S, buffer_limit=BUFFER_LIMIT,
+                       accept_json=True)  # the kandev CLI speaks JSON (ipc.codec_json)
     await listener.serve(server)
     notifier.ready(f"store out of space: {watch.state.path if watch.state else '?'}; waiting for space")
     try:

@@ -27,6 +27,7 @@ from typing import Any
 import msgpack
 import pytest
 
+from daemon.cli_call import connect as cli_connect
 from ipc import (
     MAX_FRAME,
     AsyncClient,
@@ -39,11 +40,13 @@ from ipc import (
     OpTable,
     SocketInUseError,
     SyncClient,
+    codec_json,
     encode_frame,
     read_frame_sync,
 )
 from ipc.client import STREAM_QUEUE_MAX, EventStream
-from ipc.framing import ConnectionClosed, decode_body
+from ipc.codec_msgpack import decode_body
+from ipc.framing import ConnectionClosed
 from tests.support.waiting import eventually, wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -1458,3 +1461,132 @@ def test_sync_client_after_close(server: ServerThread) -> None:
     with pytest.raises(IpcError) as info:
         c.call("echo")
     assert info.value.code == ErrorCode.UNAVAILABLE
+
+
+# -- contract: JSON for clients (ipc.codec_json; Issue 24 item 3) --------------------------------
+
+
+@pytest.fixture
+def json_server(sock_dir: Path) -> Iterator[ServerThread]:
+    st = ServerThread(sock_dir / "json.sock", frame_timeout=1.0, accept_json=True).start()
+    try:
+        yield st
+    finally:
+        st.stop()
+
+
+def json_request(rid: Any, op: str, args: Any = None) -> bytes:
+    return codec_json.encode_frame({"v": 1, "id": rid, "op": op, "args": {} if args is None else args})
+
+
+def recv_body(raw: Raw) -> bytes:
+    """The next frame's body as it came, whatever its codec (read exactly: the next stays queued)."""
+
+    def exactly(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = raw.sock.recv(n - len(data))
+            assert chunk, "connection closed"
+            data += chunk
+        return data
+
+    return exactly(struct.unpack(">I", exactly(4))[0])
+
+
+JSON_VALUES = [v for v in VALUES if not isinstance(v, bytes)]
+
+
+def test_a_json_client_is_answered_in_json_beside_msgpack_clients(json_server: ServerThread) -> None:
+    with SyncClient(json_server.path, json=True) as j, SyncClient(json_server.path) as m:
+        assert j.server_hello == EXPECTED_HELLO
+        for value in JSON_VALUES:
+            assert j.call("echo", {"value": value}) == value
+        assert j.call("add", {"a": 40, "b": 2}) == 42
+        assert m.call("echo", {"value": b"\x00\xff"}) == b"\x00\xff"  # msgpack peers keep bytes
+    raw = Raw(json_server.path)
+    raw.send(json_request(1, "hello"))
+    body = recv_body(raw)
+    assert json.loads(body) == {"id": 1, "ok": True, "result": EXPECTED_HELLO}  # any JSON parser reads it
+    raw.close()
+
+
+def test_typed_errors_reach_a_json_client_and_bytes_are_never_turned_into_text(json_server: ServerThread) -> None:
+    cases: list[tuple[str, dict[str, Any] | None, str]] = [
+        ("no_such_op", None, ErrorCode.UNKNOWN_OP),
+        ("add", {"a": 1, "b": "2"}, ErrorCode.INVALID_ARGUMENT),
+        ("fail", {"code": ErrorCode.NOT_FOUND}, ErrorCode.NOT_FOUND),
+        ("crash", None, ErrorCode.INTERNAL),
+        ("unsendable", None, ErrorCode.INTERNAL),
+        ("secret", None, ErrorCode.UNAUTHENTICATED),
+        ("sum", {"a": 1, "b": 2}, ErrorCode.INTERNAL),  # its result holds bytes: JSON cannot carry them
+        ("sum_async", {"a": 1, "b": 2}, ErrorCode.INTERNAL),
+    ]
+    with SyncClient(json_server.path, json=True) as c:
+        for op, args, code in cases:
+            with pytest.raises(IpcError) as info:
+                c.call(op, args)
+            assert info.value.code == code, (op, info.value)
+        with pytest.raises(IpcError) as info:
+            c.call("sum", {"a": 1, "b": 2})
+        assert info.value.message == "result of sum not sendable"
+        assert c.call("add", {"a": 1, "b": 2}) == 3  # the connection is still usable
+    assert_alive(json_server.path)
+
+
+def test_a_json_connection_refuses_other_codecs_and_bad_json_and_stays_in_sync(json_server: ServerThread) -> None:
+    raw = Raw(json_server.path)
+    raw.send(json_request(1, "hello"))
+    assert json.loads(recv_body(raw))["ok"] is True
+    for bad in (encode_frame({"v": 1, "id": 2, "op": "add", "args": {"a": 1, "b": 1}}),  # msgpack, after JSON
+                struct.pack(">I", 10) + b'{"a":NaN}\n', struct.pack(">I", 3) + b"{}x"):
+        raw.send(bad)
+        body = recv_body(raw)
+        assert body[:1] == b"{"  # the refusal is in the connection's codec
+        assert_error(json.loads(body), ErrorCode.INVALID_FRAME, None)
+    raw.send(json_request(3, "add", {"a": 2, "b": 3}))
+    assert json.loads(recv_body(raw)) == {"id": 3, "ok": True, "result": 5}
+    raw.close()
+
+
+def test_a_msgpack_connection_of_a_json_server_stays_msgpack(json_server: ServerThread) -> None:
+    raw = Raw(json_server.path)
+    raw.request(1, "add", {"a": 1, "b": 1})
+    assert raw.recv() == {"id": 1, "ok": True, "result": 2}
+    raw.send(json_request(2, "add", {"a": 1, "b": 1}))  # JSON after msgpack: refused, in msgpack
+    assert_error(raw.recv(), ErrorCode.INVALID_FRAME, None)
+    raw.close()
+
+
+def test_a_json_stream_delivers_its_events(json_server: ServerThread) -> None:
+    raw = Raw(json_server.path)
+    raw.send(json_request(1, "watch"))
+    assert json.loads(recv_body(raw)) == {"id": 1, "ok": True, "result": {"watching": True}}
+    assert json.loads(recv_body(raw)) == {"seq": 0, "kind": "hello", "data": None}
+    raw.close()
+    wait_until(lambda: "cancelled" in json_server.rec.watch_events, timeout=10)
+
+
+def test_a_server_without_json_refuses_it_and_the_cli_falls_back_to_msgpack(server: ServerThread) -> None:
+    """A backend of release 0.2.0 accepts only msgpack: it refuses the JSON hello as an invalid
+    frame (in msgpack), and the CLI's connection (daemon.cli_call.connect) then speaks msgpack."""
+    raw = Raw(server.path)
+    raw.send(json_request(1, "hello"))
+    assert_error(raw.recv(), ErrorCode.INVALID_FRAME, None)
+    raw.close()
+    with pytest.raises(IpcError) as info:
+        SyncClient(server.path, json=True)
+    assert info.value.code == ErrorCode.INVALID_FRAME
+    with cli_connect(server.path) as c:
+        assert c.call("add", {"a": 20, "b": 22}) == 42
+        assert c.call("echo", {"value": b"\x01"}) == b"\x01"  # msgpack it is
+
+
+def test_a_json_client_refused_at_connect_reads_why(sock_dir: Path) -> None:
+    """A refused peer is told before it sent a frame, so in msgpack: the JSON client reads that too."""
+    st = ServerThread(sock_dir / "strict.sock", allowed_uids={12345}, accept_json=True).start()
+    try:
+        with pytest.raises(IpcError) as info:
+            SyncClient(st.path, json=True)
+        assert info.value.code == ErrorCode.PERMISSION_DENIED
+    finally:
+        st.stop()

@@ -24,7 +24,7 @@ BUDGET = {
     "daemon.cli_backend", "daemon.cli_parser", "daemon.home", "daemon.version",
     "daemon.backend", "daemon.backend.api", "daemon.backend.api_version",
     "daemon.human",
-    "ipc", "ipc.errors", "ipc.schema", "ipc.framing", "ipc.hello", "ipc.sync_client",
+    "ipc", "ipc.errors", "ipc.schema", "ipc.framing", "ipc.hello", "ipc.sync_client", "ipc.codec_json",
 }
 # What printing for people adds (without --json): the views and their helpers, never the doctor.
 HUMAN = {"daemon.human.errors", "daemon.human.fmt", "daemon.human.render", "daemon.human.status",
@@ -35,6 +35,9 @@ NEVER = {"asyncio", "sqlalchemy", "acp", "tomllib", "subprocess", "daemon.doctor
          "daemon.config_keys", "daemon.config_agentctl",
          "daemon.platform", "daemon.agents", "daemon.agents.registry", "daemon.human.follow", "ipc.client",
          "ipc.server", "ipc.aio", "uvloop", "psutil",
+         # msgpack (a third of the interpreter's start, with datetime and collections): the CLI
+         # speaks JSON to the backend (ipc.codec_json)
+         "msgpack", "ipc.codec_msgpack",
          # stdlib modules that cost a CLI call much and that it does not need (dataclasses brings
          # inspect, ast and dis; secrets brings random, hashlib and hmac)
          "dataclasses", "inspect", "secrets", "random",
@@ -102,9 +105,10 @@ def test_the_views_for_people_import_nothing_heavy() -> None:
 # even from the standard library: the imports that made a call cost three interpreter starts.
 QUICK_BUDGET = {"daemon", "daemon.cli", "daemon.cli_quick", "daemon.cli_call", "daemon.cli_json", "daemon.home",
                 "daemon.backend", "daemon.backend.api_version", "daemon.human", "daemon.version",
-                "ipc", "ipc.errors", "ipc.schema", "ipc.framing", "ipc.hello", "ipc.sync_client"}
+                "ipc", "ipc.errors", "ipc.schema", "ipc.framing", "ipc.hello", "ipc.sync_client",
+                "ipc.codec_json"}
 ENTRY = "import sys; from daemon.cli import main; sys.exit(main())"  # what packaging/scripts/kandev runs
-QUICK_NEVER = NEVER | {"re", "enum", "argparse", "json", "socket", "gettext", "daemon.cli_commands",
+QUICK_NEVER = NEVER | {"re", "enum", "argparse", "json", "socket", "gettext", "datetime", "daemon.cli_commands",
                        "daemon.cli_parser", "daemon.cli_backend", "daemon.backend.api"}
 
 
@@ -116,7 +120,8 @@ QUICK_NEVER = NEVER | {"re", "enum", "argparse", "json", "socket", "gettext", "d
 ])
 def test_the_quick_path_imports_neither_the_grammar_nor_re_nor_enum(argv: tuple[str, ...], tmp_path: Path) -> None:
     """Issue 24 item 3: the calls the quick path serves, started as the ``kandev`` script starts them
-    (its ``main``, not ``-m``), import no argparse, json, socket, re or enum (~1.8 interpreter starts)."""
+    (its ``main``, not ``-m``), import no argparse, json, socket, re, enum or msgpack (~2.2 interpreter
+    starts)."""
     home = () if argv in (("--help",), ("--version",)) else ("--home", str(tmp_path))
     modules = _imports("-c", ENTRY, *home, *argv)
     assert _own(modules) <= QUICK_BUDGET, sorted(_own(modules) - QUICK_BUDGET)

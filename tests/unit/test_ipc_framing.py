@@ -12,6 +12,7 @@ from typing import Any
 import msgpack
 import pytest
 
+from ipc.codec_msgpack import decode_body, encode_frame, packed_size
 from ipc.errors import ErrorCode, IpcError
 from ipc.framing import (
     MAX_FRAME,
@@ -21,9 +22,6 @@ from ipc.framing import (
     FrameBuffer,
     FrameTooLarge,
     InvalidFrame,
-    decode_body,
-    encode_frame,
-    packed_size,
     read_frame,
     read_frame_sync,
     write_frame_sync,

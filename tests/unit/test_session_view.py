@@ -16,8 +16,8 @@ from daemon.backend.session_view import (
 from daemon.store import transcript
 from daemon.store.db import Store, sqlite_url
 from daemon.store.models import Task, TaskSession
+from ipc.codec_msgpack import encode_frame
 from ipc.errors import ErrorCode, IpcError
-from ipc.framing import encode_frame
 
 
 @pytest.fixture
