@@ -20,8 +20,8 @@ _EXPORTS = {
     "ConnectionContext": "connection",
     "ErrorCode": "errors", "IpcError": "errors",
     "MAX_FRAME": "framing", "ConnectionClosed": "framing", "FrameTooLarge": "framing", "InvalidFrame": "framing",
-    "encode_frame": "codec_msgpack", "read_frame": "framing", "read_frame_sync": "framing",
-    "write_frame_sync": "framing",
+    "encode_frame": "codec_msgpack", "read_frame": "codec_msgpack", "read_frame_sync": "codec_msgpack",
+    "write_frame_sync": "codec_msgpack",
     "HELLO": "hello",
     "SocketInUseError": "listener",
     "PeerCredentials": "peercred", "peer_admitted": "peercred", "peer_credentials": "peercred",
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from .client import AsyncClient, Event, EventStream
-    from .codec_msgpack import encode_frame
+    from .codec_msgpack import encode_frame, read_frame, read_frame_sync, write_frame_sync
     from .connection import ConnectionContext
     from .errors import ErrorCode, IpcError
     from .framing import (
@@ -54,9 +54,6 @@ if TYPE_CHECKING:
         ConnectionClosed,
         FrameTooLarge,
         InvalidFrame,
-        read_frame,
-        read_frame_sync,
-        write_frame_sync,
     )
     from .hello import HELLO
     from .listener import SocketInUseError

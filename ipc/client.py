@@ -28,7 +28,7 @@ from typing import Any
 
 from ipc.aio import within
 
-from .codec_msgpack import encode_frame
+from .codec_msgpack import decode_body, encode_frame
 from .errors import ErrorCode, IpcError
 from .framing import (
     MAX_FRAME,
@@ -77,7 +77,7 @@ class _Link(asyncio.BufferedProtocol):
     def __init__(self) -> None:
         self.client: AsyncClient | None = None
         self.transport: asyncio.Transport | None = None
-        self._frames = FrameBuffer(MAX_FRAME, _INITIAL_BUFFER)
+        self._frames = FrameBuffer(MAX_FRAME, _INITIAL_BUFFER, decode=decode_body)
         self.streaming = False
         self.queue: deque[Any] = deque()  # stream frames, then _END or an IpcError
         self._waiter: asyncio.Future[None] | None = None

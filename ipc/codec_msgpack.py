@@ -3,7 +3,10 @@
 ``encode_frame`` turns a map into a whole frame (the length prefix of ``ipc.framing`` included);
 ``decode_body`` turns a body back into a map, defensively: ``raw=False``, ``strict_map_key=True``,
 bounded lengths and no ext types (the built-in timestamp included), and anything that is not a map
-is refused with ``InvalidFrame``. ``ipc.codec_json`` is the other codec, with the same three names.
+is refused with ``InvalidFrame``. ``ipc.codec_json`` is the other codec, with the same names.
+``read_frame``, ``read_frame_sync`` and ``write_frame_sync`` read and write one msgpack frame on an
+asyncio stream or a blocking socket (tests and simple peers; the clients and the server use
+``ipc.framing.FrameBuffer``).
 """
 
 from __future__ import annotations
@@ -13,10 +16,20 @@ from _thread import _local as thread_local  # threading.local, without importing
 import msgpack
 
 from .errors import ErrorCode, IpcError
-from .framing import HEADER, MAX_FRAME, FrameTooLarge, InvalidFrame
+from .framing import (
+    HEADER,
+    HEADER_SIZE,
+    MAX_FRAME,
+    ConnectionClosed,
+    FrameTooLarge,
+    InvalidFrame,
+    frame_length,
+)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    import asyncio
+    import socket
     from typing import Any
 
 NAME = "msgpack"
@@ -82,3 +95,84 @@ def decode_body(body: bytes | memoryview) -> dict[str, Any]:
     return obj
 
 
+async def read_frame(reader: asyncio.StreamReader, max_size: int = MAX_FRAME) -> dict[str, Any] | None:
+    """Read one msgpack frame; ``None`` on a clean EOF at a frame boundary.
+
+    Raises ``FrameTooLarge`` (the body is not read: the stream cannot be
+    resynchronised), ``InvalidFrame`` (the body was consumed, the stream is
+    still in sync) or ``ConnectionClosed`` (EOF or reset mid-frame).
+    """
+    import asyncio
+
+    try:
+        header = await reader.readexactly(HEADER_SIZE)
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial:
+            return None
+        raise ConnectionClosed("connection closed in the middle of a frame header") from None
+    except ConnectionError as exc:
+        raise ConnectionClosed(f"connection lost: {exc}") from None
+    size = frame_length(header, max_size)
+    try:
+        body = await reader.readexactly(size)
+    except asyncio.IncompleteReadError as exc:
+        raise ConnectionClosed(
+            f"connection closed in the middle of a frame ({len(exc.partial)} of {size} bytes)"
+        ) from None
+    except ConnectionError as exc:
+        raise ConnectionClosed(f"connection lost: {exc}") from None
+    return decode_body(body)
+
+
+def _recv_exactly(sock: socket.socket, size: int, *, started: bool) -> bytes | None:
+    """Receive exactly ``size`` bytes; ``None`` on EOF before the first byte.
+
+    A timeout before any byte of the frame propagates as ``TimeoutError`` (the
+    stream is still in sync). A timeout after part of the frame was consumed
+    becomes ``ConnectionClosed`` chained from the ``TimeoutError``: the
+    stream is out of sync and the caller must drop the connection.
+    """
+    buf = bytearray(size)
+    view = memoryview(buf)
+    got = 0
+    while got < size:
+        try:
+            n = sock.recv_into(view[got:])
+        except TimeoutError as exc:
+            if got == 0 and not started:
+                raise
+            raise ConnectionClosed("timed out in the middle of a frame") from exc
+        except OSError as exc:
+            raise ConnectionClosed(f"connection lost: {exc}") from None
+        if n == 0:
+            if got == 0 and not started:
+                return None
+            raise ConnectionClosed(f"connection closed in the middle of a frame ({got} of {size} bytes)")
+        got += n
+    return bytes(buf)
+
+
+def read_frame_sync(sock: socket.socket, max_size: int = MAX_FRAME) -> dict[str, Any] | None:
+    """Blocking ``read_frame`` for a plain socket (honours the socket's timeout)."""
+    header = _recv_exactly(sock, HEADER_SIZE, started=False)
+    if header is None:
+        return None
+    size = frame_length(header, max_size)
+    body = _recv_exactly(sock, size, started=True)
+    assert body is not None
+    return decode_body(body)
+
+
+def write_frame_sync(sock: socket.socket, obj: dict[str, Any]) -> None:
+    """Encode ``obj`` and send the whole frame on a blocking socket.
+
+    A ``TimeoutError`` propagates; part of the frame may have been sent, so
+    the caller must drop the connection.
+    """
+    data = encode_frame(obj)
+    try:
+        sock.sendall(data)
+    except TimeoutError:
+        raise
+    except OSError as exc:
+        raise ConnectionClosed(f"connection lost: {exc}") from None

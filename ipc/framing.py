@@ -1,7 +1,6 @@
 """Wire framing: a 4-byte big-endian length, then one body: a msgpack map, or a JSON object.
 
-This module splits byte streams into frames, for asyncio and for blocking sockets, and nothing
-else; the bodies are the codecs' (``ipc.codec_msgpack``, every peer's; ``ipc.codec_json``, which a
+This module splits byte streams into frames and nothing else; the bodies are the codecs' (``ipc.codec_msgpack``, every peer's; ``ipc.codec_json``, which a
 server may also accept from clients). Splitting is defensive: the length prefix is checked against
 a limit before the body is read, and buffers grow with the bytes that arrived (so a hostile prefix
 never makes us allocate). This module does not import msgpack: a client that speaks JSON (the
@@ -15,9 +14,7 @@ import struct
 from .errors import ErrorCode, IpcError
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
-if TYPE_CHECKING:  # asyncio: imported by read_frame, whose callers run asyncio anyway; blocking clients never do
-    import asyncio
-    import socket  # its enums cost a CLI call ~4 ms; the blocking readers only call the socket's methods
+if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Any, Protocol
 
@@ -122,8 +119,9 @@ class FrameBuffer:
     Nothing is allocated before the first byte arrives (a connection that never sends costs no
     buffer); after a frame the buffer keeps ``initial`` bytes for the next one. ``budget``: a
     ``BufferBudget`` shared by a server's connections (growth past its cap raises
-    ``BufferLimitExceeded`` from ``get_buffer``). ``decode``: the codec's body decoder (default:
-    msgpack's). Call ``close()`` when the connection ends.
+    ``BufferLimitExceeded`` from ``get_buffer``). ``decode``: the codec's body decoder
+    (``ipc.codec_msgpack.decode_body``, ``ipc.codec_json.decode_body``). Call ``close()`` when the
+    connection ends.
     """
 
     def __init__(
@@ -132,14 +130,10 @@ class FrameBuffer:
         initial: int = 64 * 1024,
         *,
         budget: BufferBudget | None = None,
-        decode: Decode | None = None,
+        decode: Decode,
     ) -> None:
         if initial < 1:
             raise ValueError("initial buffer size must be >= 1")
-        if decode is None:
-            from .codec_msgpack import decode_body
-
-            decode = decode_body
         self.decode: Decode = decode
         """How ``next_frame`` decodes a body; a server may replace it once it knows the peer's codec."""
         self.max_size = max_size
@@ -248,92 +242,3 @@ class FrameBuffer:
         body.release()
         self._consumed()
         return True
-
-
-async def read_frame(reader: asyncio.StreamReader, max_size: int = MAX_FRAME) -> dict[str, Any] | None:
-    """Read one msgpack frame; ``None`` on a clean EOF at a frame boundary.
-
-    Raises ``FrameTooLarge`` (the body is not read: the stream cannot be
-    resynchronised), ``InvalidFrame`` (the body was consumed, the stream is
-    still in sync) or ``ConnectionClosed`` (EOF or reset mid-frame).
-    """
-    import asyncio
-
-    from .codec_msgpack import decode_body
-
-    try:
-        header = await reader.readexactly(HEADER_SIZE)
-    except asyncio.IncompleteReadError as exc:
-        if not exc.partial:
-            return None
-        raise ConnectionClosed("connection closed in the middle of a frame header") from None
-    except ConnectionError as exc:
-        raise ConnectionClosed(f"connection lost: {exc}") from None
-    size = frame_length(header, max_size)
-    try:
-        body = await reader.readexactly(size)
-    except asyncio.IncompleteReadError as exc:
-        raise ConnectionClosed(
-            f"connection closed in the middle of a frame ({len(exc.partial)} of {size} bytes)"
-        ) from None
-    except ConnectionError as exc:
-        raise ConnectionClosed(f"connection lost: {exc}") from None
-    return decode_body(body)
-
-
-def _recv_exactly(sock: socket.socket, size: int, *, started: bool) -> bytes | None:
-    """Receive exactly ``size`` bytes; ``None`` on EOF before the first byte.
-
-    A timeout before any byte of the frame propagates as ``TimeoutError`` (the
-    stream is still in sync). A timeout after part of the frame was consumed
-    becomes ``ConnectionClosed`` chained from the ``TimeoutError``: the
-    stream is out of sync and the caller must drop the connection.
-    """
-    buf = bytearray(size)
-    view = memoryview(buf)
-    got = 0
-    while got < size:
-        try:
-            n = sock.recv_into(view[got:])
-        except TimeoutError as exc:
-            if got == 0 and not started:
-                raise
-            raise ConnectionClosed("timed out in the middle of a frame") from exc
-        except OSError as exc:
-            raise ConnectionClosed(f"connection lost: {exc}") from None
-        if n == 0:
-            if got == 0 and not started:
-                return None
-            raise ConnectionClosed(f"connection closed in the middle of a frame ({got} of {size} bytes)")
-        got += n
-    return bytes(buf)
-
-
-def read_frame_sync(sock: socket.socket, max_size: int = MAX_FRAME) -> dict[str, Any] | None:
-    """Blocking ``read_frame`` for a plain socket (honours the socket's timeout)."""
-    from .codec_msgpack import decode_body
-
-    header = _recv_exactly(sock, HEADER_SIZE, started=False)
-    if header is None:
-        return None
-    size = frame_length(header, max_size)
-    body = _recv_exactly(sock, size, started=True)
-    assert body is not None
-    return decode_body(body)
-
-
-def write_frame_sync(sock: socket.socket, obj: dict[str, Any]) -> None:
-    """Encode ``obj`` and send the whole frame on a blocking socket.
-
-    A ``TimeoutError`` propagates; part of the frame may have been sent, so
-    the caller must drop the connection.
-    """
-    from .codec_msgpack import encode_frame
-
-    data = encode_frame(obj)
-    try:
-        sock.sendall(data)
-    except TimeoutError:
-        raise
-    except OSError as exc:
-        raise ConnectionClosed(f"connection lost: {exc}") from None

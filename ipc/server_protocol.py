@@ -75,7 +75,7 @@ class ServerProtocol(asyncio.BufferedProtocol):
     def __init__(self, dispatcher: Dispatcher, limits: ConnectionLimits, budget: BufferBudget) -> None:
         self._dispatcher = dispatcher
         self._limits = limits
-        self._frames = FrameBuffer(limits.max_frame, INITIAL_BUFFER, budget=budget)
+        self._frames = FrameBuffer(limits.max_frame, INITIAL_BUFFER, budget=budget, decode=codec_msgpack.decode_body)
         self._max_inflight = limits.max_inflight
         self._frame_timeout = limits.frame_timeout
         self._frame_timer: asyncio.TimerHandle | None = None

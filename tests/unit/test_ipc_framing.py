@@ -12,7 +12,14 @@ from typing import Any
 import msgpack
 import pytest
 
-from ipc.codec_msgpack import decode_body, encode_frame, packed_size
+from ipc.codec_msgpack import (
+    decode_body,
+    encode_frame,
+    packed_size,
+    read_frame,
+    read_frame_sync,
+    write_frame_sync,
+)
 from ipc.errors import ErrorCode, IpcError
 from ipc.framing import (
     MAX_FRAME,
@@ -22,9 +29,6 @@ from ipc.framing import (
     FrameBuffer,
     FrameTooLarge,
     InvalidFrame,
-    read_frame,
-    read_frame_sync,
-    write_frame_sync,
 )
 from tests.support.aio import run
 
@@ -207,7 +211,7 @@ def test_sync_oversize_prefix_refused_without_reading() -> None:
 
 
 def test_frame_buffer_oversize_prefix_never_grows() -> None:
-    fb = FrameBuffer(max_size=MAX_FRAME, initial=1024)
+    fb = FrameBuffer(max_size=MAX_FRAME, initial=1024, decode=decode_body)
     view = fb.get_buffer()
     view[:4] = struct.pack(">I", 100 * 1024 * 1024)
     fb.buffer_updated(4)
@@ -346,7 +350,7 @@ def drain(fb: FrameBuffer) -> list[dict[str, Any]]:
 def test_frame_buffer_byte_by_byte() -> None:
     samples = SAMPLES[:-1]
     data = b"".join(encode_frame(s) for s in samples)
-    fb = FrameBuffer(initial=16)
+    fb = FrameBuffer(initial=16, decode=decode_body)
     out: list[dict[str, Any]] = []
     for i in range(len(data)):
         feed(fb, data[i : i + 1])
@@ -356,7 +360,7 @@ def test_frame_buffer_byte_by_byte() -> None:
 
 
 def test_frame_buffer_grows_for_a_big_frame_and_shrinks_back() -> None:
-    fb = FrameBuffer(initial=1024)
+    fb = FrameBuffer(initial=1024, decode=decode_body)
     big = {"blob": b"q" * 500_000}
     data = encode_frame(big) + encode_frame({"small": 1})
     out: list[dict[str, Any]] = []
@@ -368,7 +372,7 @@ def test_frame_buffer_grows_for_a_big_frame_and_shrinks_back() -> None:
 
 
 def test_frame_buffer_invalid_frame_keeps_sync_and_skip() -> None:
-    fb = FrameBuffer(initial=64)
+    fb = FrameBuffer(initial=64, decode=decode_body)
     feed(fb, frame_of(b"\xc1") + encode_frame({"a": 1}) + encode_frame({"b": 2}) + b"\x00\x00")
     with pytest.raises(InvalidFrame):
         fb.next_frame()
@@ -380,7 +384,7 @@ def test_frame_buffer_invalid_frame_keeps_sync_and_skip() -> None:
 
 def test_frame_buffer_grows_with_what_arrived_not_with_the_declared_length() -> None:
     """Issue 10 item 7: a peer that declares an 8 MiB frame and sends 64 KiB costs about 2 x 64 KiB."""
-    fb = FrameBuffer(initial=16 * 1024)
+    fb = FrameBuffer(initial=16 * 1024, decode=decode_body)
     feed(fb, struct.pack(">I", 8 * 1024 * 1024) + b"\x80" * (64 * 1024))
     assert fb.next_frame() is None
     assert fb.capacity <= 2 * (64 * 1024 + 4)
@@ -388,7 +392,7 @@ def test_frame_buffer_grows_with_what_arrived_not_with_the_declared_length() -> 
 
 
 def test_frame_buffer_never_grows_beyond_the_declared_frame() -> None:
-    fb = FrameBuffer(initial=1024)
+    fb = FrameBuffer(initial=1024, decode=decode_body)
     frame = encode_frame({"blob": b"q" * 300_000})
     feed(fb, frame[:-1])
     assert fb.capacity == len(frame)  # doubling stopped at the frame's own size
@@ -397,7 +401,7 @@ def test_frame_buffer_never_grows_beyond_the_declared_frame() -> None:
 
 
 def test_frame_buffer_allocates_nothing_before_the_first_byte() -> None:
-    fb = FrameBuffer(initial=1024)
+    fb = FrameBuffer(initial=1024, decode=decode_body)
     assert fb.capacity == 0  # a connection that never sends costs no buffer
     feed(fb, encode_frame({"a": 1}))
     assert drain(fb) == [{"a": 1}]
@@ -406,13 +410,13 @@ def test_frame_buffer_allocates_nothing_before_the_first_byte() -> None:
 
 def test_budget_refuses_growth_past_the_cap_but_not_initial_buffers() -> None:
     budget = BufferBudget(160 * 1024)
-    big = [FrameBuffer(initial=16 * 1024, budget=budget) for _ in range(3)]
+    big = [FrameBuffer(initial=16 * 1024, budget=budget, decode=decode_body) for _ in range(3)]
     for fb in big[:2]:
         feed(fb, struct.pack(">I", 1024 * 1024) + b"\x80" * 40_000)  # grows to 64 KiB each
     with pytest.raises(BufferLimitExceeded) as info:
         feed(big[2], struct.pack(">I", 1024 * 1024) + b"\x80" * 40_000)
     assert info.value.code == ErrorCode.BUFFERS_FULL and info.value.retryable
-    small = FrameBuffer(initial=16 * 1024, budget=budget)
+    small = FrameBuffer(initial=16 * 1024, budget=budget, decode=decode_body)
     feed(small, encode_frame({"still": "served"}))  # a small frame fits in its initial buffer
     assert drain(small) == [{"still": "served"}]
     used = budget.used
