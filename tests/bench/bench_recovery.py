@@ -9,7 +9,8 @@ the backend is SIGKILLed; N instances are created on the surviving control
 server with a minimal real ACP agent (a shell loop answering ``initialize``
 and ``session/new``: the mock agent is a Python process of ~40 MB, a thousand
 of them do not fit a 2-core test machine), and N tasks, sessions and
-inventory rows are written to the store as a backend would have left them.
+inventory rows are written to the store as a backend would have left them (each agent between
+turns: the session waiting for input, its task in review).
 Then a new backend starts; its ``kandev status`` reports the recovery duration
 measured from the first contact with the recorded endpoint.
 
@@ -109,10 +110,13 @@ async def create_instances(home: Path, n: int, workspace: Path) -> tuple[list[di
     await client.close()
     with store.session() as db:
         for m in made:
+            # an agent between turns, as a backend leaves it: the session waits for input, its
+            # task is in review (a RUNNING session always has an open turn row; one without is the
+            # crash window that re-tracking repairs, tests/integration/test_retracking.py)
             db.add(Task(id=m["task_id"], title="bench", workspace=str(workspace), executor="local",
-                        state="in_progress"))
+                        state="review"))
             db.flush()
-            db.add(TaskSession(id=m["session_id"], task_id=m["task_id"], agent="mock", state="RUNNING",
+            db.add(TaskSession(id=m["session_id"], task_id=m["task_id"], agent="mock", state="WAITING_FOR_INPUT",
                                metadata_json={"acp": {"session_id": m["acp_session_id"]}}, passthrough=False))
             db.flush()
             db.add(ExecutorRunning(
