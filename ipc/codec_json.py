@@ -10,22 +10,21 @@ every call, while the JSON accelerator the standard library ships (``_json``, th
 The values are what both codecs carry: maps with string keys, lists, strings, integers, floats,
 booleans and null. Stricter than ``json`` by default: a non-finite float is refused on either side,
 and a value JSON cannot carry (bytes) is an encoding error, never its ``str()``; a map key that is
-not a string is written as JSON writes it (``1`` as ``"1"``), as the CLI printed it anyway. Before a server has
-read a frame it can only answer in msgpack (a refused peer is told why before it sent anything), so a
-client reads such a frame with ``decode_reply_body``.
+not a string is written as JSON writes it (``1`` as ``"1"``), as the CLI printed it anyway. Before
+a server has read a frame it can only answer in msgpack (a refused peer is told why before it sent
+anything), so a client reads such a frame with ``decode_reply_body``.
 """
 
 from __future__ import annotations
 
 from .errors import ErrorCode, IpcError
-from .framing import HEADER, MAX_FRAME, FrameTooLarge, InvalidFrame
+from .framing import InvalidFrame, frame_of
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
 if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Any
 
-NAME = "json"
 FIRST_BYTE = ord("{")
 """The first byte of every JSON body (a map); a msgpack map never starts with it."""
 _TRAILING = " \t\n\r"  # whitespace JSON allows after the value
@@ -78,9 +77,7 @@ def encode_frame(obj: dict[str, Any]) -> bytes:
         body = _encode(obj).encode("utf-8")
     except (TypeError, ValueError, OverflowError, RecursionError) as exc:  # UnicodeEncodeError is a ValueError
         raise IpcError(ErrorCode.INVALID_ARGUMENT, f"value cannot be encoded: {exc}") from None
-    if len(body) > MAX_FRAME:
-        raise FrameTooLarge(len(body), MAX_FRAME)
-    return HEADER.pack(len(body)) + body
+    return frame_of(body)
 
 
 def decode_body(body: bytes | memoryview) -> dict[str, Any]:
@@ -89,13 +86,12 @@ def decode_body(body: bytes | memoryview) -> dict[str, Any]:
         raise InvalidFrame("frame body is not a JSON object")
     try:
         text = str(body, "utf-8")
+        obj: dict[str, Any]  # an object: the scan starts at the "{"
         obj, end = _scan(text, 0)
     except Exception:  # UnicodeDecodeError, JSONDecodeError, StopIteration, RecursionError, ...
         raise InvalidFrame(f"frame body is not valid JSON: {_why_not_json(body)}") from None
     if text[end:].strip(_TRAILING):
         raise InvalidFrame(f"frame body holds more than one JSON value (extra data at {end})")
-    if not isinstance(obj, dict):  # cannot happen after "{", kept for the reader
-        raise InvalidFrame(f"frame body is a {type(obj).__name__}, not a map")
     return obj
 
 

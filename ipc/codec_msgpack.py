@@ -17,13 +17,12 @@ import msgpack
 
 from .errors import ErrorCode, IpcError
 from .framing import (
-    HEADER,
     HEADER_SIZE,
     MAX_FRAME,
     ConnectionClosed,
-    FrameTooLarge,
     InvalidFrame,
     frame_length,
+    frame_of,
 )
 
 TYPE_CHECKING = False
@@ -31,8 +30,6 @@ if TYPE_CHECKING:
     import asyncio
     import socket
     from typing import Any
-
-NAME = "msgpack"
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:
@@ -65,9 +62,7 @@ def encode_frame(obj: dict[str, Any]) -> bytes:
         body: bytes = _packer().pack(obj)  # a failed pack leaves the packer empty (autoreset)
     except (TypeError, ValueError, OverflowError) as exc:
         raise IpcError(ErrorCode.INVALID_ARGUMENT, f"value cannot be encoded: {exc}") from None
-    if len(body) > MAX_FRAME:
-        raise FrameTooLarge(len(body), MAX_FRAME)
-    return HEADER.pack(len(body)) + body
+    return frame_of(body)
 
 
 def packed_size(obj: Any) -> int:

@@ -1,10 +1,11 @@
 """Wire framing: a 4-byte big-endian length, then one body: a msgpack map, or a JSON object.
 
-This module splits byte streams into frames and nothing else; the bodies are the codecs' (``ipc.codec_msgpack``, every peer's; ``ipc.codec_json``, which a
-server may also accept from clients). Splitting is defensive: the length prefix is checked against
-a limit before the body is read, and buffers grow with the bytes that arrived (so a hostile prefix
-never makes us allocate). This module does not import msgpack: a client that speaks JSON (the
-kandev CLI) never loads it.
+This module puts the length prefix around a body (``frame_of``) and splits byte streams into
+frames, and nothing else; the bodies are the codecs' (``ipc.codec_msgpack``, every peer's;
+``ipc.codec_json``, which a server may also accept from clients). Splitting is defensive: the
+length prefix is checked against a limit before the body is read, and buffers grow with the bytes
+that arrived (so a hostile prefix never makes us allocate). This module does not import msgpack: a
+client that speaks JSON (the kandev CLI) never loads it.
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ if TYPE_CHECKING:
 
     class Codec(Protocol):
         """A codec of frame bodies: the modules ``ipc.codec_msgpack`` and ``ipc.codec_json``."""
-
-        NAME: str
 
         def encode_frame(self, obj: dict[str, Any]) -> bytes: ...
 
@@ -59,6 +58,14 @@ class ConnectionClosed(IpcError):
 
     def __init__(self, message: str = "connection closed") -> None:
         super().__init__(ErrorCode.UNAVAILABLE, message)
+
+
+def frame_of(body: bytes) -> bytes:
+    """The complete frame of an encoded body (its length prefix first); ``FrameTooLarge`` when the
+    body exceeds ``MAX_FRAME``."""
+    if len(body) > MAX_FRAME:
+        raise FrameTooLarge(len(body), MAX_FRAME)
+    return HEADER.pack(len(body)) + body
 
 
 def frame_length(header: bytes, max_size: int) -> int:

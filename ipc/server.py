@@ -32,6 +32,7 @@ from typing import Any
 
 from ipc.aio import within
 
+from . import codec_msgpack
 from .connection import ConnectionContext
 from .errors import ErrorCode, IpcError
 from .framing import MAX_FRAME, BufferBudget, ConnectionClosed, FrameTooLarge
@@ -258,7 +259,7 @@ class IpcServer:
             self._connections.add(ctx)
             self._all_gone.clear()
             return ctx
-        transport.write(error_frame(None, error))
+        transport.write(error_frame(None, error, codec_msgpack))  # before any frame: every peer reads msgpack
         if transport.can_write_eof():
             # Lingering close: half-close so the peer reads the refusal, then EOF, and keep
             # discarding its input for a moment. A peer that already wrote its first request

@@ -54,8 +54,8 @@ class ConnectionLimits:
     accept_json: bool = False  # a peer whose first frame is JSON is answered in JSON (ipc.codec_json)
 
 
-def error_frame(rid: Any, error: IpcError, codec: Codec = codec_msgpack) -> bytes:
-    """An encoded error response (``rid`` None for connection-level errors)."""
+def error_frame(rid: Any, error: IpcError, codec: Codec) -> bytes:
+    """An encoded error response in ``codec`` (``rid`` None for connection-level errors)."""
     return codec.encode_frame({"id": rid, "ok": False, "error": error.to_wire()})
 
 
@@ -170,7 +170,7 @@ class ServerProtocol(asyncio.BufferedProtocol):
     def _decode_first(self, body: bytes | memoryview) -> dict[str, Any]:
         """Decode the first frame of a server that accepts JSON: its first byte chooses the
         connection's codec (``ipc.codec_json``), both ways, for the rest of the connection."""
-        codec: Codec = codec_json if body[:1] == b"{" else codec_msgpack
+        codec: Codec = codec_json if body and body[0] == codec_json.FIRST_BYTE else codec_msgpack
         assert self.ctx is not None
         self.ctx.codec = codec
         self._frames.decode = codec.decode_body

@@ -2,8 +2,8 @@
 
 ``SyncClient`` connects (a missing or dead socket is ``IpcError(unavailable)``
 naming the path; ``json=True`` speaks ``ipc.codec_json`` instead of msgpack, to a server that
-accepts it: the kandev CLI does, and never loads msgpack), checks the server's major version with ``hello``, and
-then ``call`` sends a request and waits for the response with the same id,
+accepts it: the kandev CLI does, and never loads msgpack), checks the server's major version with
+``hello``, and then ``call`` sends a request and waits for the response with the same id,
 skipping late replies to earlier timed-out calls. Input is read through a
 ``FrameBuffer``, so a timeout in the middle of a reply loses nothing and
 the connection stays usable. It is not thread-safe.
