@@ -6,7 +6,9 @@ A ``ServerWatch`` is bound to one started or adopted server (its ``ControlServer
 - our child (``child`` mode, or a ``detached`` server this backend spawned): ``Popen.poll()``,
   which also reaps it and gives the exit status;
 - otherwise (an adopted detached server, or the ``kandev-agentctl.service`` main process): the
-  process identity, pid plus start time (psutil), so a reused pid is never taken for the server;
+  process identity, pid plus start, so a reused pid is never taken for the server. The start is
+  compared in clock ticks since boot (``daemon.process_start``), which a step of the wall clock
+  cannot move; a wall-clock start time recorded at launch is checked once, when the watch begins;
 - no pid known at all: only the connection can tell; it is gone when the backend's connection
   has dropped and nothing listens at the endpoint any more (the socket file is gone or refuses
   connections). A server that accepts but does not answer yet is alive: that is what a server
@@ -32,12 +34,14 @@ from collections.abc import Callable
 
 import psutil
 
+from daemon import process_start
 from daemon.backend.launcher import AGENTCTL_UNIT, ControlServerHandle
 from daemon.store.states import LaunchMode
 from ipc.aio import within
 
 SYSTEMCTL_TIMEOUT_S = 10.0
 UNIT_SETTLE_S = 2.0  # how long reason() waits for systemd to record the main process's end
+NOT_THE_SERVER = -1  # start ticks of a watch whose pid was not the server's when it began (ticks are >= 0)
 _CLD = {"1": "exited", "2": "killed", "3": "dumped"}  # ExecMainCode: CLD_EXITED, CLD_KILLED, CLD_DUMPED
 
 
@@ -61,13 +65,11 @@ class ServerWatch:
     def __init__(self, handle: ControlServerHandle, client_closed: Callable[[], bool] = lambda: False) -> None:
         self.handle = handle
         self.client_closed = client_closed
-        self.start_time = handle.pid_start_time
-        if self.start_time is None and handle.pid and handle.process is None:
-            # Adopted: the server answered with our credential just now, so this pid is it.
-            try:
-                self.start_time = psutil.Process(handle.pid).create_time()
-            except psutil.Error:
-                self.start_time = None
+        # The server's start in ticks since boot, read now (None: it could not be read; NOT_THE_SERVER:
+        # the pid was gone, or another process holds it).
+        self.start_ticks: int | None = None
+        if handle.pid and handle.process is None:
+            self.start_ticks = _first_look(handle.pid, handle.pid_start_time)
 
     async def gone(self) -> bool:
         proc = self.handle.process
@@ -75,7 +77,7 @@ class ServerWatch:
             return proc.poll() is not None
         pid = self.handle.pid
         if pid:
-            return not _same_process(pid, self.start_time)
+            return not _same_process(pid, self.start_ticks)
         if not self.client_closed():
             return False
         return not _listening(self.handle.endpoint)
@@ -109,16 +111,34 @@ def _listening(endpoint: str) -> bool:
     return True
 
 
-def _same_process(pid: int, start_time: float | None) -> bool:
+def _first_look(pid: int, start_time: float | None) -> int | None:
+    """The start ticks of the process ``pid`` names now: a launched server's own start (``start_time``,
+    wall-clock, read right after its launch) if given, else (adopted: it just answered with our
+    credential) whatever holds the pid. ``NOT_THE_SERVER`` if that is not the server; None if it
+    cannot be read."""
     try:
-        proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return False
-        return start_time is None or abs(proc.create_time() - start_time) <= 0.01
+        seen = process_start.read(pid)
+        if seen is None or seen.exited:
+            return NOT_THE_SERVER
+        if start_time is not None and abs(psutil.Process(pid).create_time() - start_time) > 0.01:
+            return NOT_THE_SERVER  # the pid was reused by another process
+        return seen.ticks
     except psutil.NoSuchProcess:
+        return NOT_THE_SERVER
+    except (OSError, psutil.Error):
+        return None  # cannot tell (e.g. permission): watched by the pid alone
+
+
+def _same_process(pid: int, start_ticks: int | None) -> bool:
+    if start_ticks == NOT_THE_SERVER:
         return False
-    except psutil.Error:
+    try:
+        seen = process_start.read(pid)
+    except OSError:
         return True  # cannot tell (e.g. permission): not proof that it is gone
+    if seen is None or seen.exited:
+        return False
+    return start_ticks is None or seen.ticks == start_ticks
 
 
 async def _systemctl_show(*props: str) -> dict[str, str]:

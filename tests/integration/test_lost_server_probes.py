@@ -166,3 +166,43 @@ def test_watch_without_a_pid_waits_for_nothing_to_listen(tmp_path):
     assert asyncio.run(watch.gone()) is True  # the file is left, but nothing listens: refused
     os.unlink(path)
     assert asyncio.run(watch.gone()) is True
+
+
+def test_a_step_of_the_wall_clock_is_not_the_loss_of_an_adopted_server(monkeypatch):
+    """The start an adopted server is watched by is its start in ticks since boot: a step of the
+    wall clock (which moves psutil's create_time() of every process: the boot time it adds is
+    derived from the wall clock at each read) is no loss, while its exit still is."""
+    import psutil._pslinux as pslinux
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        async def run() -> tuple[bool, bool, bool]:
+            watch = ServerWatch(_handle(proc.pid))  # as if adopted
+            before = await watch.gone()
+            real_boot_time = pslinux.boot_time
+            monkeypatch.setattr(pslinux, "boot_time", lambda: real_boot_time() + 7.0)  # the clock stepped 7 s
+            stepped = await watch.gone()
+            proc.kill()
+            await asyncio.to_thread(proc.wait)
+            return before, stepped, await watch.gone()
+
+        assert asyncio.run(run()) == (False, False, True)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_launched_server_whose_pid_another_process_holds_is_gone_at_once():
+    """A watch begun with a launch's recorded start time that another process's start does not
+    match (the pid was reused) reports the server gone at its first look."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = psutil.Process(proc.pid).create_time()
+        handle = _handle(proc.pid)
+        handle.pid_start_time = start - 30.0  # recorded for another process that had this pid
+        assert asyncio.run(ServerWatch(handle).gone()) is True
+        handle.pid_start_time = start
+        assert asyncio.run(ServerWatch(handle).gone()) is False
+    finally:
+        proc.kill()
+        proc.wait()

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from daemon.version import VERSION
-from tests.support.kandev import Kandev
+from tests.support.kandev import Kandev, logged_problems
 from tests.support.paths import REPO_ROOT
 from tests.support.processes import alive
 from tests.support.releases import previous_release, release_tree, release_venv
@@ -99,7 +99,9 @@ def test_backend_adopts_previous_release_server_which_then_reloads_into_this_ver
     assert st["adoption"]["outcome"] == "adopted", st["adoption"]
     assert st["recovery"]["retracked"] == 1
     ctl = st["control_server"]
-    assert int(ctl["pid"]) == old_server and ctl["version"] == release.version and ctl["can_reload"] is True
+    # (on a failure: the status and what the daemons logged as warnings and errors)
+    assert ctl["pid"] is not None and int(ctl["pid"]) == old_server, (ctl, logged_problems(new))
+    assert ctl["version"] == release.version and ctl["can_reload"] is True, ctl
 
     # Once ready, this backend (whose own installed code is this version) asks the older server to
     # reload by itself; the old server's installed code is still 0.2.0 here, so that first re-exec
