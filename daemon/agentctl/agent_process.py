@@ -35,6 +35,7 @@ from typing import Any
 
 import psutil
 
+from daemon import process_start
 from daemon.agent_user import AgentUserMissing, agent_user
 from daemon.agentctl.agent_pipe import AGENT_STDOUT_LIMIT
 from ipc.aio import within
@@ -312,26 +313,33 @@ class AgentProcess:
 
     # -- across a re-exec ----------------------------------------------------------
 
-    def sandbox_init_handover(self) -> dict[str, Any]:
-        """bwrap's init of a sandboxed agent by pid and start time (found now if it never was)."""
+    def identity_handover(self) -> dict[str, Any]:
+        """The agent's and bwrap's init's identities for the next process image: pid and start time,
+        and the start in ticks since boot, which a step of the wall clock between now and the
+        exec cannot move (``daemon.process_start``). The agent is our child, so its pid is its
+        own until we reap it; bwrap's init is found now if it never was."""
+        identity: dict[str, Any] = {"pid_start_ticks": _start_ticks(self.pid) if self.psproc is not None else None}
         self.find_sandbox_init()
         init = self.sandbox_init
         if init is None:
-            return {}
+            return identity
         try:
-            return {"sandbox_init_pid": init.pid, "sandbox_init_start_time": init.create_time()}
+            return {**identity, "sandbox_init_pid": init.pid, "sandbox_init_start_time": init.create_time(),
+                    "sandbox_init_start_ticks": _start_ticks(init.pid)}
         except psutil.Error:
-            return {}  # gone already: nothing of the sandbox is left to wait for
+            return identity  # gone already: nothing of the sandbox is left to wait for
 
-    def resume_identity(self, sandbox_init_pid: int | None, sandbox_init_start_time: float | None) -> str | None:
-        """The previous image's agent, by pid and start time; what could not be taken over, if
-        anything. bwrap's init of a sandboxed agent as the previous image knew it, if that process
-        is still the same one; else found again from bwrap, as after a launch."""
+    def resume_identity(self, sandbox_init_pid: int | None, sandbox_init_start_time: float | None,
+                        pid_start_ticks: int | None = None, sandbox_init_start_ticks: int | None = None) -> str | None:
+        """The previous image's agent, by pid and start; what could not be taken over, if anything.
+        bwrap's init of a sandboxed agent as the previous image knew it, if that process is still
+        the same one; else found again from bwrap, as after a launch. The start is compared in ticks
+        since boot when the previous image gave them (0.3.0 and later), else as a wall-clock time."""
         lost = None
         assert self.pid is not None
         try:
             psproc = psutil.Process(self.pid)
-            if self.pid_start_time is not None and psproc.create_time() != self.pid_start_time:
+            if not _same_start(psproc, self.pid_start_time, pid_start_ticks):
                 lost = "process identity (the start time differs)"
             else:
                 self.psproc = psproc
@@ -342,7 +350,7 @@ class AgentProcess:
         if sandbox_init_pid is not None:
             try:
                 init = psutil.Process(sandbox_init_pid)
-                if init.create_time() == sandbox_init_start_time:
+                if _same_start(init, sandbox_init_start_time, sandbox_init_start_ticks):
                     self.sandbox_init = init
             except psutil.Error:
                 pass  # exited (and reaped) meanwhile: the sandbox is gone
@@ -391,3 +399,22 @@ class AdoptedProcess:
 
     async def wait(self) -> int:
         return await asyncio.shield(self._exited)
+
+
+def _start_ticks(pid: int | None) -> int | None:
+    """Process ``pid``'s start in ticks since boot; None if it cannot be read."""
+    if pid is None:
+        return None
+    try:
+        seen = process_start.read(pid)
+    except OSError:
+        return None
+    return seen.ticks if seen is not None else None
+
+
+def _same_start(proc: psutil.Process, start_time: float | None, start_ticks: int | None) -> bool:
+    """Whether ``proc`` started when the previous image recorded: by ticks since boot where it gave
+    them, else by wall-clock start time (an image before 0.3.0); nothing recorded: yes."""
+    if start_ticks is not None:
+        return _start_ticks(proc.pid) == start_ticks
+    return start_time is None or proc.create_time() == start_time

@@ -121,6 +121,10 @@ class InstanceHandover:
     # bwrap itself was reaped first (``Instance.group_alive``).
     sandbox_init_pid: int | None = None
     sandbox_init_start_time: float | None = None
+    # Both starts in clock ticks since boot (``daemon.process_start``), which a step of the wall
+    # clock cannot move; None: an image before 0.3.0 (the start times are compared instead).
+    pid_start_ticks: int | None = None
+    sandbox_init_start_ticks: int | None = None
     # The read end of the agent's stderr pipe (``agent_logs.StderrSink``); None: an image before
     # 0.3.0, whose agents write their stderr file themselves.
     stderr_fd: int | None = None

@@ -147,7 +147,7 @@ def capture(inst: Instance) -> InstanceHandover:
         stderr_path=str(inst.stderr_path),
         stderr_fd=inst.stderr_handover_fd if live else None,
         not_taken_over=list(inst.not_taken_over),
-        **inst.group.sandbox_init_handover(),
+        **inst.group.identity_handover(),
     )
 
 
@@ -187,7 +187,8 @@ async def resume_pipes(inst: Instance, h: InstanceHandover) -> None:
     (their handlers answer them when a backend does), the open turn."""
     if inst.state is not InstanceState.RUNNING or inst.pid is None:
         return
-    lost = inst.group.resume_identity(h.sandbox_init_pid, h.sandbox_init_start_time)
+    lost = inst.group.resume_identity(h.sandbox_init_pid, h.sandbox_init_start_time, h.pid_start_ticks,
+                                      h.sandbox_init_start_ticks)
     if lost is not None:
         inst.not_taken_over.append(lost)
     if h.stderr_fd is not None:
