@@ -9,9 +9,13 @@ after the stream op's ok response the connection belongs to the returned
 The socket is read by ``_Link``, an ``asyncio.BufferedProtocol``: it decodes
 frames as the bytes arrive and resolves each caller's future itself (no reader
 task in between: a response reaches its caller one loop iteration sooner).
-An event stream's frames wait in a short queue; while it holds
-``STREAM_QUEUE_MAX`` frames the link stops reading, so a slow consumer still
-applies backpressure to the server.
+An event stream's frames wait in a bounded queue; while it holds
+``STREAM_QUEUE_MAX`` frames or ``STREAM_QUEUE_BYTES`` bytes of them (as they
+came over the wire) the link stops reading, so a slow consumer still applies
+backpressure to the server. The bound in frames lets a consumer that stores
+events in batches take a few hundred per wake-up (each batch has a fixed cost:
+a transaction, an ack); the bound in bytes keeps large events from holding
+much memory per stream.
 
 The blocking client for the CLI lives in ``ipc.sync_client`` and is
 re-exported here.
@@ -46,7 +50,8 @@ log = logging.getLogger(__name__)
 # A connection's receive buffer before a frame needs more (it grows to a frame's size and back): a
 # backend keeps one connection per session it streams, so this is per session (1,000: 4 MiB).
 _INITIAL_BUFFER = 4 * 1024
-STREAM_QUEUE_MAX = 64  # event frames decoded ahead of the consumer before reading pauses
+STREAM_QUEUE_MAX = 512  # event frames decoded ahead of the consumer before reading pauses...
+STREAM_QUEUE_BYTES = 512 * 1024  # ...or this many of their bytes on the wire, whichever comes first
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,8 @@ class _Link(asyncio.BufferedProtocol):
         self._frames = FrameBuffer(MAX_FRAME, _INITIAL_BUFFER, decode=decode_body)
         self.streaming = False
         self.queue: deque[Any] = deque()  # stream frames, then _END or an IpcError
+        self._sizes: deque[int] = deque()  # each queued frame's bytes on the wire, in queue order
+        self.queued_bytes = 0
         self._waiter: asyncio.Future[None] | None = None
         self._reading_paused = False
         self._stopped = False  # the connection failed or ended: nothing more is decoded
@@ -146,15 +153,19 @@ class _Link(asyncio.BufferedProtocol):
         has room (reading stops when it has none and resumes as the consumer takes frames)."""
         client = self.client
         while not self._stopped and client is not None:
-            if self.streaming and len(self.queue) >= STREAM_QUEUE_MAX:
+            if self.streaming and (len(self.queue) >= STREAM_QUEUE_MAX or self.queued_bytes >= STREAM_QUEUE_BYTES):
                 self._pause_reading()
                 return
             try:
+                before = self._frames.pending
                 frame = self._frames.next_frame()
                 if frame is None:
                     break
                 if self.streaming:
+                    size = before - self._frames.pending
                     self.queue.append(frame)
+                    self._sizes.append(size)
+                    self.queued_bytes += size
                     self._wake()
                 elif client._route(frame):
                     self.streaming = True
@@ -193,6 +204,7 @@ class _Link(asyncio.BufferedProtocol):
     def _take(self) -> dict[str, Any]:
         """The first queued frame, removed; reading resumes once the queue has room again."""
         frame: dict[str, Any] = self.queue.popleft()
+        self.queued_bytes -= self._sizes.popleft()
         if self._reading_paused:
             self.pump()  # decode what is buffered, then read again
         return frame

@@ -44,7 +44,7 @@ from ipc import (
     encode_frame,
     read_frame_sync,
 )
-from ipc.client import STREAM_QUEUE_MAX, EventStream
+from ipc.client import STREAM_QUEUE_BYTES, STREAM_QUEUE_MAX, EventStream
 from ipc.codec_msgpack import decode_body
 from ipc.framing import ConnectionClosed
 from tests.support.waiting import eventually, wait_until
@@ -1045,7 +1045,40 @@ def test_stream_batches_deliver_every_event_once_in_order(server: ServerThread) 
 
     batches = arun(main(), timeout=50)
     assert [seq for batch in batches for seq in batch] == list(range(n))
-    assert len(batches[0]) >= STREAM_QUEUE_MAX  # one wake-up took what had been read ahead
+    # one wake-up took what had been read ahead: as many frames as the queue's bounds let in
+    assert len(batches[0]) >= min(STREAM_QUEUE_MAX, STREAM_QUEUE_BYTES // size)
+
+
+@pytest.mark.parametrize("size", [0, 16 * 1024])
+def test_a_stream_reads_ahead_of_its_consumer_up_to_its_bounds_in_frames_and_in_bytes(
+        server: ServerThread, size: int) -> None:
+    """While the consumer takes nothing, the link decodes ahead at most ``STREAM_QUEUE_MAX`` frames
+    and (for large events) about ``STREAM_QUEUE_BYTES`` of them, then stops reading: the rest waits
+    in the socket and in the server, and every event still arrives once, in order."""
+    n = 3 * STREAM_QUEUE_MAX
+
+    async def main() -> tuple[int, int, list[int]]:
+        c = await AsyncClient.connect(server.path)
+        stream = await c.stream("count", {"n": n, "size": size})
+
+        def stalled() -> bool:
+            before = server.rec.sent
+            time.sleep(0.3)
+            return server.rec.sent == before
+
+        await asyncio.to_thread(wait_until, stalled, 15, 0.01, "producer stalled")
+        link = stream._client._link
+        queued, queued_bytes = len(link.queue), link.queued_bytes
+        seqs = [seq for batch in await _drain_in_batches(stream, 10_000) for seq in batch]
+        return queued, queued_bytes, seqs
+
+    queued, queued_bytes, seqs = arun(main(), timeout=50)
+    assert seqs == list(range(n))
+    if size == 0:  # small events: the bound in frames
+        assert queued == STREAM_QUEUE_MAX and queued_bytes < STREAM_QUEUE_BYTES
+    else:  # large events: the bound in bytes (the frame that crossed it is the last one read)
+        assert queued == -(-STREAM_QUEUE_BYTES // (queued_bytes // queued)) and queued < STREAM_QUEUE_MAX
+        assert STREAM_QUEUE_BYTES <= queued_bytes < STREAM_QUEUE_BYTES + size + 1024
 
 
 def test_stream_batch_returns_the_events_before_an_error_then_raises_it(server: ServerThread) -> None:
