@@ -2,7 +2,10 @@
 
 - ``attach`` makes the connection the instance's one stream: events after ``after_seq`` are
   sent in order, in batches of what is already retained (``STREAM_BATCH``); a batch lost with
-  the connection is sent again from the backend's ``after_seq`` on its next attach.
+  the connection is sent again from the backend's ``after_seq`` on its next attach. A stream
+  that woke for an event with few others behind it waits ``STREAM_GATHER_S`` for more before
+  it writes: an agent streams one line per write, and without the wait a busy stream went out
+  two events per write, each write a wake-up of the backend (a person never sees 2 ms).
 - ``ack_events`` discards retained events through a seq.
 - ``turn_status`` / ``turn_statuses`` are pure reads of the open turn and the retained outcomes
   (AC-EXECUTORS-SURVIVAL-004.6); ``ack_turn`` discards one outcome (an unknown id is accepted
@@ -14,6 +17,7 @@ is ``daemon.agentctl.instance``'s.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -28,6 +32,8 @@ from ipc.server import Handler
 log = logging.getLogger("kandev.agentctl.server")
 
 STREAM_BATCH = 256  # events an attach stream takes from the log for one send (bounded in bytes by the ipc layer)
+STREAM_GATHER_BELOW = 32  # fewer events than this behind the one a stream woke for...
+STREAM_GATHER_S = 0.002  # ...and it waits this long for more before it writes
 
 
 def handlers(server: ServerContext) -> dict[str, Handler]:
@@ -50,6 +56,8 @@ def handlers(server: ServerContext) -> dict[str, Handler]:
                 event = await sub.next()
                 if event is None:
                     break
+                if inst.log.last_seq - event.seq < STREAM_GATHER_BELOW:
+                    await asyncio.sleep(STREAM_GATHER_S)
                 # What else is already retained goes in the same write (in order; a batch lost with
                 # the connection is sent again from the backend's after_seq on its next attach).
                 batch = [event, *sub.ready(STREAM_BATCH - 1)]
