@@ -6,7 +6,9 @@ sent whose answers are still to come (``Connection._pending``, keyed by JSON-RPC
 id), the next id (``_next_request_id``), the agent's requests still awaiting our
 answer (replayed with ``_process_message``, which starts their handlers without
 telling the observers again), the receive loop (``_recv_task``), and the bytes an
-``asyncio.StreamReader`` read from the pipe but nobody consumed (``_buffer``).
+``asyncio.StreamReader`` read from the pipe but nobody consumed (``_buffer``; the agent's
+complete lines are also taken from it in one go, ``take_lines``, which costs a fraction of a
+``readuntil`` call per line).
 No public API offers these; they are reached only here, and ``check()`` (run by
 the preflight of every reload, with the code about to be executed) verifies that
 they still exist, so an SDK upgrade that moves them refuses the reload instead of
@@ -78,6 +80,20 @@ def replay_request(conn: acp.ClientSideConnection, message: dict[str, Any]) -> N
 def buffered_bytes(reader: asyncio.StreamReader | None) -> bytes:
     """What ``reader`` holds: read from the pipe, not yet consumed."""
     return b"" if reader is None else bytes(reader._buffer)  # type: ignore[attr-defined]
+
+
+def take_lines(reader: asyncio.StreamReader) -> list[bytes]:
+    """Every complete line ``reader`` holds, taken out of its buffer at once, each with its
+    newline: what ``readuntil`` would return, one coroutine call each. The reader resumes
+    reading the pipe if its buffer was full."""
+    buffer: bytearray = reader._buffer  # type: ignore[attr-defined]
+    end = buffer.rfind(b"\n")
+    if end < 0:
+        return []
+    lines = [line + b"\n" for line in bytes(buffer[:end]).split(b"\n")]
+    del buffer[:end + 1]
+    reader._maybe_resume_transport()  # type: ignore[attr-defined]
+    return lines
 
 
 def _pipe_fd(transport: Any) -> int | None:
@@ -174,6 +190,8 @@ def check() -> None:
         missing.append("asyncio.StreamReader()._buffer")
     if not hasattr(asyncio.StreamReader(), "_transport"):
         missing.append("asyncio.StreamReader()._transport")
+    if not callable(getattr(asyncio.StreamReader(), "_maybe_resume_transport", None)):
+        missing.append("asyncio.StreamReader()._maybe_resume_transport")
     if not isinstance(getattr(asyncio.streams, "FlowControlMixin", None), type):
         missing.append("asyncio.streams.FlowControlMixin")
     if missing:

@@ -14,10 +14,11 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from daemon.agentctl import agent_json
+from daemon.agentctl import acp_internals, agent_json
 
 log = logging.getLogger("kandev.agentctl.instance")
 
@@ -60,16 +61,19 @@ class AgentPipeTransport:
         gate: Callable[[], Awaitable[None]] | None = None,
         on_update: Callable[[dict[str, Any]], None] | None = None,
         max_line: int = MAX_LINE_BYTES,
+        has_room: Callable[[], bool] | None = None,
     ) -> None:
         self._reader = reader
         self._writer = writer
         self._on_garbage = on_garbage
         self._gate = gate
+        self._has_room = has_room or (lambda: False)  # False: ask the gate
         self._on_update = on_update
         # A line read but not handed over yet (held back by the gate, or the reading was stopped
         # for a re-exec) and the pieces of a long line already taken from the reader: both stay
         # here, never in a local variable, so cancelling receive() at any await loses nothing.
         self._held: bytes | None = None
+        self._lines: deque[bytes] = deque()  # complete lines taken from the reader after _held
         self._partial: list[bytes] = []
         self._partial_size = 0
         # A line longer than max_line: the bytes dropped so far (its head stays in _partial), and
@@ -86,7 +90,8 @@ class AgentPipeTransport:
     def drained(self) -> bool:
         """Whether every message the agent wrote was handed over: ``eof``, or nothing is held back
         and the reader holds the end of the pipe and nothing else (also while parked)."""
-        return self.eof.is_set() or (self._held is None and not self._partial and self._reader.at_eof())
+        return self.eof.is_set() or (self._held is None and not self._lines and not self._partial
+                                     and self._reader.at_eof())
 
     @property
     def writes_settled(self) -> bool:
@@ -96,7 +101,7 @@ class AgentPipeTransport:
 
     def unread(self, buffered: bytes) -> bytes:
         """Everything read from the agent and not handed over, in order, given the reader's buffer."""
-        return (self._held or b"") + b"".join(self._partial) + buffered
+        return (self._held or b"") + b"".join(self._lines) + b"".join(self._partial) + buffered
 
     async def send(self, message: dict[str, Any]) -> None:
         data = (json.dumps(message, separators=(",", ":")) + "\n").encode("utf-8")
@@ -116,11 +121,16 @@ class AgentPipeTransport:
         try:
             while True:
                 if self._held is None:
-                    line = await self._read_line()
-                    if not line:
-                        self.eof.set()
-                        return None
-                    self._held = line
+                    if self._lines:
+                        self._held = self._lines.popleft()
+                    else:
+                        line = await self._read_line()
+                        if not line:
+                            self.eof.set()
+                            return None
+                        self._held = line
+                        if self._held_cut is None:
+                            self._lines.extend(acp_internals.take_lines(self._reader))
                 line = self._held.strip()
                 if not line and self._held_cut is None:
                     self._held = None
@@ -131,7 +141,7 @@ class AgentPipeTransport:
                         message = agent_json.decode(line)  # valid Unicode, at most MAX_DEPTH levels deep
                     except ValueError:  # UnicodeDecodeError included
                         pass
-                if self._gate is not None:
+                if self._gate is not None and not self._has_room():
                     # Parks, holding this one message back, while the detached bound is reached.
                     # Checked after the read (not before it) so that events the server appended
                     # while this read was waiting for the agent count too.

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from daemon.agentctl import acp_internals
 from daemon.agentctl.agent_pipe import AGENT_STDOUT_LIMIT, AgentPipeTransport
 from daemon.agentctl.events import EXCLUDED_KINDS, RETAINED_KINDS, EventLog
 from daemon.agentctl.protocol import EventKind
@@ -394,3 +395,33 @@ def test_a_line_longer_than_max_line_is_dropped_and_reported_and_reading_goes_on
     assert first.startswith('the agent wrote a line that is not JSON-RPC: {"jsonrpc":"2.0","method":"session/update"')
     assert f"({len(huge) - 1} bytes, longer than the {max_line} a message may be: dropped)" in first
     assert f"({len(at_eof)} bytes, longer than" in last and len(first) < 400
+
+
+def test_what_a_hand_over_gets_is_every_byte_not_handed_over_in_order():
+    """Lines are taken from the reader in bursts (``acp_internals.take_lines``), so after a few
+    messages the transport holds lines the connection has not seen: ``unread`` (what a re-exec
+    hands over) is exactly the rest of the agent's output, byte for byte, empty lines and an
+    unterminated last line included."""
+    lines = [json.dumps({"jsonrpc": "2.0", "id": i, "result": {"pad": "x" * (i % 7)}}).encode() + b"\n"
+             for i in range(40)]
+    lines[10:10] = [b"\n", b"  \n"]  # blank lines: skipped by receive(), still part of the bytes
+    tail = b'{"jsonrpc": "2.0", "id": 99'  # no newline yet
+    agent = PipeAgent([*lines, tail])
+
+    async def scenario() -> tuple[list[Any], bytes, int]:
+        log = EventLog(limit=100)
+        transport, closers = await open_transport(agent, log)
+        agent.thread.start()
+        await asyncio.to_thread(agent.done.wait, 10)
+        try:
+            got = [(await asyncio.wait_for(transport.receive(), 10))["id"] for _ in range(3)]
+            reader = transport._reader
+            held_back = len(transport._lines)
+            return got, transport.unread(acp_internals.buffered_bytes(reader)), held_back
+        finally:
+            close_transport(closers)
+
+    got, unread, held_back = run(scenario())
+    assert got == [0, 1, 2]
+    assert held_back > 0  # the burst was taken at once: the rest waits in the transport
+    assert unread == b"".join(lines[3:]) + tail
