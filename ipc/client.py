@@ -27,8 +27,7 @@ import asyncio
 import logging
 import os
 from collections import deque
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ipc.aio import within
 
@@ -54,9 +53,9 @@ STREAM_QUEUE_MAX = 512  # event frames decoded ahead of the consumer before read
 STREAM_QUEUE_BYTES = 512 * 1024  # ...or this many of their bytes on the wire, whichever comes first
 
 
-@dataclass(frozen=True)
-class Event:
-    """One ``{seq, kind, data}`` frame of an event stream."""
+class Event(NamedTuple):
+    """One ``{seq, kind, data}`` frame of an event stream. A named tuple: one is built per event
+    streamed, in half the time of a frozen dataclass."""
 
     seq: int
     kind: str

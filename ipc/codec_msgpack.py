@@ -65,10 +65,30 @@ def encode_frame(obj: dict[str, Any]) -> bytes:
     return frame_of(body)
 
 
+def pack(obj: Any) -> bytes:
+    """``obj`` in msgpack, as ``encode_frame`` packs a frame's values (this thread's packer, not a
+    new one per call); raises what msgpack raises for a value it cannot encode."""
+    data: bytes = _packer().pack(obj)
+    return data
+
+
 def packed_size(obj: Any) -> int:
-    """How many bytes msgpack encodes ``obj`` into, as ``encode_frame`` packs it (this thread's
-    packer, not a new one per call); raises what msgpack raises for a value it cannot encode."""
-    return len(_packer().pack(obj))
+    """How many bytes msgpack encodes ``obj`` into, as ``encode_frame`` packs it."""
+    return len(pack(obj))
+
+
+_SEQ_KEY = b"\x83" + msgpack.packb("seq")  # a map of three entries, its first key
+_KIND_KEY = msgpack.packb("kind")
+_DATA_KEY = msgpack.packb("data")
+
+
+def event_frame(seq: int, kind: str, packed_data: bytes) -> bytes:
+    """The frame ``encode_frame({"seq": seq, "kind": kind, "data": data})`` writes, made from
+    ``packed_data = pack(data)`` packed earlier: a msgpack map is its keys' and values' encodings
+    one after the other, so a producer that packed an event's data once (to check its size) does
+    not pack it again for every stream it goes out on."""
+    packer = _packer()
+    return frame_of(b"".join((_SEQ_KEY, packer.pack(seq), _KIND_KEY, packer.pack(kind), _DATA_KEY, packed_data)))
 
 
 def decode_body(body: bytes | memoryview) -> dict[str, Any]:

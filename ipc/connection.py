@@ -124,13 +124,19 @@ class ConnectionContext:
     async def send_events(self, events: list[tuple[int, str, Any]]) -> None:
         """``send_event`` for several events, in order, written together up to ``EVENTS_PER_WRITE``
         bytes at a time: a fast producer's events cost the peer one wake-up, not one each."""
+        encode_frame = self.codec.encode_frame
+        await self.send_event_frames([encode_frame({"seq": seq, "kind": kind, "data": data})
+                                      for seq, kind, data in events])
+
+    async def send_event_frames(self, frames: list[bytes]) -> None:
+        """Event frames already encoded in this connection's codec (``codec_msgpack.event_frame``
+        for a msgpack connection), in order, written together up to ``EVENTS_PER_WRITE`` bytes at
+        a time."""
         if not self._streaming:
             raise RuntimeError("send_events() before start_stream()")
         pending: list[bytes] = []
         size = 0
-        encode_frame = self.codec.encode_frame
-        for seq, kind, data in events:
-            frame = encode_frame({"seq": seq, "kind": kind, "data": data})
+        for frame in frames:
             pending.append(frame)
             size += len(frame)
             if size >= EVENTS_PER_WRITE:

@@ -53,12 +53,11 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from daemon.agentctl.agent_json import clean_str
 from daemon.agentctl.protocol import EventKind
-from ipc.codec_msgpack import packed_size
+from ipc.codec_msgpack import pack
 
 # The closed list of docs/architecture.md#the-control-server-inside, as code: every event kind the log carries
 # and whether it is retained at the bound (parks the producer, never dropped)
@@ -83,13 +82,14 @@ MAX_EVENT_BYTES = 7 * 1024 * 1024
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
 
 
-@dataclass(frozen=True)
-class Event:
-    """One event of an instance: ``{seq, kind, data}`` on the wire."""
+class Event(NamedTuple):
+    """One event of an instance: ``{seq, kind, data}`` on the wire. A named tuple: one is built per event
+    streamed, in half the time of a frozen dataclass."""
 
     seq: int
     kind: str
     data: dict[str, Any]
+    packed: bytes | None = None  # ``data`` in msgpack (None: not packed here, e.g. handed over)
 
 
 def plain(value: Any) -> Any:
@@ -108,18 +108,19 @@ def plain(value: Any) -> Any:
     return clean_str(str(value))
 
 
-def sendable(kind: str, data: dict[str, Any]) -> dict[str, Any]:
-    """``data`` if it encodes into one frame; a plain copy or a size marker otherwise."""
+def sendable(kind: str, data: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+    """``data`` if it encodes into one frame, else a plain copy or a size marker; with what it
+    encodes into (packed once, here: the stream sends these bytes)."""
     try:
-        size = packed_size(data)
+        packed = pack(data)
     except (TypeError, ValueError, OverflowError):
         data = plain(data)
-        size = packed_size(data)
-    if size <= MAX_EVENT_BYTES:
-        return data
+        packed = pack(data)
+    if len(packed) <= MAX_EVENT_BYTES:
+        return data, packed
     marker: dict[str, Any] = {k: v for k, v in data.items() if k in ("turn_id", "request_id")}
-    marker["oversized"] = {"kind": kind, "bytes": size, "limit": MAX_EVENT_BYTES}
-    return marker
+    marker["oversized"] = {"kind": kind, "bytes": len(packed), "limit": MAX_EVENT_BYTES}
+    return marker, pack(marker)
 
 
 class Subscription:
@@ -271,7 +272,7 @@ class EventLog:
         """
         if self._closed:
             return None
-        event = Event(self._next_seq, kind, sendable(kind, data))
+        event = Event(self._next_seq, kind, *sendable(kind, data))
         self._next_seq += 1
         self._events.append(event)
         if self._subscription is not None:

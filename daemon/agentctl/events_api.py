@@ -24,6 +24,8 @@ from typing import Any
 from daemon import faults
 from daemon.agentctl.protocol import TURN_STATUSES_MAX
 from daemon.agentctl.server_context import ServerContext
+from ipc import codec_msgpack
+from ipc.codec_msgpack import event_frame, pack
 from ipc.connection import ConnectionContext
 from ipc.errors import ErrorCode, IpcError
 from ipc.framing import ConnectionClosed
@@ -61,7 +63,11 @@ def handlers(server: ServerContext) -> dict[str, Handler]:
                 # What else is already retained goes in the same write (in order; a batch lost with
                 # the connection is sent again from the backend's after_seq on its next attach).
                 batch = [event, *sub.ready(STREAM_BATCH - 1)]
-                await ctx.send_events([(e.seq, e.kind, e.data) for e in batch])
+                if ctx.codec is codec_msgpack:  # (always, for a control server's connections)
+                    await ctx.send_event_frames([event_frame(e.seq, e.kind, e.packed if e.packed is not None
+                                                             else pack(e.data)) for e in batch])
+                else:
+                    await ctx.send_events([(e.seq, e.kind, e.data) for e in batch])
         except ConnectionClosed:
             pass
         finally:

@@ -10,6 +10,7 @@ import os
 import stat
 from pathlib import Path
 
+import msgpack
 import pytest
 
 from daemon.agentctl import auth, launch
@@ -264,11 +265,14 @@ def test_subscription_skips_events_discarded_under_it():
 
 def test_events_are_always_sendable():
     assert plain({"n": 2**70, 1: (1, 2), "o": object}) == {"n": str(2**70), "1": [1, 2], "o": str(object)}
-    assert sendable("session_update", {"turn_id": "t", "n": 2**70}) == {"turn_id": "t", "n": str(2**70)}
-    big = sendable("session_update", {"turn_id": "t", "update": "x" * (MAX_EVENT_BYTES + 10)})
+    data, packed = sendable("session_update", {"turn_id": "t", "n": 2**70})
+    assert data == {"turn_id": "t", "n": str(2**70)} and msgpack.unpackb(packed) == data
+    big, packed = sendable("session_update", {"turn_id": "t", "update": "x" * (MAX_EVENT_BYTES + 10)})
     assert big["turn_id"] == "t" and big["oversized"]["kind"] == "session_update"
+    assert msgpack.unpackb(packed) == big
     small = {"turn_id": "t", "update": {"a": [1, 2.5, None, True]}}
-    assert sendable("session_update", small) is small
+    data, packed = sendable("session_update", small)
+    assert data is small and msgpack.unpackb(packed) == small
 
 
 # ---------------------------------------------------------------- instance pieces

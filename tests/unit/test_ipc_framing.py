@@ -15,6 +15,8 @@ import pytest
 from ipc.codec_msgpack import (
     decode_body,
     encode_frame,
+    event_frame,
+    pack,
     packed_size,
     read_frame,
     read_frame_sync,
@@ -424,6 +426,14 @@ def test_budget_refuses_growth_past_the_cap_but_not_initial_buffers() -> None:
         fb.close()
     small.close()
     assert budget.used == 0 < used
+
+
+@pytest.mark.parametrize("seq", [0, 1, 127, 128, 2**16, 2**40, 2**64 - 1])
+@pytest.mark.parametrize("data", [None, {}, {"turn_id": "t:1", "update": {"text": "héllo", "n": [1, 2.5, True]}},
+                                  {"blob": b"\x00" * 70_000}])
+def test_an_event_frame_from_packed_data_is_the_frame_encode_frame_makes(seq: int, data: Any) -> None:
+    kind = "session_update"
+    assert event_frame(seq, kind, pack(data)) == encode_frame({"seq": seq, "kind": kind, "data": data})
 
 
 def test_packed_size_is_the_body_size_encode_frame_writes_and_fails_as_msgpack_does() -> None:
