@@ -15,8 +15,8 @@ import contextlib
 import json
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from daemon.agentctl import acp_internals, agent_json
 
@@ -35,6 +35,15 @@ bounds the server's memory per agent without losing anything an event could hold
 
 _HEAD_BYTES = 200  # of a line reported as garbage
 
+class Gate(Protocol):
+    """Where reading pauses for backpressure (``daemon.agentctl.events.EventLog``)."""
+
+    @property
+    def has_room(self) -> bool: ...
+
+    async def wait_for_room(self) -> None: ...
+
+
 class AgentPipeTransport:
     """An ``acp`` message transport over the agent's stdin/stdout (newline-delimited JSON).
 
@@ -42,9 +51,13 @@ class AgentPipeTransport:
     two things: ``eof`` (every line the agent wrote has been handed to the
     connection) and the place where reading pauses for backpressure
     (AC-EXECUTORS-SURVIVAL-001.6, docs/architecture.md#processes): before each message read is
-    handed over, ``gate()`` is awaited (``EventLog.wait_for_room``); the next
-    ``receive()`` is not even called meanwhile, so nothing more is read. No
-    lock is held while it waits.
+    handed over, ``gate.wait_for_room()`` is awaited (the ``EventLog``) unless ``gate.has_room``
+    says there is room already; the next ``receive()`` is not even called meanwhile, so nothing
+    more is read. No lock is held while it waits.
+
+    A line is taken with ``readuntil``, and with it every other complete line the reader already
+    holds (``acp_internals.take_lines``, kept in ``_lines``): one coroutine call for a burst of
+    lines, not one per line.
 
     ``session/update`` notifications, nearly all of what an agent writes while it works, go to
     ``on_update`` (when given) in their place in the stream and not to the connection: the SDK
@@ -58,16 +71,14 @@ class AgentPipeTransport:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         on_garbage: Callable[[str], None] | None = None,
-        gate: Callable[[], Awaitable[None]] | None = None,
+        gate: Gate | None = None,
         on_update: Callable[[dict[str, Any]], None] | None = None,
         max_line: int = MAX_LINE_BYTES,
-        has_room: Callable[[], bool] | None = None,
     ) -> None:
         self._reader = reader
         self._writer = writer
         self._on_garbage = on_garbage
         self._gate = gate
-        self._has_room = has_room or (lambda: False)  # False: ask the gate
         self._on_update = on_update
         # A line read but not handed over yet (held back by the gate, or the reading was stopped
         # for a re-exec) and the pieces of a long line already taken from the reader: both stay
@@ -141,11 +152,11 @@ class AgentPipeTransport:
                         message = agent_json.decode(line)  # valid Unicode, at most MAX_DEPTH levels deep
                     except ValueError:  # UnicodeDecodeError included
                         pass
-                if self._gate is not None and not self._has_room():
+                if self._gate is not None and not self._gate.has_room:
                     # Parks, holding this one message back, while the detached bound is reached.
                     # Checked after the read (not before it) so that events the server appended
                     # while this read was waiting for the agent count too.
-                    await self._gate()
+                    await self._gate.wait_for_room()
                 self._held = None
                 if isinstance(message, dict):
                     if self._on_update is not None and message.get("method") == "session/update" \

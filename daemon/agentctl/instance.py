@@ -275,9 +275,7 @@ class Instance:
 
     def connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> acp.ClientSideConnection:
         """The ACP connection over the agent's pipes, and the watch of its exit."""
-        events = self.log
-        self.transport = AgentPipeTransport(reader, writer, self._on_garbage, events.wait_for_room, self._on_update,
-                                            has_room=lambda: events.has_room)
+        self.transport = AgentPipeTransport(reader, writer, self._on_garbage, self.log, self._on_update)
         self._exit_task = asyncio.create_task(self._watch_exit(), name=f"agentctl.exit.{self.instance_id}")
         self.conn = acp.connect_to_agent(_AcpClient(self), self.transport, observers=[self._observe])  # type: ignore[arg-type]  # partial acp.Client: acp answers method_not_found for the rest
         return self.conn

@@ -235,7 +235,7 @@ async def open_transport(
     def garbage(line: str) -> None:
         log.append(EventKind.AGENT_ERROR, {"message": f"the agent wrote a line that is not JSON-RPC: {line}"})
 
-    transport = AgentPipeTransport(reader, writer, garbage, log.wait_for_room, on_update, **kw)
+    transport = AgentPipeTransport(reader, writer, garbage, log, on_update, **kw)
     return transport, [read_transport, write_transport, stdin_r]
 
 
