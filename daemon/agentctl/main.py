@@ -51,6 +51,7 @@ from daemon.agentctl.launch import LaunchConfig, LaunchError
 from daemon.agentctl.reexec import Reloader
 from daemon.config_agentctl import ResolvedAgentctl
 from daemon.config_keys import ConfigError
+from daemon.heap import freeze_startup_heap
 from daemon.journal import log_event
 from daemon.paths import resolve_home
 from daemon.service import (
@@ -217,6 +218,7 @@ async def _serve_until_stopped(
             SERVER_IDENTITY=server.server_identity,
             PID=os.getpid(),
         )
+    log.debug("start-up heap frozen: %d objects", freeze_startup_heap())
     # From here on every import is reported: what the server runs was imported before ready.
     preload.LateImportWatch(loop, preload.report_late_import(log_event, log)).install()
     waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(server.exit_requested.wait())]

@@ -28,6 +28,7 @@ from daemon.backend.space_wait import when_space
 from daemon.backend.store_care import probe_write
 from daemon.config import Config, check_config
 from daemon.config_keys import ConfigError
+from daemon.heap import freeze_startup_heap
 from daemon.journal import log_event
 from daemon.limits import BUFFER_LIMIT, IDLE_CONNECTION_TIMEOUT_S, connection_limit
 from daemon.paths import Paths, installation_id, resolve_home
@@ -121,6 +122,7 @@ async def _serve_until_stopped(paths: Paths, backend: Backend, notifier: Notifie
         RETRACKED=len(backend.report.retracked),
         RECOVERY_MS=round(backend.report.duration_ms),
     )
+    log.debug("start-up heap frozen: %d objects", freeze_startup_heap())
     await backend.shutdown_requested.wait()
     notifier.stopping()
     await server.close()
