@@ -35,6 +35,7 @@ bounds the server's memory per agent without losing anything an event could hold
 
 _HEAD_BYTES = 200  # of a line reported as garbage
 
+
 class Gate(Protocol):
     """Where reading pauses for backpressure (``daemon.agentctl.events.EventLog``)."""
 
