@@ -982,12 +982,7 @@ def test_stream_backpressure_then_full_delivery(server: ServerThread) -> None:
         stream = await c.stream("count", {"n": n, "size": size})
 
         # Not reading: the producer must stall well before the end.
-        def stalled() -> bool:
-            before = server.rec.sent
-            time.sleep(0.3)
-            return server.rec.sent == before
-
-        await asyncio.to_thread(wait_until, stalled, 15, 0.01, "producer stalled")
+        await _producer_stalled(server)
         assert 0 < server.rec.sent < n // 4
 
         seqs = [e.seq async for e in stream]
@@ -1018,6 +1013,17 @@ def test_stream_iteration_can_be_cancelled_and_resumed(server: ServerThread) -> 
     assert timeouts > 0
 
 
+async def _producer_stalled(server: ServerThread) -> None:
+    """Wait until the server's producer stopped sending (the client read ahead as far as it may
+    and the socket is full): nothing sent for 0.3 s."""
+    def stalled() -> bool:
+        before = server.rec.sent
+        time.sleep(0.3)
+        return server.rec.sent == before
+
+    await asyncio.to_thread(wait_until, stalled, 15, 0.01, "producer stalled")
+
+
 async def _drain_in_batches(stream: EventStream, limit: int) -> list[list[int]]:
     batches = []
     while batch := await stream.batch(limit):
@@ -1033,12 +1039,7 @@ def test_stream_batches_deliver_every_event_once_in_order(server: ServerThread) 
         c = await AsyncClient.connect(server.path)
         stream = await c.stream("count", {"n": n, "size": size})
 
-        def stalled() -> bool:  # the link read ahead as far as it may: frames wait for the consumer
-            before = server.rec.sent
-            time.sleep(0.3)
-            return server.rec.sent == before
-
-        await asyncio.to_thread(wait_until, stalled, 15, 0.01, "producer stalled")
+        await _producer_stalled(server)
         batches = await _drain_in_batches(stream, 500)
         assert await stream.batch(500) == []  # ended: stays ended
         return batches
@@ -1061,12 +1062,7 @@ def test_a_stream_reads_ahead_of_its_consumer_up_to_its_bounds_in_frames_and_in_
         c = await AsyncClient.connect(server.path)
         stream = await c.stream("count", {"n": n, "size": size})
 
-        def stalled() -> bool:
-            before = server.rec.sent
-            time.sleep(0.3)
-            return server.rec.sent == before
-
-        await asyncio.to_thread(wait_until, stalled, 15, 0.01, "producer stalled")
+        await _producer_stalled(server)
         link = stream._client._link
         queued, queued_bytes = len(link.queue), link.queued_bytes
         seqs = [seq for batch in await _drain_in_batches(stream, 10_000) for seq in batch]
