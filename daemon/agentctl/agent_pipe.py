@@ -35,6 +35,14 @@ bounds the server's memory per agent without losing anything an event could hold
 
 _HEAD_BYTES = 200  # of a line reported as garbage
 
+READ_GATHER_S = 0.001
+"""How long the agent's pipe is left alone before each read that has to wait for it: what the
+agent writes meanwhile gathers in the pipe (64 KiB, about 300 chunks of a streaming agent; one that
+writes more blocks in its write for the rest of the millisecond) and one read then takes all of it.
+Read at once instead, a streaming agent was read a line or two per event-loop turn, and those
+turns (a wake-up, an ``epoll_wait``, a ``read``, the coroutine's resumption) were a third of the
+control server's CPU per streamed chunk. It delays a message by at most this much."""
+
 
 class Gate(Protocol):
     """Where reading pauses for backpressure (``daemon.agentctl.events.EventLog``)."""
@@ -93,6 +101,7 @@ class AgentPipeTransport:
         self._max_line = max_line
         self._dropped = 0
         self._held_cut: int | None = None
+        self._gathering = False  # the pipe is paused by _gather (see stop_reading_pipe)
         self._send_lock = asyncio.Lock()
         self._sending = 0  # send() calls not yet returned
         self.requests_sent: dict[Any, str] = {}  # JSON-RPC id -> method, until its answer is read
@@ -136,6 +145,7 @@ class AgentPipeTransport:
                     if self._lines:
                         self._held = self._lines.popleft()
                     else:
+                        await self._gather()
                         line = await self._read_line()
                         if not line:
                             self.eof.set()
@@ -180,6 +190,28 @@ class AgentPipeTransport:
             log.warning("reading the agent's stdout failed: %s", exc)
             self.eof.set()
             return None
+
+    async def _gather(self) -> None:
+        """Leave the pipe unread for ``READ_GATHER_S`` (a pipe someone else paused is left as it is)."""
+        if not acp_internals.pause_pipe(self._reader):
+            return
+        self._gathering = True
+        try:
+            await asyncio.sleep(READ_GATHER_S)
+        finally:
+            if self._gathering:  # not taken over by stop_reading_pipe meanwhile
+                self._gathering = False
+                acp_internals.resume_pipe(self._reader)
+
+    def stop_reading_pipe(self) -> bool:
+        """Stop reading the agent's pipe (for a hand-over; what the agent writes meanwhile stays
+        in the pipe). True if the caller owns the pause now and undoes it with
+        ``acp_internals.resume_pipe`` if it goes on reading: the pipe was being read, or only a
+        gather had paused it (which then leaves it paused when its wait ends or is cancelled)."""
+        if self._gathering:
+            self._gathering = False
+            return True
+        return acp_internals.pause_pipe(self._reader)
 
     async def _read_line(self) -> bytes:
         """The next line. One longer than ``max_line`` is read to its end but not kept: its head

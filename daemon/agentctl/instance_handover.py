@@ -44,8 +44,8 @@ def pause(inst: Instance) -> asyncio.Task[Any] | None:
     if inst.conn is None or not acp_internals.receiving(inst.conn):
         return None
     inst.reading_paused_for_handover = True
-    if inst.process is not None:  # and the pipe: what the agent writes now waits in the pipe
-        inst.pipe_paused_for_handover = acp_internals.pause_pipe(inst.process.stdout)
+    if inst.transport is not None:  # and the pipe: what the agent writes now waits in the pipe
+        inst.pipe_paused_for_handover = inst.transport.stop_reading_pipe()
     return acp_internals.stop_receiving(inst.conn)
 
 

@@ -11,6 +11,7 @@ parked producer is shown to leave the writer blocked on the pipe.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import threading
@@ -18,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from daemon.agentctl import acp_internals
+from daemon.agentctl import acp_internals, agent_pipe
 from daemon.agentctl.agent_pipe import AGENT_STDOUT_LIMIT, AgentPipeTransport
 from daemon.agentctl.events import EXCLUDED_KINDS, RETAINED_KINDS, EventLog
 from daemon.agentctl.protocol import EventKind
@@ -425,3 +426,68 @@ def test_what_a_hand_over_gets_is_every_byte_not_handed_over_in_order():
     assert got == [0, 1, 2]
     assert held_back > 0  # the burst was taken at once: the rest waits in the transport
     assert unread == b"".join(lines[3:]) + tail
+
+
+def _rpc_line(i: int) -> bytes:
+    return json.dumps({"jsonrpc": "2.0", "id": i, "result": {}}).encode() + b"\n"
+
+
+def test_before_a_read_that_has_to_wait_the_pipe_is_left_alone_so_that_a_burst_gathers(monkeypatch):
+    """A streaming agent is read in bursts, not a line per event-loop turn: before a read that has
+    to wait for the agent, the pipe is paused for ``READ_GATHER_S`` (lengthened here so that the
+    test sees it), and what the agent writes meanwhile is then taken in one read."""
+    monkeypatch.setattr(agent_pipe, "READ_GATHER_S", 0.3)
+    agent = PipeAgent([])
+
+    async def scenario() -> None:
+        transport, closers = await open_transport(agent, EventLog())
+        reader = transport._reader
+        try:
+            os.write(agent.write_fd, _rpc_line(0))
+            assert (await asyncio.wait_for(transport.receive(), 10))["id"] == 0
+            following = asyncio.ensure_future(transport.receive())
+            await settle()
+            for i in range(1, 21):  # a burst, one write per message as an agent writes them
+                os.write(agent.write_fd, _rpc_line(i))
+            await settle()
+            # The pipe is not read while gathering: nothing came in, and the receive still waits.
+            assert not following.done()
+            assert acp_internals.buffered_bytes(reader) == b"" and not transport._lines
+            assert (await asyncio.wait_for(following, 10))["id"] == 1
+            assert len(transport._lines) == 19  # the rest came with it, in one read
+        finally:
+            close_transport(closers)
+            os.close(agent.write_fd)
+
+    run(scenario())
+
+
+def test_a_hand_over_that_stops_reading_during_a_gather_owns_the_pause_and_nothing_is_read(monkeypatch):
+    """A reload stops reading the agent (``stop_reading_pipe``) and cancels the receive loop. If
+    that loop was gathering, the pause becomes the hand-over's: the cancelled gather does not
+    resume the pipe (bytes read after the capture would be lost), and only the hand-over's
+    ``resume_pipe`` (a refused reload) reads again, from where it stopped."""
+    monkeypatch.setattr(agent_pipe, "READ_GATHER_S", 0.3)
+    agent = PipeAgent([])
+
+    async def scenario() -> None:
+        transport, closers = await open_transport(agent, EventLog())
+        reader = transport._reader
+        try:
+            receiving = asyncio.ensure_future(transport.receive())
+            await settle()  # gathering: the pipe is paused
+            assert transport.stop_reading_pipe() is True
+            receiving.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await receiving
+            os.write(agent.write_fd, _rpc_line(7))
+            await settle()
+            assert acp_internals.buffered_bytes(reader) == b""
+            assert transport.unread(acp_internals.buffered_bytes(reader)) == b""  # the line waits in the pipe
+            acp_internals.resume_pipe(reader)  # the reload was refused: read again
+            assert (await asyncio.wait_for(transport.receive(), 10))["id"] == 7
+        finally:
+            close_transport(closers)
+            os.close(agent.write_fd)
+
+    run(scenario())
