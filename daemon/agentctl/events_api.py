@@ -2,10 +2,9 @@
 
 - ``attach`` makes the connection the instance's one stream: events after ``after_seq`` are
   sent in order, in batches of what is already retained (``STREAM_BATCH``); a batch lost with
-  the connection is sent again from the backend's ``after_seq`` on its next attach. A stream
-  that woke for an event with few others behind it waits ``STREAM_GATHER_S`` for more before
-  it writes: an agent streams one line per write, and without the wait a busy stream went out
-  two events per write, each write a wake-up of the backend (a person never sees 2 ms).
+  the connection is sent again from the backend's ``after_seq`` on its next attach. A streaming
+  agent's output is read in bursts (``agent_pipe.READ_GATHER_S``) and a burst is logged at once,
+  so a busy stream wakes once per burst and sends it in one write; it never waits for more.
 - ``ack_events`` discards retained events through a seq.
 - ``turn_status`` / ``turn_statuses`` are pure reads of the open turn and the retained outcomes
   (AC-EXECUTORS-SURVIVAL-004.6); ``ack_turn`` discards one outcome (an unknown id is accepted
@@ -17,7 +16,6 @@ is ``daemon.agentctl.instance``'s.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
@@ -34,8 +32,6 @@ from ipc.server import Handler
 log = logging.getLogger("kandev.agentctl.server")
 
 STREAM_BATCH = 256  # events an attach stream takes from the log for one send (bounded in bytes by the ipc layer)
-STREAM_GATHER_BELOW = 32  # fewer events than this behind the one a stream woke for...
-STREAM_GATHER_S = 0.002  # ...and it waits this long for more before it writes
 
 
 def handlers(server: ServerContext) -> dict[str, Handler]:
@@ -58,8 +54,6 @@ def handlers(server: ServerContext) -> dict[str, Handler]:
                 event = await sub.next()
                 if event is None:
                     break
-                if inst.log.last_seq - event.seq < STREAM_GATHER_BELOW:
-                    await asyncio.sleep(STREAM_GATHER_S)
                 # What else is already retained goes in the same write (in order; a batch lost with
                 # the connection is sent again from the backend's after_seq on its next attach).
                 batch = [event, *sub.ready(STREAM_BATCH - 1)]
