@@ -433,7 +433,11 @@ class AsyncClient:
 
 
 class EventStream:
-    """The events of a stream op, from the dedicated connection's queue."""
+    """The events of a stream op, from the dedicated connection's queue.
+
+    A frame holds one event (``{seq, kind, data}``) or, from a server asked for them (the control
+    server's ``attach`` with ``batched``), several (``{events: [[seq, kind, data], ...]}``, in
+    order): either way the stream yields events one by one, and ``batch`` returns them in bulk."""
 
     def __init__(self, client: AsyncClient, request_id: int, result: Any) -> None:
         self.result = result
@@ -441,6 +445,7 @@ class EventStream:
         self._request_id = request_id
         self._finished = False
         self._failed: IpcError | None = None  # a bad frame behind the events ``batch`` returned
+        self._ready: deque[Event] = deque()  # events of a frame already taken, not yet returned
 
     def __aiter__(self) -> EventStream:
         return self
@@ -463,12 +468,20 @@ class EventStream:
         if first is None:
             return []
         events = [first]
-        for frame in self._client._link.take_frames(limit - 1):
-            try:
-                events.append(self._event(frame))
-            except IpcError as exc:  # the events before it are delivered; the next call raises it
-                self._failed = exc
-                break
+        ready = self._ready
+        while len(events) < limit:
+            if not ready:
+                frames = self._client._link.take_frames(1) if self._failed is None else None
+                if not frames:
+                    break
+                try:
+                    ready.extend(self._events(frames[0]))
+                except IpcError as exc:  # the events before it are delivered; the next call raises it
+                    self._failed = exc
+                    break
+                continue
+            while ready and len(events) < limit:
+                events.append(ready.popleft())
         return events
 
     async def _next_event(self) -> Event | None:
@@ -477,20 +490,39 @@ class EventStream:
         Cancelling the wait loses nothing."""
         if self._finished:
             return None
-        if self._failed is not None:  # left by ``batch`` behind the events it returned
-            await self.close()
-            raise self._failed
-        item = await self._client._link.next_stream_item()
-        if item is _END:
-            await self.close()
-            return None
-        try:
-            if isinstance(item, IpcError):
-                raise item
-            return self._event(item)
-        except BaseException:
-            await self.close()
-            raise
+        while not self._ready:
+            if self._failed is not None:  # left by ``batch`` behind the events it returned
+                await self.close()
+                raise self._failed
+            item = await self._client._link.next_stream_item()
+            if item is _END:
+                await self.close()
+                return None
+            try:
+                if isinstance(item, IpcError):
+                    raise item
+                self._ready.extend(self._events(item))  # (a batch may be empty: then the next frame)
+            except BaseException:
+                await self.close()
+                raise
+        return self._ready.popleft()
+
+    def _events(self, frame: dict[str, Any]) -> list[Event]:
+        """The events of one stream frame, in order; ``InvalidFrame`` for a malformed one."""
+        if "events" not in frame:
+            return [self._event(frame)]
+        items = frame["events"]
+        if not isinstance(items, list):
+            raise InvalidFrame("event batch frame without a list of events")
+        events = []
+        for item in items:
+            if not isinstance(item, list) or len(item) != 3:
+                raise InvalidFrame("event batch frame with a malformed event")
+            seq, kind, data = item
+            if not isinstance(seq, int) or isinstance(seq, bool) or not isinstance(kind, str):
+                raise InvalidFrame("event batch frame with a malformed seq or kind")
+            events.append(Event(seq, kind, data))
+        return events
 
     def _event(self, frame: dict[str, Any]) -> Event:
         if "seq" in frame:

@@ -91,6 +91,31 @@ def event_frame(seq: int, kind: str, packed_data: bytes) -> bytes:
     return frame_of(b"".join((_SEQ_KEY, packer.pack(seq), _KIND_KEY, packer.pack(kind), _DATA_KEY, packed_data)))
 
 
+_EVENTS_KEY = b"\x81" + msgpack.packb("events")  # a map of one entry, its key
+_EVENT_ITEM = b"\x93"  # an array of three: seq, kind, data
+
+
+def event_batch_frames(events: list[tuple[int, str, bytes]], max_bytes: int) -> list[bytes]:
+    """The frames ``encode_frame({"events": [[seq, kind, data], ...]})`` writes for ``events``
+    (each ``(seq, kind, pack(data))``, in order), as few as hold them with at most ``max_bytes`` of
+    events in each (an event larger than that goes alone in its frame). One frame for many events:
+    the peer decodes them in one call instead of a frame each."""
+    packer = _packer()
+    frames: list[bytes] = []
+    items: list[bytes] = []
+    size = 0
+    for seq, kind, packed_data in events:
+        item = b"".join((_EVENT_ITEM, packer.pack(seq), packer.pack(kind), packed_data))
+        if items and size + len(item) > max_bytes:
+            frames.append(frame_of(b"".join((_EVENTS_KEY, packer.pack_array_header(len(items)), *items))))
+            items, size = [], 0
+        items.append(item)
+        size += len(item)
+    if items:
+        frames.append(frame_of(b"".join((_EVENTS_KEY, packer.pack_array_header(len(items)), *items))))
+    return frames
+
+
 def decode_body(body: bytes | memoryview) -> dict[str, Any]:
     """Decode a frame body (without its prefix) into a map, or raise ``InvalidFrame``."""
     try:

@@ -474,13 +474,14 @@ class AgentctlClient:
         """Drop a retained outcome; an unknown id is accepted and changes nothing -> ``{acked}``."""
         return await self._map("ack_turn", {"turn_id": turn_id})
 
-    async def attach(self, instance_id: str, after_seq: int = 0) -> EventStream:
+    async def attach(self, instance_id: str, after_seq: int = 0, *, batched: bool = True) -> EventStream:
         """Open the instance's event stream on a new authenticated connection.
 
         Events <= ``after_seq`` are discarded by the server; the stream then
         yields ``Event(seq, kind, data)`` in order, retained ones first. Its
         ``result`` is ``{instance_id, next_seq, retained_events}``. A newer
-        ``attach`` of the same instance ends this one.
+        ``attach`` of the same instance ends this one. ``batched``: the server puts the events of
+        one write in one frame (an older server ignores it; ``False`` asks what a 0.2.0 backend asked).
         """
         conn = await AsyncClient.connect(self.socket_path, timeout=self.timeout, hello=False)
         try:
@@ -491,8 +492,8 @@ class AgentctlClient:
                 expected_identity=self.identity,
                 timeout=self.timeout,
             )
-            return await conn.stream(
-                "attach", {"instance_id": instance_id, "after_seq": after_seq}, timeout=self.timeout
+            return await conn.stream(  # batched: ignored by an older server (one frame per event)
+                "attach", {"instance_id": instance_id, "after_seq": after_seq, "batched": batched}, timeout=self.timeout
             )
         except BaseException:
             await conn.close()

@@ -5,6 +5,9 @@
   the connection is sent again from the backend's ``after_seq`` on its next attach. A streaming
   agent's output is read in bursts (``agent_pipe.READ_GATHER_S``) and a burst is logged at once,
   so a busy stream wakes once per burst and sends it in one write; it never waits for more.
+  Asked with ``batched`` (this release's backend), a stream puts the events of one write in one
+  frame (``codec_msgpack.event_batch_frames``, up to ``EVENTS_PER_WRITE`` bytes each), so the
+  backend decodes a burst in one call; without it (an older backend), one frame per event.
 - ``ack_events`` discards retained events through a seq.
 - ``turn_status`` / ``turn_statuses`` are pure reads of the open turn and the retained outcomes
   (AC-EXECUTORS-SURVIVAL-004.6); ``ack_turn`` discards one outcome (an unknown id is accepted
@@ -23,8 +26,8 @@ from daemon import faults
 from daemon.agentctl.protocol import TURN_STATUSES_MAX
 from daemon.agentctl.server_context import ServerContext
 from ipc import codec_msgpack
-from ipc.codec_msgpack import event_frame, pack
-from ipc.connection import ConnectionContext
+from ipc.codec_msgpack import event_batch_frames, event_frame, pack
+from ipc.connection import EVENTS_PER_WRITE, ConnectionContext
 from ipc.errors import ErrorCode, IpcError
 from ipc.framing import ConnectionClosed
 from ipc.server import Handler
@@ -40,6 +43,7 @@ def handlers(server: ServerContext) -> dict[str, Handler]:
     async def attach(ctx: ConnectionContext, args: dict[str, Any]) -> None:
         inst = server.get(args["instance_id"])
         after_seq = args.get("after_seq", 0)
+        batched = args.get("batched", False)
         sub = inst.attach(after_seq)
         log.debug("conn %d: attached to %s after seq %d", server.conn_id(ctx), inst.instance_id, after_seq)
         try:
@@ -58,8 +62,9 @@ def handlers(server: ServerContext) -> dict[str, Handler]:
                 # the connection is sent again from the backend's after_seq on its next attach).
                 batch = [event, *sub.ready(STREAM_BATCH - 1)]
                 if ctx.codec is codec_msgpack:  # (always, for a control server's connections)
-                    await ctx.send_event_frames([event_frame(e.seq, e.kind, e.packed if e.packed is not None
-                                                             else pack(e.data)) for e in batch])
+                    packed = [(e.seq, e.kind, e.packed if e.packed is not None else pack(e.data)) for e in batch]
+                    await ctx.send_event_frames(event_batch_frames(packed, EVENTS_PER_WRITE) if batched
+                                                else [event_frame(*p) for p in packed])
                 else:
                     await ctx.send_events([(e.seq, e.kind, e.data) for e in batch])
         except ConnectionClosed:

@@ -11,7 +11,9 @@ capability, the ``not_taken_over`` field of ``list_instances`` and the
 ``sandbox.v1`` capability and the ``sandbox_unavailable`` error code; and each agent's keys:
 ``create_instance``'s ``secret_env`` field and the ``agent_secrets.v1`` capability. 1.2
 (release 0.3.0) added ``turn_statuses`` (the turn status of many instances in one exchange, for
-recovery in bulk; a backend meeting 1.1 reads them one by one). ``identify`` never grows: unauthenticated, it answers
+recovery in bulk; a backend meeting 1.1 reads them one by one) and ``attach``'s ``batched``
+field (the events of one write in one frame; a 1.1 server ignores it and sends a frame per
+event, which the client reads as well). ``identify`` never grows: unauthenticated, it answers
 the identity, the capability set and the unowned period (and the protocol
 version), nothing else (AC-EXECUTORS-CONTROL-OWNERSHIP-001.11).
 
@@ -31,7 +33,8 @@ challenge, and the backend authenticates each connection with an HMAC over a
 server nonce (see ``daemon.agentctl.auth``).
 
 Streams: ``attach`` turns its connection into an event stream of
-``{seq, kind, data}`` frames for one instance, starting after ``after_seq``.
+``{seq, kind, data}`` frames (or, asked with ``batched``, ``{events: [[seq, kind, data], ...]}``
+frames) for one instance, starting after ``after_seq``.
 """
 
 from __future__ import annotations
@@ -194,9 +197,10 @@ OPS = [
     Op(
         "attach",
         required={"instance_id": str},
-        optional={"after_seq": int},
+        optional={"after_seq": int, "batched": bool},
         stream=True,
-        doc="event stream from after_seq (events <= after_seq are discarded) -> {instance_id, next_seq}",
+        doc="event stream from after_seq (events <= after_seq are discarded) -> {instance_id, next_seq};"
+            " batched: several events per frame ({events: [[seq, kind, data], ...]})",
     ),
     Op(
         "ack_events",

@@ -444,6 +444,35 @@ def test_terminal_event_produced_after_attach_is_delivered(make_server):
     run(scenario())
 
 
+@pytest.mark.parametrize("batched", [True, False])
+def test_a_stream_in_event_batches_and_one_frame_per_event_deliver_the_same_events(make_server, batched: bool):
+    """This release's backend asks for the events of one write in one frame (``batched``); a 0.2.0
+    backend does not and gets a frame per event. The same flood reaches either whole and in order."""
+    server = make_server()
+    n = 2000
+
+    async def scenario() -> tuple[list[Event], bool]:
+        async with await server.connect() as client:
+            iid = (await server.create(client))["instance_id"]
+            turn = await client.prompt(iid, f"/flood {n}")
+            stream = await client.attach(iid, 0, batched=batched)
+            events: list[Event] = []
+            several_in_a_frame = False
+            try:
+                while not events or events[-1].kind != EventKind.TURN_ENDED:
+                    events.append(await asyncio.wait_for(stream.__anext__(), STEP * 3))
+                    several_in_a_frame |= bool(stream._ready)  # the rest of its frame, not returned yet
+            finally:
+                await stream.close()
+            assert events[-1].data["turn_id"] == turn
+            return events, several_in_a_frame
+
+    events, several_in_a_frame = run(scenario())
+    assert [e.seq for e in events] == list(range(1, n + 3))
+    assert chunks(events) == [f"{i}/{n} " for i in range(1, n + 1)]
+    assert several_in_a_frame is batched
+
+
 def test_reattach_after_a_dropped_stream_resumes_from_the_last_applied(make_server):
     """AC-EXECUTORS-SURVIVAL-001.5 with the bound: a stream that dies mid-flood leaves the instance detached again, so it
     pauses at the bound counting what was sent but not acked; a re-attach after the last applied

@@ -45,8 +45,8 @@ from ipc import (
     read_frame_sync,
 )
 from ipc.client import STREAM_QUEUE_BYTES, STREAM_QUEUE_MAX, EventStream
-from ipc.codec_msgpack import decode_body
-from ipc.framing import ConnectionClosed
+from ipc.codec_msgpack import decode_body, event_batch_frames, pack
+from ipc.framing import ConnectionClosed, InvalidFrame, frame_of
 from tests.support.waiting import eventually, wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -73,6 +73,8 @@ TABLE = OpTable(
             stream=True,
         ),
         Op("watch", auth=False, stream=True),
+        Op("count_batched", required={"n": int, "frame_bytes": int}, optional={"bad_at": int}, auth=False,
+           stream=True),
         # Plain-function handlers (answered inline, no task): the same contract as async ones.
         Op("sum", required={"a": int, "b": int}, optional={"pad": int}, auth=False),
         Op("sum_async", required={"a": int, "b": int}, optional={"pad": int}, auth=False),
@@ -89,6 +91,7 @@ class Recorder:
 
     def __init__(self) -> None:
         self.sent = 0  # events count() has sent so far
+        self.frames = 0  # frames count_batched() sent
         self.concurrent = 0
         self.max_concurrent = 0
         self.watch_events: list[str] = []
@@ -152,6 +155,18 @@ def make_handlers(rec: Recorder, server_ref: list[IpcServer]) -> dict[str, Any]:
             await ctx.send_event(i, "tick", {"i": i, "pad": b"p" * size})
             rec.sent = i + 1
 
+    async def count_batched(ctx: ConnectionContext, args: dict[str, Any]) -> None:
+        """``count``'s events, several per frame (``{events: [...]}``); ``bad_at``: that event's
+        item is malformed (a seq that is not an integer)."""
+        n, bad_at = args["n"], args.get("bad_at")
+        await ctx.start_stream({"n": n})
+        items = [(i, "tick", pack({"i": i})) for i in range(n)]
+        frames = event_batch_frames(items, args["frame_bytes"])
+        if bad_at is not None:
+            frames = [frame_of(pack({"events": [[i if i != bad_at else "x", "tick", {"i": i}] for i in range(n)]}))]
+        rec.frames = len(frames)
+        await ctx.send_event_frames(frames)
+
     async def watch(ctx: ConnectionContext, args: dict[str, Any]) -> None:
         await ctx.start_stream({"watching": True})
         try:
@@ -195,6 +210,7 @@ def make_handlers(rec: Recorder, server_ref: list[IpcServer]) -> dict[str, Any]:
         "secret": secret,
         "kick_others": kick_others,
         "count": count,
+        "count_batched": count_batched,
         "watch": watch,
     }
 
@@ -1090,6 +1106,43 @@ def test_stream_batch_returns_the_events_before_an_error_then_raises_it(server: 
         return seen
 
     assert arun(main()) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("frame_bytes", [1, 200, 1 << 20])
+def test_events_batched_in_frames_arrive_once_in_order_through_next_and_batch(
+        server: ServerThread, frame_bytes: int) -> None:
+    """A server may put several events in one frame (``codec_msgpack.event_batch_frames``, the
+    control server's ``attach`` with ``batched``): one event per frame (1 byte), a few (200 bytes),
+    or all of them in one. The stream yields each once, in order, whether taken one by one or in
+    batches smaller than a frame (the rest of a frame waits for the next call)."""
+    n = 300
+
+    async def main() -> tuple[list[int], list[int], int]:
+        c = await AsyncClient.connect(server.path)
+        stream = await c.stream("count_batched", {"n": n, "frame_bytes": frame_bytes})
+        one_by_one = [(await stream.__anext__()).seq for _ in range(5)]
+        in_batches = [seq for batch in await _drain_in_batches(stream, 7) for seq in batch]
+        return one_by_one, in_batches, server.rec.frames
+
+    one_by_one, in_batches, frames = arun(main())
+    assert one_by_one + in_batches == list(range(n))
+    if frame_bytes == 1:
+        assert frames == n  # each event alone: larger than the bound
+    elif frame_bytes == 200:
+        assert 1 < frames < n / 10
+    else:
+        assert frames == 1
+
+
+def test_a_malformed_event_in_a_batch_frame_ends_the_stream_with_invalid_frame(server: ServerThread) -> None:
+    async def main() -> None:
+        c = await AsyncClient.connect(server.path)
+        stream = await c.stream("count_batched", {"n": 5, "frame_bytes": 1 << 20, "bad_at": 2})
+        with pytest.raises(InvalidFrame):
+            await stream.batch(10)
+        assert await stream.batch(10) == []  # closed
+
+    arun(main())
 
 
 def test_stream_batch_wait_can_be_cancelled_without_losing_events(server: ServerThread) -> None:

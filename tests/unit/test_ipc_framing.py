@@ -15,6 +15,7 @@ import pytest
 from ipc.codec_msgpack import (
     decode_body,
     encode_frame,
+    event_batch_frames,
     event_frame,
     pack,
     packed_size,
@@ -24,6 +25,7 @@ from ipc.codec_msgpack import (
 )
 from ipc.errors import ErrorCode, IpcError
 from ipc.framing import (
+    HEADER_SIZE,
     MAX_FRAME,
     BufferBudget,
     BufferLimitExceeded,
@@ -434,6 +436,23 @@ def test_budget_refuses_growth_past_the_cap_but_not_initial_buffers() -> None:
 def test_an_event_frame_from_packed_data_is_the_frame_encode_frame_makes(seq: int, data: Any) -> None:
     kind = "session_update"
     assert event_frame(seq, kind, pack(data)) == encode_frame({"seq": seq, "kind": kind, "data": data})
+
+
+@pytest.mark.parametrize("count", [1, 15, 16, 70_000])
+def test_an_event_batch_frame_is_the_frame_encode_frame_makes_of_the_events(count: int) -> None:
+    """Array headers of every size msgpack has (fixarray, array 16, array 32) included."""
+    events = [(seq, "session_update", {"turn_id": "t", "n": seq}) for seq in range(count)]
+    frames = event_batch_frames([(seq, kind, pack(data)) for seq, kind, data in events], 8 << 20)
+    assert frames == [encode_frame({"events": [list(e) for e in events]})]
+
+
+def test_event_batch_frames_hold_at_most_max_bytes_of_events_each_and_a_larger_event_alone() -> None:
+    datas = [{"text": "x" * size} for size in (10, 10, 10, 500, 10, 10)]
+    packed = [(seq, "k", pack(data)) for seq, data in enumerate(datas)]
+    frames = event_batch_frames(packed, 100)
+    decoded = [decode_body(frame[HEADER_SIZE:])["events"] for frame in frames]
+    assert [[item[0] for item in frame] for frame in decoded] == [[0, 1, 2], [3], [4, 5]]
+    assert [item[2] for frame in decoded for item in frame] == datas
 
 
 def test_packed_size_is_the_body_size_encode_frame_writes_and_fails_as_msgpack_does() -> None:
