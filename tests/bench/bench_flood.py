@@ -7,10 +7,14 @@ client over its stdio pipes (no control server, no backend, no store). Then
 the whole path: agent → control server → attached backend → SQLite, timed
 from the prompt request on the backend's socket (what ``kandev prompt --wait``
 sends) to the turn's end with every chunk durably stored. The two
-run in interleaved rounds (3 by default) and the best round of each is
-compared, as timeit does: three busy processes on two cores make single runs
-vary by a third. Prints both rates, their ratio, and checks nothing was lost
-(target >= 10,000 events/s end to end).
+run in interleaved rounds (5 by default), each round the one right after the
+other, so a round's ratio compares them at the same machine speed; the figure
+is the median of the rounds' ratios. A small VM's speed drifts by 15-40%
+within minutes and three busy processes on two cores make single runs vary by
+a third: one disturbed run moves the best round or the mean of either path
+(the best round against the best round is printed too), not that median.
+Prints the rates, the ratio, and checks nothing was lost (targets: ratio >= 0.9,
+>= 10,000 events/s end to end).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import asyncio
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,7 +38,8 @@ from daemon.paths import Paths
 
 REPO = Path(__file__).resolve().parents[2]
 TARGET = 10_000
-ROUNDS = 3
+ROUNDS = 5
+TARGET_RATIO = 0.9
 
 
 class _Collector:
@@ -127,13 +133,17 @@ def main() -> int:
             directs.append(asyncio.run(direct_rate(n, workdir)))
             e2e, stored = end_to_end_rate(n, workdir)
             e2es.append(e2e)
-        print(f"  round {r + 1}: direct {directs[-1]:.0f} events/s, end to end {e2e:.0f} events/s")
-    # The best round of each, as timeit does: the least disturbed estimate of what each path costs.
-    direct, e2e = max(directs), max(e2es)
-    print(f"flood N={n} (best of {rounds} rounds)")
-    print(f"  baseline, ACP client reading the agent directly: {direct:10.0f} events/s")
-    print(f"  agent -> control server -> backend -> SQLite:    {e2e:10.0f} events/s  ({stored} stored, none lost)")
-    print(f"  ratio end-to-end / baseline: {e2e / direct:.2f}")
+        print(f"  round {r + 1}: direct {directs[-1]:.0f} events/s, end to end {e2e:.0f} events/s,"
+              f" ratio {e2e / directs[-1]:.2f}")
+    ratio = statistics.median(e / d for d, e in zip(directs, e2es, strict=True))
+    direct, e2e = statistics.median(directs), statistics.median(e2es)
+    print(f"flood N={n} ({rounds} interleaved rounds; medians)")
+    print(f"  baseline, ACP client reading the agent directly: {direct:10.0f} events/s  (best {max(directs):.0f})")
+    print(f"  agent -> control server -> backend -> SQLite:    {e2e:10.0f} events/s  (best {max(e2es):.0f};"
+          f" {stored} stored, none lost)")
+    print(f"  ratio end-to-end / baseline: {ratio:.2f}  (median of the rounds' ratios;"
+          f" best round against best round: {max(e2es) / max(directs):.2f})")
+    print(f"  target ratio >= {TARGET_RATIO:g}: {'PASS' if ratio >= TARGET_RATIO else 'FAIL'}")
     print(f"  target >= {TARGET} events/s end to end: {'PASS' if e2e >= TARGET else 'FAIL'}")
     return 0
 
