@@ -133,7 +133,7 @@ class ConnectionContext:
         for a msgpack connection), in order, written together up to ``EVENTS_PER_WRITE`` bytes at
         a time."""
         if not self._streaming:
-            raise RuntimeError("send_events() before start_stream()")
+            raise RuntimeError("events sent before start_stream()")
         pending: list[bytes] = []
         size = 0
         for frame in frames:
