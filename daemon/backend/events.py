@@ -141,35 +141,54 @@ def apply_events(db: DbSession, session_id: str, instance_id: str, events: list[
     writer = TranscriptWriter(db, session_id)
     now = _now()  # when this batch is stored: one clock read for all its entries
 
+    # A run of text chunks (one kind, one turn, consecutive seqs: what a streaming agent sends)
+    # is written with one append_run, in its place among the other events.
+    run: list[str] = []
+    run_kind: str = ""
+    run_turn: Any = None
+    run_first = run_next = 0
+
+    def write_run() -> None:
+        if run:
+            writer.append_run(role=_TEXT_UPDATES[run_kind], kind=run_kind, texts=run,
+                              turn_id=None if run_turn is None else str(run_turn), instance_id=instance_id,
+                              first_seq=run_first, created_at=now)
+            run.clear()
+
     def write(ev: Any, role: str, kind: str, text: str, turn_id: Any) -> None:
+        write_run()
         writer.append(role=role, kind=kind, text=text, turn_id=None if turn_id is None else str(turn_id),
                       instance_id=instance_id, event_seq=ev.seq, created_at=now)
 
     for ev in events:
         data = ev.data if isinstance(ev.data, dict) else {}
         turn_id = data.get("turn_id")
-        if ev.kind == EventKind.TURN_STARTED:
-            turn = ensure_turn(db, session_id, str(turn_id), str(data.get("text") or ""))
-            if turn.state == TurnState.OPEN:
-                mark_running(db, session(), f"turn {turn_id} started")
-            write(ev, "user", "prompt", str(data.get("text") or ""), turn_id)
-        elif ev.kind == EventKind.SESSION_UPDATE:
+        if ev.kind == EventKind.SESSION_UPDATE:
             raw_update = data.get("update")
             update: dict[str, Any] = raw_update if isinstance(raw_update, dict) else {}
             kind = str(update.get("sessionUpdate") or "unknown")
             if kind in _TEXT_UPDATES:
                 raw_content = update.get("content")
                 content: dict[str, Any] = raw_content if isinstance(raw_content, dict) else {}
-                text = str(content.get("text") or "")
-                role = _TEXT_UPDATES[kind]
-            else:
-                text = json.dumps(update, sort_keys=True, default=str)
-                role = "agent"
-                if kind == "current_mode_update":
-                    _set_runtime_config(session(), "mode", update.get("currentModeId"))
-                elif kind == "config_option_update":
-                    _set_runtime_config(session(), "options", _config_options(update))
-            write(ev, role, kind, text, turn_id)
+                if run and (kind != run_kind or turn_id != run_turn or ev.seq != run_next):
+                    write_run()
+                if not run:
+                    run_kind, run_turn, run_first = kind, turn_id, ev.seq
+                run.append(str(content.get("text") or ""))
+                run_next = ev.seq + 1
+                continue
+        write_run()  # the run so far goes before this event
+        if ev.kind == EventKind.TURN_STARTED:
+            turn = ensure_turn(db, session_id, str(turn_id), str(data.get("text") or ""))
+            if turn.state == TurnState.OPEN:
+                mark_running(db, session(), f"turn {turn_id} started")
+            write(ev, "user", "prompt", str(data.get("text") or ""), turn_id)
+        elif ev.kind == EventKind.SESSION_UPDATE:  # one that is not a text chunk
+            if kind == "current_mode_update":
+                _set_runtime_config(session(), "mode", update.get("currentModeId"))
+            elif kind == "config_option_update":
+                _set_runtime_config(session(), "options", _config_options(update))
+            write(ev, "agent", kind, json.dumps(update, sort_keys=True, default=str), turn_id)
         elif ev.kind == EventKind.TURN_ENDED:
             tid = str(turn_id)
             # Applied or already applied: either way it is acked and its waiters woken.
@@ -185,6 +204,7 @@ def apply_events(db: DbSession, session_id: str, instance_id: str, events: list[
             mark_agent_gone(db, session_id, how)
         else:  # permission_request, agent_error and kinds added later: kept verbatim
             write(ev, "system", str(ev.kind), json.dumps(data, sort_keys=True, default=str), turn_id)
+    write_run()
     writer.flush()
     if events:
         db.execute(_ADVANCE_SEQ, {"sid": session_id, "iid": instance_id, "top": max(ev.seq for ev in events),

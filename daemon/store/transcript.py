@@ -264,11 +264,7 @@ class TranscriptWriter:
                 if event_seq <= applied:
                     return None  # a replayed event: already stored
                 tail.instances[instance_id] = (instance_key, event_seq)
-        turn: int | None = None
-        if turn_id is not None:
-            turn = tail.turns.get(turn_id)
-            if turn is None:
-                turn = tail.turns[turn_id] = ensure_turn(self.db, self.session_id, turn_id, None).ordinal
+        turn = self._turn(tail, turn_id)
         cursor = tail.last_cursor + 1
         tail.last_cursor = cursor
         last = tail.entry
@@ -286,10 +282,64 @@ class TranscriptWriter:
                           [len(text)], created_at or _now(), stored=False, parts=[text])
             tail.entry = last
             self._new.append(last)
+        self._mark_dirty()
+        return cursor
+
+    def append_run(self, *, role: str, kind: str, texts: list[str], turn_id: str | None, instance_id: str,
+                   first_seq: int, created_at: datetime | None = None) -> None:
+        """``append`` for a run of chunks of one kind (one of ``CHUNK_KINDS``), role and turn from
+        one instance, whose events are ``first_seq``, ``first_seq + 1``, ...: the same entries and
+        cursors as one ``append`` each, with the run's checks made once. Chunks whose events the
+        transcript already holds (a replay: a prefix of the run) are skipped."""
+        if kind not in CHUNK_KINDS:
+            raise ValueError(f"append_run is for text chunks ({sorted(CHUNK_KINDS)}), not {kind!r}")
+        tail = self._open()
+        instance_key, applied = self._instance(instance_id)
+        if applied >= first_seq:
+            texts = texts[applied - first_seq + 1:]
+            first_seq = applied + 1
+        if not texts:
+            return
+        seq = first_seq - 1
+        tail.instances[instance_id] = (instance_key, seq + len(texts))
+        turn = self._turn(tail, turn_id)
+        cursor = tail.last_cursor
+        last = tail.entry
+        extend = (last is not None and last.kind == kind and last.role == role and last.turn == turn
+                  and last.instance_key == instance_key and last.last_seq is not None
+                  and first_seq == last.last_seq + 1 and last.last_cursor == cursor)
+        for text in texts:
+            cursor += 1
+            seq += 1
+            size = len(text)
+            if extend and last is not None and last.text_len + size <= ENTRY_TEXT_LIMIT:
+                last.parts.append(text)
+                last.text_len += size
+                last.lengths.append(size)
+                last.last_cursor = cursor
+                last.last_seq = seq
+            else:
+                last = _Entry(cursor, cursor, kind, role, turn, instance_key, seq, seq, size, [size],
+                              created_at or _now(), stored=False, parts=[text])
+                tail.entry = last
+                self._new.append(last)
+                extend = True
+        tail.last_cursor = cursor
+        self._mark_dirty()
+
+    def _turn(self, tail: _Tail, turn_id: str | None) -> int | None:
+        """The ordinal of turn ``turn_id`` (the turn is created if the store has none yet)."""
+        if turn_id is None:
+            return None
+        turn = tail.turns.get(turn_id)
+        if turn is None:
+            turn = tail.turns[turn_id] = ensure_turn(self.db, self.session_id, turn_id, None).ordinal
+        return turn
+
+    def _mark_dirty(self) -> None:
         if not self._dirty:
             self._dirty = True
             self.db.info.setdefault(_WRITERS, []).append(self)
-        return cursor
 
     def flush(self) -> None:
         """Write what ``append`` buffered (in the caller's transaction)."""
