@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import threading
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -432,6 +433,18 @@ def _rpc_line(i: int) -> bytes:
     return json.dumps({"jsonrpc": "2.0", "id": i, "result": {}}).encode() + b"\n"
 
 
+@contextlib.asynccontextmanager
+async def _written_by_the_test(agent: PipeAgent) -> AsyncIterator[AgentPipeTransport]:
+    """The transport on ``agent``'s pipe, whose lines the test writes itself (the agent's writer
+    thread is not started); its write end is closed afterwards."""
+    transport, closers = await open_transport(agent, EventLog())
+    try:
+        yield transport
+    finally:
+        close_transport(closers)
+        os.close(agent.write_fd)
+
+
 def test_before_a_read_that_has_to_wait_the_pipe_is_left_alone_so_that_a_burst_gathers(monkeypatch):
     """A streaming agent is read in bursts, not a line per event-loop turn: before a read that has
     to wait for the agent, the pipe is paused for ``READ_GATHER_S`` (lengthened here so that the
@@ -440,9 +453,7 @@ def test_before_a_read_that_has_to_wait_the_pipe_is_left_alone_so_that_a_burst_g
     agent = PipeAgent([])
 
     async def scenario() -> None:
-        transport, closers = await open_transport(agent, EventLog())
-        reader = transport._reader
-        try:
+        async with _written_by_the_test(agent) as transport:
             os.write(agent.write_fd, _rpc_line(0))
             assert (await asyncio.wait_for(transport.receive(), 10))["id"] == 0
             following = asyncio.ensure_future(transport.receive())
@@ -452,12 +463,9 @@ def test_before_a_read_that_has_to_wait_the_pipe_is_left_alone_so_that_a_burst_g
             await settle()
             # The pipe is not read while gathering: nothing came in, and the receive still waits.
             assert not following.done()
-            assert acp_internals.buffered_bytes(reader) == b"" and not transport._lines
+            assert acp_internals.buffered_bytes(transport._reader) == b"" and not transport._lines
             assert (await asyncio.wait_for(following, 10))["id"] == 1
             assert len(transport._lines) == 19  # the rest came with it, in one read
-        finally:
-            close_transport(closers)
-            os.close(agent.write_fd)
 
     run(scenario())
 
@@ -471,9 +479,8 @@ def test_a_hand_over_that_stops_reading_during_a_gather_owns_the_pause_and_nothi
     agent = PipeAgent([])
 
     async def scenario() -> None:
-        transport, closers = await open_transport(agent, EventLog())
-        reader = transport._reader
-        try:
+        async with _written_by_the_test(agent) as transport:
+            reader = transport._reader
             receiving = asyncio.ensure_future(transport.receive())
             await settle()  # gathering: the pipe is paused
             assert transport.stop_reading_pipe() is True
@@ -486,8 +493,5 @@ def test_a_hand_over_that_stops_reading_during_a_gather_owns_the_pause_and_nothi
             assert transport.unread(acp_internals.buffered_bytes(reader)) == b""  # the line waits in the pipe
             acp_internals.resume_pipe(reader)  # the reload was refused: read again
             assert (await asyncio.wait_for(transport.receive(), 10))["id"] == 7
-        finally:
-            close_transport(closers)
-            os.close(agent.write_fd)
 
     run(scenario())

@@ -10,14 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import select
 
 from daemon.backend import executions
 from daemon.backend.executions import EventConsumer, Execution
 from daemon.store.db import Store, sqlite_url
-from daemon.store.models import Task, TaskSession, TranscriptEntry
+from daemon.store.models import TaskSession
 from ipc.client import Event
 from tests.support.aio import run
+from tests.support.store_rows import new_session
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.timeout(60)
@@ -69,19 +69,10 @@ def store(tmp_path: Path) -> Iterator[Store]:
 
 
 def _execution(store: Store) -> Execution:
+    session_id = new_session(store)
     with store.session() as db:
-        task = Task(title="t")
-        db.add(task)
-        db.flush()
-        ts = TaskSession(task_id=task.id, agent="mock")
-        db.add(ts)
-        db.flush()
-        return Execution(ts.id, task.id, "instance-1", None, None, None)
-
-
-def _stored_text(store: Store, session_id: str) -> str:
-    with store.session() as db:
-        return "".join(db.scalars(select(TranscriptEntry.text).order_by(TranscriptEntry.cursor)))
+        task_id = db.get_one(TaskSession, session_id).task_id
+    return Execution(session_id, task_id, "instance-1", None, None, None)
 
 
 async def _consume(store: Store, scenario: Any) -> tuple[list[int], list[int]]:

@@ -20,9 +20,10 @@ from sqlalchemy import select
 
 from daemon.backend.events import apply_events
 from daemon.store.db import Store, sqlite_url
-from daemon.store.models import Task, TaskSession, TranscriptEntry, TranscriptSession
+from daemon.store.models import TranscriptEntry, TranscriptSession
 from daemon.store.transcript import ENTRY_TEXT_LIMIT, TranscriptWriter
 from ipc.client import Event
+from tests.support.store_rows import new_session
 
 TEXT_ROLES = {"agent_message_chunk": "agent", "agent_thought_chunk": "agent", "user_message_chunk": "user"}
 
@@ -33,17 +34,6 @@ def stores(tmp_path: Path) -> Iterator[tuple[Store, Store]]:
     yield a, b
     a.close()
     b.close()
-
-
-def _session(store: Store) -> str:
-    with store.session() as db:
-        task = Task(title="t")
-        db.add(task)
-        db.flush()
-        ts = TaskSession(id="s1", task_id=task.id, agent="mock")
-        db.add(ts)
-        db.flush()
-        return ts.id
 
 
 def _stream(rng: random.Random, n: int) -> list[Event]:
@@ -105,14 +95,13 @@ def _rows(store: Store) -> tuple[list[tuple[Any, ...]], int]:
 @pytest.mark.parametrize("seed", range(12))
 def test_apply_events_stores_runs_of_chunks_as_one_append_per_chunk_would(stores: tuple[Store, Store], seed: int) -> None:
     bulk, plain = stores
-    sid = _session(bulk)
-    assert _session(plain) == sid
+    bulk_sid, plain_sid = new_session(bulk), new_session(plain)
     rng = random.Random(seed)
     events = _stream(rng, 400)
     for batch in _batches(rng, events):
         with bulk.session() as db:
-            apply_events(db, sid, "i1", batch)
-        _one_append_each(plain, sid, batch)
+            apply_events(db, bulk_sid, "i1", batch)
+        _one_append_each(plain, plain_sid, batch)
     bulk_rows, bulk_cursor = _rows(bulk)
     assert (bulk_rows, bulk_cursor) == _rows(plain)
     assert bulk_cursor == len(events)  # every event once: replays skipped, nothing lost
@@ -121,7 +110,7 @@ def test_apply_events_stores_runs_of_chunks_as_one_append_per_chunk_would(stores
 
 def test_append_run_is_for_text_chunks_only(stores: tuple[Store, Store]) -> None:
     store, _ = stores
-    sid = _session(store)
+    sid = new_session(store)
     with store.session() as db, pytest.raises(ValueError):
         TranscriptWriter(db, sid).append_run(role="agent", kind="tool_call", texts=["x"], turn_id=None,
                                              instance_id="i1", first_seq=1)
