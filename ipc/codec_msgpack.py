@@ -101,19 +101,19 @@ def event_batch_frames(events: list[tuple[int, str, bytes]], max_bytes: int) -> 
     events in each (an event larger than that goes alone in its frame). One frame for many events:
     the peer decodes them in one call instead of a frame each."""
     packer = _packer()
-    frames: list[bytes] = []
+    batches: list[list[bytes]] = []
     items: list[bytes] = []
     size = 0
     for seq, kind, packed_data in events:
         item = b"".join((_EVENT_ITEM, packer.pack(seq), packer.pack(kind), packed_data))
         if items and size + len(item) > max_bytes:
-            frames.append(frame_of(b"".join((_EVENTS_KEY, packer.pack_array_header(len(items)), *items))))
+            batches.append(items)
             items, size = [], 0
         items.append(item)
         size += len(item)
     if items:
-        frames.append(frame_of(b"".join((_EVENTS_KEY, packer.pack_array_header(len(items)), *items))))
-    return frames
+        batches.append(items)
+    return [frame_of(b"".join((_EVENTS_KEY, packer.pack_array_header(len(b)), *b))) for b in batches]
 
 
 def decode_body(body: bytes | memoryview) -> dict[str, Any]:

@@ -155,8 +155,7 @@ def apply_events(db: DbSession, session_id: str, instance_id: str, events: list[
                               first_seq=run_first, created_at=now)
             run.clear()
 
-    def write(ev: Any, role: str, kind: str, text: str, turn_id: Any) -> None:
-        write_run()
+    def write(ev: Any, role: str, kind: str, text: str, turn_id: Any) -> None:  # the run is written first
         writer.append(role=role, kind=kind, text=text, turn_id=None if turn_id is None else str(turn_id),
                       instance_id=instance_id, event_seq=ev.seq, created_at=now)
 
