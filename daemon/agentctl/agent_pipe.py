@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from daemon.agentctl import acp_internals, agent_json
+from daemon.agentctl import agent_json, pipe_internals
 
 log = logging.getLogger("kandev.agentctl.instance")
 
@@ -65,7 +65,7 @@ class AgentPipeTransport:
     more is read. No lock is held while it waits.
 
     A line is taken with ``readuntil``, and with it every other complete line the reader already
-    holds (``acp_internals.take_lines``, kept in ``_lines``): one coroutine call for a burst of
+    holds (``pipe_internals.take_lines``, kept in ``_lines``): one coroutine call for a burst of
     lines, not one per line.
 
     ``session/update`` notifications, nearly all of what an agent writes while it works, go to
@@ -152,7 +152,7 @@ class AgentPipeTransport:
                             return None
                         self._held = line
                         if self._held_cut is None:
-                            self._lines.extend(acp_internals.take_lines(self._reader))
+                            self._lines.extend(pipe_internals.take_lines(self._reader))
                 line = self._held.strip()
                 if not line and self._held_cut is None:
                     self._held = None
@@ -193,7 +193,7 @@ class AgentPipeTransport:
 
     async def _gather(self) -> None:
         """Leave the pipe unread for ``READ_GATHER_S`` (a pipe someone else paused is left as it is)."""
-        if not acp_internals.pause_pipe(self._reader):
+        if not pipe_internals.pause_pipe(self._reader):
             return
         self._gathering = True
         try:
@@ -201,17 +201,17 @@ class AgentPipeTransport:
         finally:
             if self._gathering:  # not taken over by stop_reading_pipe meanwhile
                 self._gathering = False
-                acp_internals.resume_pipe(self._reader)
+                pipe_internals.resume_pipe(self._reader)
 
     def stop_reading_pipe(self) -> bool:
         """Stop reading the agent's pipe (for a hand-over; what the agent writes meanwhile stays
         in the pipe). True if the caller owns the pause now and undoes it with
-        ``acp_internals.resume_pipe`` if it goes on reading: the pipe was being read, or only a
+        ``pipe_internals.resume_pipe`` if it goes on reading: the pipe was being read, or only a
         gather had paused it (which then leaves it paused when its wait ends or is cancelled)."""
         if self._gathering:
             self._gathering = False
             return True
-        return acp_internals.pause_pipe(self._reader)
+        return pipe_internals.pause_pipe(self._reader)
 
     async def _read_line(self) -> bytes:
         """The next line. One longer than ``max_line`` is read to its end but not kept: its head

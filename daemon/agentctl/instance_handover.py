@@ -25,7 +25,7 @@ from typing import Any
 
 from acp.schema import PromptResponse
 
-from daemon.agentctl import acp_internals
+from daemon.agentctl import acp_internals, pipe_internals
 from daemon.agentctl.agent_pipe import AGENT_STDOUT_LIMIT
 from daemon.agentctl.agent_process import SPEC_NOT_HANDED_OVER, AdoptedProcess, InstanceSpec
 from daemon.agentctl.conversation import Permission, rpc_key
@@ -56,7 +56,7 @@ def resume_after_refusal(inst: Instance) -> None:
     if inst.reading_paused_for_handover and inst.conn is not None and not inst.gone:
         inst.reading_paused_for_handover = False
         if inst.pipe_paused_for_handover and inst.process is not None:
-            acp_internals.resume_pipe(inst.process.stdout)
+            pipe_internals.resume_pipe(inst.process.stdout)
         inst.pipe_paused_for_handover = False
         if not acp_internals.receiving(inst.conn):
             acp_internals.restart_receiving(inst.conn)
@@ -99,7 +99,7 @@ def fds(inst: Instance) -> list[int]:
     proc = inst.process
     if inst.state is not InstanceState.RUNNING or inst.conn is None or proc is None:
         return []
-    named = (acp_internals.reader_fd(proc.stdout), acp_internals.writer_fd(proc.stdin), inst.stderr_handover_fd)
+    named = (pipe_internals.reader_fd(proc.stdout), pipe_internals.writer_fd(proc.stdin), inst.stderr_handover_fd)
     return [fd for fd in named if fd is not None]
 
 
@@ -119,9 +119,9 @@ def capture(inst: Instance) -> InstanceHandover:
             turn = inst.current_turn_id if method == "session/prompt" else None
             requests.append(RequestHandover(rid, method, turn))
         permissions = inst.permissions.handover()
-        stdout_fd = acp_internals.reader_fd(proc.stdout)
-        stdin_fd = acp_internals.writer_fd(proc.stdin)
-        unread = transport.unread(acp_internals.buffered_bytes(proc.stdout))
+        stdout_fd = pipe_internals.reader_fd(proc.stdout)
+        stdin_fd = pipe_internals.writer_fd(proc.stdin)
+        unread = transport.unread(pipe_internals.buffered_bytes(proc.stdout))
     return InstanceHandover(
         spec={k: v for k, v in to_plain(inst.spec).items() if k not in SPEC_NOT_HANDED_OVER},
         state=inst.state.value,
@@ -193,7 +193,7 @@ async def resume_pipes(inst: Instance, h: InstanceHandover) -> None:
         inst.not_taken_over.append(lost)
     if h.stderr_fd is not None:
         inst.start_stderr_sink(h.stderr_fd)
-    reader, writer = await acp_internals.adopt_pipes(h.stdout_fd, h.stdin_fd, h.unread, AGENT_STDOUT_LIMIT)
+    reader, writer = await pipe_internals.adopt_pipes(h.stdout_fd, h.stdin_fd, h.unread, AGENT_STDOUT_LIMIT)
     inst.group.proc = AdoptedProcess(inst.pid, reader, writer, h.reaped_returncode)
     conn = inst.connect(reader, writer)
     transport = inst.transport

@@ -41,6 +41,7 @@ MODULES = (
     "daemon.agentctl.main",
     "daemon.agentctl.ownership",
     "daemon.agentctl.ownership_api",
+    "daemon.agentctl.pipe_internals",
     "daemon.agentctl.preflight",
     "daemon.agentctl.protocol",
     "daemon.agentctl.reexec",

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from daemon.agentctl import acp_internals, agent_pipe
+from daemon.agentctl import agent_pipe, pipe_internals
 from daemon.agentctl.agent_pipe import AGENT_STDOUT_LIMIT, AgentPipeTransport
 from daemon.agentctl.events import EXCLUDED_KINDS, RETAINED_KINDS, EventLog
 from daemon.agentctl.protocol import EventKind
@@ -400,7 +400,7 @@ def test_a_line_longer_than_max_line_is_dropped_and_reported_and_reading_goes_on
 
 
 def test_what_a_hand_over_gets_is_every_byte_not_handed_over_in_order():
-    """Lines are taken from the reader in bursts (``acp_internals.take_lines``), so after a few
+    """Lines are taken from the reader in bursts (``pipe_internals.take_lines``), so after a few
     messages the transport holds lines the connection has not seen: ``unread`` (what a re-exec
     hands over) is exactly the rest of the agent's output, byte for byte, empty lines and an
     unterminated last line included."""
@@ -419,7 +419,7 @@ def test_what_a_hand_over_gets_is_every_byte_not_handed_over_in_order():
             got = [(await asyncio.wait_for(transport.receive(), 10))["id"] for _ in range(3)]
             reader = transport._reader
             held_back = len(transport._lines)
-            return got, transport.unread(acp_internals.buffered_bytes(reader)), held_back
+            return got, transport.unread(pipe_internals.buffered_bytes(reader)), held_back
         finally:
             close_transport(closers)
 
@@ -463,7 +463,7 @@ def test_before_a_read_that_has_to_wait_the_pipe_is_left_alone_so_that_a_burst_g
             await settle()
             # The pipe is not read while gathering: nothing came in, and the receive still waits.
             assert not following.done()
-            assert acp_internals.buffered_bytes(transport._reader) == b"" and not transport._lines
+            assert pipe_internals.buffered_bytes(transport._reader) == b"" and not transport._lines
             assert (await asyncio.wait_for(following, 10))["id"] == 1
             assert len(transport._lines) == 19  # the rest came with it, in one read
 
@@ -489,9 +489,9 @@ def test_a_hand_over_that_stops_reading_during_a_gather_owns_the_pause_and_nothi
                 await receiving
             os.write(agent.write_fd, _rpc_line(7))
             await settle()
-            assert acp_internals.buffered_bytes(reader) == b""
-            assert transport.unread(acp_internals.buffered_bytes(reader)) == b""  # the line waits in the pipe
-            acp_internals.resume_pipe(reader)  # the reload was refused: read again
+            assert pipe_internals.buffered_bytes(reader) == b""
+            assert transport.unread(pipe_internals.buffered_bytes(reader)) == b""  # the line waits in the pipe
+            pipe_internals.resume_pipe(reader)  # the reload was refused: read again
             assert (await asyncio.wait_for(transport.receive(), 10))["id"] == 7
 
     run(scenario())

@@ -1,7 +1,8 @@
 """The import budget of the common ``kandev`` commands, as a list of modules, not a time
 (Issue 24 item 3): the parser and the socket client for every command that talks to the backend;
 the doctor, the configuration machinery, the agents' registry, asyncio and the views for people
-only for the commands that use them.
+only for the commands that use them. And the backend's own start: no ACP SDK (Issue 24's restart
+with 1,000 agents in about a second).
 
 Each command runs as a real process (``python -X importtime -m daemon.cli ...``) against a home
 where no backend runs: it imports everything its path needs up to the connection (which is then
@@ -132,3 +133,19 @@ def test_the_quick_path_check_sees_the_full_path(tmp_path: Path) -> None:
     """The check can fail: an option of the command (``--tail``) takes the full path, with argparse."""
     modules = _imports("-c", ENTRY, "--home", str(tmp_path), "--json", "session", "show", "abcd", "--tail", "5")
     assert {"argparse", "daemon.cli_commands", "re"} <= modules
+
+
+def test_the_backend_starts_without_the_acp_sdk() -> None:
+    """Issue 24 (restart in about a second): the backend never speaks ACP, and importing the SDK
+    (some 270 pydantic models) cost its start about 0.4 s of a 0.9 s import. It came back once
+    through a helper of the agent's pipe that the backend imports for a path
+    (``daemon.agentctl.agent_process``); the pipe's asyncio helpers live apart from the SDK's now."""
+    modules = _imports("-c", "import daemon.backend.main, daemon.backend.app", exits_ok=True)
+    assert {"daemon.backend.app", "daemon.agentctl.agent_process", "sqlalchemy"} <= modules
+    assert not {m for m in modules if m == "acp" or m.startswith("acp.")}, sorted(m for m in modules if m.startswith("acp"))
+
+
+def test_the_backend_import_check_sees_the_sdk() -> None:
+    """The check can fail: the control server's instance module imports the SDK."""
+    modules = _imports("-c", "import daemon.agentctl.instance", exits_ok=True)
+    assert {"acp", "acp.schema"} <= modules

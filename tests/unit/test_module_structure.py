@@ -140,9 +140,9 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-# The one module whose job is to reach into the ACP SDK's internals (its docstring lists them and a
-# reload preflight checks they still exist): underscore attributes it uses are the SDK's, not ours.
-THIRD_PARTY_INTERNALS = ("daemon.agentctl.acp_internals",)
+# The modules whose job is to reach into the ACP SDK's and asyncio's internals (their docstrings list
+# them and a reload preflight checks they still exist): underscore attributes they use are not ours.
+THIRD_PARTY_INTERNALS = ("daemon.agentctl.acp_internals", "daemon.agentctl.pipe_internals")
 
 
 def _shown(path: Path) -> str:
