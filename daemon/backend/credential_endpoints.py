@@ -119,14 +119,18 @@ class CredentialEndpoints:
             asyncio.get_running_loop().create_task(self.close(session_id), name=f"endpoint-close-{session_id}")
 
     async def reopen_for(self, session_ids: list[str]) -> None:
-        """After recovery: an endpoint for every tracked session that has a lease file."""
-        for sid in session_ids:
-            lease = SessionDirs.for_session(self.home, sid).lease_file
-            if await asyncio.to_thread(lease.exists):
-                try:
-                    await self.open(sid)
-                except IpcError as exc:
-                    log.error("session %s: cannot serve its credential endpoint: %s", sid, exc)
+        """After recovery: an endpoint for every tracked session that has a lease file. The lease
+        files are looked for in one trip off the loop (a trip per session cost a restart with
+        1,000 re-tracked sessions 0.2 s)."""
+        with_lease = await asyncio.to_thread(self._with_lease_file, session_ids)
+        for sid in with_lease:
+            try:
+                await self.open(sid)
+            except IpcError as exc:
+                log.error("session %s: cannot serve its credential endpoint: %s", sid, exc)
+
+    def _with_lease_file(self, session_ids: list[str]) -> list[str]:
+        return [sid for sid in session_ids if SessionDirs.for_session(self.home, sid).lease_file.exists()]
 
     # ------------------------------------------------------------ the two ops
 
