@@ -28,7 +28,7 @@ from daemon.backend.space_wait import when_space
 from daemon.backend.store_care import probe_write
 from daemon.config import Config, check_config
 from daemon.config_keys import ConfigError
-from daemon.heap import freeze_startup_heap
+from daemon.heap import freeze_before_recovery, freeze_startup_heap
 from daemon.journal import log_event
 from daemon.limits import BUFFER_LIMIT, IDLE_CONNECTION_TIMEOUT_S, connection_limit
 from daemon.paths import Paths, installation_id, resolve_home
@@ -104,6 +104,7 @@ async def _serve_until_stopped(paths: Paths, backend: Backend, notifier: Notifie
     notifier.status("recovering")
     # Recovery may take up to the deadline (max 5 min): keep systemd's start timeout ahead of it.
     notifier.extend_timeout(backend.config.agentctl.recovery_deadline + 60)
+    log.debug("heap frozen before recovery: %d objects", freeze_before_recovery())
     try:
         await backend.recover()
     except Exception as exc:
