@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 UP_TIMEOUT_S = 400.0  # covers the longest accepted recovery deadline (5 min) plus start-up
 DOWN_TIMEOUT_S = 60.0
+UP_POLL_S = 0.02  # how often ``up`` asks a starting backend whether it is ready (one status call)
 
 
 def _reachable(socket: str | Path) -> dict[str, Any] | None:
@@ -140,7 +141,7 @@ def cmd_up(paths: Paths, args: argparse.Namespace) -> dict[str, Any]:
         # up and serving, or up and waiting for space to open its store (status says so)
         if status is not None and status["backend"]["state"] in (BackendState.READY, BackendState.OUT_OF_SPACE):
             return {"started": True, "pid": status["backend"]["pid"], "status": status}
-        time.sleep(0.1)
+        time.sleep(UP_POLL_S)
     raise IpcError(ErrorCode.TIMEOUT, f"backend did not become ready within {UP_TIMEOUT_S:.0f}s")
 
 
