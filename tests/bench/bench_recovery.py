@@ -17,8 +17,11 @@ measured from the first contact with the recorded endpoint.
 Baseline, measured in the same run: one enumeration (``list_instances``) of
 those N instances by a client, i.e. the cheapest possible look at them (the best of five).
 
-Also printed: the control server's memory per idle instance (its RSS growth over the N
-instances / N; target <= 128 KiB) and the new backend's RSS once it re-tracked them all.
+Also printed: the whole restart as an operator sees it, ``kandev up`` until the backend is ready,
+next to the same restart with no agent to re-track (measured first, against the same surviving
+control server; goal: about a second at N=1000); the control server's memory per idle instance
+(its RSS growth over the N instances / N; target <= 128 KiB); and the new backend's RSS once it
+re-tracked them all.
 Above ``SANDBOX_MAX`` instances the agents run unsandboxed (``sandbox.policy = off``): a
 bubblewrap sandbox is two more processes per agent, and 10,000 of them exceed a small machine's
 pid limit; recovery never touches the agents' processes, so the figure is the same.
@@ -29,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -77,6 +81,16 @@ def rss_kib(pid: int, field: str = "VmRSS") -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise RuntimeError(f"no {field} for pid {pid}")
+
+
+def kill_and_wait(pid: int) -> None:
+    """SIGKILL a backend we started and return once it is gone (woken by its exit, a pidfd)."""
+    fd = os.pidfd_open(pid)
+    try:
+        os.kill(pid, signal.SIGKILL)
+        select.select([fd], [], [], 30)
+    finally:
+        os.close(fd)
 
 
 async def create_instances(home: Path, n: int, workspace: Path) -> tuple[list[dict[str, Any]], float]:
@@ -192,14 +206,21 @@ def measure(n: int, wanted: int) -> int:
         st = kandev(home, env, "up")["status"]
         ctl_pid = st["control_server"]["pid"]
         try:
-            os.kill(st["backend"]["pid"], signal.SIGKILL)
-            time.sleep(0.5)
+            kill_and_wait(st["backend"]["pid"])
+            # the restart's baseline: the same restart with no agent to re-track
+            t0 = time.perf_counter()
+            idle = kandev(home, env, "up")
+            restart_idle_s = time.perf_counter() - t0
+            assert idle["started"] and idle["status"]["control_server"]["pid"] == ctl_pid, idle
+            kill_and_wait(idle["status"]["backend"]["pid"])
             idle_kib = rss_kib(ctl_pid)
             t0 = time.perf_counter()
             made, enumeration = asyncio.run(create_instances(home, n, workspace))
             created_s = time.perf_counter() - t0
             per_instance = (rss_kib(ctl_pid) - idle_kib) / n
+            t0 = time.perf_counter()
             st2 = kandev(home, env, "up")["status"]
+            restart_s = time.perf_counter() - t0
             recovery_s = st2["recovery"]["duration_ms"] / 1000
             backend = st2["backend"]["pid"]
             rss_mb, peak_mb = rss_kib(backend) / 1024, rss_kib(backend, "VmHWM") / 1024
@@ -211,6 +232,8 @@ def measure(n: int, wanted: int) -> int:
             print(f"  recovery, first contact to last publication: {recovery_s * 1000:8.1f} ms"
                   f"  ({retracked} re-tracked, {st2['recovery']['not_retracked']} not)")
             print(f"  ratio recovery / enumeration: {ratio:.1f}")
+            print(f"  restart seconds with {n} surviving agents (kandev up, to ready): {restart_s:.2f}"
+                  f" (with none: {restart_idle_s:.2f}; ratio {restart_s / restart_idle_s:.2f})")
             print(f"  backend RSS after re-tracking: {rss_mb:.0f} MB (peak {peak_mb:.0f} MB)")
             print(f"  control-server memory per idle instance: {per_instance:.0f} KiB"
                   f" (server RSS {idle_kib / 1024:.0f} MB before the {n} instances;"
