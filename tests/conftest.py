@@ -52,6 +52,18 @@ def postgres() -> Iterator[PgCluster]:
         cluster.stop()
 
 
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    """A migrated, empty SQLite store in the test's own directory (``kandev.db``), closed after the
+    test. A module that needs another store (``any_store``'s engines, or rows to start with) defines
+    its own ``store`` fixture, which takes the place of this one there."""
+    s = Store.open(sqlite_url(tmp_path / "kandev.db"))
+    try:
+        yield s
+    finally:
+        s.close()
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
     """A migrated, empty store on each engine kandev supports: an SQLite file, and a database on

@@ -2,16 +2,15 @@
 
 ``kandev_factory`` makes ``Kandev`` drivers (tests/support/kandev.py), each on a private home
 under one short temporary directory, and cleans every one up at teardown: ``kandev down``, then
-SIGTERM/SIGKILL of exactly the pids and process groups it saw. ``short_tmp`` and ``private_root``
-are private directories with short paths (Unix socket paths are limited to 107 bytes). ``server``
-is a real control server on a ``private_root`` (tests/support/agentctl.py), stopped with every
+SIGTERM/SIGKILL of exactly the pids and process groups it saw. ``short_tmp`` is a private
+directory with a short path (Unix socket paths are limited to 107 bytes). ``server``
+is a real control server in a ``short_tmp`` (tests/support/agentctl.py), stopped with every
 agent group it started; a module that needs another kind of server defines its own ``server``.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,20 +47,9 @@ def kandev_factory(short_tmp: Path) -> Iterator[Any]:
 
 
 @pytest.fixture
-def private_root() -> Iterator[Path]:
-    """A 0700 directory with a short path (socket paths are limited to 107 bytes)."""
-    root = Path(tempfile.mkdtemp(prefix="kd-actl-", dir="/var/tmp"))
-    os.chmod(root, 0o700)
-    try:
-        yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-
-@pytest.fixture
-def server(private_root: Path) -> Iterator[Server]:
-    """A real control server (``python -m daemon.agentctl.main``) on ``private_root``."""
-    srv = write_launch(private_root)
+def server(short_tmp: Path) -> Iterator[Server]:
+    """A real control server (``python -m daemon.agentctl.main``) in ``short_tmp``."""
+    srv = write_launch(short_tmp)
     try:
         start_server(srv)
         yield srv

@@ -422,9 +422,9 @@ def test_scenario_g_intruders_get_typed_refusals_while_the_owner_is_served(serve
         (10, 0, 60.0, True),  # AC-EXECUTORS-CONTROL-OWNERSHIP-003.7: raised to the 1 min floor, logged
     ],
 )
-def test_resolved_period_is_reported_and_adjustments_are_logged(private_root: Path, period, idle, resolved,
+def test_resolved_period_is_reported_and_adjustments_are_logged(short_tmp: Path, period, idle, resolved,
                                                                 adjusted):
-    srv = write_launch(private_root, unowned_period_s=period, idle_timeout_s=idle)
+    srv = write_launch(short_tmp, unowned_period_s=period, idle_timeout_s=idle)
     try:
         start_server(srv)
         info = run(identify(srv.socket_path))
@@ -436,7 +436,7 @@ def test_resolved_period_is_reported_and_adjustments_are_logged(private_root: Pa
         stop_server(srv)
 
 
-def test_scenario_d_unowned_shutdown_and_renewal(private_root: Path):
+def test_scenario_d_unowned_shutdown_and_renewal(short_tmp: Path):
     """Issue 3 scenario D. Four servers, unowned period 60 s (the floor), idle reaping off, side by side:
 
     - A: bootstrapped, then rotated and confirmed at +20 s; afterwards only instance operations,
@@ -459,8 +459,8 @@ def test_scenario_d_unowned_shutdown_and_renewal(private_root: Path):
     popen_at: dict[str, float] = {}
     try:
         for name in names:
-            (private_root / name).mkdir()
-            servers[name] = write_launch(private_root / name, unowned_period_s=PERIOD, idle_timeout_s=0)
+            (short_tmp / name).mkdir()
+            servers[name] = write_launch(short_tmp / name, unowned_period_s=PERIOD, idle_timeout_s=0)
             popen_at[name] = time.monotonic()
             start_server(servers[name])
         a, b, c, e = (servers[n] for n in ("a", "b", "c", "e"))

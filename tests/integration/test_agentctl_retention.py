@@ -41,12 +41,12 @@ pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture
-def make_server(private_root: Path) -> Iterator[Callable[..., Server]]:
+def make_server(short_tmp: Path) -> Iterator[Callable[..., Server]]:
     """Start a control server with launch-file overrides (e.g. ``detached_event_limit``)."""
     started: list[Server] = []
 
     def make(**overrides: Any) -> Server:
-        root = private_root / f"s{len(started)}"
+        root = short_tmp / f"s{len(started)}"
         root.mkdir(mode=0o700)
         srv = write_launch(root, **overrides)
         started.append(srv)

@@ -66,17 +66,17 @@ def test_identify_reports_identity_capabilities_period_and_no_path(server: Serve
     assert "/" not in flat and str(server.home) not in flat
 
 
-def test_identify_helper_returns_none_when_nothing_answers(private_root: Path):
-    assert run(identify(str(private_root / "nothing.sock"), timeout=1.0)) is None
-    stale = private_root / "stale.sock"
+def test_identify_helper_returns_none_when_nothing_answers(short_tmp: Path):
+    assert run(identify(str(short_tmp / "nothing.sock"), timeout=1.0)) is None
+    stale = short_tmp / "stale.sock"
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.bind(str(stale))
     s.close()  # a socket file nobody listens on: ECONNREFUSED
     assert run(identify(str(stale), timeout=1.0)) is None
 
 
-def test_identity_is_per_launch(private_root: Path):
-    srv = write_launch(private_root)
+def test_identity_is_per_launch(short_tmp: Path):
+    srv = write_launch(short_tmp)
     identities = []
     try:
         for _ in range(2):
@@ -691,10 +691,10 @@ def _frame_raw(body: bytes) -> bytes:
 
 
 @pytest.mark.parametrize("limit", [0, 10001, 2.5])
-def test_out_of_range_retention_limit_refuses_to_start(private_root: Path, limit: Any):
+def test_out_of_range_retention_limit_refuses_to_start(short_tmp: Path, limit: Any):
     """AC-EXECUTORS-SURVIVAL-001.8: validated when the control server starts; rejected, not clamped;
     exit code 2, the message names key, value and range, and nothing is bound."""
-    srv = write_launch(private_root, detached_event_limit=limit)
+    srv = write_launch(short_tmp, detached_event_limit=limit)
     proc = subprocess.run(
         [sys.executable, "-m", "daemon.agentctl.main", "--launch-file", str(srv.launch_file)],
         cwd=REPO_ROOT,
@@ -710,8 +710,8 @@ def test_out_of_range_retention_limit_refuses_to_start(private_root: Path, limit
     assert "agentctl.detached_event_limit" in srv.log_path.read_text()  # logged, too
 
 
-def test_bad_launch_file_or_credential_refuses_to_start(private_root: Path):
-    srv = write_launch(private_root)
+def test_bad_launch_file_or_credential_refuses_to_start(short_tmp: Path):
+    srv = write_launch(short_tmp)
     os.chmod(srv.launch_file, 0o644)
     cmd = [sys.executable, "-m", "daemon.agentctl.main", "--launch-file", str(srv.launch_file)]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=server_env(), capture_output=True, text=True, timeout=60)
@@ -780,10 +780,10 @@ def test_ownership_shutdown_stops_everything_and_exits(server: Server):
     assert run(identify(server.socket_path, timeout=1.0)) is None
 
 
-def test_survives_dead_stdio(private_root: Path):
+def test_survives_dead_stdio(short_tmp: Path):
     """AC-EXECUTORS-SURVIVAL-001.3: with stderr a pipe nobody reads any more, log writes never kill
     the server; its own file keeps the log."""
-    srv = write_launch(private_root)
+    srv = write_launch(short_tmp)
     try:
         start_server(srv, stderr=subprocess.PIPE)
         assert srv.proc is not None and srv.proc.stderr is not None
@@ -819,13 +819,13 @@ def test_sighup_is_ignored(server: Server):
     assert run(identify(server.socket_path)) is not None
 
 
-def test_sd_notify_ready_and_status(private_root: Path):
+def test_sd_notify_ready_and_status(short_tmp: Path):
     """READY=1 once the socket is bound, STATUS= tracks the number of instances."""
-    notify_path = private_root / "notify.sock"
+    notify_path = short_tmp / "notify.sock"
     sink = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sink.bind(str(notify_path))
     sink.settimeout(STEP)
-    srv = write_launch(private_root)
+    srv = write_launch(short_tmp)
     messages: list[str] = []
 
     def receive_until(message: str, start: int = 0) -> int:

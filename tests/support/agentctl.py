@@ -5,7 +5,7 @@ drive it through the real client over its real socket, with the real mock agent.
 returns a ``Server``; ``start_server`` starts it in its own session and waits until it answers
 ``identify``; ``stop_server`` SIGTERMs (then SIGKILLs) it and kills every agent process group the
 test saw (``Server.create`` records them). ``root`` must be short: socket paths are limited to 107
-bytes (the fixture ``private_root`` in tests/integration/conftest.py gives one).
+bytes (the fixture ``short_tmp`` in tests/integration/conftest.py gives one).
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ import logging
 import os
 import stat
 import subprocess
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -82,13 +81,6 @@ def token_file(tmp_path: Path) -> Path:
 @pytest.fixture
 def config(token_file: Path) -> CredentialsConfig:
     return CredentialsConfig(github_token_file=str(token_file), lease_ttl=3600.0)
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
-    s = Store.open(sqlite_url(tmp_path / "kandev.db"))
-    yield s
-    s.close()
 
 
 @pytest.fixture

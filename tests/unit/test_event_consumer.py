@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from daemon.backend import executions
 from daemon.backend.executions import EventConsumer, Execution
-from daemon.store.db import Store, sqlite_url
+from daemon.store.db import Store
 from daemon.store.models import TaskSession
 from ipc.client import Event
 from tests.support.aio import run
@@ -59,13 +57,6 @@ class FakeClient:
     async def ack_events(self, instance_id: str, seq: int) -> dict[str, Any]:
         self.acked.append(seq)
         return {"discarded": 0}
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
-    s = Store.open(sqlite_url(tmp_path / "kandev.db"))
-    yield s
-    s.close()
 
 
 def _execution(store: Store) -> Execution:

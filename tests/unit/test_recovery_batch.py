@@ -7,11 +7,9 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import pytest
 from sqlalchemy import select
 
 from daemon.backend.recovery_batch import STATUS_CHUNK, TurnStatusReader, WriteBatch
-from daemon.store.db import Store, sqlite_url
 from daemon.store.models import Task
 from ipc.errors import ErrorCode, IpcError
 
@@ -72,13 +70,6 @@ def test_unknown_op_falls_back_to_single_reads():
     results = asyncio.run(_read_all(server, ["a", "b"]))
     assert server.bulk_calls == [2] and server.single_calls == 2
     assert [r["current_turn_id"] for r in results] == ["t-a", "t-b"]
-
-
-@pytest.fixture
-def store(tmp_path):
-    s = Store.open(sqlite_url(tmp_path / "kandev.db"))
-    yield s
-    s.close()
 
 
 def _add_task(task_id: str) -> Callable[[Any], None]:

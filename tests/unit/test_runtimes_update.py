@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -24,7 +24,7 @@ from daemon.runtimes.npx_cache import npx_key
 from daemon.runtimes.probe import ProbeResult
 from daemon.runtimes.proc import RunResult, sanitize
 from daemon.runtimes.update import Job, RuntimeJobs, RuntimeUpdater, stage_argv
-from daemon.store.db import Store, sqlite_url
+from daemon.store.db import Store
 from daemon.store.models import RuntimeUpdateJob
 from ipc.errors import IpcError
 from tests.support.aio import run
@@ -239,13 +239,6 @@ def test_sanitize_bounds_and_redacts() -> None:
 
 
 # ------------------------------------------------------------------ the job manager
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
-    s = Store.open(sqlite_url(tmp_path / "kandev.db"))
-    yield s
-    s.close()
 
 
 def manager(store: Store, tmp_path: Path, npm: FakeNpm, probe: FakeProbe) -> RuntimeJobs:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 
 from daemon.backend.session_view import (
@@ -14,17 +11,10 @@ from daemon.backend.session_view import (
     read_session,
 )
 from daemon.store import transcript
-from daemon.store.db import Store, sqlite_url
+from daemon.store.db import Store
 from daemon.store.models import Task, TaskSession
 from ipc.codec_msgpack import encode_frame
 from ipc.errors import ErrorCode, IpcError
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
-    s = Store.open(sqlite_url(tmp_path / "kandev.db"))
-    yield s
-    s.close()
 
 
 def _session(store: Store, texts: list[str]) -> str:

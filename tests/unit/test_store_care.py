@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno
 import logging
 import sqlite3
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -17,17 +16,10 @@ from daemon.backend.store_care import StoreCare
 from daemon.config import load_config, validate_backend
 from daemon.config_keys import ConfigError
 from daemon.store import transcript
-from daemon.store.db import Store, sqlite_url
+from daemon.store.db import Store
 from daemon.store.space import SpaceWatch, is_out_of_space
 from tests.support.aio import run
 from tests.support.store_rows import new_session
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
-    s = Store.open(sqlite_url(tmp_path / "kandev.db"))
-    yield s
-    s.close()
 
 
 def _sqlite_error(name: str) -> OperationalError:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +17,6 @@ from sqlalchemy.exc import IntegrityError
 
 from daemon.store.db import MIGRATIONS_DIR, Store, sqlite_url
 from daemon.store.models import Base, ControlServerRecord, Task, TaskSession
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
-    s = Store.open(sqlite_url(tmp_path / "kandev.db"))
-    yield s
-    s.close()
 
 
 def _head() -> str:

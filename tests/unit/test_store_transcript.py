@@ -4,11 +4,9 @@ and the migration of a 0.2.0 ``messages`` table (Issue 24 item 1, Issue 24 item 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-import pytest
 from alembic import command
 from alembic.config import Config as AlembicConfig
 from sqlalchemy import create_engine, func, select, text
@@ -16,13 +14,6 @@ from sqlalchemy import create_engine, func, select, text
 from daemon.store import transcript
 from daemon.store.db import MIGRATIONS_DIR, Store, sqlite_url
 from daemon.store.models import Task, TaskSession, TranscriptEntry, TranscriptSession, Turn
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
-    s = Store.open(sqlite_url(tmp_path / "kandev.db"))
-    yield s
-    s.close()
 
 
 def _session(store: Store, turns: int = 1) -> str:

@@ -2,21 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 
 from daemon.backend import workflow as wf
-from daemon.store.db import Store, sqlite_url
+from daemon.store.db import Store
 from daemon.store.models import Task
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
-    s = Store.open(sqlite_url(tmp_path / "kandev.db"))
-    yield s
-    s.close()
 
 
 def test_parse_steps() -> None:
