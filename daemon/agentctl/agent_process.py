@@ -38,6 +38,7 @@ import psutil
 from daemon import process_start
 from daemon.agent_user import AgentUserMissing, agent_user
 from daemon.agentctl.agent_pipe import AGENT_STDOUT_LIMIT
+from daemon.agents.settings import AGENT_PATH
 from ipc.aio import within
 from ipc.errors import ErrorCode, IpcError
 
@@ -47,8 +48,6 @@ REAP_TIMEOUT = 5.0
 """Seconds to wait for the kernel to report the leader's death after SIGKILL."""
 INHERITED_ENV = ("LANG", "LC_ALL", "LC_CTYPE", "TERM", "TZ")
 """The only variables of the server an agent gets (their values are no path of the host)."""
-AGENT_PATH = "/usr/local/bin:/usr/bin:/bin"
-"""An agent's ``PATH`` unless its configuration says otherwise: the system's directories only."""
 AGENT_HOME_DEFAULT = "/tmp"  # the sandbox's private /tmp, when the request names no HOME
 AGENT_OOM_SCORE_ADJ = 500
 

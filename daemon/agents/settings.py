@@ -55,6 +55,9 @@ SERVICE_GROUP = "kandev"
 _VAR = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 _CREDENTIAL_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 RESERVED_VARS = frozenset({"HOME", "PATH", "USER", "LOGNAME", "PWD", "SHELL"})
+AGENT_PATH = "/usr/local/bin:/usr/bin:/bin"
+"""An agent's ``PATH`` unless its configuration says otherwise: the system's directories only
+(the control server sets it; the backend puts a runtime's own directory first)."""
 RESERVED_PREFIXES = ("KANDEV_", "GIT_")
 MAX_VARS = 64
 MAX_VALUE = 8192

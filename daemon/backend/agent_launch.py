@@ -34,12 +34,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from daemon.agent_user import give_file
-from daemon.agentctl.agent_process import AGENT_PATH
 from daemon.agentctl.sandbox import SANDBOX_UNAVAILABLE, SandboxPolicy, SandboxRequest
 from daemon.agents import home_files
 from daemon.agents.mock_store import STATE_DIR_ENV
 from daemon.agents.registry import BuiltinAgent
-from daemon.agents.settings import agent_env, secret_paths
+from daemon.agents.settings import AGENT_PATH, agent_env, secret_paths
 from daemon.backend import workspace_record
 from daemon.backend.workspace_record import RepositoryView
 from daemon.config import DEFAULT_CONFIG_FILE, Config
