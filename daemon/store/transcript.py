@@ -133,6 +133,14 @@ class _Entry:
     def copy(self) -> _Entry:
         return replace(self, lengths=list(self.lengths), parts=list(self.parts))
 
+    def add(self, text: str, cursor: int, seq: int | None) -> None:
+        """Append a chunk to this entry: ``text`` is chunk ``cursor``, of event ``seq``."""
+        self.parts.append(text)
+        self.text_len += len(text)
+        self.lengths.append(len(text))
+        self.last_cursor = cursor
+        self.last_seq = seq
+
 
 @dataclass
 class _Tail:
@@ -272,16 +280,9 @@ class TranscriptWriter:
                 and last.turn == turn and instance_key is not None and last.instance_key == instance_key
                 and event_seq is not None and last.last_seq is not None and event_seq == last.last_seq + 1
                 and last.last_cursor == cursor - 1 and last.text_len + len(text) <= ENTRY_TEXT_LIMIT):
-            last.parts.append(text)
-            last.text_len += len(text)
-            last.lengths.append(len(text))
-            last.last_cursor = cursor
-            last.last_seq = event_seq
+            last.add(text, cursor, event_seq)
         else:
-            last = _Entry(cursor, cursor, kind, role, turn, instance_key, event_seq, event_seq, len(text),
-                          [len(text)], created_at or _now(), stored=False, parts=[text])
-            tail.entry = last
-            self._new.append(last)
+            self._start(tail, cursor, kind, role, turn, instance_key, event_seq, text, created_at)
         self._mark_dirty()
         return cursor
 
@@ -311,21 +312,22 @@ class TranscriptWriter:
         for text in texts:
             cursor += 1
             seq += 1
-            size = len(text)
-            if extend and last is not None and last.text_len + size <= ENTRY_TEXT_LIMIT:
-                last.parts.append(text)
-                last.text_len += size
-                last.lengths.append(size)
-                last.last_cursor = cursor
-                last.last_seq = seq
+            if extend and last is not None and last.text_len + len(text) <= ENTRY_TEXT_LIMIT:
+                last.add(text, cursor, seq)
             else:
-                last = _Entry(cursor, cursor, kind, role, turn, instance_key, seq, seq, size, [size],
-                              created_at or _now(), stored=False, parts=[text])
-                tail.entry = last
-                self._new.append(last)
+                last = self._start(tail, cursor, kind, role, turn, instance_key, seq, text, created_at)
                 extend = True
         tail.last_cursor = cursor
         self._mark_dirty()
+
+    def _start(self, tail: _Tail, cursor: int, kind: str, role: str, turn: int | None, instance_key: int | None,
+               seq: int | None, text: str, created_at: datetime | None) -> _Entry:
+        """A new newest entry holding one chunk (``text``, chunk ``cursor``, of event ``seq``)."""
+        entry = _Entry(cursor, cursor, kind, role, turn, instance_key, seq, seq, len(text), [len(text)],
+                       created_at or _now(), stored=False, parts=[text])
+        tail.entry = entry
+        self._new.append(entry)
+        return entry
 
     def _turn(self, tail: _Tail, turn_id: str | None) -> int | None:
         """The ordinal of turn ``turn_id`` (the turn is created if the store has none yet)."""
