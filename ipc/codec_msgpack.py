@@ -95,12 +95,19 @@ _EVENTS_KEY = b"\x81" + msgpack.packb("events")  # a map of one entry, its key
 _EVENT_ITEM = b"\x93"  # an array of three: seq, kind, data
 
 
-def event_batch_frames(events: list[tuple[int, str, bytes]], max_bytes: int) -> list[bytes]:
+_INSTANCE_KEY = b"\x82" + msgpack.packb("instance")  # a map of two entries, its first key
+_EVENTS_AFTER_INSTANCE = msgpack.packb("events")
+
+
+def event_batch_frames(events: list[tuple[int, str, bytes]], max_bytes: int, *, tag: str | None = None
+                       ) -> list[bytes]:
     """The frames ``encode_frame({"events": [[seq, kind, data], ...]})`` writes for ``events``
     (each ``(seq, kind, pack(data))``, in order), as few as hold them with at most ``max_bytes`` of
     events in each (an event larger than that goes alone in its frame). One frame for many events:
-    the peer decodes them in one call instead of a frame each."""
+    the peer decodes them in one call instead of a frame each. With ``tag`` (a stream that carries
+    the events of many sources), ``encode_frame({"instance": tag, "events": [...]})``."""
     packer = _packer()
+    head = _EVENTS_KEY if tag is None else b"".join((_INSTANCE_KEY, packer.pack(tag), _EVENTS_AFTER_INSTANCE))
     batches: list[list[bytes]] = []
     items: list[bytes] = []
     size = 0
@@ -113,7 +120,7 @@ def event_batch_frames(events: list[tuple[int, str, bytes]], max_bytes: int) -> 
         size += len(item)
     if items:
         batches.append(items)
-    return [frame_of(b"".join((_EVENTS_KEY, packer.pack_array_header(len(b)), *b))) for b in batches]
+    return [frame_of(b"".join((head, packer.pack_array_header(len(b)), *b))) for b in batches]
 
 
 def decode_body(body: bytes | memoryview) -> dict[str, Any]:

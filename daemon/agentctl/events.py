@@ -8,7 +8,11 @@ attached (AC-EXECUTORS-SURVIVAL-001.5).
 
 At most one ``Subscription`` (the attached stream) exists per log; a new one
 closes the previous. A subscription reads events after its cursor in order,
-then waits for live ones, and never skips a retained event.
+then waits for live ones, and never skips a retained event. Each has a random
+``token`` (unique across re-executions of the server), so a request to end one
+stream (``unsubscribe_token``) can never end a newer one. A stream that serves
+many logs (``attach_many``) sets each subscription's ``listener`` and waits on
+its own wake-up instead of one per subscription.
 
 Every appended event is checked to be sendable as one IPC frame: values
 msgpack cannot encode are made plain, and an event whose encoding would not
@@ -52,7 +56,9 @@ parks while the log is *full*::
 from __future__ import annotations
 
 import asyncio
+import os
 from collections import deque
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from daemon.agentctl.agent_json import clean_str
@@ -131,14 +137,22 @@ class Subscription:
         self.cursor = cursor  # next seq to hand out
         self._wake = asyncio.Event()
         self.closed = False
+        self.token = os.urandom(8).hex()
+        """Names this stream (and no other, even after a re-exec) in ``EventLog.unsubscribe_token``."""
+        self.listener: Callable[[], None] | None = None
+        """Called when an event is appended or the subscription closes (a stream of many logs)."""
 
     def close(self) -> None:
         """End the subscription; a pending ``next()`` returns None."""
         self.closed = True
         self._wake.set()
+        if self.listener is not None:
+            self.listener()
 
     def notify(self) -> None:
         self._wake.set()
+        if self.listener is not None:
+            self.listener()
 
     async def next(self) -> Event | None:
         """The next event in seq order, waiting for it if needed; None once closed."""
@@ -332,6 +346,15 @@ class EventLog:
         if self._subscription is sub:
             self._subscription = None
         self._update_room()
+
+    def unsubscribe_token(self, token: str) -> bool:
+        """Detach the stream ``token`` names if it is still this log's; False if it is not (ended,
+        or replaced by a newer attach, which a late request must never end)."""
+        sub = self._subscription
+        if sub is None or sub.token != token:
+            return False
+        self.unsubscribe(sub)
+        return True
 
     def close(self) -> None:
         """The instance is gone: end the subscription, throw the retained events away and

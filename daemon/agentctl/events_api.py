@@ -8,6 +8,9 @@
   Asked with ``batched`` (this release's backend), a stream puts the events of one write in one
   frame (``codec_msgpack.event_batch_frames``, up to ``EVENTS_PER_WRITE`` bytes each), so the
   backend decodes a burst in one call; without it (an older backend), one frame per event.
+- ``attach_many`` attaches many instances on one connection, each as ``attach`` would, and
+  tags each frame with its instance (``daemon.agentctl.attach_many``); ``detach`` ends one
+  instance's stream, named by the token ``attach_many`` answered, and no newer one.
 - ``ack_events`` discards retained events through a seq.
 - ``turn_status`` / ``turn_statuses`` are pure reads of the open turn and the retained outcomes
   (AC-EXECUTORS-SURVIVAL-004.6); ``ack_turn`` discards one outcome (an unknown id is accepted
@@ -23,6 +26,7 @@ import logging
 from typing import Any
 
 from daemon import faults
+from daemon.agentctl import attach_many as many
 from daemon.agentctl.protocol import TURN_STATUSES_MAX
 from daemon.agentctl.server_context import ServerContext
 from ipc import codec_msgpack
@@ -73,6 +77,30 @@ def handlers(server: ServerContext) -> dict[str, Handler]:
             inst.detach(sub)
             log.debug("conn %d: detached from %s", server.conn_id(ctx), inst.instance_id)
 
+    async def attach_many(ctx: ConnectionContext, args: dict[str, Any]) -> None:
+        pairs = many.wanted(args["instances"])
+        found: list[tuple[Any, int]] = []
+        missing: list[str] = []
+        for instance_id, after_seq in pairs:
+            inst = server.instances.get(instance_id)
+            if inst is None or inst.gone:
+                missing.append(instance_id)  # what attach answers with not_found
+            else:
+                found.append((inst, after_seq))
+        streams = many.ManyStreams()
+        streams.attach(found)
+        log.debug("conn %d: attached to %d instances (%d missing)", server.conn_id(ctx), len(found), len(missing))
+        try:
+            await many.serve(ctx, streams, missing)
+        except ConnectionClosed:
+            pass
+        finally:
+            log.debug("conn %d: detached from its instances", server.conn_id(ctx))
+
+    def detach(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        inst = server.instances.get(args["instance_id"])
+        return {"detached": inst is not None and inst.log.unsubscribe_token(args["stream"])}
+
     def ack_events(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         discarded = server.get(args["instance_id"]).ack_events(args["seq"])
         return {"discarded": discarded}
@@ -106,6 +134,6 @@ def handlers(server: ServerContext) -> dict[str, Handler]:
         return {"acked": False}  # unknown id: accepted, nothing changes (AC-EXECUTORS-SURVIVAL-004.6)
 
     return {
-        "attach": attach, "ack_events": ack_events, "turn_status": turn_status, "turn_statuses": turn_statuses,
+        "attach": attach, "attach_many": attach_many, "detach": detach, "ack_events": ack_events, "turn_status": turn_status, "turn_statuses": turn_statuses,
         "ack_turn": ack_turn,
     }

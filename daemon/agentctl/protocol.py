@@ -13,7 +13,9 @@ capability, the ``not_taken_over`` field of ``list_instances`` and the
 (release 0.3.0) added ``turn_statuses`` (the turn status of many instances in one exchange, for
 recovery in bulk; a backend meeting 1.1 reads them one by one) and ``attach``'s ``batched``
 field (the events of one write in one frame; a 1.1 server ignores it and sends a frame per
-event, which the client reads as well). ``identify`` never grows: unauthenticated, it answers
+event, which the client reads as well), and ``attach_many`` and ``detach`` (the event streams of
+many instances on one connection; capability ``attach_many.v1``: a backend meeting a server
+without it attaches each instance on a connection of its own). ``identify`` never grows: unauthenticated, it answers
 the identity, the capability set and the unowned period (and the protocol
 version), nothing else (AC-EXECUTORS-CONTROL-OWNERSHIP-001.11).
 
@@ -34,7 +36,8 @@ server nonce (see ``daemon.agentctl.auth``).
 
 Streams: ``attach`` turns its connection into an event stream of
 ``{seq, kind, data}`` frames (or, asked with ``batched``, ``{events: [[seq, kind, data], ...]}``
-frames) for one instance, starting after ``after_seq``.
+frames) for one instance, starting after ``after_seq``; ``attach_many`` turns it into the
+streams of many (``{instance, events: [...]}`` frames, and ``{instance, end: true}`` when one ends).
 """
 
 from __future__ import annotations
@@ -68,12 +71,16 @@ AGENT_LIMITS_CAPABILITY = "agent_limits.v1"
 """``create_instance``'s ``sandbox`` takes ``max_processes`` (the agent's RLIMIT_NPROC), agents run off
 uid 0 with their own IPC namespace, stderr through the server, and ``agent_exited`` names a ``signal``
 kandev did not send (0.3.0). A server without it is sent no ``max_processes``."""
+ATTACH_MANY_CAPABILITY = "attach_many.v1"
+"""The ``attach_many`` and ``detach`` ops: the event streams of many instances on one connection (0.3.0)."""
 CAPABILITIES = (*REQUIRED_CAPABILITIES, RELOAD_CAPABILITY, SANDBOX_CAPABILITY, AGENT_SECRETS_CAPABILITY,
-                AGENT_LIMITS_CAPABILITY)
+                AGENT_LIMITS_CAPABILITY, ATTACH_MANY_CAPABILITY)
 
 
 TURN_STATUSES_MAX = 1000
 """Instances one ``turn_statuses`` request may name (the reply stays far below the frame limit)."""
+ATTACH_MANY_MAX = 4096
+"""Instances one ``attach_many`` request may name (request and reply stay far below the frame limit)."""
 
 
 class EventKind:
@@ -201,6 +208,22 @@ OPS = [
         stream=True,
         doc="event stream from after_seq (events <= after_seq are discarded) -> {instance_id, next_seq};"
             " batched: several events per frame ({events: [[seq, kind, data], ...]})",
+    ),
+    Op(
+        "attach_many",
+        required={"instances": list},
+        stream=True,
+        doc="protocol 1.2 (attach_many.v1): attach each of up to ATTACH_MANY_MAX [instance_id, after_seq]"
+            " as attach does, on this one connection -> {attached: {instance_id: {next_seq,"
+            " retained_events, stream}}, missing: [instance_id]}; frames {instance, events: [[seq, kind,"
+            " data], ...]} and {instance, end: true} when that instance's stream ends; the stream ends"
+            " when every one has",
+    ),
+    Op(
+        "detach",
+        required={"instance_id": str, "stream": str},
+        doc="protocol 1.2 (attach_many.v1): end the instance's stream the token names (attach_many's"
+            " answer), if it is still the instance's; a newer stream stays -> {detached}",
     ),
     Op(
         "ack_events",

@@ -18,7 +18,7 @@ from ipc.errors import ErrorCode, IpcError
 
 C0 = bytes([0xC0]) * 32
 PERIOD = 60.0
-DRIVING_OPS = ("claim", "confirm_rotation", "prompt", "attach", "create_instance", "list_instances",
+DRIVING_OPS = ("claim", "confirm_rotation", "prompt", "attach", "attach_many", "detach", "create_instance", "list_instances",
                "stop_instance", "cancel", "turn_status", "ack_turn", "ack_events", "respond_permission")
 
 
