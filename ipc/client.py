@@ -484,6 +484,25 @@ class EventStream:
                 events.append(ready.popleft())
         return events
 
+    async def frames(self, limit: int) -> list[dict[str, Any]]:
+        """Wait for the next frame, then take the frames already received with it (at most
+        ``limit``, in order), undecoded into events: for a stream whose frames say more than an
+        event (the control server's ``attach_many``). ``[]`` once the stream has ended; the error
+        that ended it is raised. Not to be mixed with ``batch`` on one stream."""
+        if self._finished:
+            return []
+        item = await self._client._link.next_stream_item()
+        if item is _END:
+            await self.close()
+            return []
+        if isinstance(item, IpcError):
+            await self.close()
+            raise item
+        if item.get("ok") is False and item.get("id") in (self._request_id, None):
+            await self.close()
+            raise IpcError.from_wire(item.get("error"))  # the stream ended with an error
+        return [item, *self._client._link.take_frames(limit - 1)]
+
     async def _next_event(self) -> Event | None:
         """The next event, waiting for it; None once the stream has ended. The error that ended it
         (the server's, or a malformed frame) is raised once. Either way the stream is then closed.

@@ -15,7 +15,9 @@ before it succeeds:
    HMAC over the server's nonce; the credential itself never crosses the socket.
 
 Every ``attach`` opens a new connection, runs the same handshake on it and
-dedicates it to that instance's event stream.
+dedicates it to that instance's event stream. ``attach_shared`` reads the same stream, but the
+attaches asked in one moment share one such connection (``attach_many``, on a server with
+``attach_many.v1``; ``daemon.agentctl.shared_streams``).
 
 Rotation (REQ-EXECUTORS-CONTROL-OWNERSHIP-002; the server side is
 ``daemon.agentctl.ownership``). The server accepts at most two credentials:
@@ -71,6 +73,7 @@ from daemon.agentctl.client_handshake import (
 from daemon.agentctl.protocol import (
     AGENT_LIMITS_CAPABILITY,
     AGENT_SECRETS_CAPABILITY,
+    ATTACH_MANY_CAPABILITY,
     RELOAD_CAPABILITY,
     SANDBOX_CAPABILITY,
 )
@@ -84,6 +87,7 @@ from daemon.agentctl.replies import (
     TurnStatus,
 )
 from daemon.agentctl.sandbox import SANDBOX_UNAVAILABLE, SandboxPolicy
+from daemon.agentctl.shared_streams import InstanceStream, SharedAttacher
 from ipc.client import AsyncClient, EventStream
 from ipc.errors import ErrorCode, IpcError
 
@@ -135,6 +139,7 @@ class AgentctlClient:
         self._installation_id = installation_id
         self._closed_by_us = False
         self._reconnect_lock = asyncio.Lock()
+        self._shared = SharedAttacher(self._open_attach_many, self._detach_stream)
 
     @classmethod
     async def connect(
@@ -181,6 +186,7 @@ class AgentctlClient:
 
     async def close(self) -> None:
         self._closed_by_us = True
+        await self._shared.close()
         await self._conn.close()
 
     async def __aenter__(self) -> AgentctlClient:
@@ -483,6 +489,27 @@ class AgentctlClient:
         ``attach`` of the same instance ends this one. ``batched``: the server puts the events of
         one write in one frame (an older server ignores it; ``False`` asks what a 0.2.0 backend asked).
         """
+        # batched: ignored by an older server (one frame per event)
+        return await self._open_stream("attach", {"instance_id": instance_id, "after_seq": after_seq,
+                                                  "batched": batched})
+
+    async def attach_shared(self, instance_id: str, after_seq: int = 0) -> EventStream | InstanceStream:
+        """The instance's event stream, as ``attach`` opens it, on a connection shared with the
+        other attaches asked in the same moment (one ``attach_many``); on a server without
+        ``attach_many.v1``, ``attach`` itself. Either answer has ``batch``, ``close`` and ``result``;
+        an ``InstanceStream`` also ``detach`` (ending the server's stream of it alone)."""
+        if ATTACH_MANY_CAPABILITY not in self.capabilities:
+            return await self.attach(instance_id, after_seq)
+        return await self._shared.attach(instance_id, after_seq)
+
+    async def _open_attach_many(self, instances: list[list[Any]]) -> EventStream:
+        return await self._open_stream("attach_many", {"instances": instances})
+
+    async def _detach_stream(self, instance_id: str, token: str) -> Any:
+        return await self.call("detach", {"instance_id": instance_id, "stream": token})
+
+    async def _open_stream(self, op: str, args: dict[str, Any]) -> EventStream:
+        """A stream op on a new connection that ran the handshake (the stream owns the connection)."""
         conn = await AsyncClient.connect(self.socket_path, timeout=self.timeout, hello=False)
         try:
             await handshake(
@@ -492,9 +519,7 @@ class AgentctlClient:
                 expected_identity=self.identity,
                 timeout=self.timeout,
             )
-            return await conn.stream(  # batched: ignored by an older server (one frame per event)
-                "attach", {"instance_id": instance_id, "after_seq": after_seq, "batched": batched}, timeout=self.timeout
-            )
+            return await conn.stream(op, args, timeout=self.timeout)
         except BaseException:
             await conn.close()
             raise

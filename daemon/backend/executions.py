@@ -23,6 +23,7 @@ from enum import StrEnum
 
 from daemon.agentctl.client import AgentctlClient
 from daemon.agentctl.client_handshake import OwnershipRefused
+from daemon.agentctl.shared_streams import InstanceStream
 from daemon.backend.events import apply_events, mark_agent_gone
 from daemon.journal import log_event
 from daemon.store.db import Store
@@ -181,7 +182,7 @@ class EventConsumer:
     in one transaction and acknowledged with one ``ack_events`` once committed (Issue 24 item 6);
     after a busy batch the next one gathers for ``BUSY_GATHER_S`` first.
     A batch the store has no space for is rolled back whole and not acknowledged: the consumer
-    closes its stream, so the control server keeps the events and pauses the agent at its detached
+    closes (a shared stream: detaches) its stream, so the control server keeps the events and pauses the agent at its detached
     bound, exactly as with no backend attached; once space is back it re-attaches after the last
     committed seq and catches up, every event once and in order (Issue 21 item 5).
     """
@@ -251,7 +252,9 @@ class EventConsumer:
         log.warning("event stream for session %s lost: %s%s", ex.session_id, exc, again)
 
     async def _consume_once(self, client: AgentctlClient, ex: Execution) -> None:
-        stream = await client.attach(ex.instance_id, after_seq=ex.last_seq)
+        # Consumers that attach in one moment (every re-tracked session after a recovery) share one
+        # connection and one handshake (Issue 24 item 5).
+        stream = await client.attach_shared(ex.instance_id, after_seq=ex.last_seq)
         ex.stream_failures = 0
         ex.warned_at = None
         try:
@@ -268,6 +271,8 @@ class EventConsumer:
                         result = apply_events(db, ex.session_id, ex.instance_id, batch)
                 except Exception as exc:
                     if self.space.failed(exc):
+                        if isinstance(stream, InstanceStream):  # its connection goes on for the others
+                            await stream.detach()
                         raise StoreOutOfSpace() from exc
                     raise
                 self.space.succeeded()

@@ -51,7 +51,7 @@ class FakeClient:
         self.stream = stream
         self.acked: list[int] = []
 
-    async def attach(self, instance_id: str, after_seq: int = 0) -> FakeStream:
+    async def attach_shared(self, instance_id: str, after_seq: int = 0) -> FakeStream:
         return self.stream
 
     async def ack_events(self, instance_id: str, seq: int) -> dict[str, Any]:
