@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 
 from daemon.agentctl import shared_streams
+from daemon.agentctl.client import AgentctlClient
+from daemon.agentctl.protocol import CAPABILITIES, REQUIRED_CAPABILITIES
 from daemon.agentctl.shared_streams import InstanceStream, SharedAttacher
 from ipc.errors import ErrorCode, IpcError
 from tests.support.aio import run
@@ -186,3 +188,28 @@ def test_the_last_close_closes_the_connection():
 
     run(scenario())
 
+
+
+def test_a_server_without_attach_many_gets_an_attach_of_its_own(monkeypatch: pytest.MonkeyPatch):
+    """Version skew: a backend adopting a 0.2.0 control server (no ``attach_many.v1``) attaches
+    each instance on a connection of its own; one with it shares."""
+    asked: list[tuple[str, str, int]] = []
+
+    async def attach(self: AgentctlClient, instance_id: str, after_seq: int = 0, **_: Any) -> str:
+        asked.append(("attach", instance_id, after_seq))
+        return "own"
+
+    async def shared(self: SharedAttacher, instance_id: str, after_seq: int) -> str:
+        asked.append(("attach_many", instance_id, after_seq))
+        return "shared"
+
+    monkeypatch.setattr(AgentctlClient, "attach", attach)
+    monkeypatch.setattr(SharedAttacher, "attach", shared)
+    info = {"server_identity": "ab" * 16, "protocol_version": [1, 1]}
+    old = AgentctlClient("/run/a.sock", None, {**info, "capabilities": list(REQUIRED_CAPABILITIES)},  # type: ignore[arg-type]
+                         credential=b"\0" * 32, installation_id="x", timeout=5.0)
+    new = AgentctlClient("/run/a.sock", None, {**info, "capabilities": list(CAPABILITIES)},  # type: ignore[arg-type]
+                         credential=b"\0" * 32, installation_id="x", timeout=5.0)
+    assert run(old.attach_shared("i1", 4)) == "own"
+    assert run(new.attach_shared("i1", 4)) == "shared"
+    assert asked == [("attach", "i1", 4), ("attach_many", "i1", 4)]
