@@ -52,6 +52,8 @@ log = logging.getLogger(__name__)
 # An adoption step in flight when the recovery deadline elapses is allowed to finish, never
 # cancelled (AC-EXECUTORS-SURVIVAL-003.7); this only bounds a server that never answers at all.
 ADOPTION_STEP_TIMEOUT_S = 360.0
+RELOAD_RETRY_PAUSE_S = 0.05
+"""Pause before asking again a server that answered ``reloading`` (it re-executes within seconds)."""
 
 
 
@@ -125,6 +127,7 @@ class Adopter:
             if reload_seen_recently() or (isinstance(last, IpcError) and last.code == ErrorCode.RELOADING):
                 reload_deadline = reload_deadline or loop.time() + RELOAD_WINDOW_S
                 if loop.time() < reload_deadline:
+                    await asyncio.sleep(RELOAD_RETRY_PAUSE_S)  # the re-exec takes a second or so
                     continue
             attempts += 1
         raise IpcError(ErrorCode.TIMEOUT, f"no answer after {self.read_retries + 1} attempts: {last}")
@@ -170,9 +173,11 @@ class Adopter:
         except (OSError, ValueError) as exc:
             log.warning("stored control-server credential unreadable: %s", exc)
             return Adoption(AdoptionOutcome.REFUSED, "credential_unavailable", record=record, answered=True)
-        # 4. authentication: the server proves possession first (AC-EXECUTORS-CONTROL-OWNERSHIP-001.10)
+        # 4. authentication: the server proves possession first (AC-EXECUTORS-CONTROL-OWNERSHIP-001.10).
+        # On the read budget, as identify was: a server that began a reload since it answered
+        # identify refuses the handshake with ``reloading``, which is not a failed proof.
         try:
-            client = await self._prove(record, credential)
+            client = await self.budget(lambda: self._prove(record, credential))
         except OwnershipRefused as exc:
             return Adoption(AdoptionOutcome.REFUSED, exc.reason, record=record, answered=True)
         except IpcError as exc:
@@ -285,7 +290,7 @@ class Adopter:
         except (OSError, ValueError):
             return Adoption(AdoptionOutcome.DISABLED, "credential_unavailable", record=record, answered=True)
         try:
-            client = await self._prove(record, credential)
+            client = await self.budget(lambda: self._prove(record, credential))
         except OwnershipRefused as exc:
             return Adoption(AdoptionOutcome.DISABLED, exc.reason, record=record, answered=True)
         except IpcError:
