@@ -97,14 +97,39 @@ def kill_and_wait(pid: int) -> None:
         os.close(fd)
 
 
-async def create_instances(home: Path, n: int, workspace: Path) -> tuple[list[dict[str, Any]], float]:
+def open_files(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+async def connect_as_backend(home: Path) -> tuple[AgentctlClient, str]:
+    """A client of the control server with the credential the last backend stored (it rotates at
+    every adoption), and the server's endpoint."""
     store = Store.open(sqlite_url(home / "kandev.db"))
     with store.session() as db:
         rec = db.get(ControlServerRecord, 1)
         endpoint, ref = rec.endpoint, rec.credential_ref
+    store.close()
     credential = launch_file.read_credential_file(home / "secrets" / ref)
     installation = (home / "installation-id").read_text().strip()
-    client = await AgentctlClient.connect(endpoint, credential=credential, installation_id=installation)
+    return await AgentctlClient.connect(endpoint, credential=credential, installation_id=installation), endpoint
+
+
+async def wait_all_attached(home: Path, n: int, timeout: float = 120.0) -> None:
+    """Return once the control server counts all ``n`` instances attached (the new backend's event
+    consumers have their streams)."""
+    client, _ = await connect_as_backend(home)
+    try:
+        deadline = time.monotonic() + timeout
+        while sum(1 for i in await client.list_instances() if i["attached"]) < n:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not every one of {n} instances attached within {timeout} s")
+            await asyncio.sleep(0.01)
+    finally:
+        await client.close()
+
+
+async def create_instances(home: Path, n: int, workspace: Path) -> tuple[list[dict[str, Any]], float]:
+    client, endpoint = await connect_as_backend(home)
     made: list[dict[str, Any]] = []
     sem = asyncio.Semaphore(32)
     sandbox = {"policy": "required" if n <= SANDBOX_MAX else "off"}
@@ -126,6 +151,7 @@ async def create_instances(home: Path, n: int, workspace: Path) -> tuple[list[di
         enumeration = min(enumeration, time.perf_counter() - t0)
         assert len(listed) == n
     await client.close()
+    store = Store.open(sqlite_url(home / "kandev.db"))
     with store.session() as db:
         for m in made:
             # an agent between turns, as a backend leaves it: the session waits for input, its
@@ -147,10 +173,10 @@ async def create_instances(home: Path, n: int, workspace: Path) -> tuple[list[di
     return made, enumeration
 
 
-# Open files per surviving agent, measured: the control server's ends of the agent's three pipes,
-# its pidfd, its stderr file and the stderr drain's wake-up eventfd, then the backend's stream
-# connection once re-tracked.
-FDS_PER_INSTANCE = 7
+# Open files per surviving agent, measured ("open files once streaming"): the control server's ends
+# of the agent's three pipes, its pidfd, its stderr file and the stderr drain's wake-up eventfd (the
+# re-tracking backend's event streams share one connection).
+FDS_PER_INSTANCE = 6
 
 
 def room_for(n: int) -> str | None:
@@ -217,22 +243,26 @@ def measure(n: int, wanted: int) -> int:
             restart_idle_s = time.perf_counter() - t0
             assert idle["started"] and idle["status"]["control_server"]["pid"] == ctl_pid, idle
             kill_and_wait(idle["status"]["backend"]["pid"])
-            idle_kib = rss_kib(ctl_pid)
+            idle_kib, idle_fds = rss_kib(ctl_pid), open_files(ctl_pid)
             t0 = time.perf_counter()
             made, enumeration = asyncio.run(create_instances(home, n, workspace))
             created_s = time.perf_counter() - t0
             per_instance = (rss_kib(ctl_pid) - idle_kib) / n
             recoveries: list[float] = []
             restarts: list[float] = []
+            streaming: list[float] = []
             retracked = n
             for r in range(RESTARTS):  # the same N sessions re-tracked by each new backend
                 t0 = time.perf_counter()
                 st2 = kandev(home, env, "up")["status"]
                 restarts.append(time.perf_counter() - t0)
+                asyncio.run(wait_all_attached(home, n))
+                streaming.append(time.perf_counter() - t0)
                 recoveries.append(st2["recovery"]["duration_ms"] / 1000)
                 retracked = min(retracked, st2["recovery"]["retracked"])
                 backend = st2["backend"]["pid"]
                 rss_mb, peak_mb = rss_kib(backend) / 1024, rss_kib(backend, "VmHWM") / 1024
+                ctl_fds, backend_fds = open_files(ctl_pid), open_files(backend)
                 if r < RESTARTS - 1:
                     kill_and_wait(backend)
             recovery_s, restart_s = statistics.median(recoveries), statistics.median(restarts)
@@ -246,7 +276,10 @@ def measure(n: int, wanted: int) -> int:
             print(f"  ratio recovery / enumeration: {ratio:.1f}")
             print(f"  restart seconds with {n} surviving agents (kandev up, to ready): {restart_s:.2f}"
                   f" (with none: {restart_idle_s:.2f}; ratio {restart_s / restart_idle_s:.2f})")
+            print(f"  restart seconds to every event stream attached: {statistics.median(streaming):.2f}")
             print(f"  backend RSS after re-tracking: {rss_mb:.0f} MB (peak {peak_mb:.0f} MB)")
+            print(f"  open files once streaming: backend {backend_fds}, control server {ctl_fds}"
+                  f" ({(ctl_fds - idle_fds) / n:.2f} per agent)")
             print(f"  control-server memory per idle instance: {per_instance:.0f} KiB"
                   f" (server RSS {idle_kib / 1024:.0f} MB before the {n} instances;"
                   f" target <= {TARGET_KIB_PER_INSTANCE} KiB: {'PASS' if per_instance <= TARGET_KIB_PER_INSTANCE else 'FAIL'})")
