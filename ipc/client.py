@@ -42,7 +42,7 @@ from .framing import (
 from .hello import HELLO, check_hello
 from .sync_client import SyncClient
 
-__all__ = ["AsyncClient", "Event", "EventStream", "SyncClient"]
+__all__ = ["AsyncClient", "Event", "EventStream", "SyncClient", "batch_events"]
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +62,20 @@ class Event(NamedTuple):
     data: Any
 
 
-def _copy(error: IpcError) -> IpcError:
-    """A fresh exception with the same wire content (never re-raise a shared instance)."""
-    return IpcError(error.code, error.message, error.retryable)
+def batch_events(items: Any) -> list[Event]:
+    """The events of an event batch frame's ``events`` (``[[seq, kind, data], ...]``), in order;
+    ``InvalidFrame`` for a malformed one."""
+    if not isinstance(items, list):
+        raise InvalidFrame("event batch frame without a list of events")
+    events = []
+    for item in items:
+        if not isinstance(item, list) or len(item) != 3:
+            raise InvalidFrame("event batch frame with a malformed event")
+        seq, kind, data = item
+        if not isinstance(seq, int) or isinstance(seq, bool) or not isinstance(kind, str):
+            raise InvalidFrame("event batch frame with a malformed seq or kind")
+        events.append(Event(seq, kind, data))
+    return events
 
 
 _END = object()  # in a stream's queue: the server closed the connection at a frame boundary
@@ -345,7 +356,7 @@ class AsyncClient:
 
     async def _request(self, rid: int, op: str, args: dict[str, Any] | None, timeout: float | None) -> Any:
         if self._failure is not None:
-            raise _copy(self._failure)
+            raise self._failure.copy()
         data = encode_frame(
             {"v": self.protocol_major, "id": rid, "op": op, "args": {} if args is None else args}
         )
@@ -385,7 +396,7 @@ class AsyncClient:
     async def _send(self, data: bytes) -> None:
         async with self._write_lock:
             if self._failure is not None:
-                raise _copy(self._failure)
+                raise self._failure.copy()
             if data:
                 self._transport.write(data)
             try:
@@ -393,15 +404,15 @@ class AsyncClient:
             except (ConnectionClosed, OSError) as exc:
                 lost = IpcError(ErrorCode.UNAVAILABLE, f"connection to {self.path} lost: {exc}")
                 self._fail(lost)
-                raise _copy(lost) from None
+                raise lost.copy() from None
 
     def _fail(self, error: IpcError) -> None:
         """Mark the connection unusable: pending calls fail with ``error``, later ones
         with ``unavailable`` (naming the reason)."""
         if self._failure is None:
-            self.closed_by = _copy(error)
+            self.closed_by = error.copy()
             if error.code == ErrorCode.UNAVAILABLE:
-                self._failure = _copy(error)
+                self._failure = error.copy()
             else:
                 self._failure = IpcError(
                     ErrorCode.UNAVAILABLE, f"connection to {self.path} is closed after: {error.message}"
@@ -410,7 +421,7 @@ class AsyncClient:
                 self._transport.close()
         for fut in self._pending.values():
             if not fut.done():
-                fut.set_exception(_copy(error))
+                fut.set_exception(error.copy())
         self._pending.clear()
 
     def _route(self, frame: dict[str, Any]) -> bool:
@@ -488,7 +499,9 @@ class EventStream:
         """Wait for the next frame, then take the frames already received with it (at most
         ``limit``, in order), undecoded into events: for a stream whose frames say more than an
         event (the control server's ``attach_many``). ``[]`` once the stream has ended; the error
-        that ended it is raised. Not to be mixed with ``batch`` on one stream."""
+        that ended the connection is raised; a frame saying the stream ended with an error
+        (``{ok: false, error}``) is returned like the others, for the caller to raise. Not to be
+        mixed with ``batch`` on one stream."""
         if self._finished:
             return []
         item = await self._client._link.next_stream_item()
@@ -498,9 +511,6 @@ class EventStream:
         if isinstance(item, IpcError):
             await self.close()
             raise item
-        if item.get("ok") is False and item.get("id") in (self._request_id, None):
-            await self.close()
-            raise IpcError.from_wire(item.get("error"))  # the stream ended with an error
         return [item, *self._client._link.take_frames(limit - 1)]
 
     async def _next_event(self) -> Event | None:
@@ -530,18 +540,7 @@ class EventStream:
         """The events of one stream frame, in order; ``InvalidFrame`` for a malformed one."""
         if "events" not in frame:
             return [self._event(frame)]
-        items = frame["events"]
-        if not isinstance(items, list):
-            raise InvalidFrame("event batch frame without a list of events")
-        events = []
-        for item in items:
-            if not isinstance(item, list) or len(item) != 3:
-                raise InvalidFrame("event batch frame with a malformed event")
-            seq, kind, data = item
-            if not isinstance(seq, int) or isinstance(seq, bool) or not isinstance(kind, str):
-                raise InvalidFrame("event batch frame with a malformed seq or kind")
-            events.append(Event(seq, kind, data))
-        return events
+        return batch_events(frame["events"])
 
     def _event(self, frame: dict[str, Any]) -> Event:
         if "seq" in frame:

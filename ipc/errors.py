@@ -74,6 +74,11 @@ class IpcError(Exception):
         # which does not fit __init__: keep copy/pickle working.
         return (type(self), (self.code, self.message, self.retryable, self.details))
 
+    def copy(self) -> IpcError:
+        """A fresh exception with the same code, message and retryability: one error handed to
+        many waiters is raised as a copy each, never as one shared instance."""
+        return IpcError(self.code, self.message, self.retryable)
+
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {"code": self.code, "message": self.message, "retryable": self.retryable}
         if self.details is not None:

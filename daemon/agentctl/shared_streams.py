@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from daemon.agentctl.protocol import ATTACH_MANY_MAX
-from ipc.client import Event, EventStream
+from ipc.client import Event, EventStream, batch_events
 from ipc.errors import ErrorCode, IpcError
 from ipc.framing import InvalidFrame
 
@@ -165,7 +165,7 @@ class SharedStream:
             raise
         finally:
             for target in list(self.streams.values()):
-                target.end(_copy(error) if error is not None else None)
+                target.end(error.copy() if error is not None else None)
             await self._stream.close()
 
     def _route(self, frame: dict[str, Any]) -> InstanceStream | None:
@@ -179,15 +179,7 @@ class SharedStream:
             if target is not None:
                 target.end(None)
             return None
-        items = frame.get("events")
-        if not isinstance(items, list):
-            raise InvalidFrame("shared event stream frame without events")
-        events = []
-        for item in items:
-            if (not isinstance(item, list) or len(item) != 3 or not isinstance(item[0], int)
-                    or isinstance(item[0], bool) or not isinstance(item[1], str)):
-                raise InvalidFrame("shared event stream frame with a malformed event")
-            events.append(Event(item[0], item[1], item[2]))
+        events = batch_events(frame.get("events"))
         if target is None:
             return None  # closed by its consumer: dropped, unacknowledged
         target.push(events)
@@ -214,10 +206,6 @@ class SharedStream:
             target.stop_reading()
         self._reader.cancel()
         await asyncio.gather(self._reader, return_exceptions=True)
-
-
-def _copy(error: IpcError) -> IpcError:
-    return IpcError(error.code, error.message, error.retryable)
 
 
 _Pending = tuple[str, int, "asyncio.Future[InstanceStream]"]
@@ -273,7 +261,7 @@ class SharedAttacher:
                 if isinstance(exc, asyncio.CancelledError):
                     fut.cancel()
                 else:
-                    fut.set_exception(_copy(exc) if isinstance(exc, IpcError) else exc)
+                    fut.set_exception(exc.copy() if isinstance(exc, IpcError) else exc)
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return
