@@ -23,7 +23,7 @@ from typing import Any
 from daemon.agentctl.events import Subscription
 from daemon.agentctl.instance import Instance
 from daemon.agentctl.protocol import ATTACH_MANY_MAX
-from ipc.codec_msgpack import encode_frame, event_batch_frames, pack
+from ipc.codec_msgpack import encode_frame, event_batch_frames
 from ipc.connection import EVENTS_PER_WRITE, ConnectionContext
 from ipc.errors import ErrorCode, IpcError
 
@@ -95,8 +95,7 @@ class ManyStreams:
             inst, sub = self.subs[iid]
             events = sub.ready(STREAM_BATCH)
             if events:
-                packed = [(e.seq, e.kind, e.packed if e.packed is not None else pack(e.data)) for e in events]
-                batch = event_batch_frames(packed, EVENTS_PER_WRITE, tag=iid)
+                batch = event_batch_frames([e.wire() for e in events], EVENTS_PER_WRITE, tag=iid)
                 frames.extend(batch)
                 size += sum(len(f) for f in batch)
             if sub.closed:

@@ -97,6 +97,10 @@ class Event(NamedTuple):
     data: dict[str, Any]
     packed: bytes | None = None  # ``data`` in msgpack (None: not packed here, e.g. handed over)
 
+    def wire(self) -> tuple[int, str, bytes]:
+        """``(seq, kind, data in msgpack)``, what ``codec_msgpack``'s event frames are made of."""
+        return self.seq, self.kind, self.packed if self.packed is not None else pack(self.data)
+
 
 def plain(value: Any) -> Any:
     """``value`` made msgpack-safe: JSON-like types, str keys, 64-bit ints (else floats/strs), and

@@ -23,18 +23,21 @@ is ``daemon.agentctl.instance``'s.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from daemon import faults
 from daemon.agentctl import attach_many as many
 from daemon.agentctl.protocol import TURN_STATUSES_MAX
 from daemon.agentctl.server_context import ServerContext
 from ipc import codec_msgpack
-from ipc.codec_msgpack import event_batch_frames, event_frame, pack
+from ipc.codec_msgpack import event_batch_frames, event_frame
 from ipc.connection import EVENTS_PER_WRITE, ConnectionContext
 from ipc.errors import ErrorCode, IpcError
 from ipc.framing import ConnectionClosed
 from ipc.server import Handler
+
+if TYPE_CHECKING:
+    from daemon.agentctl.instance import Instance
 
 log = logging.getLogger("kandev.agentctl.server")
 
@@ -66,7 +69,7 @@ def handlers(server: ServerContext) -> dict[str, Handler]:
                 # the connection is sent again from the backend's after_seq on its next attach).
                 batch = [event, *sub.ready(STREAM_BATCH - 1)]
                 if ctx.codec is codec_msgpack:  # (always, for a control server's connections)
-                    packed = [(e.seq, e.kind, e.packed if e.packed is not None else pack(e.data)) for e in batch]
+                    packed = [e.wire() for e in batch]
                     await ctx.send_event_frames(event_batch_frames(packed, EVENTS_PER_WRITE) if batched
                                                 else [event_frame(*p) for p in packed])
                 else:
@@ -79,11 +82,11 @@ def handlers(server: ServerContext) -> dict[str, Handler]:
 
     async def attach_many(ctx: ConnectionContext, args: dict[str, Any]) -> None:
         pairs = many.wanted(args["instances"])
-        found: list[tuple[Any, int]] = []
+        found: list[tuple[Instance, int]] = []
         missing: list[str] = []
         for instance_id, after_seq in pairs:
-            inst = server.instances.get(instance_id)
-            if inst is None or inst.gone:
+            inst = server.find(instance_id)
+            if inst is None:
                 missing.append(instance_id)  # what attach answers with not_found
             else:
                 found.append((inst, after_seq))
@@ -98,7 +101,7 @@ def handlers(server: ServerContext) -> dict[str, Handler]:
             log.debug("conn %d: detached from its instances", server.conn_id(ctx))
 
     def detach(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
-        inst = server.instances.get(args["instance_id"])
+        inst = server.find(args["instance_id"])
         return {"detached": inst is not None and inst.log.unsubscribe_token(args["stream"])}
 
     def ack_events(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
@@ -119,8 +122,8 @@ def handlers(server: ServerContext) -> dict[str, Handler]:
         statuses: dict[str, Any] = {}
         missing: list[str] = []
         for instance_id in ids:
-            inst = server.instances.get(instance_id)
-            if inst is None or inst.gone:
+            inst = server.find(instance_id)
+            if inst is None:
                 missing.append(instance_id)
             else:
                 statuses[instance_id] = inst.turn_status()
@@ -134,6 +137,6 @@ def handlers(server: ServerContext) -> dict[str, Handler]:
         return {"acked": False}  # unknown id: accepted, nothing changes (AC-EXECUTORS-SURVIVAL-004.6)
 
     return {
-        "attach": attach, "attach_many": attach_many, "detach": detach, "ack_events": ack_events, "turn_status": turn_status, "turn_statuses": turn_statuses,
-        "ack_turn": ack_turn,
+        "attach": attach, "attach_many": attach_many, "detach": detach, "ack_events": ack_events,
+        "turn_status": turn_status, "turn_statuses": turn_statuses, "ack_turn": ack_turn,
     }

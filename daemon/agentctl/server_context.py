@@ -97,10 +97,15 @@ class ServerContext:
             conn_id = ctx.state["conn_id"] = self._conn_counter
         return conn_id
 
+    def find(self, instance_id: str) -> Instance | None:
+        """The instance, None if it is unknown or stopping."""
+        inst = self.instances.get(instance_id)
+        return None if inst is None or inst.gone else inst
+
     def get(self, instance_id: str) -> Instance:
         """The instance, ``not_found`` if it is unknown or stopping."""
-        inst = self.instances.get(instance_id)
-        if inst is None or inst.gone:
+        inst = self.find(instance_id)
+        if inst is None:
             raise IpcError(ErrorCode.NOT_FOUND, f"no instance {instance_id!r}")
         return inst
 
