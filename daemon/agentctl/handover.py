@@ -125,7 +125,7 @@ class InstanceHandover:
     # clock cannot move; None: an image before 0.3.0 (the start times are compared instead).
     pid_start_ticks: int | None = None
     sandbox_init_start_ticks: int | None = None
-    # The read end of the agent's stderr pipe (``agent_logs.StderrSink``); None: an image before
+    # The read end of the agent's stderr pipe (``stderr_drain.StderrSink``); None: an image before
     # 0.3.0, whose agents write their stderr file themselves.
     stderr_fd: int | None = None
 

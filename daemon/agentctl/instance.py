@@ -14,7 +14,7 @@ The rooms (docs/architecture.md#the-control-server-inside), each in its own modu
 
 - what runs: ``agent_process`` (the spec, spawn, environment, identity, signals, the kill);
 - the output path: ``agent_pipe`` (the agent's stdout, paused by the detached bound) into
-  ``events.EventLog`` (retention, acks), its stderr through ``agent_logs.StderrSink``;
+  ``events.EventLog`` (retention, acks), its stderr through ``stderr_drain.StderrSink``;
 - the conversation: ``conversation`` (the ACP handshake and bounded requests, ``Turns``,
   ``Permissions``, ``TurnIds``);
 - the hand-over to the next process image: ``instance_handover``.
@@ -60,7 +60,7 @@ from acp.connection import StreamDirection, StreamEvent
 from acp.exceptions import RequestError
 from acp.schema import AllowedOutcome, DeniedOutcome, RequestPermissionResponse
 
-from daemon.agentctl import agent_logs, conversation
+from daemon.agentctl import agent_logs, conversation, stderr_drain
 from daemon.agentctl.agent_pipe import AgentPipeTransport, drain, wait_any
 from daemon.agentctl.agent_process import (
     REAP_TIMEOUT,
@@ -181,7 +181,7 @@ class Instance:
         self._turn_ids = turn_ids
         self._on_change = on_change
         self.handshake_timeout = handshake_timeout
-        self.stderr_sink: agent_logs.StderrSink | None = None  # None: the agent writes its file itself (older image)
+        self.stderr_sink: stderr_drain.StderrSink | None = None  # None: the agent writes its file itself (older image)
         self.stderr_handover_fd: int | None = None  # the stderr pipe while a re-exec is being prepared
         self.transport: AgentPipeTransport | None = None
         self.conn: acp.ClientSideConnection | None = None
@@ -271,7 +271,7 @@ class Instance:
 
     def start_stderr_sink(self, read_fd: int) -> None:
         self.stderr_handover_fd = None
-        self.stderr_sink = agent_logs.StderrSink(read_fd, self.stderr_path, name=self.instance_id).start()
+        self.stderr_sink = stderr_drain.StderrSink(read_fd, self.stderr_path, name=self.instance_id).start()
 
     def connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> acp.ClientSideConnection:
         """The ACP connection over the agent's pipes, and the watch of its exit."""

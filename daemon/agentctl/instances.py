@@ -169,7 +169,7 @@ class InstanceService:
                               COUNT=len(removed))
             for inst in list(server.instances.values()):
                 if inst.stderr_sink is not None:
-                    continue  # bounded while written (agent_logs.StderrSink)
+                    continue  # bounded while written (stderr_drain.StderrSink)
                 async with server.background_io:
                     dropped = await asyncio.to_thread(agent_logs.cap, inst.stderr_path)
                 if dropped:

@@ -174,9 +174,9 @@ async def create_instances(home: Path, n: int, workspace: Path) -> tuple[list[di
 
 
 # Open files per surviving agent, measured ("open files once streaming"): the control server's ends
-# of the agent's three pipes, its pidfd, its stderr file and the stderr drain's wake-up eventfd (the
+# of the agent's three pipes and its pidfd (stderr files are open only while written; the
 # re-tracking backend's event streams share one connection).
-FDS_PER_INSTANCE = 6
+FDS_PER_INSTANCE = 4
 
 
 def room_for(n: int) -> str | None:
@@ -185,8 +185,8 @@ def room_for(n: int) -> str | None:
     if hard is not None and FDS_PER_INSTANCE * n + 1024 > hard:
         return (f"the control server needs ~{FDS_PER_INSTANCE * n + 1024} open files for {n} agents;"
                 f" the open-file hard limit here is {hard}")
-    if 2 * n + 2048 > pid_max:  # each agent's process and the control server's stderr thread for it
-        return f"{n} agent processes and their stderr threads do not fit kernel.pid_max={pid_max}"
+    if 3 * n + 2048 > pid_max:  # each agent's bwrap, its sandbox's init and the agent
+        return f"{n} agent processes and their sandboxes do not fit kernel.pid_max={pid_max}"
     return None
 
 
@@ -201,7 +201,7 @@ def _limits() -> tuple[int | None, int]:
 def largest_that_fits() -> int:
     """The largest N (a multiple of 100) that ``room_for`` admits here."""
     hard, pid_max = _limits()
-    n = (pid_max - 2048) // 2
+    n = (pid_max - 2048) // 3
     if hard is not None:
         n = min(n, (hard - 1024) // FDS_PER_INSTANCE)
     return n // 100 * 100
