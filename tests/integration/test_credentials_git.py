@@ -316,10 +316,17 @@ def _lease_revoked(setup: Setup, lease_id: str) -> bool:
     return bool(row["revoked"])
 
 
+_FD_OPTIONS = {"--userns", "--userns2"}
+"""bwrap options whose value is a descriptor number of the control server: which number the
+kernel hands out depends on what else the server has open at that moment, not on the session."""
+
+
 def _process_facts(pid: int) -> tuple[list[str], str, dict[str, str]]:
-    """(argv, cwd, environment) of a running agent process."""
+    """(argv, cwd, environment) of a running agent process; descriptor numbers in argv as ``<fd>``."""
     proc = psutil.Process(pid)
-    return proc.cmdline(), proc.cwd(), proc.environ()
+    argv = proc.cmdline()
+    argv = [("<fd>" if i and argv[i - 1] in _FD_OPTIONS else a) for i, a in enumerate(argv)]
+    return argv, proc.cwd(), proc.environ()
 
 
 @pytest.mark.parametrize("restart", [False, True], ids=["acp", "restart"])
