@@ -154,6 +154,9 @@ class StderrDrain:
         with self._lock:
             if sink.read_fd < 0 or sink.read_fd in self._sinks:
                 return
+            # Non-blocking: a readiness the wait reported for a pipe closed since, whose number a
+            # new agent's pipe took, must never block the thread (and its lock) on the new one.
+            os.set_blocking(sink.read_fd, False)
             self._sinks[sink.read_fd] = sink
             # Registering a pipe that has data wakes the thread's wait (epoll), so no wake-up of its own.
             self._epoll.register(sink.read_fd, select.EPOLLIN)
@@ -184,12 +187,18 @@ class StderrDrain:
             for fd, _events in ready:
                 with self._lock:
                     sink = self._sinks.get(fd)  # None: removed since the wait returned
-                    if sink is not None:
+                    if sink is None:
+                        continue
+                    try:
                         self._serve(sink)
+                    except Exception:  # a bug must not stop the other agents' stderr being drained
+                        log.exception("agent stderr %s: draining failed", sink.path)
 
     def _serve(self, sink: StderrSink) -> None:
         try:
             data = os.read(sink.read_fd, READ_CHUNK)
+        except BlockingIOError:  # nothing after all (see ``add``)
+            return
         except OSError as exc:
             log.warning("agent stderr %s: %s; the rest of this agent's stderr is discarded", sink.path, exc)
             data = b""

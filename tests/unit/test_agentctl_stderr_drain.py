@@ -123,3 +123,23 @@ def test_a_symlink_in_the_files_place_is_never_followed_and_the_pipe_still_drain
     assert target.read_bytes() == b"keep" and link.is_symlink()
     warnings = [r.getMessage() for r in caplog.records if "dropped until" in r.getMessage()]
     assert len(warnings) == 1, warnings  # warned once, not once per chunk
+
+
+def test_a_readiness_for_a_pipe_with_nothing_in_it_never_blocks_the_drain(tmp_path: Path) -> None:
+    """The wait can report a pipe that was closed since, whose number a new agent's pipe then
+    took: serving that new, empty pipe returns at once instead of holding the drain's lock."""
+    drain = StderrDrain()
+    r, w = _pipe()
+    sink = StderrSink(r, tmp_path / "a.stderr.log", drain=drain).start()
+
+    def serve_once() -> None:
+        with drain._lock:
+            drain._serve(sink)
+
+    server = threading.Thread(target=serve_once, daemon=True)
+    server.start()
+    server.join(5)
+    assert not server.is_alive()
+    os.write(w, b"still drained\n")
+    os.close(w)
+    assert sink.drained(10) and sink.path.read_bytes() == b"still drained\n"
