@@ -9,7 +9,7 @@ loading msgpack would cost every call a third of the interpreter's start.
 from __future__ import annotations
 
 from daemon.backend.api_version import VERSION as API_VERSION
-from ipc.errors import ErrorCode, IpcError
+from ipc.errors import ErrorCode, IpcError, RequestNotSent
 from ipc.sync_client import SyncClient
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
@@ -21,7 +21,17 @@ EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 
 
 def call(socket: str | Path, op: str, args: dict[str, Any] | None = None, timeout: float | None = 60.0) -> Any:
-    """One operation on the backend's socket, on a connection of its own."""
+    """One operation on the backend's socket, on a connection of its own.
+
+    Asked once more on a new connection when the first was closed before the request could be
+    written (``RequestNotSent``: the backend ran nothing). That is what a client connecting in the
+    moment a backend hands its socket from the server that waited for disk space to the normal one
+    sees, or the moment a backend stops; a request that was written is never asked twice."""
+    try:
+        with connect(socket) as client:
+            return client.call(op, args or {}, timeout=timeout)
+    except RequestNotSent:
+        pass
     with connect(socket) as client:
         return client.call(op, args or {}, timeout=timeout)
 

@@ -96,3 +96,12 @@ class IpcError(Exception):
             bool(error.get("retryable", False)),
             details if isinstance(details, dict) else None,
         )
+
+
+class RequestNotSent(IpcError):
+    """The connection was closed before the request was written (the send failed): the server
+    never read a whole frame of it, so it ran nothing, and asking again on a new connection cannot
+    run it twice (``unavailable``, retryable)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ErrorCode.UNAVAILABLE, message, True)

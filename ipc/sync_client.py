@@ -15,7 +15,7 @@ import _socket  # socket.py's wrapper adds enums (~4 ms of a CLI call) and nothi
 import os
 import time
 
-from .errors import ErrorCode, IpcError
+from .errors import ErrorCode, IpcError, RequestNotSent
 from .framing import MAX_FRAME, ConnectionClosed, FrameBuffer
 from .hello import HELLO, check_hello
 
@@ -137,7 +137,7 @@ class SyncClient:
             refusal = self._refusal_after_send_error()
             if refusal is not None:
                 raise self._broken_with(refusal) from None
-            raise self._broken(ErrorCode.UNAVAILABLE, f"connection to {self.path} lost: {exc}") from None
+            raise self._broken_with(RequestNotSent(f"connection to {self.path} lost: {exc}")) from None
         while True:
             if deadline is not None:
                 remaining = deadline - time.monotonic()

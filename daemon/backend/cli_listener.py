@@ -4,7 +4,9 @@ While the store is out of space the backend serves ``status`` on its CLI socket
 (``daemon.backend.space_wait``); once the store opens, the normal server takes over. Each
 hand-over passes the listening socket itself, still open, from the server that stops to the one
 that starts: the socket file never disappears while the backend runs, and a client that connects
-in between waits in the socket's backlog instead of being told there is no backend.
+in between waits in the socket's backlog instead of being told there is no backend. A connection
+the stopping server had already accepted is closed with it; a CLI call whose request it closed
+before the request was written asks the next server (``daemon.cli_call.call``).
 """
 
 from __future__ import annotations
