@@ -179,14 +179,20 @@ async def create_instances(home: Path, n: int, workspace: Path) -> tuple[list[di
 FDS_PER_INSTANCE = 4
 
 
+def _processes(n: int) -> int:
+    """Processes ``n`` agents run as: bwrap, its sandbox's init and the agent up to ``SANDBOX_MAX``
+    (the sandbox is off above it)."""
+    return 3 * n if n <= SANDBOX_MAX else n
+
+
 def room_for(n: int) -> str | None:
     """Why this machine cannot hold ``n`` surviving agents, or None if it can."""
     hard, pid_max = _limits()
     if hard is not None and FDS_PER_INSTANCE * n + 1024 > hard:
         return (f"the control server needs ~{FDS_PER_INSTANCE * n + 1024} open files for {n} agents;"
                 f" the open-file hard limit here is {hard}")
-    if 3 * n + 2048 > pid_max:  # each agent's bwrap, its sandbox's init and the agent
-        return f"{n} agent processes and their sandboxes do not fit kernel.pid_max={pid_max}"
+    if _processes(n) + 2048 > pid_max:
+        return f"{_processes(n)} agent processes do not fit kernel.pid_max={pid_max}"
     return None
 
 
@@ -201,7 +207,7 @@ def _limits() -> tuple[int | None, int]:
 def largest_that_fits() -> int:
     """The largest N (a multiple of 100) that ``room_for`` admits here."""
     hard, pid_max = _limits()
-    n = (pid_max - 2048) // 3
+    n = max(SANDBOX_MAX, pid_max - 2048)
     if hard is not None:
         n = min(n, (hard - 1024) // FDS_PER_INSTANCE)
     return n // 100 * 100
