@@ -37,10 +37,20 @@ def from_a_line(tail: bytes) -> bytes:
     return tail[newline + 1:] if 0 <= newline < len(tail) - 1 else tail
 
 
+MARKER = b"[kandev: "
+
+
+def marker_length(fd: int) -> int:
+    """The length of the marker line an earlier cut left at the file's start (0: none)."""
+    head = os.pread(fd, 256, 0)
+    end = head.find(b"]\n")
+    return end + 2 if head.startswith(MARKER) and end >= 0 else 0
+
+
 def cut(fd: int, size: int, max_bytes: int, keep_bytes: int) -> int:
     """Cut the file open at ``fd`` (``size`` bytes, opened O_APPEND) to its last ``keep_bytes``."""
     tail = from_a_line(os.pread(fd, keep_bytes, max(0, size - keep_bytes)))
-    dropped = size - len(tail)
+    dropped = size - len(tail) - marker_length(fd)  # the agent's bytes, not an earlier cut's marker
     os.ftruncate(fd, 0)
     os.write(fd, f"[kandev: {dropped} earlier bytes of this agent's stderr were cut (the file is kept"
                  f" under {max_bytes} bytes)]\n".encode() + tail)

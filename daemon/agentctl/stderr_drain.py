@@ -31,7 +31,7 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
-from daemon.agentctl.agent_logs import KEEP_BYTES, MAX_BYTES, cut, from_a_line
+from daemon.agentctl.agent_logs import KEEP_BYTES, MAX_BYTES, cut, from_a_line, marker_length
 
 log = logging.getLogger("kandev.agentctl.agent_logs")
 
@@ -111,7 +111,7 @@ class StderrSink:
         if self.size + len(data) > self.max_bytes:
             if len(data) >= self.keep_bytes:  # the new bytes alone fill what is kept
                 tail = from_a_line(data[-self.keep_bytes:])
-                self.cut_bytes += self.size + len(data) - len(tail)
+                self.cut_bytes += self.size - marker_length(self.out) + len(data) - len(tail)
                 os.ftruncate(self.out, 0)
                 data = f"[kandev: {self.cut_bytes} earlier bytes of this agent's stderr were cut (the file"\
                        f" is kept under {self.max_bytes} bytes)]\n".encode() + tail

@@ -72,3 +72,16 @@ def test_prune_removes_only_old_unkept_regular_stderr_files(tmp_path: Path) -> N
     assert removed == [gone] and not gone.exists()
     assert kept_running.exists() and recent.exists() and other.exists() and link.is_symlink() and target.exists()
     assert agent_logs.prune(tmp_path / "missing", keep=set()) == []
+
+
+def test_a_second_cut_does_not_count_the_first_cuts_marker_as_the_agents_bytes(tmp_path: Path) -> None:
+    lines = b"".join(b"line %06d\n" % i for i in range(2000))
+    p = _file(tmp_path, "d.stderr.log", lines)
+    first = agent_logs.cap(p, max_bytes=10_000, keep_bytes=1_000)
+    with open(p, "ab") as fh:
+        fh.write(lines)  # the agent goes on writing
+    kept_before = p.read_bytes().split(b"\n", 1)[1]
+    second = agent_logs.cap(p, max_bytes=10_000, keep_bytes=1_000)
+    rest = p.read_bytes().split(b"\n", 1)[1]
+    assert first == len(lines) - len(kept_before.removesuffix(lines))
+    assert second == len(kept_before) - len(rest)  # the agent's bytes only
