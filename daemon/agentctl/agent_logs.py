@@ -47,13 +47,18 @@ def marker_length(fd: int) -> int:
     return end + 2 if head.startswith(MARKER) and end >= 0 else 0
 
 
+def marker(cut_bytes: int, max_bytes: int) -> bytes:
+    """The line a cut leaves at the file's start."""
+    return (f"[kandev: {cut_bytes} earlier bytes of this agent's stderr were cut (the file is kept"
+            f" under {max_bytes} bytes)]\n").encode()
+
+
 def cut(fd: int, size: int, max_bytes: int, keep_bytes: int) -> int:
     """Cut the file open at ``fd`` (``size`` bytes, opened O_APPEND) to its last ``keep_bytes``."""
     tail = from_a_line(os.pread(fd, keep_bytes, max(0, size - keep_bytes)))
     dropped = size - len(tail) - marker_length(fd)  # the agent's bytes, not an earlier cut's marker
     os.ftruncate(fd, 0)
-    os.write(fd, f"[kandev: {dropped} earlier bytes of this agent's stderr were cut (the file is kept"
-                 f" under {max_bytes} bytes)]\n".encode() + tail)
+    os.write(fd, marker(dropped, max_bytes) + tail)
     return dropped
 
 

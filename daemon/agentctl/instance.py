@@ -271,7 +271,7 @@ class Instance:
 
     def start_stderr_sink(self, read_fd: int) -> None:
         self.stderr_handover_fd = None
-        self.stderr_sink = stderr_drain.StderrSink(read_fd, self.stderr_path, name=self.instance_id).start()
+        self.stderr_sink = stderr_drain.StderrSink(read_fd, self.stderr_path).start()
 
     def connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> acp.ClientSideConnection:
         """The ACP connection over the agent's pipes, and the watch of its exit."""

@@ -31,7 +31,7 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
-from daemon.agentctl.agent_logs import KEEP_BYTES, MAX_BYTES, cut, from_a_line, marker_length
+from daemon.agentctl.agent_logs import KEEP_BYTES, MAX_BYTES, cut, from_a_line, marker, marker_length
 
 log = logging.getLogger("kandev.agentctl.agent_logs")
 
@@ -49,20 +49,19 @@ class StderrSink:
     until end of file or ``timeout``."""
 
     def __init__(self, read_fd: int, path: Path, *, max_bytes: int = MAX_BYTES, keep_bytes: int = KEEP_BYTES,
-                 name: str = "", drain: StderrDrain | None = None) -> None:
+                 drain: StderrDrain | None = None) -> None:
         self.read_fd = read_fd
         self.path = path
         self.max_bytes = max_bytes
         self.keep_bytes = keep_bytes
-        self.name = name
         self.cut_bytes = 0  # total dropped by cuts
         self._drain = drain if drain is not None else StderrDrain.shared()
         self._eof = threading.Event()
-        # The drain's, under its lock: the file while open, its size, and whether a failure to
-        # open it means this sink's chunks are dropped until the next one can be written.
+        # The drain's, under its lock: the file while open (-1: closed), its size, and the bytes
+        # lost since the last write that worked (a full disk: warned about once, not per chunk).
         self.out = -1
         self.size = 0
-        self.dropped = 0  # bytes lost since the last write that worked (a full disk): warned once
+        self.dropped = 0
 
     def start(self) -> StderrSink:
         self._drain.add(self)
@@ -113,8 +112,7 @@ class StderrSink:
                 tail = from_a_line(data[-self.keep_bytes:])
                 self.cut_bytes += self.size - marker_length(self.out) + len(data) - len(tail)
                 os.ftruncate(self.out, 0)
-                data = f"[kandev: {self.cut_bytes} earlier bytes of this agent's stderr were cut (the file"\
-                       f" is kept under {self.max_bytes} bytes)]\n".encode() + tail
+                data = marker(self.cut_bytes, self.max_bytes) + tail
                 self.size = 0
             else:
                 self.cut_bytes += cut(self.out, self.size, self.max_bytes, self.keep_bytes - len(data))
