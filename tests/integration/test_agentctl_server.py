@@ -38,6 +38,7 @@ from tests.support.paths import REPO_ROOT
 from tests.support.processes import group_exists
 from tests.support.streams import chunks, collect_until, turn_ended, wait_instance, wait_outcome
 from tests.support.waiting import eventually, wait_until
+from tests.support.wire import read_frame_body
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -615,17 +616,8 @@ def _raw(path: str, data: bytes, *, read: bool = True) -> dict[str, Any] | None:
         s.sendall(data)
         if not read:
             return None
-        header = s.recv(4)
-        if len(header) < 4:
-            return None
-        (size,) = struct.unpack(">I", header)
-        body = b""
-        while len(body) < size:
-            chunk = s.recv(size - len(body))
-            if not chunk:
-                return None
-            body += chunk
-        return msgpack.unpackb(body, raw=False)
+        body = read_frame_body(s)
+        return None if body is None else msgpack.unpackb(body, raw=False)
     except (ConnectionResetError, BrokenPipeError):
         return None
     finally:

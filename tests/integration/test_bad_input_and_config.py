@@ -21,6 +21,7 @@ import msgpack
 import pytest
 
 from tests.support.paths import REPO_ROOT
+from tests.support.wire import read_frame_body
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -37,20 +38,8 @@ def _db_snapshot(db: Path) -> dict[str, list[Any]]:
 def _recv_frame(sock: socket.socket) -> dict[str, Any] | None:
     """One reply frame, or None if the server closed the connection."""
     sock.settimeout(10)
-    head = b""
-    while len(head) < 4:
-        part = sock.recv(4 - len(head))
-        if not part:
-            return None
-        head += part
-    (n,) = struct.unpack(">I", head)
-    body = b""
-    while len(body) < n:
-        part = sock.recv(n - len(body))
-        if not part:
-            return None
-        body += part
-    return msgpack.unpackb(body, raw=False)
+    body = read_frame_body(sock)
+    return None if body is None else msgpack.unpackb(body, raw=False)
 
 
 def _send_raw(path: str, payload: bytes) -> dict[str, Any] | None:

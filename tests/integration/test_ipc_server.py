@@ -48,6 +48,7 @@ from ipc.client import STREAM_QUEUE_BYTES, STREAM_QUEUE_MAX, EventStream
 from ipc.codec_msgpack import decode_body, event_batch_frames, pack
 from ipc.framing import ConnectionClosed, InvalidFrame, frame_of
 from tests.support.waiting import eventually, wait_until
+from tests.support.wire import read_frame_body
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -1563,16 +1564,9 @@ def json_request(rid: Any, op: str, args: Any = None) -> bytes:
 
 def recv_body(raw: Raw) -> bytes:
     """The next frame's body as it came, whatever its codec (read exactly: the next stays queued)."""
-
-    def exactly(n: int) -> bytes:
-        data = b""
-        while len(data) < n:
-            chunk = raw.sock.recv(n - len(data))
-            assert chunk, "connection closed"
-            data += chunk
-        return data
-
-    return exactly(struct.unpack(">I", exactly(4))[0])
+    body = read_frame_body(raw.sock)
+    assert body is not None, "connection closed"
+    return body
 
 
 JSON_VALUES = [v for v in VALUES if not isinstance(v, bytes)]

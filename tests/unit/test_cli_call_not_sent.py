@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import socket
-import struct
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -18,25 +17,14 @@ import pytest
 from daemon.cli_call import call
 from ipc.errors import ErrorCode, IpcError, RequestNotSent
 from ipc.framing import HEADER
+from tests.support.wire import read_frame_body
 
 HELLO_RESULT = {"protocol": "kandev.backend", "version": [1, 0], "capabilities": [], "ops": []}
 
 
 def _read_frame(conn: socket.socket) -> dict | None:
-    header = b""
-    while len(header) < HEADER.size:
-        got = conn.recv(HEADER.size - len(header))
-        if not got:
-            return None
-        header += got
-    (size,) = struct.unpack(HEADER.format, header)
-    body = b""
-    while len(body) < size:
-        got = conn.recv(size - len(body))
-        if not got:
-            return None
-        body += got
-    return json.loads(body)
+    body = read_frame_body(conn)
+    return None if body is None else json.loads(body)
 
 
 def _send(conn: socket.socket, obj: dict) -> None:
