@@ -49,8 +49,8 @@ def marker_length(fd: int) -> int:
 
 def marker(cut_bytes: int, max_bytes: int) -> bytes:
     """The line a cut leaves at the file's start."""
-    return (f"[kandev: {cut_bytes} earlier bytes of this agent's stderr were cut (the file is kept"
-            f" under {max_bytes} bytes)]\n").encode()
+    return MARKER + (f"{cut_bytes} earlier bytes of this agent's stderr were cut (the file is kept"
+                     f" under {max_bytes} bytes)]\n").encode()
 
 
 def cut(fd: int, size: int, max_bytes: int, keep_bytes: int) -> int:
