@@ -35,6 +35,7 @@ from daemon.version import VERSION
 from ipc.client import Event
 from tests.support.aio import run
 from tests.support.paths import REPO_ROOT
+from tests.support.processes import identity
 from tests.support.streams import wait_instance
 from tests.support.waiting import eventually, wait_until
 from tests.support.workspaces import for_agent
@@ -174,10 +175,6 @@ async def wait_info(client: AgentctlClient, predicate: Any, timeout: float = 120
     return await eventually(matching, timeout, interval=0.1, message="server_info matching")
 
 
-def identity(pid: int) -> tuple[int, float]:
-    return pid, psutil.Process(pid).create_time()
-
-
 # ---------------------------------------------------------------- the hand-over
 
 
@@ -281,10 +278,10 @@ async def drain(client: AgentctlClient, instance_id: str, timeout: float = STEP)
 
 
 def sandbox_tree(pid: int) -> dict[int, float]:
-    """A sandboxed agent's processes as (pid -> start time): its bwrap (the group leader) and every
+    """A sandboxed agent's processes as (pid -> start in seconds since boot): its bwrap (the group leader) and every
     descendant (bwrap's init in the agent's pid namespace, the agent, what the agent started)."""
     leader = psutil.Process(pid)
-    return {p.pid: p.create_time() for p in (leader, *leader.children(recursive=True))}
+    return {p.pid: p.create_time(monotonic=True) for p in (leader, *leader.children(recursive=True))}
 
 
 def still_running(tree: dict[int, float]) -> list[int]:
@@ -293,7 +290,7 @@ def still_running(tree: dict[int, float]) -> list[int]:
     for pid, started in tree.items():
         try:
             proc = psutil.Process(pid)
-            if proc.create_time() == started and proc.status() != psutil.STATUS_ZOMBIE:
+            if proc.create_time(monotonic=True) == started and proc.status() != psutil.STATUS_ZOMBIE:
                 left.append(pid)
         except psutil.NoSuchProcess:
             pass

@@ -78,7 +78,7 @@ def cmdline(pid: int) -> list[str]:
 
 
 def identity(pid: int) -> tuple[int, float]:
-    """A process's identity: its pid and start time (a reused pid has another start time)."""
-    import psutil
-
-    return pid, psutil.Process(pid).create_time()
+    """A process's identity: its pid and start in seconds since boot (a reused pid has another
+    start). Not psutil's plain ``create_time()``: that adds the boot time the kernel derives from
+    the wall clock, so a step of the clock (NTP, a virtual machine resumed) moves it."""
+    return pid, psutil.Process(pid).create_time(monotonic=True)
