@@ -24,6 +24,8 @@ from typing import Any
 
 import psutil
 
+from daemon import process_start
+
 CHUNKS = 20
 
 
@@ -90,7 +92,7 @@ def run(home: Path, keep: bool) -> int:
         wait("backend exit", lambda: not psutil.pid_exists(backend_pid) or
              psutil.Process(backend_pid).status() == psutil.STATUS_ZOMBIE, 10)
         agent = psutil.Process(pid)
-        if agent.create_time() != start:
+        if process_start.stamp(pid) != before["agent_pid_start_stamp"]:  # boot id and start ticks
             raise DemoFailed("agent pid was reused by another process")
         say(f"backend gone; agent pid {pid} still alive ({agent.status()}); waiting 3 s with no backend")
         time.sleep(3)  # the agent keeps producing chunks that the control server retains

@@ -11,10 +11,15 @@ process that never stopped looks like another one.
 The ticks themselves never move. ``read(pid)`` takes them, with the process's state, from
 /proc/<pid>/stat: within one boot, equal ticks and pid are the same process, whatever the clock
 did meanwhile. Use them where both sides of a comparison are read on this machine and this boot.
+
+A start kept longer (a database row a later backend checks, perhaps after a reboot) is a
+``stamp(pid)``: the kernel's boot id and the ticks. Two stamps of one pid are equal only for the
+same process of the same boot.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 
@@ -43,3 +48,24 @@ def read(pid: int) -> ProcessStart | None:
     # the fields after it start after its last ")". Field 3 is the state, field 22 the start.
     fields = data[data.rindex(b")") + 2:].split()
     return ProcessStart(fields[0].decode("ascii", "replace"), int(fields[19]))
+
+
+@functools.cache
+def boot_id() -> str:
+    """The kernel's id of this boot (a random UUID, new at every boot)."""
+    with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+        return f.read().strip()
+
+
+def stamp(pid: int) -> str | None:
+    """Process ``pid``'s start as ``<boot id>:<ticks>``, unchanged for its whole life whatever the
+    wall clock does and never repeated by another process, in this boot or a later one; None when
+    no process has that pid (a zombie still has one). Raises ``OSError`` when /proc cannot be read."""
+    seen = read(pid)
+    return None if seen is None else f"{boot_id()}:{seen.ticks}"
+
+
+def of_this_boot(start_stamp: str) -> bool:
+    """Whether ``start_stamp`` was taken in this boot (a process of an earlier boot is gone).
+    Raises ``OSError`` when the boot id cannot be read."""
+    return start_stamp.startswith(f"{boot_id()}:")

@@ -183,7 +183,8 @@ class AgentProcess:
         self.sandboxed = sandboxed
         self.proc: asyncio.subprocess.Process | AdoptedProcess | None = None
         self.pid: int | None = None
-        self.pid_start_time: float | None = None
+        self.pid_start_time: float | None = None  # wall-clock seconds, as people read a start
+        self.pid_start_stamp: str | None = None  # what a later check compares (``process_start.stamp``)
         self.psproc: psutil.Process | None = None  # the identity signals are checked against
         self.sandbox_init: psutil.Process | None = None  # bwrap's init of a sandboxed agent
         self.stopped_by_us = False  # a signal we sent (stop) is not a kill to report
@@ -219,6 +220,7 @@ class AgentProcess:
         try:
             self.psproc = psutil.Process(self.pid)
             self.pid_start_time = self.psproc.create_time()
+            self.pid_start_stamp = _start_stamp(self.pid)
         except psutil.Error:
             # Already dead and reaped: without an identity, the group is never signalled.
             self.psproc = None
@@ -342,6 +344,7 @@ class AgentProcess:
                 lost = "process identity (the start time differs)"
             else:
                 self.psproc = psproc
+                self.pid_start_stamp = _start_stamp(self.pid)
         except psutil.Error:
             self.psproc = None  # gone already: the exit watcher reports it
         if not self.sandboxed:
@@ -409,6 +412,14 @@ def _start_ticks(pid: int | None) -> int | None:
     except OSError:
         return None
     return seen.ticks if seen is not None else None
+
+
+def _start_stamp(pid: int) -> str | None:
+    """Process ``pid``'s ``process_start.stamp``; None if it cannot be read."""
+    try:
+        return process_start.stamp(pid)
+    except OSError:
+        return None
 
 
 def _same_start(proc: psutil.Process, start_time: float | None, start_ticks: int | None) -> bool:

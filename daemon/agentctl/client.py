@@ -345,7 +345,7 @@ class AgentctlClient:
         secret_env: dict[str, str] | None = None,
         timeout: float = CREATE_TIMEOUT,
     ) -> CreatedInstance:
-        """Spawn an agent -> ``{instance_id, pid, pid_start_time, acp_session_id, modes, config_options,
+        """Spawn an agent -> ``{instance_id, pid, pid_start_time, pid_start_stamp, acp_session_id, modes, config_options,
         handshake_seq, sandboxed}`` (the last four from servers that know them). ``sandbox``: the
         wire form of ``daemon.agentctl.sandbox.SandboxRequest``; ``secret_env``: the agent's secrets by
         reference (``daemon.agents.settings``), read by the server."""

@@ -201,10 +201,6 @@ class Instance:
         return self.group.pid
 
     @property
-    def pid_start_time(self) -> float | None:
-        return self.group.pid_start_time
-
-    @property
     def process(self) -> Any:
         """The agent's process handle (``asyncio.subprocess.Process`` or ``AdoptedProcess``), or None."""
         return self.group.proc
@@ -221,7 +217,8 @@ class Instance:
             "task_id": self.spec.task_id,
             "agent": self.spec.agent,
             "pid": self.pid,
-            "pid_start_time": self.pid_start_time,
+            "pid_start_time": self.group.pid_start_time,
+            "pid_start_stamp": self.group.pid_start_stamp,
             "acp_session_id": self.acp_session_id,
             "state": self.state.value,
             "exit_code": self.exit_code,

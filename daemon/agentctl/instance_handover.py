@@ -126,7 +126,7 @@ def capture(inst: Instance) -> InstanceHandover:
         spec={k: v for k, v in to_plain(inst.spec).items() if k not in SPEC_NOT_HANDED_OVER},
         state=inst.state.value,
         pid=inst.pid,
-        pid_start_time=inst.pid_start_time,
+        pid_start_time=inst.group.pid_start_time,
         exit_code=inst.exit_code,
         reaped_returncode=proc.returncode if proc is not None else None,
         acp_session_id=inst.acp_session_id,

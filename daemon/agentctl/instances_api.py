@@ -86,7 +86,8 @@ def handlers(server: ServerContext, instances: InstanceService, sandbox_host: Sa
         return {
             "instance_id": spec.instance_id,
             "pid": inst.pid,
-            "pid_start_time": inst.pid_start_time,
+            "pid_start_time": inst.group.pid_start_time,
+            "pid_start_stamp": inst.group.pid_start_stamp,
             "acp_session_id": inst.acp_session_id,
             "modes": inst.session_info.get("modes"),
             "config_options": list(inst.session_info.get("config_options") or []),

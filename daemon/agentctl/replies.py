@@ -26,6 +26,7 @@ class CreatedInstance(TypedDict):
     instance_id: str
     pid: int | None
     pid_start_time: float | None
+    pid_start_stamp: NotRequired[str | None]  # 0.3.0 and later: boot id and start ticks
     acp_session_id: str | None
     modes: NotRequired[Any]
     config_options: NotRequired[list[dict[str, Any]]]
@@ -42,6 +43,7 @@ class InstanceEntry(TypedDict):
     agent: NotRequired[str | None]
     pid: int | None
     pid_start_time: float | None
+    pid_start_stamp: NotRequired[str | None]  # 0.3.0 and later: boot id and start ticks
     acp_session_id: str | None
     state: str
     exit_code: NotRequired[int | None]

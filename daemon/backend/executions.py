@@ -54,6 +54,7 @@ class Execution:
     agent_pid: int | None
     agent_pid_start_time: float | None
     acp_session_id: str | None
+    agent_pid_start_stamp: str | None = None  # daemon.process_start.stamp (servers before 0.3.0: none)
     retracked: bool = False
     passthrough: bool = False  # runs on the backend's own child server; never survives
     last_seq: int = 0

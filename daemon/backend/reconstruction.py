@@ -48,6 +48,7 @@ RECONSTRUCTION_SOURCES: dict[str, str] = {
     "workspace_roots": "c",  # read back from the instance, never pushed to it (AC-EXECUTORS-SURVIVAL-002.5)
     "agent_pid": "c",
     "agent_pid_start_time": "c",
+    "agent_pid_start_stamp": "c",
     "agent_command": "d",  # re-derived from agent_profile and the built-in registry as it is now (AC-EXECUTORS-SURVIVAL-002.3)
 }
 
@@ -71,6 +72,7 @@ def reconstruct(rec: Record, instance: dict[str, Any], commands: dict[str, list[
         "workspace_roots": instance.get("workspace_roots"),
         "agent_pid": instance.get("pid"),
         "agent_pid_start_time": instance.get("pid_start_time"),
+        "agent_pid_start_stamp": instance.get("pid_start_stamp"),
     }
     for name in ("workspace_path", "agent_profile", "acp_session_id", "workspace_roots", "agent_pid"):
         if not values[name]:

@@ -296,6 +296,7 @@ class Recovery:
                 row.instance_id = values["instance_id"]
                 row.agent_pid = values["agent_pid"]
                 row.agent_pid_start_time = values["agent_pid_start_time"]
+                row.agent_pid_start_stamp = values["agent_pid_start_stamp"]
                 row.updated_at = datetime.now(UTC)
 
         ex = Execution(
@@ -304,6 +305,7 @@ class Recovery:
             instance_id=values["instance_id"],
             agent_pid=values["agent_pid"],
             agent_pid_start_time=values["agent_pid_start_time"],
+            agent_pid_start_stamp=values["agent_pid_start_stamp"],
             acp_session_id=values["acp_session_id"],
             retracked=True,
             last_seq=rec.last_event_seq,
@@ -477,6 +479,7 @@ class Recovery:
                     instance_id=row.instance_id,
                     agent_pid=row.agent_pid,
                     agent_pid_start_time=row.agent_pid_start_time,
+                    agent_pid_start_stamp=row.agent_pid_start_stamp,
                     created_by_boot=row.created_by_boot,
                     scope=scope,
                 )

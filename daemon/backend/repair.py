@@ -70,6 +70,7 @@ class LostAgent:
     pid: int | None
     start_time: float | None
     last_seq: int
+    start_stamp: str | None = None  # daemon.process_start.stamp, where recorded
 
 
 def repair_lost_server(
@@ -91,12 +92,12 @@ def repair_lost_server(
     for row in rows:
         if row.session_id not in agents:
             agents[row.session_id] = LostAgent(row.session_id, row.agent_pid, row.agent_pid_start_time,
-                                               row.last_event_seq or 0)
+                                               row.last_event_seq or 0, row.agent_pid_start_stamp)
     interruption = {"cause": "control_server_lost", "reason": reason, "at": iso_utc(now)}
     repaired: list[str] = []
     groups = live_groups() if agents else set()
     for session_id, agent in sorted(agents.items()):
-        leftover = stop_leftover_group(agent.pid, agent.start_time, groups)
+        leftover = stop_leftover_group(agent.pid, agent.start_time, groups, start_stamp=agent.start_stamp)
         if leftover != "gone":
             log_event("agent_group_leftover", f"session {session_id}: agent pid {agent.pid} outlived its control"
                       f" server: {'its process group was killed' if leftover == 'killed' else 'identity unknown, left alone'}",

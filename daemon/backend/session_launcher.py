@@ -162,6 +162,7 @@ class SessionLauncher:
             row.instance_id = info["instance_id"]
             row.agent_pid = info.get("pid")
             row.agent_pid_start_time = info.get("pid_start_time")
+            row.agent_pid_start_stamp = info.get("pid_start_stamp")
             row.endpoint = launched.endpoint or row.endpoint
             row.last_event_seq = last_event_seq
             row.created_by_boot = self.backend.boot_id
@@ -171,7 +172,7 @@ class SessionLauncher:
         db.merge(ExecutorRunning(
             session_id=plan.session_id, task_id=plan.task_id, instance_id=info["instance_id"],
             endpoint=launched.endpoint, agent_pid=info.get("pid"), agent_pid_start_time=info.get("pid_start_time"),
-            resume_token=info.get("acp_session_id"),
+            agent_pid_start_stamp=info.get("pid_start_stamp"), resume_token=info.get("acp_session_id"),
             worktree_path=plan.workspace if plan.executor == "worktree" else None,
             workspace_path=plan.workspace, runtime="standalone", agent_profile=plan.agent_name, status="live",
             last_event_seq=last_event_seq, created_by_boot=self.backend.boot_id, metadata_json={},
@@ -194,7 +195,7 @@ class SessionLauncher:
         ex = Execution(
             session_id=plan.session_id, task_id=plan.task_id, instance_id=info["instance_id"],
             agent_pid=info.get("pid"), agent_pid_start_time=info.get("pid_start_time"),
-            acp_session_id=info.get("acp_session_id"), passthrough=plan.passthrough, last_seq=last_seq,
+            agent_pid_start_stamp=info.get("pid_start_stamp"), acp_session_id=info.get("acp_session_id"), passthrough=plan.passthrough, last_seq=last_seq,
         )
         self.backend.executions.executions[plan.session_id] = ex
         self.backend.consumer.start(ex)

@@ -243,6 +243,7 @@ class SessionService:
             "passthrough": bool(session.passthrough),
             "agent_pid": ex.agent_pid if ex else (row.agent_pid if row else None),
             "agent_pid_start_time": ex.agent_pid_start_time if ex else (row.agent_pid_start_time if row else None),
+            "agent_pid_start_stamp": ex.agent_pid_start_stamp if ex else (row.agent_pid_start_stamp if row else None),
             "instance_id": ex.instance_id if ex else (row.instance_id if row else None),
             "resume_token": row.resume_token if row else meta.acp_session_id,
             "retracked": bool(ex.retracked) if ex else False,

@@ -219,7 +219,8 @@ class ExecutorRunning(Base):
     instance_id: Mapped[str] = mapped_column(String(128))  # the agent execution id
     endpoint: Mapped[str] = mapped_column(Text)  # control-server socket at creation
     agent_pid: Mapped[int | None] = mapped_column(Integer)
-    agent_pid_start_time: Mapped[float | None] = mapped_column(Float)
+    agent_pid_start_time: Mapped[float | None] = mapped_column(Float)  # wall clock, for people
+    agent_pid_start_stamp: Mapped[str | None] = mapped_column(String(64))  # daemon.process_start.stamp
     resume_token: Mapped[str | None] = mapped_column(Text)
     worktree_path: Mapped[str | None] = mapped_column(Text)
     workspace_path: Mapped[str] = mapped_column(Text)

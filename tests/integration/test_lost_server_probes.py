@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
+from daemon import process_start
 from daemon.backend.launcher import ControlServerHandle
 from daemon.backend.liveness import live_groups, stop_leftover_group
 from daemon.backend.server_watch import ServerWatch, describe_status
@@ -76,6 +77,25 @@ def test_leftover_member_of_a_dead_leader_is_killed(group):
     assert stop_leftover_group(leader.pid, start) == "killed"
     wait_until(lambda: not alive(child), timeout=10)
     assert stop_leftover_group(leader.pid, start) == "gone"
+
+
+def test_leftover_group_by_stamp_holds_across_a_step_of_the_wall_clock(group):
+    """A recorded stamp decides, not the wall-clock start: the recorded time 16 s off (a clock step
+    since) still finds the agent and kills its group; another start, or a stamp of an earlier boot
+    (whose pid now names another process's group), signals nothing."""
+    leader, child = group
+    start = psutil.Process(leader.pid).create_time()
+    stamp = process_start.stamp(leader.pid)
+    assert stamp is not None
+    boot, ticks = stamp.split(":")
+    assert stop_leftover_group(leader.pid, start, start_stamp=f"{boot}:{int(ticks) + 1}") == "gone"
+    assert stop_leftover_group(leader.pid, start, start_stamp=f"00000000-0000-0000-0000-000000000000:{ticks}") == "gone"
+    os.kill(leader.pid, signal.SIGKILL)  # the leader gone, its group still has the child
+    leader.wait()
+    assert stop_leftover_group(leader.pid, start, start_stamp=f"00000000-0000-0000-0000-000000000000:{ticks}") == "gone"
+    assert alive(child)  # nothing was signalled
+    assert stop_leftover_group(leader.pid, start - 16.0, start_stamp=stamp) == "killed"
+    wait_until(lambda: not alive(child), timeout=10)
 
 
 def test_watch_of_a_child_server_reports_its_exit_status():

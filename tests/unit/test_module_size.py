@@ -20,9 +20,7 @@ MODULE_MAX = 600
 CLASS_MAX = 450
 
 # Still over the limit, each with its size today (it may not grow):
-PENDING: dict[str, int] = {
-    "daemon/agentctl/instance.py::Instance": 453,  # "about 450", as the issue allows
-}
+PENDING: dict[str, int] = {}
 
 
 def _modules() -> Iterator[Path]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 
@@ -46,3 +47,15 @@ def test_an_exited_child_not_yet_reaped_has_exited_and_a_reaped_one_is_none() ->
     assert seen.state == "Z"
     proc.wait()
     assert process_start.read(proc.pid) is None
+
+
+def test_a_stamp_is_the_boot_id_and_the_start_ticks_and_names_no_other_process() -> None:
+    boot = Path("/proc/sys/kernel/random/boot_id").read_text(encoding="ascii").strip()
+    seen = process_start.read(os.getpid())
+    assert seen is not None
+    mine = process_start.stamp(os.getpid())
+    assert mine == f"{boot}:{seen.ticks}" and process_start.of_this_boot(mine)
+    assert not process_start.of_this_boot(f"00000000-0000-0000-0000-000000000000:{seen.ticks}")
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    assert process_start.stamp(proc.pid) is None  # reaped: no process has the pid

@@ -7,6 +7,7 @@ import os
 import psutil
 import pytest
 
+from daemon import process_start
 from daemon.backend.liveness import DEAD, LIVE, UNKNOWN, Scope, classify, pid_probe
 from daemon.backend.reconstruction import RECONSTRUCTION_SOURCES, MissingInput, Record, reconstruct
 
@@ -25,6 +26,21 @@ def test_pid_probe_checks_pid_and_start_time():
     assert pid_probe(os.getpid(), ME.create_time() - 1000) == DEAD  # reused pid
     assert pid_probe(None, None) == DEAD
     assert pid_probe(2**22 + 12345, 1.0) == DEAD
+
+
+def test_pid_probe_by_stamp_holds_across_a_step_of_the_wall_clock():
+    """A recorded stamp (boot id and start ticks) decides, not the wall-clock start time: a step
+    of the clock after the start was recorded (the recorded time now 16 s off, as CI saw) leaves
+    a running agent live; another start or another boot is another process."""
+    mine = process_start.stamp(os.getpid())
+    assert mine is not None
+    boot, ticks = mine.split(":")
+    assert pid_probe(os.getpid(), ME.create_time() - 16.0, mine) == LIVE
+    assert pid_probe(os.getpid(), ME.create_time(), f"{boot}:{int(ticks) - 1}") == DEAD  # reused pid
+    assert pid_probe(os.getpid(), ME.create_time(), f"00000000-0000-0000-0000-000000000000:{ticks}") == DEAD
+    scope = Scope(disabled=True, adopted=False, answered=False)
+    assert classify(instance_id="i1", agent_pid=os.getpid(), agent_pid_start_time=ME.create_time() - 16.0,
+                    created_by_boot="old", scope=scope, agent_pid_start_stamp=mine) == LIVE
 
 
 def test_liveness_rules_of_003_6():
