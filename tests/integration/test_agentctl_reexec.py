@@ -35,7 +35,7 @@ from daemon.version import VERSION
 from ipc.client import Event
 from tests.support.aio import run
 from tests.support.paths import REPO_ROOT
-from tests.support.processes import identity
+from tests.support.processes import identity, start_ticks
 from tests.support.streams import wait_instance
 from tests.support.waiting import eventually, wait_until
 from tests.support.workspaces import for_agent
@@ -277,20 +277,21 @@ async def drain(client: AgentctlClient, instance_id: str, timeout: float = STEP)
 # ---------------------------------------------------------------- sandboxed agents
 
 
-def sandbox_tree(pid: int) -> dict[int, float]:
-    """A sandboxed agent's processes as (pid -> start in seconds since boot): its bwrap (the group leader) and every
-    descendant (bwrap's init in the agent's pid namespace, the agent, what the agent started)."""
+def sandbox_tree(pid: int) -> dict[int, int]:
+    """A sandboxed agent's processes as (pid -> start in clock ticks since boot): its bwrap (the
+    group leader) and every descendant (bwrap's init in the agent's pid namespace, the agent, what
+    the agent started)."""
     leader = psutil.Process(pid)
-    return {p.pid: p.create_time(monotonic=True) for p in (leader, *leader.children(recursive=True))}
+    return {p.pid: start_ticks(p.pid) for p in (leader, *leader.children(recursive=True))}
 
 
-def still_running(tree: dict[int, float]) -> list[int]:
+def still_running(tree: dict[int, int]) -> list[int]:
     """The processes of ``tree`` that still run (a zombie waiting for its reaper has ended)."""
     left = []
     for pid, started in tree.items():
         try:
             proc = psutil.Process(pid)
-            if proc.create_time(monotonic=True) == started and proc.status() != psutil.STATUS_ZOMBIE:
+            if start_ticks(pid) == started and proc.status() != psutil.STATUS_ZOMBIE:
                 left.append(pid)
         except psutil.NoSuchProcess:
             pass

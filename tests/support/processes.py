@@ -8,6 +8,7 @@ import signal
 
 import psutil
 
+from daemon import process_start
 from tests.support.waiting import wait_until
 
 
@@ -77,8 +78,16 @@ def cmdline(pid: int) -> list[str]:
         return []
 
 
-def identity(pid: int) -> tuple[int, float]:
-    """A process's identity: its pid and start in seconds since boot (a reused pid has another
-    start). Not psutil's plain ``create_time()``: that adds the boot time the kernel derives from
-    the wall clock, so a step of the clock (NTP, a virtual machine resumed) moves it."""
-    return pid, psutil.Process(pid).create_time(monotonic=True)
+def start_ticks(pid: int) -> int:
+    """A process's start in clock ticks since boot (``psutil.NoSuchProcess`` when none has the
+    pid). Not psutil's ``create_time()``: that adds the boot time the kernel derives from the wall
+    clock, so a step of the clock (NTP, a virtual machine resumed) moves it."""
+    seen = process_start.read(pid)
+    if seen is None:
+        raise psutil.NoSuchProcess(pid)
+    return seen.ticks
+
+
+def identity(pid: int) -> tuple[int, int]:
+    """A process's identity: its pid and start (a reused pid has another start)."""
+    return pid, start_ticks(pid)
