@@ -38,7 +38,9 @@ def handlers(backend: BackendContext, upgrade: ServerUpgrade) -> dict[str, Handl
         return link
 
     async def op_status(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
-        handle = b.handle
+        # One moment: the state and the server as they were together. A start that finishes while
+        # the questions below are out says READY at the next status, never beside no server.
+        state, handle = b.state, b.handle
         # the three questions to other parties at once: a status call waits for the slowest, not the sum
         link, sandbox, store = await asyncio.gather(
             control_link(handle), agent_launch.sandbox_status(b), b.store_care.status())
@@ -49,7 +51,7 @@ def handlers(backend: BackendContext, upgrade: ServerUpgrade) -> dict[str, Handl
                 "version": VERSION,
                 "socket": b.socket_path,
                 "home": str(b.paths.home),
-                "state": b.state,
+                "state": state,
                 "config": b.config.source,  # the file it runs with (None: no file, defaults)
             },
             "capability": {
