@@ -345,8 +345,8 @@ class AgentctlClient:
         secret_env: dict[str, str] | None = None,
         timeout: float = CREATE_TIMEOUT,
     ) -> CreatedInstance:
-        """Spawn an agent -> ``{instance_id, pid, pid_start_time, pid_start_stamp, acp_session_id, modes, config_options,
-        handshake_seq, sandboxed}`` (the last four from servers that know them). ``sandbox``: the
+        """Spawn an agent -> ``{instance_id, pid, pid_start_time, pid_start_stamp, acp_session_id, modes,
+        config_options, handshake_seq, sandboxed}`` (the last four from servers that know them). ``sandbox``: the
         wire form of ``daemon.agentctl.sandbox.SandboxRequest``; ``secret_env``: the agent's secrets by
         reference (``daemon.agents.settings``), read by the server."""
         args: dict[str, Any] = {"session_id": session_id, "task_id": task_id, "command": command, "cwd": cwd}

@@ -152,8 +152,8 @@ OPS = [
         },
         doc="spawn the agent in its own process group (in its sandbox unless the policy is off; a"
         " required sandbox this server cannot make: sandbox_unavailable), ACP initialize +"
-        " session/new|load -> {instance_id, pid, pid_start_time, pid_start_stamp, acp_session_id, modes, config_options,"
-        " handshake_seq, sandboxed}; pid: the sandbox's bwrap process, the group leader;"
+        " session/new|load -> {instance_id, pid, pid_start_time, pid_start_stamp, acp_session_id, modes,"
+        " config_options, handshake_seq, sandboxed}; pid: the sandbox's bwrap process, the group leader;"
         " handshake_seq: the last seq appended before the answer (e.g. the history a session/load"
         " replays), so a backend that already stores the transcript attaches after it",
     ),

@@ -195,7 +195,8 @@ class SessionLauncher:
         ex = Execution(
             session_id=plan.session_id, task_id=plan.task_id, instance_id=info["instance_id"],
             agent_pid=info.get("pid"), agent_pid_start_time=info.get("pid_start_time"),
-            agent_pid_start_stamp=info.get("pid_start_stamp"), acp_session_id=info.get("acp_session_id"), passthrough=plan.passthrough, last_seq=last_seq,
+            agent_pid_start_stamp=info.get("pid_start_stamp"), acp_session_id=info.get("acp_session_id"),
+            passthrough=plan.passthrough, last_seq=last_seq,
         )
         self.backend.executions.executions[plan.session_id] = ex
         self.backend.consumer.start(ex)

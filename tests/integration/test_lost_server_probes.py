@@ -79,6 +79,9 @@ def test_leftover_member_of_a_dead_leader_is_killed(group):
     assert stop_leftover_group(leader.pid, start) == "gone"
 
 
+OTHER_BOOT = "00000000-0000-0000-0000-000000000000"  # a boot id that is not this boot's
+
+
 def test_leftover_group_by_stamp_holds_across_a_step_of_the_wall_clock(group):
     """A recorded stamp decides, not the wall-clock start: the recorded time 16 s off (a clock step
     since) still finds the agent and kills its group; another start, or a stamp of an earlier boot
@@ -89,10 +92,10 @@ def test_leftover_group_by_stamp_holds_across_a_step_of_the_wall_clock(group):
     assert stamp is not None
     boot, ticks = stamp.split(":")
     assert stop_leftover_group(leader.pid, start, start_stamp=f"{boot}:{int(ticks) + 1}") == "gone"
-    assert stop_leftover_group(leader.pid, start, start_stamp=f"00000000-0000-0000-0000-000000000000:{ticks}") == "gone"
+    assert stop_leftover_group(leader.pid, start, start_stamp=f"{OTHER_BOOT}:{ticks}") == "gone"
     os.kill(leader.pid, signal.SIGKILL)  # the leader gone, its group still has the child
     leader.wait()
-    assert stop_leftover_group(leader.pid, start, start_stamp=f"00000000-0000-0000-0000-000000000000:{ticks}") == "gone"
+    assert stop_leftover_group(leader.pid, start, start_stamp=f"{OTHER_BOOT}:{ticks}") == "gone"
     assert alive(child)  # nothing was signalled
     assert stop_leftover_group(leader.pid, start - 16.0, start_stamp=stamp) == "killed"
     wait_until(lambda: not alive(child), timeout=10)
