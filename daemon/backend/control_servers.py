@@ -334,8 +334,7 @@ class ControlServers:
         dropped = await self.executions.drop(lambda ex: ex.passthrough == passthrough, "interrupted")
         for ex in dropped:  # their agents died with the server: nobody left to serve
             self.endpoints.close_soon(ex.session_id)
-        tracked = [LostAgent(ex.session_id, ex.agent_pid, ex.agent_pid_start_time, ex.last_seq,
-                             ex.agent_pid_start_stamp) for ex in dropped]
+        tracked = [LostAgent(ex.session_id, ex.agent, ex.last_seq) for ex in dropped]
         with self.store.session() as db:
             repaired = repair_lost_server(db, endpoint=handle.endpoint, tracked=tracked, reason=loss.reason,
                                           now=_now())

@@ -1,9 +1,10 @@
 """The backend's in-memory execution store: tracked sessions, guards, event consumers.
 
 An *execution* is this backend's handle on one agent instance in the control
-server: which session it serves, the instance id, the agent's (pid, start
-time), and the task that consumes its event stream. The backend never holds a
-pipe or signals an agent itself; it only talks to the control server.
+server: which session it serves, the instance id, the agent's identity (pid
+and start, ``daemon.backend.agent_identity``), and the task that consumes its
+event stream. The backend never holds a pipe or signals an agent itself; it
+only talks to the control server.
 
 Guards (AC-EXECUTORS-SURVIVAL-002.8): while startup recovery decides a
 session, a launch for it is refused at once with a retryable
@@ -24,6 +25,7 @@ from enum import StrEnum
 from daemon.agentctl.client import AgentctlClient
 from daemon.agentctl.client_handshake import OwnershipRefused
 from daemon.agentctl.shared_streams import InstanceStream
+from daemon.backend.agent_identity import AgentIdentity
 from daemon.backend.events import apply_events, mark_agent_gone
 from daemon.journal import log_event
 from daemon.store.db import Store
@@ -51,10 +53,8 @@ class Execution:
     session_id: str
     task_id: str
     instance_id: str
-    agent_pid: int | None
-    agent_pid_start_time: float | None
+    agent: AgentIdentity
     acp_session_id: str | None
-    agent_pid_start_stamp: str | None = None  # daemon.process_start.stamp (servers before 0.3.0: none)
     retracked: bool = False
     passthrough: bool = False  # runs on the backend's own child server; never survives
     last_seq: int = 0

@@ -71,16 +71,16 @@ async def stop_session(backend: Backend, session_id: str) -> dict[str, Any]:
     try:
         await client.stop_instance(ex.instance_id)
     except IpcError as exc:
-        raise IpcError(exc.code, f"session {session_id}: stopping its agent (pid {ex.agent_pid}) failed:"
+        raise IpcError(exc.code, f"session {session_id}: stopping its agent (pid {ex.agent.pid}) failed:"
                        f" {exc.message}; the next backend start settles it", exc.retryable) from None
     with backend.store.session() as db:
         row = db.get(ExecutorRunning, session_id)
         if row is not None:
             row.status = InventoryStatus.STALE  # the resume token is kept
     log_event("session_agent_stopped", f"session {session_id}: agent stopped (kandev session stop)",
-              SESSION_ID=session_id, TASK_ID=task_id, INSTANCE_ID=ex.instance_id, AGENT_PID=ex.agent_pid)
+              SESSION_ID=session_id, TASK_ID=task_id, INSTANCE_ID=ex.instance_id, AGENT_PID=ex.agent.pid)
     return {"session_id": session_id, "task_id": task_id, "instance_id": ex.instance_id,
-            "agent_pid": ex.agent_pid, "state": str(state)}
+            "agent_pid": ex.agent.pid, "state": str(state)}
 
 
 def _read_log(path: Path, tail: int, offset: int | None) -> tuple[str, int, int]:

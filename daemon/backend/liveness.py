@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import psutil
 
 from daemon import process_start
+from daemon.backend.agent_identity import AgentIdentity
 
 LIVE, DEAD, UNKNOWN = "live", "dead", "unknown"
 
@@ -45,27 +46,27 @@ class Scope:
     created_by_us: str | None = None  # this backend's boot id (rows it created itself)
 
 
-def _started_as_recorded(proc: psutil.Process, start_time: float | None, start_stamp: str | None) -> bool:
+def _started_as_recorded(proc: psutil.Process, agent: AgentIdentity) -> bool:
     """Whether ``proc`` is the process recorded: by its stamp where one was recorded, else by its
     wall-clock start time (nothing recorded: yes). Raises ``psutil.NoSuchProcess`` when it is gone,
     another ``psutil.Error`` or ``OSError`` when /proc cannot tell."""
-    if start_stamp is not None:
+    if agent.start_stamp is not None:
         now = process_start.stamp(proc.pid)
         if now is None:
             raise psutil.NoSuchProcess(proc.pid)
-        return now == start_stamp
-    return start_time is None or abs(proc.create_time() - start_time) <= 0.01
+        return now == agent.start_stamp
+    return agent.start_time is None or abs(proc.create_time() - agent.start_time) <= 0.01
 
 
-def pid_probe(pid: int | None, start_time: float | None, start_stamp: str | None = None) -> str:
+def pid_probe(agent: AgentIdentity) -> str:
     """Today's probe: the recorded process still exists and started when recorded."""
-    if not pid:
+    if not agent.pid:
         return DEAD
     try:
-        proc = psutil.Process(pid)
+        proc = psutil.Process(agent.pid)
         if proc.status() == psutil.STATUS_ZOMBIE:
             return DEAD
-        if not _started_as_recorded(proc, start_time, start_stamp):
+        if not _started_as_recorded(proc, agent):
             return DEAD  # the pid was reused by another process
         return LIVE
     except psutil.NoSuchProcess:
@@ -74,24 +75,16 @@ def pid_probe(pid: int | None, start_time: float | None, start_stamp: str | None
         return UNKNOWN
 
 
-def classify(
-    *,
-    instance_id: str,
-    agent_pid: int | None,
-    agent_pid_start_time: float | None,
-    created_by_boot: str | None,
-    scope: Scope,
-    agent_pid_start_stamp: str | None = None,
-) -> str:
+def classify(*, instance_id: str, agent: AgentIdentity, created_by_boot: str | None, scope: Scope) -> str:
     if scope.disabled:
-        return pid_probe(agent_pid, agent_pid_start_time, agent_pid_start_stamp)
+        return pid_probe(agent)
     if instance_id in scope.stops_in_flight:
         return UNKNOWN
     ours = scope.created_by_us is not None and created_by_boot == scope.created_by_us
     if not ours and not scope.adopted:
         if scope.answered:
             return UNKNOWN
-        return pid_probe(agent_pid, agent_pid_start_time, agent_pid_start_stamp)
+        return pid_probe(agent)
     if scope.enumeration is None:
         return UNKNOWN
     return LIVE if instance_id in scope.enumeration else DEAD
@@ -109,28 +102,28 @@ def live_groups() -> set[int]:
     return groups
 
 
-def stop_leftover_group(pid: int | None, start_time: float | None, groups: set[int] | None = None,
-                        start_stamp: str | None = None) -> str:
+def stop_leftover_group(agent: AgentIdentity, groups: set[int] | None = None) -> str:
     """After its control server died: make sure nothing of an agent's process group remains.
 
     Returns ``gone`` (nothing of it left), ``killed`` (SIGKILL sent to its group) or ``unknown``
     (its identity could not be checked, so nothing was signalled). Every agent leads its own process
     group (``start_new_session``), so its pgid is its pid. The leader alive is signalled only if
-    its start matches (``start_stamp`` where recorded, else ``start_time``); the leader gone, Linux
+    its start matches (its stamp where recorded, else its wall-clock start); the leader gone, Linux
     never hands out a pid that is still in use as a process-group id, so a group with that id is
     the agent's, unless another process now owns the pid (then the agent's group is empty), or
     the stamp says it ran before a reboot. The same rule the control server applies to its agents.
     ``groups``: ``live_groups()`` taken once for many agents (else taken here).
     """
+    pid = agent.pid
     if not pid:
         return "gone"
     try:
-        if start_stamp is not None and not process_start.of_this_boot(start_stamp):
+        if agent.start_stamp is not None and not process_start.of_this_boot(agent.start_stamp):
             return "gone"  # it ran before a reboot: nothing of it is left, the pid is another's
         leader = psutil.Process(pid)
-        if start_time is None and start_stamp is None:
+        if agent.start_time is None and agent.start_stamp is None:
             return "unknown"  # a process holds the pid, and nothing says whether it is the agent
-        if not _started_as_recorded(leader, start_time, start_stamp):
+        if not _started_as_recorded(leader, agent):
             return "gone"  # the pid is another process's now: the agent and its group are gone
     except psutil.NoSuchProcess:
         pass

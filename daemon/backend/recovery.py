@@ -36,6 +36,7 @@ from sqlalchemy import select
 
 from daemon.agentctl.client import AgentctlClient
 from daemon.backend.adoption import Adopter, Adoption
+from daemon.backend.agent_identity import AgentIdentity
 from daemon.backend.api import AdoptionOutcome
 from daemon.backend.events import apply_turn_outcome, mark_running, mark_waiting_without_turn
 from daemon.backend.executions import Execution, ExecutionStore
@@ -276,6 +277,8 @@ class Recovery:
             return None
         outcomes = list(status.get("outcomes") or [])
         current = status.get("current_turn_id")
+        agent = AgentIdentity(values["agent_pid"], values["agent_pid_start_time"],
+                              values["agent_pid_start_stamp"])
         # applied now (not already durable), so their turn_ended event is still to be replayed;
         # filled by apply() before after() publishes the execution that holds it
         replaying: set[str] = set()
@@ -294,18 +297,14 @@ class Recovery:
             row = db.get(ExecutorRunning, rec.session_id)
             if row is not None:
                 row.instance_id = values["instance_id"]
-                row.agent_pid = values["agent_pid"]
-                row.agent_pid_start_time = values["agent_pid_start_time"]
-                row.agent_pid_start_stamp = values["agent_pid_start_stamp"]
+                agent.record(row)
                 row.updated_at = datetime.now(UTC)
 
         ex = Execution(
             session_id=rec.session_id,
             task_id=rec.task_id,
             instance_id=values["instance_id"],
-            agent_pid=values["agent_pid"],
-            agent_pid_start_time=values["agent_pid_start_time"],
-            agent_pid_start_stamp=values["agent_pid_start_stamp"],
+            agent=agent,
             acp_session_id=values["acp_session_id"],
             retracked=True,
             last_seq=rec.last_event_seq,
@@ -319,11 +318,11 @@ class Recovery:
             report.retracked.append(rec.session_id)
             log_event(
                 "session_retracked",
-                f"session {rec.session_id} re-tracked: agent pid {ex.agent_pid} kept running",
+                f"session {rec.session_id} re-tracked: agent pid {ex.agent.pid} kept running",
                 SESSION_ID=rec.session_id,
                 TASK_ID=rec.task_id,
                 INSTANCE_ID=ex.instance_id,
-                AGENT_PID=ex.agent_pid,
+                AGENT_PID=ex.agent.pid,
             )
 
         # One transaction for every record ready in this loop iteration (daemon.backend.recovery_batch);
@@ -477,9 +476,7 @@ class Recovery:
                     continue
                 verdict = classify(
                     instance_id=row.instance_id,
-                    agent_pid=row.agent_pid,
-                    agent_pid_start_time=row.agent_pid_start_time,
-                    agent_pid_start_stamp=row.agent_pid_start_stamp,
+                    agent=AgentIdentity.recorded(row),
                     created_by_boot=row.created_by_boot,
                     scope=scope,
                 )

@@ -15,6 +15,7 @@ from typing import Any
 
 from sqlalchemy import select
 
+from daemon.backend.agent_identity import AgentIdentity
 from daemon.backend.liveness import live_groups, stop_leftover_group
 from daemon.journal import log_event
 from daemon.store import transcript, transitions
@@ -67,10 +68,8 @@ class LostAgent:
     event stream was received."""
 
     session_id: str
-    pid: int | None
-    start_time: float | None
+    agent: AgentIdentity
     last_seq: int
-    start_stamp: str | None = None  # daemon.process_start.stamp, where recorded
 
 
 def repair_lost_server(
@@ -80,7 +79,7 @@ def repair_lost_server(
     startup recovery would make it with no server left (reconciliation's repair path).
 
     The sessions are the executions the backend tracked on it plus every live inventory row that
-    names its endpoint. For each: its agent is checked by pid + start time and anything left of
+    names its endpoint. For each: its agent is checked by its pid and start and anything left of
     its process group is killed (``liveness.stop_leftover_group``); one transcript note says that
     the events the server held but never delivered are lost, with the last seq received; then
     the repair (open turn ``interrupted``, session waiting for input and resumable with its
@@ -91,22 +90,23 @@ def repair_lost_server(
     ).all()
     for row in rows:
         if row.session_id not in agents:
-            agents[row.session_id] = LostAgent(row.session_id, row.agent_pid, row.agent_pid_start_time,
-                                               row.last_event_seq or 0, row.agent_pid_start_stamp)
+            agents[row.session_id] = LostAgent(row.session_id, AgentIdentity.recorded(row),
+                                               row.last_event_seq or 0)
     interruption = {"cause": "control_server_lost", "reason": reason, "at": iso_utc(now)}
     repaired: list[str] = []
     groups = live_groups() if agents else set()
-    for session_id, agent in sorted(agents.items()):
-        leftover = stop_leftover_group(agent.pid, agent.start_time, groups, start_stamp=agent.start_stamp)
+    for session_id, lost in sorted(agents.items()):
+        leftover = stop_leftover_group(lost.agent, groups)
         if leftover != "gone":
-            log_event("agent_group_leftover", f"session {session_id}: agent pid {agent.pid} outlived its control"
-                      f" server: {'its process group was killed' if leftover == 'killed' else 'identity unknown, left alone'}",
-                      priority=4, SESSION_ID=session_id, AGENT_PID=agent.pid, OUTCOME=leftover)
+            done = "its process group was killed" if leftover == "killed" else "identity unknown, left alone"
+            log_event("agent_group_leftover", f"session {session_id}: agent pid {lost.agent.pid} outlived its"
+                      f" control server: {done}", priority=4, SESSION_ID=session_id,
+                      AGENT_PID=lost.agent.pid, OUTCOME=leftover)
         session = db.get(TaskSession, session_id)
         if session is None:
             continue
         row = db.get(ExecutorRunning, session_id)
-        last_seq = max(agent.last_seq, (row.last_event_seq or 0) if row is not None else 0)
+        last_seq = max(lost.last_seq, (row.last_event_seq or 0) if row is not None else 0)
         transcript.append(
             db, session_id, role="system", kind="control_server_lost",
             text=(f"The control server was lost ({reason}) and the agent with it. Events it held for this session"

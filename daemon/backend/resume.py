@@ -233,14 +233,14 @@ class ResumeService:
         self.live.configs[sid] = current
         log_event(
             "session_resumed",
-            f"session {sid} resumed: agent {begun.agent} pid {ex.agent_pid}, provider session {acp_id}"
+            f"session {sid} resumed: agent {begun.agent} pid {ex.agent.pid}, provider session {acp_id}"
             + (" (new)" if begun.fresh else " (session/load)"),
-            SESSION_ID=sid, TASK_ID=begun.task_id, INSTANCE_ID=ex.instance_id, AGENT_PID=ex.agent_pid,
+            SESSION_ID=sid, TASK_ID=begun.task_id, INSTANCE_ID=ex.instance_id, AGENT_PID=ex.agent.pid,
             FRESH=int(begun.fresh), AUTOMATIC=int(begun.automatic),
         )
         return {"session_id": sid, "state": SessionState.WAITING_FOR_INPUT, "acp_session_id": acp_id, "resume_token": acp_id,
                 "loaded": begun.token is not None, "fresh": begun.fresh, "instance_id": ex.instance_id,
-                "agent_pid": ex.agent_pid, "runtime_config": current.to_json(),
+                "agent_pid": ex.agent.pid, "runtime_config": current.to_json(),
                 "credential_policy": credential_policy}
 
     def _back_to_prior(self, begun: _Begun, exc: BaseException) -> str:

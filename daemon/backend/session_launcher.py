@@ -37,6 +37,7 @@ from daemon.agentctl.client import AgentctlClient
 from daemon.agentctl.replies import CreatedInstance
 from daemon.agents.registry import BuiltinAgent
 from daemon.backend import agent_launch, runtime_prepare
+from daemon.backend.agent_identity import AgentIdentity
 from daemon.backend.executions import Execution
 from daemon.credentials import GitCredentials
 from daemon.store import transitions
@@ -160,24 +161,23 @@ class SessionLauncher:
             if row is None:
                 return
             row.instance_id = info["instance_id"]
-            row.agent_pid = info.get("pid")
-            row.agent_pid_start_time = info.get("pid_start_time")
-            row.agent_pid_start_stamp = info.get("pid_start_stamp")
+            AgentIdentity.reported(info).record(row)
             row.endpoint = launched.endpoint or row.endpoint
             row.last_event_seq = last_event_seq
             row.created_by_boot = self.backend.boot_id
             row.status = "live"
             row.updated_at = _now()
             return
-        db.merge(ExecutorRunning(
+        row = ExecutorRunning(
             session_id=plan.session_id, task_id=plan.task_id, instance_id=info["instance_id"],
-            endpoint=launched.endpoint, agent_pid=info.get("pid"), agent_pid_start_time=info.get("pid_start_time"),
-            agent_pid_start_stamp=info.get("pid_start_stamp"), resume_token=info.get("acp_session_id"),
+            endpoint=launched.endpoint, resume_token=info.get("acp_session_id"),
             worktree_path=plan.workspace if plan.executor == "worktree" else None,
             workspace_path=plan.workspace, runtime="standalone", agent_profile=plan.agent_name, status="live",
             last_event_seq=last_event_seq, created_by_boot=self.backend.boot_id, metadata_json={},
             created_at=_now(), updated_at=_now(),
-        ))
+        )
+        AgentIdentity.reported(info).record(row)
+        db.merge(row)
 
     @staticmethod
     def ready(db: Any, session_id: str, task_id: str, reason: str, *, task_review: bool = True,
@@ -194,8 +194,7 @@ class SessionLauncher:
         plan, info = launched.plan, launched.info
         ex = Execution(
             session_id=plan.session_id, task_id=plan.task_id, instance_id=info["instance_id"],
-            agent_pid=info.get("pid"), agent_pid_start_time=info.get("pid_start_time"),
-            agent_pid_start_stamp=info.get("pid_start_stamp"), acp_session_id=info.get("acp_session_id"),
+            agent=AgentIdentity.reported(info), acp_session_id=info.get("acp_session_id"),
             passthrough=plan.passthrough, last_seq=last_seq,
         )
         self.backend.executions.executions[plan.session_id] = ex

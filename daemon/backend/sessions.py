@@ -20,6 +20,7 @@ from sqlalchemy import select
 
 from daemon.agents.registry import get_agent
 from daemon.backend import agent_launch
+from daemon.backend.agent_identity import AgentIdentity
 from daemon.backend.api import BackendState
 from daemon.backend.context import BackendContext
 from daemon.backend.session_launcher import LaunchPlan, LaunchProgress, LaunchStage, SessionLauncher
@@ -129,11 +130,11 @@ class SessionService:
         ex = self.launcher.track(launched)
         log_event(
             "session_started",
-            f"session {session_id} started: agent {agent_name} pid {ex.agent_pid}",
+            f"session {session_id} started: agent {agent_name} pid {ex.agent.pid}",
             SESSION_ID=session_id,
             TASK_ID=task_id,
             INSTANCE_ID=ex.instance_id,
-            AGENT_PID=ex.agent_pid,
+            AGENT_PID=ex.agent.pid,
         )
         result: dict[str, Any] = {"session_id": session_id, "turn_id": None, "credential_policy": creds.policy}
         if prompt:
@@ -241,9 +242,7 @@ class SessionService:
             "state": session.state,
             "agent": session.agent,
             "passthrough": bool(session.passthrough),
-            "agent_pid": ex.agent_pid if ex else (row.agent_pid if row else None),
-            "agent_pid_start_time": ex.agent_pid_start_time if ex else (row.agent_pid_start_time if row else None),
-            "agent_pid_start_stamp": ex.agent_pid_start_stamp if ex else (row.agent_pid_start_stamp if row else None),
+            **(ex.agent if ex else AgentIdentity.recorded(row) if row else AgentIdentity(None)).shown(),
             "instance_id": ex.instance_id if ex else (row.instance_id if row else None),
             "resume_token": row.resume_token if row else meta.acp_session_id,
             "retracked": bool(ex.retracked) if ex else False,

@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from daemon import process_start
+from daemon.backend.agent_identity import AgentIdentity as Agent
 from daemon.backend.launcher import ControlServerHandle
 from daemon.backend.liveness import live_groups, stop_leftover_group
 from daemon.backend.server_watch import ServerWatch, describe_status
@@ -59,11 +60,11 @@ def test_leftover_group_is_killed_only_when_its_identity_matches(group):
     """Issue 11 item 2: the agent is checked by pid + start time before its group is stopped."""
     leader, child = group
     start = psutil.Process(leader.pid).create_time()
-    assert stop_leftover_group(leader.pid, start + 5.0) == "gone"  # another process holds the pid now
+    assert stop_leftover_group(Agent(leader.pid, start + 5.0)) == "gone"  # another process holds the pid now
     assert alive(leader.pid) and alive(child)  # nothing was signalled
-    assert stop_leftover_group(leader.pid, None) == "unknown"
+    assert stop_leftover_group(Agent(leader.pid, None)) == "unknown"
     assert alive(leader.pid)
-    assert stop_leftover_group(leader.pid, start) == "killed"
+    assert stop_leftover_group(Agent(leader.pid, start)) == "killed"
     wait_until(lambda: not group_alive(leader.pid), timeout=10)
 
 
@@ -74,9 +75,9 @@ def test_leftover_member_of_a_dead_leader_is_killed(group):
     os.kill(leader.pid, signal.SIGKILL)
     leader.wait()
     assert alive(child) and leader.pid in live_groups()
-    assert stop_leftover_group(leader.pid, start) == "killed"
+    assert stop_leftover_group(Agent(leader.pid, start)) == "killed"
     wait_until(lambda: not alive(child), timeout=10)
-    assert stop_leftover_group(leader.pid, start) == "gone"
+    assert stop_leftover_group(Agent(leader.pid, start)) == "gone"
 
 
 OTHER_BOOT = "00000000-0000-0000-0000-000000000000"  # a boot id that is not this boot's
@@ -91,13 +92,13 @@ def test_leftover_group_by_stamp_holds_across_a_step_of_the_wall_clock(group):
     stamp = process_start.stamp(leader.pid)
     assert stamp is not None
     boot, ticks = stamp.split(":")
-    assert stop_leftover_group(leader.pid, start, start_stamp=f"{boot}:{int(ticks) + 1}") == "gone"
-    assert stop_leftover_group(leader.pid, start, start_stamp=f"{OTHER_BOOT}:{ticks}") == "gone"
+    assert stop_leftover_group(Agent(leader.pid, start, f"{boot}:{int(ticks) + 1}")) == "gone"
+    assert stop_leftover_group(Agent(leader.pid, start, f"{OTHER_BOOT}:{ticks}")) == "gone"
     os.kill(leader.pid, signal.SIGKILL)  # the leader gone, its group still has the child
     leader.wait()
-    assert stop_leftover_group(leader.pid, start, start_stamp=f"{OTHER_BOOT}:{ticks}") == "gone"
+    assert stop_leftover_group(Agent(leader.pid, start, f"{OTHER_BOOT}:{ticks}")) == "gone"
     assert alive(child)  # nothing was signalled
-    assert stop_leftover_group(leader.pid, start - 16.0, start_stamp=stamp) == "killed"
+    assert stop_leftover_group(Agent(leader.pid, start - 16.0, stamp)) == "killed"
     wait_until(lambda: not alive(child), timeout=10)
 
 

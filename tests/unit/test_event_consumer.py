@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from daemon.backend import executions
+from daemon.backend.agent_identity import AgentIdentity
 from daemon.backend.executions import EventConsumer, Execution
 from daemon.store.db import Store
 from daemon.store.models import TaskSession
@@ -63,7 +64,7 @@ def _execution(store: Store) -> Execution:
     session_id = new_session(store)
     with store.session() as db:
         task_id = db.get_one(TaskSession, session_id).task_id
-    return Execution(session_id, task_id, "instance-1", None, None, None)
+    return Execution(session_id, task_id, "instance-1", AgentIdentity(None), None)
 
 
 async def _consume(store: Store, scenario: Any) -> tuple[list[int], list[int]]:

@@ -8,6 +8,7 @@ import psutil
 import pytest
 
 from daemon import process_start
+from daemon.backend.agent_identity import AgentIdentity as Agent
 from daemon.backend.liveness import DEAD, LIVE, UNKNOWN, Scope, classify, pid_probe
 from daemon.backend.reconstruction import RECONSTRUCTION_SOURCES, MissingInput, Record, reconstruct
 
@@ -16,16 +17,15 @@ ME = psutil.Process(os.getpid())
 
 def _classify(scope: Scope, instance: str = "i1", created_by: str = "old", pid: int | None = None,
               start: float | None = None) -> str:
-    return classify(instance_id=instance, agent_pid=pid, agent_pid_start_time=start, created_by_boot=created_by,
-                    scope=scope)
+    return classify(instance_id=instance, agent=Agent(pid, start), created_by_boot=created_by, scope=scope)
 
 
 def test_pid_probe_checks_pid_and_start_time():
     """AC-EXECUTORS-SURVIVAL-005.1: today's process-identifier probe, robust to pid reuse."""
-    assert pid_probe(os.getpid(), ME.create_time()) == LIVE
-    assert pid_probe(os.getpid(), ME.create_time() - 1000) == DEAD  # reused pid
-    assert pid_probe(None, None) == DEAD
-    assert pid_probe(2**22 + 12345, 1.0) == DEAD
+    assert pid_probe(Agent(os.getpid(), ME.create_time())) == LIVE
+    assert pid_probe(Agent(os.getpid(), ME.create_time() - 1000)) == DEAD  # reused pid
+    assert pid_probe(Agent(None)) == DEAD
+    assert pid_probe(Agent(2**22 + 12345, 1.0)) == DEAD
 
 
 def test_pid_probe_by_stamp_holds_across_a_step_of_the_wall_clock():
@@ -35,12 +35,13 @@ def test_pid_probe_by_stamp_holds_across_a_step_of_the_wall_clock():
     mine = process_start.stamp(os.getpid())
     assert mine is not None
     boot, ticks = mine.split(":")
-    assert pid_probe(os.getpid(), ME.create_time() - 16.0, mine) == LIVE
-    assert pid_probe(os.getpid(), ME.create_time(), f"{boot}:{int(ticks) - 1}") == DEAD  # reused pid
-    assert pid_probe(os.getpid(), ME.create_time(), f"00000000-0000-0000-0000-000000000000:{ticks}") == DEAD
+    assert pid_probe(Agent(os.getpid(), ME.create_time() - 16.0, mine)) == LIVE
+    assert pid_probe(Agent(os.getpid(), ME.create_time(), f"{boot}:{int(ticks) - 1}")) == DEAD  # reused pid
+    other_boot = f"00000000-0000-0000-0000-000000000000:{ticks}"
+    assert pid_probe(Agent(os.getpid(), ME.create_time(), other_boot)) == DEAD
     scope = Scope(disabled=True, adopted=False, answered=False)
-    assert classify(instance_id="i1", agent_pid=os.getpid(), agent_pid_start_time=ME.create_time() - 16.0,
-                    created_by_boot="old", scope=scope, agent_pid_start_stamp=mine) == LIVE
+    assert classify(instance_id="i1", agent=Agent(os.getpid(), ME.create_time() - 16.0, mine),
+                    created_by_boot="old", scope=scope) == LIVE
 
 
 def test_liveness_rules_of_003_6():
