@@ -62,7 +62,12 @@ def stamp(pid: int) -> str | None:
     wall clock does and never repeated by another process, in this boot or a later one; None when
     no process has that pid (a zombie still has one). Raises ``OSError`` when /proc cannot be read."""
     seen = read(pid)
-    return None if seen is None else f"{boot_id()}:{seen.ticks}"
+    return None if seen is None else stamp_of(seen.ticks)
+
+
+def stamp_of(ticks: int) -> str:
+    """The stamp of a process of this boot that started ``ticks`` clock ticks after it."""
+    return f"{boot_id()}:{ticks}"
 
 
 def of_this_boot(start_stamp: str) -> bool:

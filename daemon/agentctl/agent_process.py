@@ -344,7 +344,9 @@ class AgentProcess:
                 lost = "process identity (the start time differs)"
             else:
                 self.psproc = psproc
-                self.pid_start_stamp = _start_stamp(self.pid)
+                # the ticks just compared, where the previous image gave them: no second read
+                self.pid_start_stamp = (process_start.stamp_of(pid_start_ticks) if pid_start_ticks is not None
+                                        else _start_stamp(self.pid))
         except psutil.Error:
             self.psproc = None  # gone already: the exit watcher reports it
         if not self.sandboxed:

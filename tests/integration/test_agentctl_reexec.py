@@ -27,6 +27,7 @@ from typing import Any
 import psutil
 import pytest
 
+from daemon import process_start
 from daemon.agentctl import auth, launch
 from daemon.agentctl.client import AgentctlClient
 from daemon.agentctl.client_handshake import identify
@@ -239,6 +240,9 @@ def test_reload_hands_over_turns_permissions_and_held_back_output(server: Server
             assert identity(inst["pid"]) == agents[name]
         listing = {i["instance_id"]: i for i in await client.list_instances()}
         assert all(i["not_taken_over"] == [] and i["state"] == "running" for i in listing.values())
+        for inst in (slow, perm, flood):  # the new image reports the stamp the spawn took, read again
+            assert listing[inst["instance_id"]]["pid_start_stamp"] == inst["pid_start_stamp"]
+            assert inst["pid_start_stamp"] == process_start.stamp(inst["pid"])
         # the same turn counter: the next turn id follows the last one
         prefix, n = slow_turn.rsplit(":", 1)
         next_turn = await client.prompt(slow["instance_id"], "hello")
