@@ -6,7 +6,8 @@ startup recovery holds. With ``stop`` (``kandev task delete --stop``) the agents
 tracks whose sessions are idle (WAITING_FOR_INPUT, no turn running) are stopped first (their
 process groups killed by the control server); a turn still running is refused all the same
 (``kandev cancel`` ends it). A session whose agent has exited can always be deleted. While a
-deletion runs, the task's sessions can neither start nor resume. Then, in this order:
+deletion runs, the task's sessions can neither start, resume, reset their context nor take a new
+prompt. Then, in this order:
 
 1. each session's private directory ``<home>/sessions/<sid>/`` (the agent's HOME and state, its
    git lease, its credential endpoint; the endpoint is closed first);
@@ -102,12 +103,22 @@ async def delete_task(backend: Backend, task_id: str, *, stop: bool = False) -> 
 
 async def _stop_agents(backend: Backend, task_id: str, session_ids: list[str]) -> list[str]:
     """Stop each tracked (idle) agent of the task: its process group is killed by its control
-    server, then it is no longer tracked. A failure keeps the task (nothing is removed)."""
+    server, then it is no longer tracked. A failure keeps the task (nothing is removed).
+
+    Each stop takes up to the control server's grace, and the others wait meanwhile: no turn can
+    start then (``prompt`` refuses a task being deleted), and each session is checked idle again
+    right before its own stop, so a busy agent is never stopped by a deletion."""
     stopped: list[str] = []
     for sid in session_ids:
         ex = backend.executions.executions.get(sid)
         if ex is None:
             continue
+        with backend.store.session() as db:
+            session = db.get(TaskSession, sid)
+            state = session.state if session is not None else None
+        if state != SessionState.WAITING_FOR_INPUT:
+            raise IpcError(ErrorCode.CONFLICT, f"task {task_id} was not deleted: session {sid} is {state}, its"
+                           f" agent no longer idle (kandev cancel {sid} ends its turn)")
         client = backend.servers.client_for(ex)
         if client is None:
             raise IpcError(ErrorCode.UNAVAILABLE, f"task {task_id} was not deleted: session {sid}'s control"

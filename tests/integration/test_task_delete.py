@@ -4,11 +4,13 @@ per-session HOME is "removed with its task"), through the real daemons and the r
 
 from __future__ import annotations
 
+import json
+import signal
 import subprocess
 from pathlib import Path
 
 from tests.support.kandev import db_row
-from tests.support.processes import alive
+from tests.support.processes import alive, group_alive, signal_pending, stopped_in_group
 from tests.support.waiting import wait_until
 from tests.support.workspaces import for_agent
 
@@ -111,3 +113,42 @@ def test_task_delete_removes_its_session_homes_and_leaves_others(kandev_factory,
     assert out["worktree"] == "kept (not created by kandev)"
     assert (own / "work.txt").read_text() == "mine" and not (sessions / sid_o).exists()
     assert (home_b / "note").read_text() == "kept" and k.show(sid_b)["live"]
+
+
+# Run by the agent: once the file "go" appears in its workspace, it stops itself (SIGSTOP), so a
+# stop's SIGTERM stays pending and the control server waits its whole grace before SIGKILL.
+STOP_ITSELF_LATER = "/sh (while [ ! -e go ]; do sleep 0.05; done; kill -STOP $PPID) >/dev/null 2>&1 &"
+
+
+def test_no_turn_starts_while_a_deletion_stops_the_task_agents(kandev_factory):
+    """``task delete --stop`` stops the task's idle agents one after the other, each up to the
+    control server's grace. A prompt that came meanwhile used to start a turn on an agent still to
+    be stopped: the deletion then killed it mid-turn and deleted its session. Now every prompt to
+    the task is refused while its deletion runs, and the deletion completes."""
+    k = kandev_factory()
+    k.up()
+    task = k.cli("task", "create", "--title", "t")["task_id"]
+    sids = [k.cli("session", "start", task)["session_id"] for _ in range(2)]
+    workspace = Path(k.cli("task", "show", task)["workspace"])
+    for sid in sids:
+        assert k.cli("prompt", sid, STOP_ITSELF_LATER, "--wait")["stop_reason"] == "end_turn"
+    groups = [k.show(sid)["agent_pid"] for sid in sids]
+    (workspace / "go").touch()
+    stopped = {pgid: wait_until(lambda g=pgid: s if (s := stopped_in_group(g)) else None, timeout=30)
+               for pgid in groups}
+
+    deletion = k.popen("task", "delete", task, "--stop", json_output=True)
+    # the deletion has begun: one of the two agents holds its SIGTERM, the stop waits its grace
+    wait_until(lambda: any(signal_pending(pid, signal.SIGTERM) for pids in stopped.values() for pid in pids),
+               timeout=30)
+    for sid in sids:
+        refused = k.run("prompt", sid, "hello")
+        assert refused.returncode == 1 and '"conflict"' in refused.stdout, refused
+        assert "being deleted" in refused.stdout, refused
+    out, err = deletion.communicate(timeout=60)
+    assert deletion.returncode == 0, (out, err)
+    result = json.loads(out)
+    assert result["deleted"] is True and sorted(result["stopped"]) == sorted(sids)
+    assert db_row(k, "SELECT id FROM tasks WHERE id = ?", task) is None
+    for pgid in groups:
+        wait_until(lambda g=pgid: not group_alive(g), timeout=10)

@@ -44,6 +44,29 @@ def group_exists(pgid: int) -> bool:
     return group_alive(pgid)
 
 
+def stopped_in_group(pgid: int) -> list[int]:
+    """The processes of group ``pgid`` that are stopped (SIGSTOP or the like), by pid."""
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.status() == psutil.STATUS_STOPPED:
+                found.append(proc.pid)
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            continue
+    return sorted(found)
+
+
+def signal_pending(pid: int, sig: int) -> bool:
+    """Whether ``sig`` was sent to process ``pid`` and not yet delivered (a stopped process keeps
+    every signal but SIGKILL and SIGCONT pending); False once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            masks = [int(line.split()[1], 16) for line in f if line.startswith(("SigPnd:", "ShdPnd:"))]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return any(mask & (1 << (sig - 1)) for mask in masks)
+
+
 def kill_group(pgid: int) -> None:
     """SIGTERM, then SIGKILL, a process group this test run started; each given 5 s to go."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
