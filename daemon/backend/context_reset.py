@@ -64,13 +64,13 @@ class ContextReset:
         b = self.backend
         b.executions.check_launch(session_id)
         async with self.live.lock(session_id):
-            ex = self.live.live_execution(session_id)
-            with b.store.session() as db:
-                state = get_session(db, session_id).state
-            if state != SessionState.WAITING_FOR_INPUT:
-                raise conflict(f"session {session_id} is {state}; a context reset needs WAITING_FOR_INPUT")
+            self._check_resettable(session_id)
             # RESETCFG-1, RESETCFG-5: one snapshot, before any new provider session exists
             snapshot = await self.capture(session_id)
+            # Again, with nothing awaited from here to STARTING: the capture may have asked the
+            # control server, and meanwhile the agent may have been stopped, a turn begun or the
+            # task's deletion begun (none of them takes this session's lock).
+            ex = self._check_resettable(session_id)
             with b.store.session() as db:
                 session = get_session(db, session_id)
                 meta = SessionMetadata.load(session)
@@ -99,6 +99,19 @@ class ContextReset:
                 raise
             await self.live.converge(ex, applied.last_seq)
             return self._reset_succeeded(session_id, ex, snapshot, applied, path, origin)
+
+    def _check_resettable(self, session_id: str) -> Execution:
+        """The session's live execution, if a context reset may begin now: the agent tracked, the
+        session waiting for input, its task not being deleted; else a conflict."""
+        ex = self.live.live_execution(session_id)
+        with self.backend.store.session() as db:
+            session = get_session(db, session_id)
+            state, task_id = session.state, session.task_id
+        if state != SessionState.WAITING_FOR_INPUT:
+            raise conflict(f"session {session_id} is {state}; a context reset needs WAITING_FOR_INPUT")
+        if task_id in self.backend.deleting_tasks:
+            raise conflict(f"session {session_id}: its task {task_id} is being deleted")
+        return ex
 
     async def _new_provider_session(self, ex: Execution, restart: bool,
                                     ) -> tuple[Execution, dict[str, Any], str, Launched | None]:
