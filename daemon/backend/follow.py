@@ -224,6 +224,18 @@ def read_round(
     return out
 
 
+def _not_ended_for_want_of_an_agent(step: Round) -> None:
+    """Take back a ``no_agent`` end from ``step``: a launch commits its session's state and starts
+    tracking it in one step of the loop, which can fall during a round's read (the round saw no
+    agent, then a session waiting for input). The next round reads again, with the agent."""
+    last = step.events[-1] if step.events else None
+    if (step.done and last is not None and last.kind == FollowEvent.END
+            and last.data.get("reason") == FollowEnd.NO_AGENT):
+        step.events.pop()
+        step.done = False
+        step.more = True
+
+
 def _parse(when: str | None) -> datetime | None:
     return datetime.fromisoformat(when) if when else None
 
@@ -272,6 +284,8 @@ class FollowService:
                     # read before the round: a turn leaves the set only after its entries committed
                     replaying = frozenset(ex.replaying_turns) if ex is not None else frozenset()
                     step = await asyncio.to_thread(self._round, pos, live, replaying)
+                    if not live and self.executions.executions.get(session_id) is not None:
+                        _not_ended_for_want_of_an_agent(step)  # it got one during the read
                     for ev in step.events:
                         await ctx.send_event(ev.seq, ev.kind.value, ev.data)  # waits while the client is slow
                     if step.done:

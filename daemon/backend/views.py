@@ -9,6 +9,7 @@ in a worker thread with their own store session, never on the event loop.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Any
@@ -179,21 +180,33 @@ class Views:
 
     # -- handlers --------------------------------------------------------------
 
+    async def _of_one_moment(self, read: Callable[[dict[str, bool]], dict[str, Any]]) -> dict[str, Any]:
+        """``read(tracked)`` off the loop, with the rows and what this backend tracks of one moment:
+        a launch commits its session's state and starts tracking it in one step of the loop, which
+        can fall during the read (then a session waiting for input would be shown without its
+        agent). If tracking changed meanwhile, read again (at most three times in all)."""
+        for _ in range(3):
+            before = self.tracked()
+            result = await asyncio.to_thread(read, before)
+            if self.tracked() == before:
+                break
+        return result
+
     async def op_task_list(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
-        return await asyncio.to_thread(self.read_tasks, self.tracked())
+        return await self._of_one_moment(self.read_tasks)
 
     async def op_task_show(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
-        return await asyncio.to_thread(self.read_task, args["task_id"], self.tracked())
+        return await self._of_one_moment(functools.partial(self.read_task, args["task_id"]))
 
     async def op_board(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         """Task ids by bucket (creation order), the same placement as ``task_list`` (whose rows say
         why a task needs attention: ``attention``)."""
-        tasks = (await asyncio.to_thread(self.read_tasks, self.tracked()))["tasks"]
+        tasks = (await self._of_one_moment(self.read_tasks))["tasks"]
         return {b: [t["task_id"] for t in tasks if t["bucket"] == b] for b in BUCKETS}
 
     async def session_rows(self) -> dict[str, Any]:
         """``session_list`` with ``detail``: newest first, with agent, task title and last turn."""
-        return await asyncio.to_thread(self.read_session_rows, self.tracked())
+        return await self._of_one_moment(self.read_session_rows)
 
     def handlers(self) -> dict[str, Handler]:
         return {"task_list": self.op_task_list, "task_show": self.op_task_show, "board": self.op_board}
