@@ -21,9 +21,9 @@ from ipc.server import ConnectionContext, Handler
 def handlers(backend: BackendContext, upgrade: ServerUpgrade) -> dict[str, Handler]:
     b = backend
 
-    async def control_link(handle: ControlServerHandle | None) -> dict[str, Any]:
-        """The control server's link, and whether the server answers when its link says running."""
-        link = b.link.snapshot()
+    async def control_link(handle: ControlServerHandle | None, link: dict[str, Any]) -> dict[str, Any]:
+        """The control server's link (``link``: its snapshot), and whether the server answers when
+        its link says running."""
         if handle is not None and link["state"] == LinkState.RUNNING.value:
             # running as far as its link can tell (its process is there): does it answer?
             try:
@@ -38,12 +38,17 @@ def handlers(backend: BackendContext, upgrade: ServerUpgrade) -> dict[str, Handl
         return link
 
     async def op_status(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
-        # One moment: the state and the server as they were together. A start that finishes while
-        # the questions below are out says READY at the next status, never beside no server.
-        state, handle = b.state, b.handle
-        # the three questions to other parties at once: a status call waits for the slowest, not the sum
-        link, sandbox, store = await asyncio.gather(
-            control_link(handle), agent_launch.sandbox_status(b), b.store_care.status())
+        # One moment: the state and the server (its link, its identity) as they were together. A
+        # start that finishes, or a server replaced, while the questions below are out: asked again
+        # once, so the reply never pairs READY with no server, or one server's pid with another's
+        # identity and version.
+        for _ in range(2):
+            state, handle, identity, link = b.state, b.handle, b.servers.server_identity, b.link.snapshot()
+            # the three questions to other parties at once: a status call waits for the slowest, not the sum
+            link, sandbox, store = await asyncio.gather(
+                control_link(handle, link), agent_launch.sandbox_status(b), b.store_care.status())
+            if b.handle is handle:
+                break
         report = b.report
         return {
             "backend": {
@@ -63,7 +68,7 @@ def handlers(backend: BackendContext, upgrade: ServerUpgrade) -> dict[str, Handl
             "control_server": {
                 **link,
                 "pid": handle.pid if handle else None,
-                "server_identity": b.servers.server_identity if handle else None,
+                "server_identity": identity if handle else None,
                 "endpoint": handle.endpoint if handle else None,
                 "mode": handle.mode if handle else b.launcher.mode,
                 "log_path": handle.log_path if handle else None,
