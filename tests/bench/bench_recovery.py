@@ -165,7 +165,8 @@ async def create_instances(home: Path, n: int, workspace: Path) -> tuple[list[di
             db.flush()
             db.add(ExecutorRunning(
                 session_id=m["session_id"], task_id=m["task_id"], instance_id=m["instance_id"], endpoint=endpoint,
-                agent_pid=m["pid"], agent_pid_start_time=m["pid_start_time"], resume_token=m["acp_session_id"],
+                agent_pid=m["pid"], agent_pid_start_time=m["pid_start_time"],
+                agent_pid_start_stamp=m.get("pid_start_stamp"), resume_token=m["acp_session_id"],
                 workspace_path=str(workspace), runtime="standalone", agent_profile="mock", status="live",
                 last_event_seq=0, created_by_boot="bench", metadata_json={},
             ))

@@ -14,6 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from daemon.backend.agent_identity import AgentIdentity
 from daemon.backend.session_view import PageRequest
 from daemon.backend.sessions import SessionService
 from daemon.store.db import Store, sqlite_url
@@ -39,8 +40,8 @@ def test_a_launch_that_lands_during_the_read_is_seen_whole(tmp_path: Path) -> No
                 row = db.get(TaskSession, sid)
                 assert row is not None
                 row.state = "WAITING_FOR_INPUT"
-            executions[sid] = SimpleNamespace(agent_pid=1234, agent_pid_start_time=1.0,
-                                              agent_pid_start_stamp="b:1", instance_id="i", retracked=False)
+            executions[sid] = SimpleNamespace(agent=AgentIdentity(1234, 1.0, "b:1"), instance_id="i",
+                                              retracked=False)
 
         def read_during_a_launch(session_id: str, request: PageRequest) -> Any:
             stored = real_read(session_id, request)
