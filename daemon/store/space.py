@@ -19,7 +19,7 @@ import errno
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -73,8 +73,9 @@ def is_out_of_space(exc: BaseException, path: Path | None) -> bool:
 class OutOfSpace:
     path: str
     free_bytes: int | None
-    since: float
+    since: float  # wall clock, for people
     detail: str
+    began: float = field(default_factory=time.monotonic)  # what its duration is measured from
 
 
 class SpaceWatch:
@@ -113,7 +114,7 @@ class SpaceWatch:
         state, self.state = self.state, None
         free = free_bytes(self.path) if self.path is not None else None
         log_event("store_space_back", f"the store at {state.path} takes writes again ({free} bytes free)",
-                  PATH=state.path, FREE_BYTES=free, OUT_OF_SPACE_S=int(time.time() - state.since))
+                  PATH=state.path, FREE_BYTES=free, OUT_OF_SPACE_S=int(time.monotonic() - state.began))
 
     async def wait_for_space(self) -> None:
         """Until free space grew by ``ROOM_BYTES`` since the failure (or ``RETRY_S`` passed): then
