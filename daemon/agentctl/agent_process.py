@@ -345,7 +345,7 @@ class AgentProcess:
             else:
                 self.psproc = psproc
                 # the ticks just compared, where the previous image gave them: no second read
-                self.pid_start_stamp = (process_start.stamp_of(pid_start_ticks) if pid_start_ticks is not None
+                self.pid_start_stamp = (_stamp_of(pid_start_ticks) if pid_start_ticks is not None
                                         else _start_stamp(self.pid))
         except psutil.Error:
             self.psproc = None  # gone already: the exit watcher reports it
@@ -420,6 +420,14 @@ def _start_stamp(pid: int) -> str | None:
     """Process ``pid``'s ``process_start.stamp``; None if it cannot be read."""
     try:
         return process_start.stamp(pid)
+    except OSError:
+        return None
+
+
+def _stamp_of(ticks: int) -> str | None:
+    """The stamp of this boot's process started at ``ticks`` (None: the boot id cannot be read)."""
+    try:
+        return process_start.stamp_of(ticks)
     except OSError:
         return None
 

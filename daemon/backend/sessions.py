@@ -154,7 +154,7 @@ class SessionService:
                 )
             if session.state != SessionState.WAITING_FOR_INPUT:
                 raise IpcError(ErrorCode.CONFLICT, f"session {session_id} is {session.state}; a turn is in progress")
-            if session.task_id in b.deleting_tasks:  # its agent is about to be stopped (task_delete --stop)
+            if session.task_id in b.deleting_tasks:  # its agent is about to be stopped (task delete --stop)
                 raise IpcError(ErrorCode.CONFLICT, f"session {session_id}: its task {session.task_id} is being"
                                " deleted; no new turn starts")
             transitions.transition_session(

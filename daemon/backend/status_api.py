@@ -39,16 +39,17 @@ def handlers(backend: BackendContext, upgrade: ServerUpgrade) -> dict[str, Handl
 
     async def op_status(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         # One moment: the state and the server (its link, its identity) as they were together. A
-        # start that finishes, or a server replaced, while the questions below are out: asked again
-        # once, so the reply never pairs READY with no server, or one server's pid with another's
-        # identity and version.
-        for _ in range(2):
+        # start that finishes, or a server replaced, while the questions below are out: the two
+        # questions that depend on the server are asked once more, so one such change never pairs
+        # READY with no server, or one server's pid with another's identity and version (a second
+        # change during that second round is not caught).
+        state, handle, identity, link = b.state, b.handle, b.servers.server_identity, b.link.snapshot()
+        # the three questions to other parties at once: a status call waits for the slowest, not the sum
+        link, sandbox, store = await asyncio.gather(
+            control_link(handle, link), agent_launch.sandbox_status(b), b.store_care.status())
+        if b.handle is not handle:
             state, handle, identity, link = b.state, b.handle, b.servers.server_identity, b.link.snapshot()
-            # the three questions to other parties at once: a status call waits for the slowest, not the sum
-            link, sandbox, store = await asyncio.gather(
-                control_link(handle, link), agent_launch.sandbox_status(b), b.store_care.status())
-            if b.handle is handle:
-                break
+            link, sandbox = await asyncio.gather(control_link(handle, link), agent_launch.sandbox_status(b))
         report = b.report
         return {
             "backend": {

@@ -117,8 +117,9 @@ async def _stop_agents(backend: Backend, task_id: str, session_ids: list[str]) -
             session = db.get(TaskSession, sid)
             state = session.state if session is not None else None
         if state != SessionState.WAITING_FOR_INPUT:
-            raise IpcError(ErrorCode.CONFLICT, f"task {task_id} was not deleted: session {sid} is {state}, its"
-                           f" agent no longer idle (kandev cancel {sid} ends its turn)")
+            gone = f"; agents already stopped: {', '.join(stopped)}" if stopped else ""
+            raise IpcError(ErrorCode.CONFLICT, f"task {task_id} was not deleted: session {sid} is {state},"
+                           f" its agent no longer idle (kandev cancel {sid} ends its turn){gone}")
         client = backend.servers.client_for(ex)
         if client is None:
             raise IpcError(ErrorCode.UNAVAILABLE, f"task {task_id} was not deleted: session {sid}'s control"

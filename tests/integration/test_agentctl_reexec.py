@@ -240,7 +240,7 @@ def test_reload_hands_over_turns_permissions_and_held_back_output(server: Server
             assert identity(inst["pid"]) == agents[name]
         listing = {i["instance_id"]: i for i in await client.list_instances()}
         assert all(i["not_taken_over"] == [] and i["state"] == "running" for i in listing.values())
-        for inst in (slow, perm, flood):  # the new image reports the stamp the spawn took, read again
+        for inst in (slow, perm, flood):  # the new image reports the same stamp the spawn took
             assert listing[inst["instance_id"]]["pid_start_stamp"] == inst["pid_start_stamp"]
             assert inst["pid_start_stamp"] == process_start.stamp(inst["pid"])
         # the same turn counter: the next turn id follows the last one

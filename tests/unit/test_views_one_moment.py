@@ -96,7 +96,8 @@ def test_a_launch_during_a_follow_read_does_not_end_the_stream_for_want_of_an_ag
     client = Client()
 
     async def scenario() -> None:
-        stream = asyncio.create_task(follow.op_follow(client, {"session_id": launch.session_id}))  # type: ignore[arg-type]
+        following = follow.op_follow(client, {"session_id": launch.session_id})  # type: ignore[arg-type]
+        stream = asyncio.create_task(following)
         await eventually(lambda: len(rounds) >= 2 or stream.done(), timeout=10)
         assert not stream.done() and client.events == [], client.events  # still following
         assert rounds == [False, True]  # read again, with the agent
