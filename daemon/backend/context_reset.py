@@ -29,6 +29,7 @@ from daemon.backend.executions import Execution
 from daemon.backend.live_sessions import InstanceAgent, LiveSessions, conflict, iso, put_runtime
 from daemon.backend.session_launcher import Launched, LaunchPlan, SessionLauncher
 from daemon.backend.sessions import get_session
+from daemon.backend.task_delete import refuse_while_deleting
 from daemon.credentials.broker import POLICY_GITHUB_LEASE
 from daemon.journal import log_event
 from daemon.store import transitions
@@ -109,8 +110,8 @@ class ContextReset:
             state, task_id = session.state, session.task_id
         if state != SessionState.WAITING_FOR_INPUT:
             raise conflict(f"session {session_id} is {state}; a context reset needs WAITING_FOR_INPUT")
-        if task_id in self.backend.deleting_tasks:
-            raise conflict(f"session {session_id}: its task {task_id} is being deleted")
+        refuse_while_deleting(self.backend.deleting_tasks, task_id,
+                              f"session {session_id} does not reset its context")
         return ex
 
     async def _new_provider_session(self, ex: Execution, restart: bool,

@@ -50,6 +50,7 @@ from daemon.backend.context import BackendContext
 from daemon.backend.live_sessions import LiveSessions, conflict, iso
 from daemon.backend.session_launcher import Launched, LaunchPlan, SessionLauncher
 from daemon.backend.sessions import get_session
+from daemon.backend.task_delete import refuse_while_deleting
 from daemon.credentials import CredentialError
 from daemon.journal import log_event
 from daemon.store import transitions
@@ -142,8 +143,7 @@ class ResumeService:
             task = db.get(Task, session.task_id)
             if task is None:
                 raise IpcError(ErrorCode.NOT_FOUND, f"the task of session {session_id} is gone")
-            if task.id in b.deleting_tasks:
-                raise conflict(f"the task of session {session_id} is being deleted")
+            refuse_while_deleting(b.deleting_tasks, task.id, f"session {session_id} does not resume")
             row = db.get(ExecutorRunning, session_id)
             if row is not None and row.status == InventoryStatus.LIVE:
                 # The inventory still claims an agent this backend does not track (liveness unknown,

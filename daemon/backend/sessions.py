@@ -25,6 +25,7 @@ from daemon.backend.api import BackendState
 from daemon.backend.context import BackendContext
 from daemon.backend.session_launcher import LaunchPlan, LaunchProgress, LaunchStage, SessionLauncher
 from daemon.backend.session_view import PageRequest, StoredSession, read_session
+from daemon.backend.task_delete import refuse_while_deleting
 from daemon.credentials import CredentialError
 from daemon.journal import log_event
 from daemon.store import transcript, transitions
@@ -79,8 +80,7 @@ class SessionService:
         with b.store.session() as db:
             task = get_task(db, task_id)
             task_id, workspace, executor = task.id, task.workspace, task.executor
-            if task_id in b.deleting_tasks:
-                raise IpcError(ErrorCode.CONFLICT, f"task {task_id} is being deleted")
+            refuse_while_deleting(b.deleting_tasks, task_id, "no new session starts")
             db.add(
                 TaskSession(
                     id=session_id,
@@ -154,9 +154,9 @@ class SessionService:
                 )
             if session.state != SessionState.WAITING_FOR_INPUT:
                 raise IpcError(ErrorCode.CONFLICT, f"session {session_id} is {session.state}; a turn is in progress")
-            if session.task_id in b.deleting_tasks:  # its agent is about to be stopped (task delete --stop)
-                raise IpcError(ErrorCode.CONFLICT, f"session {session_id}: its task {session.task_id} is being"
-                               " deleted; no new turn starts")
+            # its agent is about to be stopped (task delete --stop)
+            refuse_while_deleting(b.deleting_tasks, session.task_id,
+                                  f"session {session_id} takes no new turn")
             transitions.transition_session(
                 db, session_id, SessionState.RUNNING, expected_from={SessionState.WAITING_FOR_INPUT}, reason="prompt"
             )

@@ -75,9 +75,17 @@ def _live_reason(backend: Backend, sessions: list[TaskSession], rows: dict[str, 
     return None
 
 
+def refuse_while_deleting(deleting_tasks: set[str], task_id: str, refused: str) -> None:
+    """A ``conflict`` if task ``task_id`` is being deleted: what would give one of its sessions an
+    agent or a turn (``refused``: what is refused, e.g. "no new turn starts") calls this in the same
+    stretch without an await as its own state change, as ``delete_task`` checks and claims."""
+    if task_id in deleting_tasks:
+        raise IpcError(ErrorCode.CONFLICT, f"task {task_id} is being deleted: {refused}")
+
+
 async def delete_task(backend: Backend, task_id: str, *, stop: bool = False) -> dict[str, Any]:
     # The check and the claim run in one stretch without an await: from here on no session of the
-    # task can start or resume (session_start and resume refuse a task being deleted).
+    # task can start, resume, reset its context or take a prompt (each calls refuse_while_deleting).
     with backend.store.session() as db:
         task = db.get(Task, task_id)
         if task is None:
