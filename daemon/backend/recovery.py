@@ -277,8 +277,7 @@ class Recovery:
             return None
         outcomes = list(status.get("outcomes") or [])
         current = status.get("current_turn_id")
-        agent = AgentIdentity(values["agent_pid"], values["agent_pid_start_time"],
-                              values["agent_pid_start_stamp"])
+        agent = AgentIdentity.reported(instance)
         # applied now (not already durable), so their turn_ended event is still to be replayed;
         # filled by apply() before after() publishes the execution that holds it
         replaying: set[str] = set()

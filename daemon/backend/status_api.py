@@ -43,12 +43,15 @@ def handlers(backend: BackendContext, upgrade: ServerUpgrade) -> dict[str, Handl
         # questions that depend on the server are asked once more, so one such change never pairs
         # READY with no server, or one server's pid with another's identity and version (a second
         # change during that second round is not caught).
-        state, handle, identity, link = b.state, b.handle, b.servers.server_identity, b.link.snapshot()
+        def moment() -> tuple[BackendState, ControlServerHandle | None, str | None, dict[str, Any]]:
+            return b.state, b.handle, b.servers.server_identity, b.link.snapshot()
+
+        state, handle, identity, link = moment()
         # the three questions to other parties at once: a status call waits for the slowest, not the sum
         link, sandbox, store = await asyncio.gather(
             control_link(handle, link), agent_launch.sandbox_status(b), b.store_care.status())
         if b.handle is not handle:
-            state, handle, identity, link = b.state, b.handle, b.servers.server_identity, b.link.snapshot()
+            state, handle, identity, link = moment()
             link, sandbox = await asyncio.gather(control_link(handle, link), agent_launch.sandbox_status(b))
         report = b.report
         return {
