@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+from collections.abc import Iterator
 
 import psutil
 
@@ -21,15 +22,19 @@ def alive(pid: int) -> bool:
         return False
 
 
-def group_alive(pgid: int) -> bool:
-    """Whether a process of group ``pgid`` runs (zombies do not count)."""
+def _in_group(pgid: int) -> Iterator[tuple[int, str]]:
+    """(pid, status) of each process of group ``pgid`` (one that ends meanwhile is skipped)."""
     for proc in psutil.process_iter(["pid"]):
         try:
-            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
-                return True
+            if os.getpgid(proc.pid) == pgid:
+                yield proc.pid, proc.status()
         except (ProcessLookupError, psutil.NoSuchProcess):
             continue
-    return False
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` runs (zombies do not count)."""
+    return any(status != psutil.STATUS_ZOMBIE for _, status in _in_group(pgid))
 
 
 def group_exists(pgid: int) -> bool:
@@ -46,14 +51,7 @@ def group_exists(pgid: int) -> bool:
 
 def stopped_in_group(pgid: int) -> list[int]:
     """The processes of group ``pgid`` that are stopped (SIGSTOP or the like), by pid."""
-    found = []
-    for proc in psutil.process_iter(["pid"]):
-        try:
-            if os.getpgid(proc.pid) == pgid and proc.status() == psutil.STATUS_STOPPED:
-                found.append(proc.pid)
-        except (ProcessLookupError, psutil.NoSuchProcess):
-            continue
-    return sorted(found)
+    return sorted(pid for pid, status in _in_group(pgid) if status == psutil.STATUS_STOPPED)
 
 
 def signal_pending(pid: int, sig: int) -> bool:
