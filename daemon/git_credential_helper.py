@@ -21,8 +21,8 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from daemon.agent_user import AgentUserMissing, agent_user
-from daemon.paths import PathsError, read_secret_file, write_secret_file
+from daemon.host.agent_user import AgentUserMissing, agent_user
+from daemon.host.paths import PathsError, read_secret_file, write_secret_file
 
 LEASE_FILE_ENV = "KANDEV_GIT_LEASE_FILE"
 SOCKET_ENV = "KANDEV_BACKEND_SOCKET"
@@ -95,7 +95,7 @@ def write_no_lease_file(path: str | os.PathLike[str], reason: str) -> Path:
 
 def read_lease_file(path: str | os.PathLike[str]) -> tuple[str, str | None]:
     """``(lease_token, capability or None)``. The file must be a regular 0600 file of ours
-    (``daemon.paths.SecretFileError`` otherwise); a file holding just the token is accepted."""
+    (``daemon.host.paths.SecretFileError`` otherwise); a file holding just the token is accepted."""
     text = read_secret_file(Path(path)).decode("utf-8", errors="replace").strip()
     if text.startswith("{"):
         try:
@@ -119,7 +119,7 @@ def read_lease_file(path: str | os.PathLike[str]) -> tuple[str, str | None]:
 
 
 def _call(socket_path: str, op: str, args: dict[str, Any]) -> dict[str, Any]:
-    from daemon.backend.api_version import VERSION as API_VERSION
+    from daemon.api.version import VERSION as API_VERSION
     from ipc.sync_client import SyncClient
 
     with SyncClient(socket_path, protocol_major=API_VERSION[0], timeout=TIMEOUT_S) as client:

@@ -8,7 +8,7 @@ to ``ext::`` commands (git-remote-ext(1)) that run this module::
 git then speaks its own protocol (pkt-lines, as over ssh) on our stdin and stdout. We check the
 session's lease with its credential endpoint (``daemon.git_credential_helper.valid_lease``: one
 reissue after an expired or revoked lease), connect to the session's git endpoint
-(``daemon.backend.git_proxy``, outside the sandbox), send one JSON header line (service, host,
+(``daemon.backend.git.endpoint``, outside the sandbox), send one JSON header line (service, host,
 path, lease token) and then copy bytes both ways until the endpoint closes. Everything is
 decided by the endpoint: this process holds no upstream credential and enforces nothing.
 

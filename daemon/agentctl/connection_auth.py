@@ -21,7 +21,7 @@ import logging
 from typing import Any
 
 from daemon.agentctl.server_context import ServerContext
-from daemon.journal import log_event
+from daemon.core.journal import log_event
 from ipc.connection import ConnectionContext
 from ipc.errors import ErrorCode, IpcError
 from ipc.schema import Op

@@ -1,10 +1,10 @@
 """The control server's whole state, as one process image hands it to the next (re-exec).
 
 A reload (``systemctl reload kandev-agentctl``, ``kandev agentctl reload``; see
-``daemon.agentctl.reexec``) quiesces the server, captures a ``ServerHandover``,
+``daemon.agentctl.reload.reexec``) quiesces the server, captures a ``ServerHandover``,
 encodes it with msgpack into a sealed memfd, and ``execve``s the installed code
 with ``--resume-state-fd N``; the new image decodes it and resumes
-(``daemon.agentctl.resume``). Same pid, so the agents (our children, with
+(``daemon.agentctl.reload.resume``). Same pid, so the agents (our children, with
 ``PR_SET_PDEATHSIG`` relative to the main thread) notice nothing.
 
 What travels, and why it is enough to resume without losing or repeating anything:
@@ -55,7 +55,7 @@ from typing import Any, TypeVar, Union
 
 import msgpack
 
-from daemon.agentctl.sandbox import SandboxSupport
+from daemon.agentctl.sandbox.bubblewrap import SandboxSupport
 
 HANDOVER_FORMAT = 1
 """Bumped only for an incompatible change; fields are otherwise only ever added."""
@@ -121,7 +121,7 @@ class InstanceHandover:
     # bwrap itself was reaped first (``Instance.group_alive``).
     sandbox_init_pid: int | None = None
     sandbox_init_start_time: float | None = None
-    # Both starts in clock ticks since boot (``daemon.process_start``), which a step of the wall
+    # Both starts in clock ticks since boot (``daemon.host.process_start``), which a step of the wall
     # clock cannot move; None: an image before 0.3.0 (the start times are compared instead).
     pid_start_ticks: int | None = None
     sandbox_init_start_ticks: int | None = None

@@ -3,11 +3,11 @@ and keep the agents' stderr files bounded.
 
 ``InstanceService`` owns the life of the table ``ServerContext.instances`` from outside an
 instance: what goes into a new instance's spec besides the request (its secret values, read off
-the loop by ``daemon.agentctl.agent_env``; its sandboxed argv from ``SandboxHost``), the
+the loop by ``daemon.agentctl.sandbox.agent_env``; its sandboxed argv from ``SandboxHost``), the
 ``agent_unsandboxed`` / ``instance_started`` journal entries, the clean-up of an instance that
-failed to start, and the bounds of ``daemon.agentctl.agent_logs``. What one instance does once
-created is ``daemon.agentctl.instance``'s; reading the request off the wire is
-``daemon.agentctl.instances_api``'s.
+failed to start, and the bounds of ``daemon.agentctl.instance.logs``. What one instance does once
+created is ``daemon.agentctl.instance.instance``'s; reading the request off the wire is
+``daemon.agentctl.api.instances``'s.
 """
 
 from __future__ import annotations
@@ -19,14 +19,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from daemon.agentctl import agent_env, agent_logs, sandbox
-from daemon.agentctl.agent_process import InstanceSpec
-from daemon.agentctl.instance import Instance
-from daemon.agentctl.sandbox import SandboxPolicy, SandboxRequest
+from daemon.agentctl.instance import logs as agent_logs
+from daemon.agentctl.instance.instance import Instance
+from daemon.agentctl.instance.process import InstanceSpec
+from daemon.agentctl.sandbox import agent_env
+from daemon.agentctl.sandbox import bubblewrap as sandbox
+from daemon.agentctl.sandbox.bubblewrap import SandboxPolicy, SandboxRequest
 from daemon.agentctl.sandbox_host import SandboxHost
 from daemon.agentctl.server_context import ServerContext
 from daemon.agents.settings import SettingsError
-from daemon.journal import log_event
+from daemon.core.journal import log_event
 from ipc.errors import ErrorCode, IpcError
 
 log = logging.getLogger("kandev.agentctl.server")

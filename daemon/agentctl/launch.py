@@ -12,10 +12,10 @@ The backend (or a test) writes one JSON object, mode 0600, and starts
 ``agent_secret_env`` holds the *references* of each agent's ``secret_env`` (file paths or
 ``credential:NAME``, never a value; ``daemon.agents.settings``): ``validate`` reads each one once,
 so a server that could not serve its configured keys refuses to start naming the key, and no
-agent's sandbox shows those files (``daemon.agentctl.agent_env``).
+agent's sandbox shows those files (``daemon.agentctl.sandbox.agent_env``).
 
 The numbers are handed over as given and checked by ``validate`` (which uses
-``daemon.config_agentctl.validate_agentctl``) when the server starts: out of range is a
+``daemon.config.agentctl.validate_agentctl``) when the server starts: out of range is a
 refusal, never a clamp (AC-EXECUTORS-SURVIVAL-001.8). The log path is computed
 by the starter (AC-EXECUTORS-SURVIVAL-001.3).
 
@@ -36,12 +36,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from daemon.agentctl import agent_env
 from daemon.agentctl.auth import CREDENTIAL_BYTES
+from daemon.agentctl.sandbox import agent_env
 from daemon.agents.settings import SecretRef, SettingsError
-from daemon.config_agentctl import ResolvedAgentctl, validate_agentctl
-from daemon.config_keys import ConfigError
-from daemon.paths import Paths, SecretFileError, read_secret_file, write_secret_file
+from daemon.config.agentctl import ResolvedAgentctl, validate_agentctl
+from daemon.config.keys import ConfigError
+from daemon.host.paths import Paths, SecretFileError, read_secret_file, write_secret_file
 from daemon.store.states import LaunchMode
 
 CREDENTIAL_NAME = "agentctl-credential"
@@ -162,7 +162,7 @@ def dump(config: LaunchConfig, path: str | os.PathLike[str]) -> None:
 
 def validate(config: LaunchConfig, *, check_secrets: bool = True) -> ResolvedAgentctl:
     """Check the numeric settings and (``check_secrets``) that every agent's secret can be read;
-    raises ``daemon.config_keys.ConfigError`` naming the key (value and range for numbers; never a
+    raises ``daemon.config.keys.ConfigError`` naming the key (value and range for numbers; never a
     secret). A re-exec does not check the secrets: its running agents have theirs already, and a
     key gone meanwhile fails only a later start of that agent, never the reload."""
     resolved = validate_agentctl(

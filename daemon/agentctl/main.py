@@ -14,24 +14,24 @@ the socket and exit 0; so do ``ownership_shutdown`` and the unowned shutdown
 own timer latches, stops every instance and exits 0;
 AC-EXECUTORS-CONTROL-OWNERSHIP-003.1). SIGHUP reloads: the server re-executes
 the installed code in place with its state handed over, every agent keeps
-running (``daemon.agentctl.reexec``); before the handler is installed it is
+running (``daemon.agentctl.reload.reexec``); before the handler is installed it is
 ignored, so a detached server never dies of a hang-up. stdin, stdout and
 stderr may be ``/dev/null`` or gone; a failed log write is never fatal.
 
 Other modes of the same entry point: ``--reload`` asks the running server to
-reload and waits for the outcome (``daemon.agentctl.reload_client``, the unit's
+reload and waits for the outcome (``daemon.agentctl.reload.client``, the unit's
 ``ExecReload=``); ``--resume-state-fd N`` is the new image of a reload
-(``daemon.agentctl.resume``); ``--preflight`` is a reload's preflight
-(``daemon.agentctl.preflight``). Agents are spawned by the event loop in the
+(``daemon.agentctl.reload.resume``); ``--preflight`` is a reload's preflight
+(``daemon.agentctl.reload.preflight``). Agents are spawned by the event loop in the
 main thread and children are watched through pidfds (no watcher thread): the
 thread that spawned them is the one that execs, so their parent-death signal
 never fires on a reload. For that reason it runs on asyncio's own event loop, not on uvloop
 (``ipc.loop``, the backend's): uvloop spawns and reaps children its own way (libuv's SIGCHLD
 handler), ignoring the pidfd child watcher the reload depends on.
 
-Exit codes (``daemon.service.ExitCode``): 0 clean stop, 1 could not serve (e.g. the socket is in
+Exit codes (``daemon.core.service.ExitCode``): 0 clean stop, 1 could not serve (e.g. the socket is in
 use), 2 refused to start (bad launch file, settings or credential). The process set-up, signals,
-sd_notify and logging are the daemon skeleton both daemons share (``daemon.service``).
+sd_notify and logging are the daemon skeleton both daemons share (``daemon.core.service``).
 """
 
 from __future__ import annotations
@@ -43,18 +43,19 @@ import os
 import signal
 from pathlib import Path
 
-import daemon.acp_lean  # noqa: F401  (before the SDK: its models built lean, see the module)
-from daemon import faults
-from daemon.agentctl import launch, preflight, preload, reload_client, resume
+import daemon.agentctl.acp_lean  # noqa: F401  (before the SDK: its models built lean, see the module)
+from daemon.agentctl import launch
 from daemon.agentctl.handover import HandoverError
 from daemon.agentctl.launch import LaunchConfig, LaunchError
-from daemon.agentctl.reexec import Reloader
-from daemon.config_agentctl import ResolvedAgentctl
-from daemon.config_keys import ConfigError
-from daemon.heap import freeze_startup_heap
-from daemon.journal import log_event
-from daemon.paths import resolve_home
-from daemon.service import (
+from daemon.agentctl.reload import client as reload_client
+from daemon.agentctl.reload import preflight, preload, resume
+from daemon.agentctl.reload.reexec import Reloader
+from daemon.config.agentctl import ResolvedAgentctl
+from daemon.config.keys import ConfigError
+from daemon.core import faults
+from daemon.core.heap import freeze_startup_heap
+from daemon.core.journal import log_event
+from daemon.core.service import (
     ExitCode,
     Notifier,
     exiting,
@@ -64,7 +65,8 @@ from daemon.service import (
     setup_daemon_logging,
     watched,
 )
-from daemon.version import VERSION
+from daemon.core.version import VERSION
+from daemon.host.paths import resolve_home
 from ipc.errors import IpcError
 
 log = logging.getLogger("kandev.agentctl")
@@ -75,7 +77,7 @@ LOG_FILE_BACKUPS = 5
 LOG_FILE_MAX_AGE_DAYS = 14
 
 PROGRAM = "kandev-agentctl"
-# Blocked by the previous image across a re-exec (daemon.agentctl.reexec); unblocked once handled.
+# Blocked by the previous image across a re-exec (daemon.agentctl.reload.reexec); unblocked once handled.
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 

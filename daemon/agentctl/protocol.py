@@ -144,10 +144,10 @@ OPS = [
             "resume_session_id": str,  # ACP session/load instead of session/new
             "workspace_roots": list,  # file-operation reach; defaults to [cwd]
             # {policy: "required"|"off", writable: [path], readonly: [path], hidden: [path]}
-            # (daemon.agentctl.sandbox.SandboxRequest); absent: required, with nothing beyond cwd
+            # (daemon.agentctl.sandbox.bubblewrap.SandboxRequest); absent: required, with nothing beyond cwd
             "sandbox": dict,
             # {VARIABLE: "/path" | "credential:NAME"}: the agent's secrets, by reference; the server
-            # reads the values at spawn into this agent's environment only (daemon.agentctl.agent_env)
+            # reads the values at spawn into this agent's environment only (daemon.agentctl.sandbox.agent_env)
             "secret_env": dict,
         },
         doc="spawn the agent in its own process group (in its sandbox unless the policy is off; a"
@@ -182,7 +182,7 @@ OPS = [
     Op(
         "sandbox_status",
         optional={"refresh": bool},
-        doc="whether this server can sandbox agents (daemon.agentctl.sandbox), probed again with refresh"
+        doc="whether this server can sandbox agents (daemon.agentctl.sandbox.bubblewrap), probed again with refresh"
         " -> {available, reason|None, mechanism, bwrap, version}",
     ),
     Op("prompt", required={"instance_id": str, "text": str}, doc="start a turn -> {turn_id}"),

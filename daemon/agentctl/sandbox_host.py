@@ -3,19 +3,19 @@
 ``SandboxHost`` owns the launch's ``SandboxSupport``: probed off the event loop at start, again
 before a launch while it says no, and after a sandboxed agent died of bwrap's own error; a
 re-exec hands it over (kept only until the new image's own probe replaces it). ``wrap`` turns an
-agent's command into its sandboxed argv (``daemon.agentctl.sandbox.wrap_command``), hiding what
-of this server no agent may see. How a sandbox is built is ``daemon.agentctl.sandbox``'s.
+agent's command into its sandboxed argv (``daemon.agentctl.sandbox.bubblewrap.wrap_command``), hiding what
+of this server no agent may see. How a sandbox is built is ``daemon.agentctl.sandbox.bubblewrap``'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from daemon.agent_user import AgentUserMissing
-from daemon.agentctl import sandbox
-from daemon.agentctl.sandbox import SandboxRequest, SandboxSupport
+from daemon.agentctl.sandbox import bubblewrap as sandbox
+from daemon.agentctl.sandbox.bubblewrap import SandboxRequest, SandboxSupport
 from daemon.agentctl.server_context import ServerContext
-from daemon.journal import log_event
+from daemon.core.journal import log_event
+from daemon.host.agent_user import AgentUserMissing
 from ipc.errors import ErrorCode, IpcError
 
 

@@ -8,7 +8,7 @@
 - services: ``connection_auth`` (which connection may do what), ``instances`` (create, stop, the
   agents' log bounds), ``sandbox_host`` (can agents be sandboxed here, and how),
   ``reload_status`` (``server_info`` and the status file); one agent is
-  ``daemon.agentctl.instance``;
+  ``daemon.agentctl.instance.instance``;
 - handler modules, one per area, that read the request, call a service and shape the answer:
   ``ownership_api`` (docs/architecture.md#ownership), ``instances_api``, ``events_api``,
   ``reload_api`` (Issue 15).
@@ -16,7 +16,7 @@
 This module keeps the launch's own lifecycle: the listener, the unowned timer
 (AC-EXECUTORS-CONTROL-OWNERSHIP-003.1: ``now - last_renewal >= period`` latches the shutdown and
 asks the process to exit), the shutdown, and the server's side of a re-exec's hand-over
-(``capture_handover`` / ``from_handover`` / ``start_handed_over``; daemon.agentctl.reexec).
+(``capture_handover`` / ``from_handover`` / ``start_handed_over``; daemon.agentctl.reload.reexec).
 """
 
 from __future__ import annotations
@@ -31,26 +31,27 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import daemon.agentctl.events_api as events_api
-import daemon.agentctl.instances_api as instances_api
-import daemon.agentctl.ownership_api as ownership_api
-import daemon.agentctl.reload_api as reload_api
-from daemon.agentctl import instance_handover, reload_status
+import daemon.agentctl.api.events as events_api
+import daemon.agentctl.api.instances as instances_api
+import daemon.agentctl.api.ownership as ownership_api
+import daemon.agentctl.api.reload as reload_api
 from daemon.agentctl.connection_auth import ConnectionAuth, authenticated
-from daemon.agentctl.conversation import TurnIds
 from daemon.agentctl.handover import HANDOVER_FORMAT, ReloadHistory, ServerHandover, to_plain
-from daemon.agentctl.instance import Instance
+from daemon.agentctl.instance.conversation import TurnIds
+from daemon.agentctl.instance.instance import Instance
 from daemon.agentctl.instances import InstanceService
 from daemon.agentctl.launch import LaunchConfig
 from daemon.agentctl.ownership import Ownership
 from daemon.agentctl.protocol import TABLE
-from daemon.agentctl.sandbox import SandboxSupport
+from daemon.agentctl.reload import instance_handover
+from daemon.agentctl.reload import status as reload_status
+from daemon.agentctl.sandbox.bubblewrap import SandboxSupport
 from daemon.agentctl.sandbox_host import SandboxHost
 from daemon.agentctl.server_context import ServerContext
-from daemon.config_agentctl import ResolvedAgentctl
-from daemon.journal import log_event
-from daemon.limits import BUFFER_LIMIT, IDLE_CONNECTION_TIMEOUT_S, connection_limit
-from daemon.version import VERSION
+from daemon.config.agentctl import ResolvedAgentctl
+from daemon.core.journal import log_event
+from daemon.core.limits import BUFFER_LIMIT, IDLE_CONNECTION_TIMEOUT_S, connection_limit
+from daemon.core.version import VERSION
 from ipc.connection import ConnectionContext
 from ipc.server import Handler, IpcServer
 
@@ -215,7 +216,7 @@ class AgentctlServer:
         ctx.cancel_background()
         return stopped
 
-    # -- re-exec hand-over (daemon.agentctl.reexec captures, daemon.agentctl.resume restores) ------
+    # -- re-exec hand-over (daemon.agentctl.reload.reexec captures, daemon.agentctl.reload.resume restores) ------
 
     def capture_handover(self, *, listen_fd: int, quiesced_at: float, attempt: int) -> ServerHandover:
         """The whole server, for the next process image (synchronous: nothing moves meanwhile)."""

@@ -18,12 +18,12 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from daemon.agentctl.conversation import TurnIds
 from daemon.agentctl.handover import ReloadHistory
-from daemon.agentctl.instance import Instance
+from daemon.agentctl.instance.conversation import TurnIds
+from daemon.agentctl.instance.instance import Instance
 from daemon.agentctl.launch import LaunchConfig
 from daemon.agentctl.ownership import Ownership
-from daemon.config_agentctl import ResolvedAgentctl
+from daemon.config.agentctl import ResolvedAgentctl
 from ipc.connection import ConnectionContext
 from ipc.errors import ErrorCode, IpcError
 from ipc.server import IpcServer
@@ -58,7 +58,7 @@ class ServerContext:
         self.turn_ids = TurnIds(self.server_identity)
         self.handshake_timeout = handshake_timeout
         self.reload_history = ReloadHistory(started_at=time.time())
-        self.reloader: Any = None  # daemon.agentctl.reexec.Reloader, set by main (None: reload refused)
+        self.reloader: Any = None  # daemon.agentctl.reload.reexec.Reloader, set by main (None: reload refused)
         # Held around work done in threads (agent log bounds, sandbox probes): a re-exec takes it, so
         # no thread is half way through a file, or has a trial sandbox running, when the process
         # image is replaced (a thread's child would lose its parent-death tie with the thread).

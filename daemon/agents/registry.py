@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from daemon.version import VERSION
+from daemon.core.version import VERSION
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@
   server's unit loads (``LoadCredential=NAME:/path`` in a drop-in), read from
   ``$CREDENTIALS_DIRECTORY/NAME``. Only the *reference* ever travels (configuration, launch file,
   ``create_instance``); the control server reads the value itself when it spawns that agent and
-  puts it in that agent's environment only (``daemon.agentctl.agent_env``). A value is never
+  puts it in that agent's environment only (``daemon.agentctl.sandbox.agent_env``). A value is never
   logged, stored, shown, nor in any argv.
 - ``home_files``: a path relative to the session's HOME -> an absolute host file, copied into that
   HOME before every launch of the agent (``daemon.agents.home_files``): an agent's own

@@ -19,38 +19,38 @@ from __future__ import annotations
 
 import asyncio
 
-import daemon.backend.credentials_api as credentials_api
-import daemon.backend.hygiene as hygiene
-import daemon.backend.ids as ids
-import daemon.backend.lifecycle as lifecycle
-import daemon.backend.resume_api as resume_api
-import daemon.backend.runtime_config_api as runtime_config_api
-import daemon.backend.runtimes_api as runtimes_api
-import daemon.backend.sessions_api as sessions_api
-import daemon.backend.status_api as status_api
-import daemon.backend.task_delete as task_delete
-import daemon.backend.tasks_api as tasks_api
-import daemon.backend.workflow_api as workflow_api
-from daemon.backend import agent_launch
-from daemon.backend.adoption import Adopter
-from daemon.backend.api import TABLE, AdoptionOutcome, BackendState
-from daemon.backend.context import BackendContext
-from daemon.backend.context_reset import ContextReset
-from daemon.backend.executions import Execution
-from daemon.backend.follow import FollowService
-from daemon.backend.live_sessions import LiveSessions
-from daemon.backend.recovery import Recovery, RecoveryReport
-from daemon.backend.resume import ResumeService
-from daemon.backend.runtime_settings import RuntimeSettings
-from daemon.backend.server_upgrade import ServerUpgrade
-from daemon.backend.session_launcher import SessionLauncher
-from daemon.backend.sessions import SessionService
-from daemon.backend.tasks import TaskService
-from daemon.backend.workflow_runner import WorkflowRunner
-from daemon.config import Config
-from daemon.journal import log_event
-from daemon.paths import Paths
-from daemon.platform import CapabilityStatus
+import daemon.backend.handlers.credentials as credentials_api
+import daemon.backend.handlers.resume as resume_api
+import daemon.backend.handlers.runtime_config as runtime_config_api
+import daemon.backend.handlers.runtimes as runtimes_api
+import daemon.backend.handlers.sessions as sessions_api
+import daemon.backend.handlers.status as status_api
+import daemon.backend.handlers.tasks as tasks_api
+import daemon.backend.handlers.workflow as workflow_api
+import daemon.backend.lifetime.hygiene as hygiene
+import daemon.backend.sessions.lifecycle as lifecycle
+import daemon.backend.tasks.delete as task_delete
+import daemon.backend.views.ids as ids
+from daemon.api.ops import TABLE, AdoptionOutcome, BackendState
+from daemon.backend.lifetime.context import BackendContext
+from daemon.backend.lifetime.server_upgrade import ServerUpgrade
+from daemon.backend.recovery.adoption import Adopter
+from daemon.backend.recovery.recovery import Recovery, RecoveryReport
+from daemon.backend.sessions import agent_launch
+from daemon.backend.sessions.context_reset import ContextReset
+from daemon.backend.sessions.launcher import SessionLauncher
+from daemon.backend.sessions.live import LiveSessions
+from daemon.backend.sessions.resume import ResumeService
+from daemon.backend.sessions.runtime_settings import RuntimeSettings
+from daemon.backend.sessions.sessions import SessionService
+from daemon.backend.sessions.workflow_runner import WorkflowRunner
+from daemon.backend.state.executions import Execution
+from daemon.backend.tasks.tasks import TaskService
+from daemon.backend.views.follow import FollowService
+from daemon.config.platform import CapabilityStatus
+from daemon.config.settings import Config
+from daemon.core.journal import log_event
+from daemon.host.paths import Paths
 from daemon.store.db import Store
 from ipc.server import Handler
 
@@ -102,7 +102,7 @@ class Backend:
         self.resume.arm_auto_resume()
         # the backend asks it to resume what a lost control server interrupted
         ctx.servers.on_restarted = self.resume.resume_interrupted
-        # Every op that takes a task or session id also takes a unique prefix of it (daemon.backend.ids).
+        # Every op that takes a task or session id also takes a unique prefix of it (daemon.backend.views.ids).
         return ids.resolving(TABLE, ctx.store, status_api.out_of_space_reported(ctx, {
             **status_api.handlers(ctx, self.upgrade),
             **tasks_api.handlers(self.tasks),

@@ -3,13 +3,13 @@
 home lock → config validation → store lock (whatever home names the store) → the store's
 installation (another one's is refused) → logging → platform check → store (migrations; a store
 without an owner is adopted; on a full disk both waits for space, serving ``status``,
-``daemon.backend.space_wait``) → CLI socket (guards make early requests safe) →
+``daemon.backend.lifetime.space_wait``) → CLI socket (guards make early requests safe) →
 recovery and reconciliation → READY=1. Shutdown detaches from the control server when survival is enabled
 (its agents keep running) and stops it when it is our child.
 
 Process set-up, signals (SIGTERM/SIGINT stop, SIGUSR1 task dump, SIGHUP ignored), sd_notify, the
 watchdog and the exit codes (0 stopped, 1 could not serve, 2 invalid configuration) are the daemon
-skeleton both daemons share (``daemon.service``).
+skeleton both daemons share (``daemon.core.service``).
 """
 
 from __future__ import annotations
@@ -20,20 +20,19 @@ import grp
 import logging
 import os
 
-from daemon.backend import api
+from daemon.api import ops as api
 from daemon.backend.app import Backend
-from daemon.backend.cli_listener import CliListener
-from daemon.backend.lock import HomeLock, LockHeld, StoreLock, StoreLocked
-from daemon.backend.space_wait import when_space
-from daemon.backend.store_care import probe_write
-from daemon.config import Config, check_config
-from daemon.config_keys import ConfigError
-from daemon.heap import freeze_before_recovery, freeze_startup_heap
-from daemon.journal import log_event
-from daemon.limits import BUFFER_LIMIT, IDLE_CONNECTION_TIMEOUT_S, connection_limit
-from daemon.paths import Paths, installation_id, resolve_home
-from daemon.platform import check_capability
-from daemon.service import (
+from daemon.backend.lifetime.cli_listener import CliListener
+from daemon.backend.lifetime.lock import HomeLock, LockHeld, StoreLock, StoreLocked
+from daemon.backend.lifetime.space_wait import when_space
+from daemon.backend.lifetime.store_care import probe_write
+from daemon.config.keys import ConfigError
+from daemon.config.platform import check_capability
+from daemon.config.settings import Config, check_config
+from daemon.core.heap import freeze_before_recovery, freeze_startup_heap
+from daemon.core.journal import log_event
+from daemon.core.limits import BUFFER_LIMIT, IDLE_CONNECTION_TIMEOUT_S, connection_limit
+from daemon.core.service import (
     ExitCode,
     Notifier,
     exiting,
@@ -43,9 +42,10 @@ from daemon.service import (
     setup_daemon_logging,
     watched,
 )
+from daemon.core.version import VERSION
+from daemon.host.paths import Paths, installation_id, resolve_home
 from daemon.store.db import Store, sqlite_url
 from daemon.store.owner import ForeignStore, check_store_owner, claim_store, describe_store
-from daemon.version import VERSION
 from ipc import loop as event_loop
 from ipc.server import IpcServer
 
@@ -170,7 +170,7 @@ def _main(argv: list[str] | None) -> int:
         notifier = Notifier()
         try:
             # A store of another installation is refused before anything reads or migrates it.
-            # On a full disk: reported and waited out, not a crash loop (daemon.backend.space_wait).
+            # On a full disk: reported and waited out, not a crash loop (daemon.backend.lifetime.space_wait).
             def owner_checked() -> bool:
                 check_store_owner(url, ours, describe_store(url))
                 return True

@@ -3,7 +3,7 @@ LEASE-CTX-1, LEASE-CTX-2, LEASE-CTX-3, LEASE-CTX-4, LEASE-CTX-5, LEASE-CTX-6, LE
 
 The broker (``broker``) issues a scoped lease to a live session (a per-session credential, never
 the upstream token), keeps only the lease token's SHA-256 in ``credential_leases``, and redeems it:
-in the backend, for the session's git endpoint (``daemon.backend.git_proxy``), which alone uses the
+in the backend, for the session's git endpoint (``daemon.backend.git.endpoint``), which alone uses the
 upstream token (Issue 20); over the sockets (``credential_redeem``), as a check that answers no
 credential. ``signing`` holds the stable signing key (store ``installation`` table) and the token
 formats; ``scope`` decides what a lease may open; ``agent_env`` builds the lease file and the

@@ -12,7 +12,7 @@ environment-borne configuration (``GIT_CONFIG_COUNT`` / ``GIT_CONFIG_KEY_n`` /
   same for the host of ``credentials.github_url`` when it is a GitHub Enterprise Server) is
   rewritten (``url.<ext>.insteadOf``) to an ``ext::`` command running ``daemon.git_transport``
   (by absolute interpreter path, isolated mode ``-I``), which carries git's protocol to the
-  session's git endpoint (``endpoint/git-proxy.sock``, ``daemon.backend.git_proxy``) where the
+  session's git endpoint (``endpoint/git-proxy.sock``, ``daemon.backend.git.endpoint``) where the
   upstream token is added, outside the sandbox;
 - ``protocol.ext.allow`` is ``user``: ext URLs work for the agent's own commands, never for the
   URL of a submodule a repository names;
@@ -39,8 +39,8 @@ from daemon.git_credential_helper import (
     write_lease_file,
     write_no_lease_file,
 )
-from daemon.paths import Paths
-from daemon.session_dirs import SessionDirs
+from daemon.host.paths import Paths
+from daemon.host.session_dirs import SessionDirs
 
 __all__ = ["LEASE_FILE_ENV", "SOCKET_ENV", "agent_git_env", "lease_file_path", "read_lease_file",
            "rewritten_hosts", "transport_command", "write_lease_file", "write_no_lease_file"]

@@ -36,10 +36,10 @@ from typing import Any, cast
 from sqlalchemy import CursorResult, delete, select, update
 from sqlalchemy.orm import Session
 
-from daemon.config import CredentialsConfig
-from daemon.journal import log_event
-from daemon.paths import Paths, SecretFileError, read_secret_file
-from daemon.session_dirs import SessionDirs
+from daemon.config.settings import CredentialsConfig
+from daemon.core.journal import log_event
+from daemon.host.paths import Paths, SecretFileError, read_secret_file
+from daemon.host.session_dirs import SessionDirs
 from daemon.store.models import CredentialLease, Task, TaskSession, new_id
 from daemon.store.states import SessionState
 

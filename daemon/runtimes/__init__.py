@@ -6,7 +6,7 @@
   and the sanitizer for error text.
 - ``probe``: the ACP ``initialize`` probe of a candidate runtime.
 - ``update``: the update job's state machine and the job manager the backend
-  serves through ``daemon.backend.runtimes_api``.
+  serves through ``daemon.backend.handlers.runtimes``.
 - ``cli``: ``kandev runtime update AGENT`` (start or join the job, show its
   progress on stderr, return the final result).
 """

@@ -26,8 +26,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from daemon.agent_user import AgentUserMissing, agent_user
 from daemon.agents.registry import BuiltinAgent
+from daemon.host.agent_user import AgentUserMissing, agent_user
 from daemon.runtimes.npx_cache import NPX_DIR, RepairRefused, check_cache_root, npx_key
 from ipc.errors import ErrorCode
 

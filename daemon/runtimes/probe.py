@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from daemon.core.version import VERSION
 from daemon.runtimes.proc import DETAIL_LIMIT, drain, sanitize, stop_group
-from daemon.version import VERSION
 from ipc.aio import within
 
 CLIENT_NAME = "kandev-runtime-probe"

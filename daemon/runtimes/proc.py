@@ -110,7 +110,7 @@ async def stop_group(proc: asyncio.subprocess.Process, grace: float = KILL_GRACE
 
 
 # What a runtime job writes (npm's cache and the prepared trees) is public package code that agents
-# run, as another uid when kandev runs as root (daemon/agent_user.py): never private, whatever the
+# run, as another uid when kandev runs as root (daemon/host/agent_user.py): never private, whatever the
 # daemon's own umask (077). Nothing secret goes through these commands.
 RUNTIME_UMASK = 0o022
 

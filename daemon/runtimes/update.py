@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from daemon.agents.registry import BUILTIN_AGENTS, BuiltinAgent
-from daemon.journal import log_event
+from daemon.core.journal import log_event
 from daemon.runtimes.npx_cache import (
     NPX_DIR,
     RepairRefused,

@@ -220,7 +220,7 @@ class ExecutorRunning(Base):
     endpoint: Mapped[str] = mapped_column(Text)  # control-server socket at creation
     agent_pid: Mapped[int | None] = mapped_column(Integer)
     agent_pid_start_time: Mapped[float | None] = mapped_column(Float)  # wall clock, for people
-    agent_pid_start_stamp: Mapped[str | None] = mapped_column(String(64))  # daemon.process_start.stamp
+    agent_pid_start_stamp: Mapped[str | None] = mapped_column(String(64))  # daemon.host.process_start.stamp
     resume_token: Mapped[str | None] = mapped_column(Text)
     worktree_path: Mapped[str | None] = mapped_column(Text)
     workspace_path: Mapped[str] = mapped_column(Text)
@@ -298,7 +298,7 @@ class WorkflowStep(Base):
 
 class TaskWorkspace(Base):
     """The host paths kandev acts on for a task, recorded when kandev creates or accepts them
-    (``daemon.backend.workspace_record``): before any removal, bind or git on the host, the path on
+    (``daemon.backend.git.workspace_record``): before any removal, bind or git on the host, the path on
     disk is checked against this row (resolved path, no symlink, owner). Nothing an agent can write
     (a ``.git`` file, ``commondir``, ``gitdir``, a symlink) ever replaces it.
 

@@ -1,6 +1,6 @@
 """Which installation a store belongs to: one store serves one Kandev installation.
 
-The store remembers the installation id (``daemon.paths.installation_id``, created once per home)
+The store remembers the installation id (``daemon.host.paths.installation_id``, created once per home)
 of the backend that first drove it, as the ``installation_id`` row of the ``installation``
 key/value table. A backend of another installation is refused at start, before it migrates or
 writes anything, with a message naming both ids: it would otherwise take over another

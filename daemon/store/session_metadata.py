@@ -6,12 +6,12 @@ What the backend keeps about a session besides its state, one JSON object:
   wipes it and only a new provider session replaces it);
 - ``runtime_config`` and ``acp_catalogue``: the session's model, mode and options as the agent
   accepted or reported them, and what the agent announced it offers
-  (``daemon.backend.runtime_config``);
+  (``daemon.backend.sessions.runtime_config``);
 - ``resume`` and ``context_reset``: the status record of the last resume and context reset;
 - ``git_credential_snapshot``: the non-secret record of the session's git credentials
   (``daemon.credentials.broker``);
 - ``runtime_prepare``: the runtime job a first use of a managed npm agent ran before its agent
-  started (``daemon.backend.runtime_prepare``).
+  started (``daemon.backend.sessions.runtime_prepare``).
 
 ``SessionMetadata.load`` copies the stored object (keys this module does not name are kept as
 they are), the named operations change the copy, and ``save`` (or handing ``to_json()`` to

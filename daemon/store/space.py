@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from daemon.journal import log_event
+from daemon.core.journal import log_event
 
 log = logging.getLogger(__name__)
 

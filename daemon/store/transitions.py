@@ -25,7 +25,7 @@ from typing import Any, cast
 from sqlalchemy import CursorResult, event, select, update
 from sqlalchemy.orm import Session, SessionTransaction
 
-from daemon.journal import log_event
+from daemon.core.journal import log_event
 from daemon.store.models import SESSION_STATES, TASK_STATES, Task, TaskSession, utcnow
 from daemon.store.states import SessionState
 

@@ -18,7 +18,7 @@ die() { printf 'setup: ERROR: %s\n' "$*"; exit 1; }
 # ---- 1. system packages --------------------------------------------------------------------
 APT_PKGS=(python3 python3-venv python3-dev gcc pkg-config libsystemd-dev systemd-container
           util-linux iproute2)
-# every agent runs in a bubblewrap sandbox (daemon/agentctl/sandbox.py; the package depends on it)
+# every agent runs in a bubblewrap sandbox (daemon/agentctl/sandbox/bubblewrap.py; the package depends on it)
 APT_PKGS+=(bubblewrap)
 # the store tests also run against a throwaway PostgreSQL server (tests/support/postgres.py)
 APT_PKGS+=(postgresql)
@@ -57,7 +57,7 @@ fi
 
 # ---- 1b. the user agents run as when kandev runs as root --------------------------------------
 # No agent is ever host root: kandev as root (development, the tests) runs every agent as this
-# unprivileged system user (daemon/agent_user.py); the package makes it with sysusers.d.
+# unprivileged system user (daemon/host/agent_user.py); the package makes it with sysusers.d.
 if ! getent passwd kandev-agent >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ]; then
     log "creating the system user kandev-agent (agents run as it when kandev runs as root)"

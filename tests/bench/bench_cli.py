@@ -17,7 +17,7 @@ Unix socket needs (``_json``, ``_socket``: the CLI speaks JSON to the backend, i
 printed as ``ratio library floor / interpreter start: <x>``: the part of the ratio that is not
 kandev's code; and, as msgpack's price, the same with ``msgpack`` (which the CLI loaded before
 release 0.3.0: it brings datetime and collections). Both commands take the CLI's quick path
-(daemon/cli_quick.py); ``kandev status`` takes the full one (argparse, the views).
+(daemon/cli/quick.py); ``kandev status`` takes the full one (argparse, the views).
 Then ``kandev down`` of an idle backend (no agent), started afresh each time, as a whole
 process: ``down seconds: <s>`` (the median; the goal is <= 0.5). The exit status is 0 either way
 (a benchmark is a measurement, not a gate).

@@ -33,8 +33,8 @@ from typing import Any
 
 import acp
 
-from daemon.cli_backend import call
-from daemon.paths import Paths
+from daemon.cli.backend_client import call
+from daemon.host.paths import Paths
 
 REPO = Path(__file__).resolve().parents[2]
 TARGET = 10_000

@@ -49,7 +49,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from daemon.agentctl import launch as launch_file  # noqa: E402
-from daemon.agentctl.client import AgentctlClient  # noqa: E402
+from daemon.agentctl.client.connection import AgentctlClient  # noqa: E402
 from daemon.store.db import Store, sqlite_url  # noqa: E402
 from daemon.store.models import ControlServerRecord, ExecutorRunning, Task, TaskSession  # noqa: E402
 

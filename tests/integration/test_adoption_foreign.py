@@ -10,8 +10,8 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from daemon.backend.adoption import Adopter
-from daemon.paths import Paths
+from daemon.backend.recovery.adoption import Adopter
+from daemon.host.paths import Paths
 from daemon.store.db import Store, sqlite_url
 from daemon.store.models import ControlServerRecord
 from ipc.schema import Op, OpTable

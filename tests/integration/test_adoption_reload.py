@@ -18,8 +18,8 @@ from typing import Any
 
 from daemon.agentctl import auth, launch
 from daemon.agentctl.protocol import REQUIRED_CAPABILITIES
-from daemon.backend.adoption import Adopter
-from daemon.paths import Paths
+from daemon.backend.recovery.adoption import Adopter
+from daemon.host.paths import Paths
 from daemon.store.db import Store, sqlite_url
 from daemon.store.models import ControlServerRecord
 from ipc.errors import ErrorCode, IpcError

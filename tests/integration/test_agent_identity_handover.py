@@ -13,7 +13,7 @@ import psutil
 import psutil._pslinux as pslinux
 import pytest
 
-from daemon.agentctl.agent_process import AgentProcess
+from daemon.agentctl.instance.process import AgentProcess
 
 
 @pytest.fixture

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from daemon.agentctl.client_handshake import handshake
-from daemon.agentctl.shared_streams import InstanceStream
+from daemon.agentctl.client.handshake import handshake
+from daemon.agentctl.client.shared_streams import InstanceStream
 from ipc.client import AsyncClient
 from ipc.errors import ErrorCode, IpcError
 from tests.support.agentctl import STEP, Server

@@ -1,4 +1,4 @@
-"""``daemon.agentctl.instance.Instance`` in-process, against real agent processes.
+"""``daemon.agentctl.instance.instance.Instance`` in-process, against real agent processes.
 
 What the server tests cannot reach quickly: a handshake that times out, a stop
 racing a start, and the SIGTERM -> SIGKILL escalation. Every process group a
@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from daemon.agentctl.agent_process import KILL_GRACE, InstanceSpec
-from daemon.agentctl.conversation import TurnIds
-from daemon.agentctl.instance import Instance, InstanceState
+from daemon.agentctl.instance.conversation import TurnIds
+from daemon.agentctl.instance.instance import Instance, InstanceState
+from daemon.agentctl.instance.process import KILL_GRACE, InstanceSpec
 from ipc.errors import ErrorCode, IpcError
 from tests.support.aio import run
 from tests.support.waiting import eventually

@@ -1,7 +1,7 @@
 """Ownership of a real ``kandev-agentctl`` process: rotation, single driver, unowned shutdown.
 
 Every test starts its own control server (``python -m daemon.agentctl.main``, its own session)
-on a private home and drives it through the real client (``daemon.agentctl.client``) or raw
+on a private home and drives it through the real client (``daemon.agentctl.client.connection``) or raw
 frames over its real socket; agents are the real mock agent. Every wait is bounded; teardown
 SIGTERMs, then SIGKILLs, the servers and the agent process groups the test started. The pure
 rules are in ``tests/unit/test_agentctl_ownership.py``; here is what crosses the socket.
@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 
 from daemon.agentctl import auth
-from daemon.agentctl.client import AgentctlClient
-from daemon.agentctl.client_handshake import OwnershipRefused, identify
+from daemon.agentctl.client.connection import AgentctlClient
+from daemon.agentctl.client.handshake import OwnershipRefused, identify
 from daemon.agentctl.protocol import TABLE, EventKind
 from ipc.client import AsyncClient, EventStream
 from ipc.errors import ErrorCode, IpcError

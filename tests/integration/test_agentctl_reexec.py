@@ -27,12 +27,12 @@ from typing import Any
 import psutil
 import pytest
 
-from daemon import process_start
 from daemon.agentctl import auth, launch
-from daemon.agentctl.client import AgentctlClient
-from daemon.agentctl.client_handshake import identify
+from daemon.agentctl.client.connection import AgentctlClient
+from daemon.agentctl.client.handshake import identify
 from daemon.agentctl.protocol import EventKind
-from daemon.version import VERSION
+from daemon.core.version import VERSION
+from daemon.host import process_start
 from ipc.client import Event
 from tests.support.aio import run
 from tests.support.paths import REPO_ROOT

@@ -21,7 +21,7 @@ from typing import Any
 import psutil
 import pytest
 
-from daemon.agentctl.client import AgentctlClient
+from daemon.agentctl.client.connection import AgentctlClient
 from daemon.agentctl.protocol import EventKind
 from ipc.client import Event
 from tests.support.agentctl import STEP, Server, start_server, stop_server, write_launch

@@ -27,7 +27,7 @@ import psutil
 import pytest
 
 from daemon.agentctl import auth
-from daemon.agentctl.client_handshake import OwnershipRefused, identify
+from daemon.agentctl.client.handshake import OwnershipRefused, identify
 from daemon.agentctl.protocol import CAPABILITIES, EventKind
 from daemon.agentctl.protocol import VERSION as PROTOCOL_VERSION
 from ipc.client import AsyncClient, Event

@@ -36,7 +36,7 @@ from typing import Any
 
 import pytest
 
-from daemon.backend import api
+from daemon.api import ops as api
 from ipc.client import SyncClient
 from tests.support.kandev import Kandev, make_env
 from tests.support.paths import REPO_ROOT

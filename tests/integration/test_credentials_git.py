@@ -29,7 +29,7 @@ from typing import Any
 import psutil
 import pytest
 
-from daemon.config import CredentialsConfig
+from daemon.config.settings import CredentialsConfig
 from daemon.credentials import (
     SNAPSHOT_KEY,
     SessionTerminal,
@@ -40,7 +40,7 @@ from daemon.credentials import (
     record_credential_snapshot,
 )
 from daemon.git_credential_helper import LEASE_FILE_ENV, SOCKET_ENV, HelperError, valid_lease
-from daemon.paths import Paths
+from daemon.host.paths import Paths
 from daemon.store import transitions
 from daemon.store.db import Store, sqlite_url
 from daemon.store.models import CredentialLease, TaskSession, new_id

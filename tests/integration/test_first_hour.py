@@ -74,7 +74,7 @@ def _attention(k: Kandev, task: str) -> dict[str, Any] | None:
 
 def test_version_on_all_three_executables() -> None:
     """Issue 23 item 4 (Why 6: no --version anywhere)."""
-    from daemon.version import VERSION
+    from daemon.core.version import VERSION
 
     for module, name in (("daemon.cli", "kandev"), ("daemon.backend.main", "kandev-backend"),
                          ("daemon.agentctl.main", "kandev-agentctl")):

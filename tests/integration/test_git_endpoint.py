@@ -31,8 +31,8 @@ import pytest
 
 from daemon.credentials import read_lease_file, write_lease_file
 from daemon.git_credential_helper import HelperError, valid_lease
-from daemon.paths import Paths
-from daemon.session_dirs import SessionDirs
+from daemon.host.paths import Paths
+from daemon.host.session_dirs import SessionDirs
 from tests.support.git_standin import GitStandin
 from tests.support.kandev import Kandev
 from tests.support.processes import alive, cmdline

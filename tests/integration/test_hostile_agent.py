@@ -1,4 +1,4 @@
-"""What an agent writes is attacker input, down to its JSON (``daemon.agentctl.agent_json``) and
+"""What an agent writes is attacker input, down to its JSON (``daemon.agentctl.instance.agent_json``) and
 its requests:
 
 - a lone UTF-16 surrogate (``"\\ud800"``, which JavaScript's JSON.stringify writes for a string cut
@@ -27,9 +27,9 @@ from typing import Any
 
 import pytest
 
-from daemon.agentctl.agent_json import CUT, MAX_DEPTH
-from daemon.agentctl.agent_pipe import MAX_LINE_BYTES
-from daemon.agentctl.conversation import MAX_OPEN_PERMISSIONS
+from daemon.agentctl.instance.agent_json import CUT, MAX_DEPTH
+from daemon.agentctl.instance.conversation import MAX_OPEN_PERMISSIONS
+from daemon.agentctl.instance.pipe import MAX_LINE_BYTES
 from ipc.client import Event
 from tests.support.agentctl import Server
 from tests.support.aio import run

@@ -27,7 +27,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from daemon.cli_call import connect as cli_connect
+from daemon.cli.call import connect as cli_connect
 from ipc import (
     MAX_FRAME,
     AsyncClient,
@@ -1644,7 +1644,7 @@ def test_a_json_stream_delivers_its_events(json_server: ServerThread) -> None:
 
 def test_a_server_without_json_refuses_it_and_the_cli_falls_back_to_msgpack(server: ServerThread) -> None:
     """A backend of release 0.2.0 accepts only msgpack: it refuses the JSON hello as an invalid
-    frame (in msgpack), and the CLI's connection (daemon.cli_call.connect) then speaks msgpack."""
+    frame (in msgpack), and the CLI's connection (daemon.cli.call.connect) then speaks msgpack."""
     raw = Raw(server.path)
     raw.send(json_request(1, "hello"))
     assert_error(raw.recv(), ErrorCode.INVALID_FRAME, None)

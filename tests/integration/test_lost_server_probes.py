@@ -1,8 +1,8 @@
 """Issue 11: the probes behind a control-server loss, on real processes.
 
-``ServerWatch`` (daemon/backend/server_watch.py) tells a dead server from a live one by its exit
+``ServerWatch`` (daemon/backend/control/watch.py) tells a dead server from a live one by its exit
 status when it is our child, else by pid + start time, and says why; ``stop_leftover_group``
-(daemon/backend/liveness.py) kills what is left of a lost agent's process group only when the
+(daemon/backend/recovery/liveness.py) kills what is left of a lost agent's process group only when the
 identity matches. Real processes, each started and stopped here.
 """
 
@@ -19,11 +19,11 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from daemon import process_start
-from daemon.backend.agent_identity import AgentIdentity as Agent
-from daemon.backend.launcher import ControlServerHandle
-from daemon.backend.liveness import live_groups, stop_leftover_group
-from daemon.backend.server_watch import ServerWatch, describe_status
+from daemon.backend.control.launcher import ControlServerHandle
+from daemon.backend.control.watch import ServerWatch, describe_status
+from daemon.backend.recovery.liveness import live_groups, stop_leftover_group
+from daemon.backend.state.agent_identity import AgentIdentity as Agent
+from daemon.host import process_start
 from tests.support.processes import alive, group_alive
 from tests.support.waiting import wait_until
 

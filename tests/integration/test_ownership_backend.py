@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 
 from daemon.agentctl import launch as launch_file
-from daemon.agentctl.client import AgentctlClient
-from daemon.agentctl.client_handshake import OwnershipRefused
+from daemon.agentctl.client.connection import AgentctlClient
+from daemon.agentctl.client.handshake import OwnershipRefused
 from ipc.errors import IpcError
 from tests.support.kandev import Kandev, db_row
 from tests.support.paths import REPO_ROOT

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from daemon.agentctl.client import AgentctlClient
+from daemon.agentctl.client.connection import AgentctlClient
 from tests.support.kandev import Kandev
 from tests.support.paths import REPO_ROOT
 from tests.support.processes import alive
@@ -89,10 +89,10 @@ def test_turn_status_read_in_flight_at_deadline_is_not_retracked_for_the_deadlin
     with the backend's own recovery code against the real survivor, so that the read timeout can
     outlast D (the config's read-budget rule forbids that) and the read is in flight at D whatever
     the load; the server answers ``turn_statuses`` 8 s late (switched on once the survivor runs)."""
-    from daemon.backend.adoption import Adopter
-    from daemon.backend.executions import ExecutionStore
-    from daemon.backend.recovery import Recovery
-    from daemon.paths import Paths
+    from daemon.backend.recovery.adoption import Adopter
+    from daemon.backend.recovery.recovery import Recovery
+    from daemon.backend.state.executions import ExecutionStore
+    from daemon.host.paths import Paths
     from daemon.store.db import Store, sqlite_url
 
     k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="true")

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from daemon.version import VERSION
+from daemon.core.version import VERSION
 from tests.support.kandev import Kandev
 from tests.support.paths import REPO_ROOT
 from tests.support.processes import alive, identity
@@ -95,7 +95,7 @@ def test_scenario_a_twenty_reloads_under_running_turns(kandev_factory: Any) -> N
 def test_backend_asks_an_older_server_that_can_reload_to_reload(kandev_factory: Any, short_tmp: Path) -> None:
     """Issue 15 item 5: a backend that adopts a control server running an older version that can
     reload asks it to, once ready; the server re-executes the installed (newer) code in place and
-    its agent keeps running. Here the older version is a copy of the tree whose daemon/version.py
+    its agent keeps running. Here the older version is a copy of the tree whose daemon/core/version.py
     says 0.1.9; the "upgrade" replaces that file under the running server, as a package would."""
     code = short_tmp / "code"
     for top in ("daemon", "ipc"):

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from daemon.agentctl.reload_client import read_status
+from daemon.agentctl.reload.client import read_status
 from tests.support.kandev import CliError, db_row, db_rows, logged_problems
 from tests.support.processes import alive, identity
 from tests.support.streams import agent_chunks

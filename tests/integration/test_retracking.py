@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from daemon.agentctl.client import AgentctlClient
+from daemon.agentctl.client.connection import AgentctlClient
 from ipc.client import SyncClient
 from ipc.errors import IpcError
 from tests.support.kandev import Kandev, db_row, logged_problems
@@ -226,10 +226,10 @@ def test_a_second_retracking_pass_is_idempotent(kandev_factory):
     control server (the real survivor, driven in this process with the backend's own recovery
     code and store) yields the same tracked set and never a second execution: the session already
     tracked is neither guarded, re-created nor repaired the second time."""
-    from daemon.backend.adoption import Adopter
-    from daemon.backend.executions import ExecutionStore
-    from daemon.backend.recovery import Recovery
-    from daemon.paths import Paths
+    from daemon.backend.recovery.adoption import Adopter
+    from daemon.backend.recovery.recovery import Recovery
+    from daemon.backend.state.executions import ExecutionStore
+    from daemon.host.paths import Paths
     from daemon.store.db import Store, sqlite_url
 
     k = _enabled(kandev_factory)

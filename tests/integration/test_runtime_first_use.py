@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from daemon.backend import api
+from daemon.api import ops as api
 from daemon.runtimes.npx_cache import NPX_DIR, npx_key
 from ipc.client import SyncClient
 from tests.support.kandev import make_env

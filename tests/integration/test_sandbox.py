@@ -32,10 +32,10 @@ from typing import Any
 
 import pytest
 
-from daemon.agent_user import agent_user
-from daemon.agentctl.sandbox import sandbox_ids
+from daemon.agentctl.sandbox.bubblewrap import sandbox_ids
 from daemon.git_credential_helper import HelperError, valid_lease
-from daemon.session_dirs import SessionDirs, endpoint_mode
+from daemon.host.agent_user import agent_user
+from daemon.host.session_dirs import SessionDirs, endpoint_mode
 from tests.support.kandev import Kandev, db_row
 from tests.support.processes import alive
 from tests.support.sandbox_attacks import attack_script, attack_verdicts, connect_argv

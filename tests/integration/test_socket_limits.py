@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.limits import IDLE_CONNECTION_TIMEOUT_S, raise_open_file_limit
+from daemon.core.limits import IDLE_CONNECTION_TIMEOUT_S, raise_open_file_limit
 from ipc.codec_msgpack import read_frame_sync
 from ipc.framing import MAX_FRAME, ConnectionClosed
 

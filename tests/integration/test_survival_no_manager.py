@@ -14,7 +14,7 @@ import signal
 
 import pytest
 
-from daemon import process_start
+from daemon.host import process_start
 from tests.support.processes import alive, group_alive
 from tests.support.streams import agent_chunks
 from tests.support.waiting import wait_until

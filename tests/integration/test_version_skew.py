@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from daemon.version import VERSION
+from daemon.core.version import VERSION
 from tests.support.kandev import Kandev, logged_problems
 from tests.support.paths import REPO_ROOT
 from tests.support.processes import alive

@@ -18,8 +18,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from daemon.backend import api
-from daemon.backend.worktree import ADD_TIMEOUT_S
+from daemon.api import ops as api
+from daemon.backend.git.worktree import ADD_TIMEOUT_S
 from ipc.client import SyncClient
 from tests.support.paths import REPO_ROOT
 from tests.support.waiting import wait_until

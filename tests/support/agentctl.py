@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from daemon.agentctl import auth, launch
-from daemon.agentctl.client import AgentctlClient
-from daemon.agentctl.client_handshake import identify
+from daemon.agentctl.client.connection import AgentctlClient
+from daemon.agentctl.client.handshake import identify
 from tests.support.aio import run
 from tests.support.paths import REPO_ROOT
 from tests.support.processes import kill_group

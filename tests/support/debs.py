@@ -3,7 +3,7 @@
 ``build_packages()`` builds the .deb of the current sources once per content of what goes into
 it (daemon/, ipc/, debian/, docs/, packaging/, units/, README.md, pyproject.toml) by
 ``dpkg-buildpackage -us -uc -b`` in a copy of the checkout under /var/tmp, together with a rebuild
-whose debian/changelog and daemon/version.py carry a higher version (the upgrade: its code reports
+whose debian/changelog and daemon/core/version.py carry a higher version (the upgrade: its code reports
 that version) and the lintian report; the three are cached in /var/tmp/kandev-deb-cache/<hash>/.
 ``build_release_package(release)`` builds the .deb of an earlier release from a clone of its
 commit (``tests/support/releases.py``), cached in /var/tmp/kandev-deb-cache/release-<commit>/.
@@ -109,7 +109,7 @@ def build_packages() -> dict[str, Any]:
                 lint = subprocess.run(["lintian", "--pedantic", f"kandev_{version}_{arch}.deb"], cwd=work,
                                       capture_output=True, text=True, timeout=300, check=False)
                 changelog = tree / "debian/changelog"
-                version_py = tree / "daemon/version.py"  # the upgrade's code says its version too
+                version_py = tree / "daemon/core/version.py"  # the upgrade's code says its version too
                 version_py.write_text(version_py.read_text().replace(f'VERSION = "{version}"', f'VERSION = "{upgrade}"'))
                 changelog.write_text(
                     f"kandev ({upgrade}) bookworm; urgency=medium\n\n"

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import psutil
 
-from daemon import process_start
+from daemon.host import process_start
 from tests.support.waiting import wait_until
 
 

@@ -1,6 +1,6 @@
 """The previous release, built from this repository's history, for version-skew tests (Issue 15).
 
-``previous_release()`` is the newest release older than ``daemon.version.VERSION``: its commit is
+``previous_release()`` is the newest release older than ``daemon.core.version.VERSION``: its commit is
 the tag ``v<version>`` when this clone has it, else the record in ``packaging/releases.txt`` (CI
 clones may lack tags). A commit this clone does not have is a test failure with the fix, never a
 skip. ``release_tree(commit)`` is a ``git clone`` of this repository checked out at that commit,
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.version import VERSION, version_key
+from daemon.core.version import VERSION, version_key
 from tests.support.paths import REPO_ROOT
 
 CACHE = Path("/var/tmp/kandev-release-cache")

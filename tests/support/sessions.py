@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from daemon.agentctl import launch as launch_file
-from daemon.agentctl.client import AgentctlClient
+from daemon.agentctl.client.connection import AgentctlClient
 from tests.support.kandev import Kandev, db_row
 
 T = TypeVar("T")

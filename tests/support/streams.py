@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from daemon.agentctl.client import AgentctlClient
+from daemon.agentctl.client.connection import AgentctlClient
 from daemon.agentctl.protocol import EventKind
 from ipc.client import Event, EventStream
 from tests.support.agentctl import STEP

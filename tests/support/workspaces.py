@@ -1,5 +1,5 @@
 """Handing a workspace to the agents, as a user would: when the tests run kandev as root, agents
-run as ``kandev-agent`` (daemon/agent_user.py) and kandev refuses a workspace that user cannot
+run as ``kandev-agent`` (daemon/host/agent_user.py) and kandev refuses a workspace that user cannot
 write, so a test gives what it hands over to that user (``chown -R``, the fix kandev's refusal
 names). Unprivileged (the systemd tests' ``kandev`` user), agents keep our uid: nothing to do."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from daemon.agent_user import agent_user
+from daemon.host.agent_user import agent_user
 
 
 def for_agent(path: Path) -> Path:

@@ -180,7 +180,7 @@ def test_a_install(pkg: Box) -> None:
     for path in ("/usr/lib/systemd/system/kandev-backend.service", "/usr/lib/systemd/system/kandev-agentctl.service",
                  "/usr/lib/sysusers.d/kandev.conf", "/usr/lib/tmpfiles.d/kandev.conf",
                  "/usr/share/polkit-1/rules.d/50-kandev.rules", "/usr/share/bash-completion/completions/kandev",
-                 "/usr/lib/kandev/daemon/cli.py", "/usr/lib/kandev/vendor/sqlalchemy/__init__.py",
+                 "/usr/lib/kandev/daemon/cli/__init__.py", "/usr/lib/kandev/vendor/sqlalchemy/__init__.py",
                  "/usr/share/doc/kandev/vendored.txt"):
         b.box.run("test", "-e", path)
     # private modules: nothing in dist-packages, and Debian's python3 alone does not see them
@@ -327,7 +327,7 @@ def _attack_from_inside(b: Box) -> None:
         "write_workspace": ["sh", "-c", "echo hi > probe.txt && test \"$(cat probe.txt)\" = hi"],
         "git": ["git", "status", "--porcelain"],
         "python3": ["python3", "-c", "print(6 * 7)"],
-        "kandev_code": ["test", "-r", "/usr/lib/kandev/daemon/agents/mock.py"],
+        "kandev_code": ["test", "-r", "/usr/lib/kandev/daemon/agents/mock/agent.py"],
     }
     said = _says(b, S["gh_sid"], "/sh " + attack_script(denied, allowed))
     assert said.startswith("sh: exit=0\n") and not attack_verdicts(said, denied, allowed), said

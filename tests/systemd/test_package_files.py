@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from daemon import cli_parser
-from daemon.config import Config, load_config
-from daemon.config_keys import SECTIONS
+from daemon.cli import parser as cli_parser
+from daemon.config.keys import SECTIONS
+from daemon.config.settings import Config, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 PKG = REPO / "packaging"

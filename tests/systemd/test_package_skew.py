@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from daemon.version import VERSION
+from daemon.core.version import VERSION
 from tests.support.debs import build_packages, build_release_package
 from tests.support.releases import Release, previous_release
 from tests.support.sdbox import SdBox

@@ -1,4 +1,4 @@
-"""daemon/agents/acp_wire.py, the mock agent's JSON-RPC side, over a real socket pair: how it
+"""daemon/agents/mock/acp_wire.py, the mock agent's JSON-RPC side, over a real socket pair: how it
 answers, what it skips, how its own requests are numbered and answered, and what the end of
 input does to the work still running."""
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from daemon.agents.acp_wire import PROTOCOL_VERSION, AgentWire, Params, RpcError
+from daemon.agents.mock.acp_wire import PROTOCOL_VERSION, AgentWire, Params, RpcError
 from tests.support.aio import run
 from tests.support.waiting import eventually
 

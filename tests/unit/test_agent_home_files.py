@@ -11,8 +11,8 @@ import pytest
 
 from daemon.agents import home_files
 from daemon.agents.settings import describe
-from daemon.config import load_config, validate_backend
-from daemon.config_keys import ConfigError
+from daemon.config.keys import ConfigError
+from daemon.config.settings import load_config, validate_backend
 
 
 def _file(path: Path, text: str = '{"ok": true}\n', mode: int = 0o600) -> Path:

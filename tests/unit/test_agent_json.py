@@ -1,4 +1,4 @@
-"""``daemon.agentctl.agent_json``: lone surrogates an agent escaped in its JSON become U+FFFD (a
+"""``daemon.agentctl.instance.agent_json``: lone surrogates an agent escaped in its JSON become U+FFFD (a
 pair stays its character), nesting below ``MAX_DEPTH`` is cut, a line too deep to decode is not
 JSON, and the cheap pre-checks find every line that needs a walk. Plus what that buys the
 backend: the deepest event the control server passes on is stored like any other."""
@@ -11,9 +11,17 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from daemon.agentctl.agent_json import CUT, MAX_DEPTH, SURROGATE_ESCAPE, clean, clean_str, decode, prune
-from daemon.agentctl.events import plain
-from daemon.backend.events import apply_events
+from daemon.agentctl.instance.agent_json import (
+    CUT,
+    MAX_DEPTH,
+    SURROGATE_ESCAPE,
+    clean,
+    clean_str,
+    decode,
+    prune,
+)
+from daemon.agentctl.instance.events import plain
+from daemon.backend.state.events import apply_events
 from daemon.store import transcript
 from daemon.store.db import Store, sqlite_url
 from ipc.client import Event

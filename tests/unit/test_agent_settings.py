@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from daemon.agentctl import agent_env, launch
-from daemon.agentctl.sandbox import SandboxRequest
+from daemon.agentctl import launch
+from daemon.agentctl.sandbox import agent_env
+from daemon.agentctl.sandbox.bubblewrap import SandboxRequest
 from daemon.agents.settings import SecretKind, SecretRef, SettingsError, describe
 from daemon.agents.settings import agent_env as plain_env
-from daemon.config import load_config, validate_backend
-from daemon.config_keys import ConfigError
+from daemon.config.keys import ConfigError
+from daemon.config.settings import load_config, validate_backend
 
 
 def _secret(path: Path, value: str = "s3cret-value", mode: int = 0o600) -> Path:

@@ -1,4 +1,4 @@
-"""daemon.agentctl.agent_logs: the agents' stderr files stay bounded in size and in number (real files)."""
+"""daemon.agentctl.instance.logs: the agents' stderr files stay bounded in size and in number (real files)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 import time
 from pathlib import Path
 
-from daemon.agentctl import agent_logs
+from daemon.agentctl.instance import logs as agent_logs
 
 
 def _file(d: Path, name: str, data: bytes, age_s: float = 0.0) -> Path:

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from daemon.agentctl.client import AgentctlClient
+from daemon.agentctl.client.connection import AgentctlClient
 from daemon.agentctl.protocol import CAPABILITIES, REQUIRED_CAPABILITIES
-from daemon.agentctl.sandbox import SandboxPolicy, SandboxRequest
+from daemon.agentctl.sandbox.bubblewrap import SandboxPolicy, SandboxRequest
 from ipc.errors import ErrorCode, IpcError
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from daemon.agentctl.client import AgentctlClient
+from daemon.agentctl.client.connection import AgentctlClient
 from daemon.agentctl.protocol import (
     AGENT_SECRETS_CAPABILITY,
     CAPABILITIES,

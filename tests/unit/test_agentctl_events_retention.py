@@ -20,9 +20,10 @@ from typing import Any
 
 import pytest
 
-from daemon.agentctl import agent_pipe, pipe_internals
-from daemon.agentctl.agent_pipe import AGENT_STDOUT_LIMIT, AgentPipeTransport
-from daemon.agentctl.events import EXCLUDED_KINDS, RETAINED_KINDS, EventLog
+from daemon.agentctl.instance import pipe as agent_pipe
+from daemon.agentctl.instance import pipe_internals
+from daemon.agentctl.instance.events import EXCLUDED_KINDS, RETAINED_KINDS, EventLog
+from daemon.agentctl.instance.pipe import AGENT_STDOUT_LIMIT, AgentPipeTransport
 from daemon.agentctl.protocol import EventKind
 from tests.support.aio import run
 from tests.support.waiting import eventually

@@ -18,9 +18,6 @@ from pathlib import Path
 import pytest
 
 from daemon.agentctl import handover
-from daemon.agentctl.agent_process import InstanceSpec
-from daemon.agentctl.conversation import TurnIds
-from daemon.agentctl.events import EventLog
 from daemon.agentctl.handover import (
     HandoverError,
     InstanceHandover,
@@ -36,11 +33,14 @@ from daemon.agentctl.handover import (
     to_plain,
     write_memfd,
 )
-from daemon.agentctl.instance import Instance
-from daemon.agentctl.instance_handover import capture
+from daemon.agentctl.instance.conversation import TurnIds
+from daemon.agentctl.instance.events import EventLog
+from daemon.agentctl.instance.instance import Instance
+from daemon.agentctl.instance.process import InstanceSpec
 from daemon.agentctl.ownership import Ownership
-from daemon.agentctl.reexec import interpreter_flags
-from daemon.agentctl.sandbox import SandboxSupport
+from daemon.agentctl.reload.instance_handover import capture
+from daemon.agentctl.reload.reexec import interpreter_flags
+from daemon.agentctl.sandbox.bubblewrap import SandboxSupport
 from ipc.errors import IpcError
 from tests.support.paths import REPO_ROOT
 
@@ -227,7 +227,7 @@ def test_late_import_watch_reports_modules_imported_after_ready() -> None:
     import and tells a standard-library module from a third-party or kandev one."""
     script = """
 import asyncio, json, sys
-from daemon.agentctl.preload import LateImportWatch
+from daemon.agentctl.reload.preload import LateImportWatch
 seen = []
 async def main():
     watch = LateImportWatch(asyncio.get_running_loop(), lambda name, stdlib: seen.append([name, stdlib]))

@@ -13,7 +13,7 @@ import pytest
 
 from daemon.agentctl import auth
 from daemon.agentctl.ownership import CURRENT, SUPERSEDED, Ownership
-from daemon.config_agentctl import resolve_unowned_period, validate_agentctl
+from daemon.config.agentctl import resolve_unowned_period, validate_agentctl
 from ipc.errors import ErrorCode, IpcError
 
 C0 = bytes([0xC0]) * 32

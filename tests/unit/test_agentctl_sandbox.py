@@ -1,4 +1,4 @@
-"""The agent sandbox's command line (daemon.agentctl.sandbox.build_argv) and its request parsing.
+"""The agent sandbox's command line (daemon.agentctl.sandbox.bubblewrap.build_argv) and its request parsing.
 
 Issue 10 scenario A depends on these rules: what a bind reveals is masked when it must stay hidden
 (the kandev home under a bound checkout, the token file under /etc, a hidden path under the
@@ -14,7 +14,7 @@ import pwd
 
 import pytest
 
-from daemon.agentctl.sandbox import (
+from daemon.agentctl.sandbox.bubblewrap import (
     Bind,
     BindMode,
     SandboxPolicy,
@@ -214,8 +214,8 @@ def test_the_import_path_never_brings_the_root_or_the_working_directory_into_a_s
 
 def test_servers_start_without_the_working_directory_on_their_import_path() -> None:
     """The same at the source: the backend's child server and a re-exec run ``python -P``."""
-    from daemon.agentctl.reexec import entry_argv
-    from daemon.backend.launcher import agentctl_argv
+    from daemon.agentctl.reload.reexec import entry_argv
+    from daemon.backend.control.launcher import agentctl_argv
 
     assert agentctl_argv("/h/launch.json")[1] == "-P"
     assert "-P" in entry_argv("--reload")[1:entry_argv("--reload").index("-m")]

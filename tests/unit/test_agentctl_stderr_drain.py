@@ -1,4 +1,4 @@
-"""daemon.agentctl.stderr_drain: one thread drains every agent's stderr pipe into its bounded file
+"""daemon.agentctl.instance.stderr_drain: one thread drains every agent's stderr pipe into its bounded file
 (real pipes, real files, a real thread)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.agentctl.stderr_drain import StderrDrain, StderrSink
+from daemon.agentctl.instance.stderr_drain import StderrDrain, StderrSink
 from tests.support.waiting import wait_until
 
 

@@ -14,13 +14,13 @@ import msgpack
 import pytest
 
 from daemon.agentctl import auth, launch
-from daemon.agentctl.agent_process import INHERITED_ENV, agent_environment
-from daemon.agentctl.conversation import TurnIds
-from daemon.agentctl.events import MAX_EVENT_BYTES, EventLog, plain, sendable
-from daemon.agentctl.instance import InstanceState, can_transition
+from daemon.agentctl.instance.conversation import TurnIds
+from daemon.agentctl.instance.events import MAX_EVENT_BYTES, EventLog, plain, sendable
+from daemon.agentctl.instance.instance import InstanceState, can_transition
+from daemon.agentctl.instance.process import INHERITED_ENV, agent_environment
 from daemon.agentctl.launch import LaunchConfig, LaunchError
 from daemon.agents.settings import AGENT_PATH
-from daemon.config_keys import ConfigError
+from daemon.config.keys import ConfigError
 from tests.support.aio import run
 
 CRED = bytes(range(32))

@@ -1,4 +1,4 @@
-"""The home's hygiene pass (daemon/backend/hygiene.py), on a real directory tree (Issue 10 item 9).
+"""The home's hygiene pass (daemon/backend/lifetime/hygiene.py), on a real directory tree (Issue 10 item 9).
 
 The integration test tests/integration/test_sandbox.py checks the same on a home the real daemons
 made; here every rule gets its own case, loose modes set on purpose."""
@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from daemon import session_dirs
-from daemon.agent_user import AgentUser
-from daemon.backend import hygiene
-from daemon.backend.hygiene import _proven, tidy_home
-from daemon.paths import Paths, run_dir_mode
-from daemon.session_dirs import SessionDirs
+from daemon.backend.lifetime import hygiene
+from daemon.backend.lifetime.hygiene import _proven, tidy_home
+from daemon.host import session_dirs
+from daemon.host.agent_user import AgentUser
+from daemon.host.paths import Paths, run_dir_mode
+from daemon.host.session_dirs import SessionDirs
 from ipc.errors import ErrorCode, IpcError
 from ipc.schema import OpTable
 from ipc.server import IpcServer

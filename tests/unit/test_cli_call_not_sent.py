@@ -1,4 +1,4 @@
-"""daemon.cli_call.call asks once more on a new connection only when the request could not be
+"""daemon.cli.call.call asks once more on a new connection only when the request could not be
 written (``ipc.errors.RequestNotSent``): what a CLI call meets when a backend hands its socket
 from the server that waited for disk space to the normal one. A scripted server on a real Unix
 socket; "closed before the request" is made exact with ``shutdown(SHUT_RD)`` before the hello's
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.cli_call import call
+from daemon.cli.call import call
 from ipc.errors import ErrorCode, IpcError, RequestNotSent
 from ipc.framing import HEADER
 from tests.support.wire import read_frame_body

@@ -1,4 +1,4 @@
-"""daemon.human: colour and width rules, tables, the status summary (tolerant of fields other
+"""daemon.cli.human: colour and width rules, tables, the status summary (tolerant of fields other
 features add), errors with hints, and transcripts as conversations. The real CLI against a real
 backend is in tests/integration/test_cli_human.py (Issue 14 scenario A, Issue 14 scenario B, Issue 14 scenario C, Issue 14 scenario D and Issue 14 scenario E)."""
 
@@ -8,13 +8,13 @@ import io
 import json
 from typing import Any
 
-from daemon.human.errors import error_lines
-from daemon.human.fmt import age, unique_length
-from daemon.human.status import render_status
-from daemon.human.table import render_table
-from daemon.human.term import Term
-from daemon.human.transcript import ConversationWriter
-from daemon.human.views import agentctl_reload_lines, session_list_lines, session_show
+from daemon.cli.human.errors import error_lines
+from daemon.cli.human.fmt import age, unique_length
+from daemon.cli.human.status import render_status
+from daemon.cli.human.table import render_table
+from daemon.cli.human.term import Term
+from daemon.cli.human.transcript import ConversationWriter
+from daemon.cli.human.views import agentctl_reload_lines, session_list_lines, session_show
 from ipc.errors import ErrorCode, IpcError
 
 
@@ -237,7 +237,7 @@ def test_status_tells_the_link_story_in_sentences_not_fields() -> None:
 
 def test_an_agents_stderr_is_shown_without_its_control_sequences() -> None:
     """Issue 23 item 4: `kandev logs` never lets the agent's bytes drive the terminal."""
-    from daemon.human.views import log_text
+    from daemon.cli.human.views import log_text
 
     shown = log_text("ok\tfine\n\x1b[2J\x1b]0;title\x07\x9bx\n", Term(colour=False, width=None))
     assert shown == "ok\tfine\n\\x1b[2J\\x1b]0;title\\x07\\x9bx\n"
@@ -245,7 +245,7 @@ def test_an_agents_stderr_is_shown_without_its_control_sequences() -> None:
 
 def test_a_mistyped_command_gets_the_closest_one() -> None:
     """Issue 23 item 4: "did you mean" for commands and subcommands, the choices otherwise."""
-    from daemon.cli_parser import did_you_mean
+    from daemon.cli.parser import did_you_mean
 
     m = "argument command: invalid choice: 'sesion' (choose from 'up', 'down', 'session', 'status')"
     assert did_you_mean(m) == "unknown command 'sesion'; did you mean 'session'?"

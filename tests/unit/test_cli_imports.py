@@ -21,20 +21,20 @@ from tests.support.paths import REPO_ROOT
 
 # kandev's own modules the common commands may import, whatever the command.
 BUDGET = {
-    "daemon", "daemon.cli", "daemon.cli_quick", "daemon.cli_call", "daemon.cli_json", "daemon.cli_commands",
-    "daemon.cli_backend", "daemon.cli_parser", "daemon.home", "daemon.version",
-    "daemon.backend", "daemon.backend.api", "daemon.backend.api_version",
-    "daemon.human",
+    "daemon", "daemon.cli", "daemon.cli.quick", "daemon.cli.call", "daemon.cli.json_output", "daemon.cli.commands",
+    "daemon.cli.backend_client", "daemon.cli.parser", "daemon.host.home", "daemon.core.version",
+    "daemon.core", "daemon.host", "daemon.api", "daemon.api.ops", "daemon.api.version",
+    "daemon.cli.human",
     "ipc", "ipc.errors", "ipc.schema", "ipc.framing", "ipc.hello", "ipc.sync_client", "ipc.codec_json",
 }
 # What printing for people adds (without --json): the views and their helpers, never the doctor.
-HUMAN = {"daemon.human.errors", "daemon.human.fmt", "daemon.human.render", "daemon.human.status",
-         "daemon.human.table", "daemon.human.term", "daemon.human.transcript", "daemon.human.views",
-         "daemon.human.visible", "daemon.store", "daemon.store.states"}  # the named states the views compare (enums only)
+HUMAN = {"daemon.cli.human.errors", "daemon.cli.human.fmt", "daemon.cli.human.render", "daemon.cli.human.status",
+         "daemon.cli.human.table", "daemon.cli.human.term", "daemon.cli.human.transcript", "daemon.cli.human.views",
+         "daemon.cli.human.visible", "daemon.store", "daemon.store.states"}  # the named states the views compare (enums only)
 # Never for these commands: the heavy machinery of other commands and of the daemons.
-NEVER = {"asyncio", "sqlalchemy", "acp", "tomllib", "subprocess", "daemon.doctor", "daemon.config",
-         "daemon.config_keys", "daemon.config_agentctl",
-         "daemon.platform", "daemon.agents", "daemon.agents.registry", "daemon.human.follow", "ipc.client",
+NEVER = {"asyncio", "sqlalchemy", "acp", "tomllib", "subprocess", "daemon.backend", "daemon.cli.doctor", "daemon.config.settings",
+         "daemon.config.keys", "daemon.config.agentctl",
+         "daemon.config.platform", "daemon.agents", "daemon.agents.registry", "daemon.cli.human.follow", "ipc.client",
          "ipc.server", "ipc.aio", "uvloop", "psutil",
          # msgpack (a third of the interpreter's start, with datetime and collections): the CLI
          # speaks JSON to the backend (ipc.codec_json)
@@ -43,8 +43,8 @@ NEVER = {"asyncio", "sqlalchemy", "acp", "tomllib", "subprocess", "daemon.doctor
          # inspect, ast and dis; secrets brings random, hashlib and hmac)
          "dataclasses", "inspect", "secrets", "random",
          # typing: kandev's modules on this path name types under TYPE_CHECKING only (~4 ms a call);
-         # pathlib (~4 ms with urllib.parse and ipaddress): daemon.home spells the socket's path
-         "typing", "pathlib", "daemon.paths"}
+         # pathlib (~4 ms with urllib.parse and ipaddress): daemon.host.home spells the socket's path
+         "typing", "pathlib", "daemon.host.paths"}
 
 
 def imported(*argv: str, home: Path) -> set[str]:
@@ -90,27 +90,27 @@ def test_commands_for_people_add_only_the_views(argv: tuple[str, ...], tmp_path:
 def test_the_budget_check_sees_what_a_command_imports(tmp_path: Path) -> None:
     """The check can fail: ``doctor`` imports the doctor and the configuration."""
     modules = imported("--json", "doctor", home=tmp_path)
-    assert {"daemon.doctor", "daemon.config"} <= modules
+    assert {"daemon.cli.doctor", "daemon.config.settings"} <= modules
 
 
 def test_the_views_for_people_import_nothing_heavy() -> None:
     """What a command for people adds once the backend answered (the two tests above stop at the
     refused connection): the views render with none of the modules a call must not pay for."""
-    modules = _imports("-c", "import daemon.human.render", exits_ok=True)
-    assert "daemon.human.views" in modules
+    modules = _imports("-c", "import daemon.cli.human.render", exits_ok=True)
+    assert "daemon.cli.human.views" in modules
     assert _own(modules) <= BUDGET | HUMAN, sorted(_own(modules) - BUDGET - HUMAN)
     assert not modules & (NEVER | {"shutil"}), sorted(modules & (NEVER | {"shutil"}))
 
 
-# The quick path (daemon/cli_quick.py): kandev's modules it may import, and what it never does, not
+# The quick path (daemon/cli/quick.py): kandev's modules it may import, and what it never does, not
 # even from the standard library: the imports that made a call cost three interpreter starts.
-QUICK_BUDGET = {"daemon", "daemon.cli", "daemon.cli_quick", "daemon.cli_call", "daemon.cli_json", "daemon.home",
-                "daemon.backend", "daemon.backend.api_version", "daemon.human", "daemon.version",
+QUICK_BUDGET = {"daemon", "daemon.cli", "daemon.cli.quick", "daemon.cli.call", "daemon.cli.json_output", "daemon.host",
+                "daemon.host.home", "daemon.core", "daemon.api", "daemon.api.version", "daemon.cli.human", "daemon.core.version",
                 "ipc", "ipc.errors", "ipc.schema", "ipc.framing", "ipc.hello", "ipc.sync_client",
                 "ipc.codec_json"}
 ENTRY = "import sys; from daemon.cli import main; sys.exit(main())"  # what packaging/scripts/kandev runs
-QUICK_NEVER = NEVER | {"re", "enum", "argparse", "json", "socket", "gettext", "datetime", "daemon.cli_commands",
-                       "daemon.cli_parser", "daemon.cli_backend", "daemon.backend.api"}
+QUICK_NEVER = NEVER | {"re", "enum", "argparse", "json", "socket", "gettext", "datetime", "daemon.cli.commands",
+                       "daemon.cli.parser", "daemon.cli.backend_client", "daemon.api.ops"}
 
 
 @pytest.mark.parametrize("argv", [
@@ -132,7 +132,7 @@ def test_the_quick_path_imports_neither_the_grammar_nor_re_nor_enum(argv: tuple[
 def test_the_quick_path_check_sees_the_full_path(tmp_path: Path) -> None:
     """The check can fail: an option of the command (``--tail``) takes the full path, with argparse."""
     modules = _imports("-c", ENTRY, "--home", str(tmp_path), "--json", "session", "show", "abcd", "--tail", "5")
-    assert {"argparse", "daemon.cli_commands", "re"} <= modules
+    assert {"argparse", "daemon.cli.commands", "re"} <= modules
 
 
 def test_the_backend_starts_without_the_acp_sdk() -> None:
@@ -142,12 +142,12 @@ def test_the_backend_starts_without_the_acp_sdk() -> None:
     for a constant; the pipe's asyncio helpers live apart from the SDK's now, and the backend
     imports neither the agent's process nor its pipe (the control server's side, ~11 ms more)."""
     modules = _imports("-c", "import daemon.backend.main, daemon.backend.app", exits_ok=True)
-    assert {"daemon.backend.app", "daemon.backend.agent_launch", "sqlalchemy"} <= modules
+    assert {"daemon.backend.app", "daemon.backend.sessions.agent_launch", "sqlalchemy"} <= modules
     assert not {m for m in modules if m == "acp" or m.startswith("acp.")}, sorted(m for m in modules if m.startswith("acp"))
-    assert not modules & {"daemon.agentctl.agent_process", "daemon.agentctl.agent_pipe"}
+    assert not modules & {"daemon.agentctl.instance.process", "daemon.agentctl.instance.pipe"}
 
 
 def test_the_backend_import_check_sees_the_sdk() -> None:
     """The check can fail: the control server's instance module imports the SDK."""
-    modules = _imports("-c", "import daemon.agentctl.instance", exits_ok=True)
+    modules = _imports("-c", "import daemon.agentctl.instance.instance", exits_ok=True)
     assert {"acp", "acp.schema"} <= modules

@@ -1,5 +1,5 @@
 """Ctrl-C ends the CLI's endless loops (``board --watch``, ``logs -f``) even when Python drops the
-KeyboardInterrupt (daemon/human/interrupt.py)."""
+KeyboardInterrupt (daemon/cli/human/interrupt.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from daemon.human.interrupt import UntilInterrupted
+from daemon.cli.human.interrupt import UntilInterrupted
 
 
 def test_a_sigint_ends_the_loop_and_is_absorbed_and_the_handler_comes_back() -> None:

@@ -1,4 +1,4 @@
-"""``kandev --json`` output without the json package (daemon/cli_json.py, Issue 24 item 3): the
+"""``kandev --json`` output without the json package (daemon/cli/json_output.py, Issue 24 item 3): the
 standard library's C encoder called as ``json.dumps(obj, sort_keys=True, default=str)`` calls it,
 character for character, refusing what json.dumps refuses."""
 
@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from daemon.cli_json import json_line
+from daemon.cli.json_output import json_line
 
 VALUES = [
     {"b": 1, "a": [1, 2.5, -0.0, 1e300, 10**40, -(10**40)], "c": None, "d": True, "e": False},

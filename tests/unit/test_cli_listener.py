@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from daemon.backend.cli_listener import CliListener
+from daemon.backend.lifetime.cli_listener import CliListener
 from ipc import AsyncClient, ConnectionContext, IpcServer, Op, OpTable
 
 TABLE = OpTable("t", (1, 0), [Op("who", auth=False)])

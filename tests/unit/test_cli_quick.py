@@ -1,4 +1,4 @@
-"""The quick path of ``kandev`` (daemon/cli_quick.py, Issue 24 item 3) against the full path: every
+"""The quick path of ``kandev`` (daemon/cli/quick.py, Issue 24 item 3) against the full path: every
 form it serves, run through both with the backend call recorded, makes the same call and prints the
 same (result and refusal alike); what it does not serve goes to the full path; its stored ``--help``
 is what argparse prints at 80 columns."""
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-import daemon.cli_call
-import daemon.cli_commands
-from daemon import cli_quick
-from daemon.cli_quick import QUICK, parse, serve
+import daemon.cli.call
+import daemon.cli.commands
+from daemon.cli import quick as cli_quick
+from daemon.cli.quick import QUICK, parse, serve
 from ipc.errors import ErrorCode, IpcError
 from tests.support.paths import REPO_ROOT
 
@@ -48,11 +48,11 @@ def _through(path: str, argv: list[str], monkeypatch: pytest.MonkeyPatch,
             raise answer
         return answer
 
-    monkeypatch.setattr(daemon.cli_call, "call", call)
-    monkeypatch.setattr(daemon.cli_commands, "call", call)
+    monkeypatch.setattr(daemon.cli.call, "call", call)
+    monkeypatch.setattr(daemon.cli.commands, "call", call)
     out, err = io.StringIO(), io.StringIO()
     with redirect_stdout(out), redirect_stderr(err):
-        status = serve(argv) if path == "quick" else daemon.cli_commands.run_command_line(argv)
+        status = serve(argv) if path == "quick" else daemon.cli.commands.run_command_line(argv)
     return status, out.getvalue(), err.getvalue(), calls
 
 
@@ -91,7 +91,7 @@ def test_an_unreachable_backend_is_exit_3_with_the_same_words(tmp_path: Path) ->
         quick = serve(argv)
     full_out, full_err = io.StringIO(), io.StringIO()
     with redirect_stdout(full_out), redirect_stderr(full_err):
-        full = daemon.cli_commands.run_command_line(argv)
+        full = daemon.cli.commands.run_command_line(argv)
     assert (quick, out.getvalue(), err.getvalue()) == (full, full_out.getvalue(), full_err.getvalue())
     assert quick == 3 and "cannot connect to" in err.getvalue()
 
@@ -114,14 +114,14 @@ def test_what_the_quick_path_does_not_serve_goes_to_the_full_path(argv: list[str
 
 
 def test_the_stored_help_is_what_argparse_prints_at_80_columns() -> None:
-    p = subprocess.run([sys.executable, "-c", "from daemon.cli_commands import run_command_line;"
+    p = subprocess.run([sys.executable, "-c", "from daemon.cli.commands import run_command_line;"
                         " run_command_line(['--help'])"], capture_output=True, text=True, cwd=REPO_ROOT,
                        env={**os.environ, "COLUMNS": "80"}, timeout=60)
     assert p.returncode == 0, p.stderr
     stored = Path(cli_quick.HELP_FILE).read_text(encoding="utf-8")
-    assert stored == p.stdout, ("daemon/cli_help.txt is stale; regenerate it with: COLUMNS=80 python -c"
-                                " 'from daemon.cli_commands import run_command_line; run_command_line([\"--help\"])'"
-                                " > daemon/cli_help.txt")
+    assert stored == p.stdout, ("daemon/cli/help.txt is stale; regenerate it with: COLUMNS=80 python -c"
+                                " 'from daemon.cli.commands import run_command_line; run_command_line([\"--help\"])'"
+                                " > daemon/cli/help.txt")
 
 
 @pytest.mark.parametrize("columns", ["80", "120"])
@@ -144,6 +144,6 @@ def test_version_is_what_argparse_prints() -> None:
         quick = serve(["--version"])
     full_out = io.StringIO()
     with redirect_stdout(full_out), pytest.raises(SystemExit) as full:
-        daemon.cli_commands.run_command_line(["--version"])
+        daemon.cli.commands.run_command_line(["--version"])
     assert (quick, out.getvalue()) == (full.value.code or 0, full_out.getvalue())
     assert out.getvalue().startswith("kandev ")

@@ -1,4 +1,4 @@
-"""daemon.config: parsing, environment overrides, ranges, the read-budget cross-check, unowned period.
+"""daemon.config.settings: parsing, environment overrides, ranges, the read-budget cross-check, unowned period.
 
 Requirement IDs: AC-EXECUTORS-SURVIVAL-001.8 (retention limit), AC-EXECUTORS-SURVIVAL-002.13 (read budget),
 AC-EXECUTORS-SURVIVAL-003.7 (deadline); AC-EXECUTORS-CONTROL-OWNERSHIP-003.4, AC-EXECUTORS-CONTROL-OWNERSHIP-003.6, AC-EXECUTORS-CONTROL-OWNERSHIP-003.7 (unowned period).
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from daemon import config as cfg
-from daemon.config import AgentctlConfig, Config, agentctl_settings, load_config, validate_backend
-from daemon.config_agentctl import resolve_unowned_period, validate_agentctl
-from daemon.config_keys import ConfigError, format_duration, parse_duration
+from daemon.config import settings as cfg
+from daemon.config.agentctl import resolve_unowned_period, validate_agentctl
+from daemon.config.keys import ConfigError, format_duration, parse_duration
+from daemon.config.settings import AgentctlConfig, Config, agentctl_settings, load_config, validate_backend
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""Each config key is declared once (daemon/config_keys.py ``SETTINGS``: type, default, range, doc) and
+"""Each config key is declared once (daemon/config/keys.py ``SETTINGS``: type, default, range, doc) and
 everything else agrees with that declaration: the section dataclasses, the refusals, and the
 README's configuration table, which must be exactly the generated one (Issue 13 item 3)."""
 
@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from daemon import config as cfg
-from daemon import config_agentctl, config_keys
-from daemon.config import SECTION_TYPES, TABLE_FIELDS, Config, load_config
-from daemon.config_keys import SECTIONS, SETTING, SETTINGS, ConfigError, Kind
+from daemon.config import agentctl as config_agentctl
+from daemon.config import keys as config_keys
+from daemon.config import settings as cfg
+from daemon.config.keys import SECTIONS, SETTING, SETTINGS, ConfigError, Kind
+from daemon.config.settings import SECTION_TYPES, TABLE_FIELDS, Config, load_config
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -34,7 +35,7 @@ def _readme_table() -> str:
 def test_readme_configuration_table_is_the_generated_one() -> None:
     expected = config_keys.markdown_table()
     assert _readme_table() == expected, (
-        "README.md's configuration table differs from daemon/config_keys.py SETTINGS; replace it with:\n" + expected
+        "README.md's configuration table differs from daemon/config/keys.py SETTINGS; replace it with:\n" + expected
     )
 
 

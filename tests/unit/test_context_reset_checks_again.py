@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from daemon.backend.agent_identity import AgentIdentity
-from daemon.backend.context_reset import ContextReset
-from daemon.backend.executions import Execution
-from daemon.backend.live_sessions import LiveSessions
+from daemon.backend.sessions.context_reset import ContextReset
+from daemon.backend.sessions.live import LiveSessions
+from daemon.backend.state.agent_identity import AgentIdentity
+from daemon.backend.state.executions import Execution
 from daemon.store import transitions
 from daemon.store.db import Store
 from daemon.store.models import TaskSession

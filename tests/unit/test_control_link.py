@@ -1,4 +1,4 @@
-"""The control-server link's state machine (``daemon.backend.control_link``) on fake clocks.
+"""The control-server link's state machine (``daemon.backend.control.link``) on fake clocks.
 
 Issue 11: a control server that dies under a running backend is detected, its sessions made
 truthful (``on_lost``), a fresh server started with back-off (1 s, 2 s, 5 s), and after 5 losses
@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from daemon.backend.api import LinkState
-from daemon.backend.control_link import Attached, ControlServerLink, CrashLoop, Loss
+from daemon.api.ops import LinkState
+from daemon.backend.control.link import Attached, ControlServerLink, CrashLoop, Loss
 
 
 class Clock:

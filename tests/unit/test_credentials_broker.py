@@ -20,7 +20,7 @@ import pytest
 from sqlalchemy import select
 
 from daemon import git_credential_helper as helper
-from daemon.config import CredentialsConfig
+from daemon.config.settings import CredentialsConfig
 from daemon.credentials import (
     POLICY_GITHUB_LEASE,
     POLICY_NONE,
@@ -49,7 +49,7 @@ from daemon.credentials import (
     token_hash,
 )
 from daemon.credentials.signing import SIGNING_KEY_NAME, _b64, _unb64
-from daemon.paths import Paths
+from daemon.host.paths import Paths
 from daemon.store.db import Store, sqlite_url
 from daemon.store.models import CredentialLease, Installation, TaskSession
 from tests.support import store_rows

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from daemon import config as cfg
-from daemon.config import CredentialsConfig, load_config, validate_backend
-from daemon.config_keys import ConfigError
+from daemon.config import settings as cfg
+from daemon.config.keys import ConfigError
+from daemon.config.settings import CredentialsConfig, load_config, validate_backend
 
 
 @pytest.fixture(autouse=True)

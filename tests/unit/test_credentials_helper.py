@@ -21,7 +21,7 @@ from daemon.credentials import (
     transport_command,
     write_lease_file,
 )
-from daemon.paths import write_secret_file
+from daemon.host.paths import write_secret_file
 from ipc.errors import IpcError
 
 HOST, PATH = "github.com", "example/repo.git"

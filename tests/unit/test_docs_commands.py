@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon import cli_parser
+from daemon.cli import parser as cli_parser
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"

@@ -1,4 +1,4 @@
-"""`kandev doctor` (daemon/doctor.py): each check's pass/fail, reason and fix hint, host probes injected."""
+"""`kandev doctor` (daemon/cli/doctor.py): each check's pass/fail, reason and fix hint, host probes injected."""
 
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ from typing import Any
 
 import pytest
 
-from daemon import cli, doctor
-from daemon.agentctl.sandbox import SandboxSupport
-from daemon.doctor import DoctorProbes, run_doctor
-from daemon.paths import Paths
-from daemon.platform import Probes
-from daemon.version import VERSION
+from daemon import cli
+from daemon.agentctl.sandbox.bubblewrap import SandboxSupport
+from daemon.cli import doctor
+from daemon.cli.doctor import DoctorProbes, run_doctor
+from daemon.config.platform import Probes
+from daemon.core.version import VERSION
+from daemon.host.paths import Paths
 
 HEAD = "0001"
 
@@ -227,7 +228,7 @@ def test_inactive_backend_unit_hint_enables_it(home: Paths) -> None:
 
 
 def test_text_output_lists_every_check_with_hints() -> None:
-    from daemon.platform import Check
+    from daemon.config.platform import Check
 
     text = doctor.as_text([Check("a", True, "fine"), Check("bb", False, "broken", "do this")])
     lines = text.splitlines()

@@ -1,4 +1,4 @@
-"""The backend's event consumer (``daemon.backend.executions.EventConsumer``) on a real store, with
+"""The backend's event consumer (``daemon.backend.state.executions.EventConsumer``) on a real store, with
 a stand-in for the control server's stream: how it cuts a stream into transactions."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from daemon.backend import executions
-from daemon.backend.agent_identity import AgentIdentity
-from daemon.backend.executions import EventConsumer, Execution
+from daemon.backend.state import executions
+from daemon.backend.state.agent_identity import AgentIdentity
+from daemon.backend.state.executions import EventConsumer, Execution
 from daemon.store.db import Store
 from daemon.store.models import TaskSession
 from ipc.client import Event

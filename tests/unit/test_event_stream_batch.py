@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from daemon.agentctl.events import EventLog
+from daemon.agentctl.instance.events import EventLog
 
 
 def test_ready_takes_retained_events_in_order_up_to_the_limit():

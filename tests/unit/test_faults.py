@@ -1,4 +1,4 @@
-"""Fault injection behind one interface (daemon/faults.py): each fault declared once, every call
+"""Fault injection behind one interface (daemon/core/faults.py): each fault declared once, every call
 site in the product names a declared fault of the right kind, and a fault switched on through
 ``$KANDEV_FAULT_FILE`` acts at once and stops when switched off (Issue 13 item 3)."""
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon import faults
-from daemon.faults import FAULTS, FaultKind
+from daemon.core import faults
+from daemon.core.faults import FAULTS, FaultKind
 from ipc.errors import ErrorCode, IpcError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -84,7 +84,7 @@ def test_the_environment_variable_and_the_file_combine(fault_file: Path, monkeyp
 
 def test_a_kill_point_kills_the_process_with_sigkill(fault_file: Path, monkeypatch) -> None:
     fault_file.write_text("adopt_after_secret")
-    script = ("from daemon import faults\n"
+    script = ("from daemon.core import faults\n"
               "faults.hit('adopt_after_rotate')\n"  # off: passes
               "print('past rotate', flush=True)\n"
               "faults.hit('adopt_after_secret')\n"

@@ -1,4 +1,4 @@
-"""daemon.backend.follow and transcript_hub: what a ``follow`` stream sends, in which order, and
+"""daemon.backend.views.follow and transcript_hub: what a ``follow`` stream sends, in which order, and
 when it wakes (Issue 14 scenario C and Issue 14 scenario D rest on these rules; the real streams are in
 tests/integration/test_cli_human.py)."""
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon.backend.follow import FollowEvent, Position, read_round, start_position
-from daemon.backend.transcript_hub import TranscriptHub
+from daemon.backend.state.transcript_hub import TranscriptHub
+from daemon.backend.views.follow import FollowEvent, Position, read_round, start_position
 from daemon.store import transcript
 from daemon.store.db import Store, sqlite_url
 from daemon.store.models import Task, TaskSession, TranscriptEntry, Turn
@@ -275,9 +275,9 @@ def test_a_client_that_does_not_read_holds_the_stream_back(store: Store, tmp_pat
     """Backpressure: the stream's frames wait for the client (send_event awaits the socket's
     drain), so a client that stops reading leaves the backend holding a bounded buffer, not the
     transcript; once it reads again it gets every entry, in order (a real server on a real socket)."""
-    from daemon.backend import api
-    from daemon.backend.executions import ExecutionStore
-    from daemon.backend.follow import FollowService
+    from daemon.api import ops as api
+    from daemon.backend.state.executions import ExecutionStore
+    from daemon.backend.views.follow import FollowService
     from ipc.client import AsyncClient
     from ipc.schema import OpTable
     from ipc.server import IpcServer

@@ -1,4 +1,4 @@
-"""``daemon.heap``: what is alive is frozen (left out of later collections); ``freeze_startup_heap``
+"""``daemon.core.heap``: what is alive is frozen (left out of later collections); ``freeze_startup_heap``
 collects start-up's garbage first, ``freeze_before_recovery`` does not (it saves a full walk), and a
 later ``freeze_startup_heap`` still collects what was made after it."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from daemon.heap import freeze_before_recovery, freeze_startup_heap
+from daemon.core.heap import freeze_before_recovery, freeze_startup_heap
 
 
 class _Node:

@@ -1,6 +1,6 @@
-"""daemon.home spells the home and its backend socket exactly as pathlib does (Issue 24 item 3).
+"""daemon.host.home spells the home and its backend socket exactly as pathlib does (Issue 24 item 3).
 
-The CLI resolves the home without pathlib (``daemon.home``); the daemons build ``Paths`` from the
+The CLI resolves the home without pathlib (``daemon.host.home``); the daemons build ``Paths`` from the
 same function. The reference here is the pathlib expression the home was resolved with before:
 ``Path(x).expanduser().absolute()``, ``Path(state).absolute()``, ``Path.home() / ...``.
 """
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon.home import backend_socket_path, resolve_home_dir
-from daemon.paths import Paths, resolve_home
+from daemon.host.home import backend_socket_path, resolve_home_dir
+from daemon.host.paths import Paths, resolve_home
 
 SPELLINGS = ["/srv/kandev", "//", "/srv//kandev/", "/srv/./kandev/.", "//srv/kandev", "///srv/kandev",
              "/srv/../kandev", "kandev", "./kandev", "a/./b//c/", "../up", "a/..", ".", "~", "~/k",

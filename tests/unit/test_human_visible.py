@@ -1,14 +1,14 @@
-"""``daemon.human.visible``: what the views print never carries a control character an agent
+"""``daemon.cli.human.visible``: what the views print never carries a control character an agent
 wrote; newline and tab stay, CRLF is a newline; errors quoting an agent are escaped too."""
 
 from __future__ import annotations
 
 import io
 
-from daemon.human.errors import error_lines
-from daemon.human.term import Term
-from daemon.human.transcript import ConversationWriter
-from daemon.human.visible import visible, visible_data
+from daemon.cli.human.errors import error_lines
+from daemon.cli.human.term import Term
+from daemon.cli.human.transcript import ConversationWriter
+from daemon.cli.human.visible import visible, visible_data
 from ipc.errors import ErrorCode, IpcError
 
 

@@ -11,7 +11,7 @@ import asyncio
 import signal
 import subprocess
 
-from daemon.backend.launcher import ControlServerHandle, Launcher
+from daemon.backend.control.launcher import ControlServerHandle, Launcher
 
 
 def _handle(argv: list[str]) -> ControlServerHandle:

@@ -18,9 +18,9 @@ def test_mock_agent_runs_as_a_module_of_this_interpreter_from_this_code_root(tmp
     assert agent.version
     argv = agent.argv()
     assert argv[0] == sys.executable and argv[-2:] == [code_root(), "daemon.agents.mock"]
-    assert (Path(code_root()) / "daemon" / "agents" / "mock.py").is_file()
+    assert (Path(code_root()) / "daemon" / "agents" / "mock" / "__main__.py").is_file()
     # the command imports the mock from the named root, whatever PYTHONPATH or import hooks say
-    probe = [*argv[:-1], "daemon.version"]
+    probe = [*argv[:-1], "daemon.core.version"]
     done = subprocess.run(probe, cwd=tmp_path, env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0, done.stderr
@@ -33,13 +33,13 @@ def test_unknown_agent_is_a_keyerror_naming_the_known_ones():
 
 def test_the_acp_sdk_imported_lean_validates_the_same():
     """The control server imports the SDK with pydantic's attribute docstrings off and its models
-    finished on first use (daemon/acp_lean.py); a model still validates as before. In a
+    finished on first use (daemon/agentctl/acp_lean.py); a model still validates as before. In a
     child process: the settings are process-wide, and no other process of kandev takes them."""
     script = (
         "import json, sys\n"
         "lean = sys.argv[1] == 'lean'\n"
         "if lean:\n"
-        "    import daemon.acp_lean\n"
+        "    import daemon.agentctl.acp_lean\n"
         "import acp.schema as s\n"
         "m = s.InitializeRequest\n"
         "before = m.__pydantic_complete__\n"
@@ -54,5 +54,5 @@ def test_the_acp_sdk_imported_lean_validates_the_same():
         assert done.returncode == 0, done.stderr
         out[mode] = json.loads(done.stdout)
     assert out["lean"][:2] == [False, True]  # deferred, no docstring read from schema.py's source
-    assert out["plain"][:2] == [True, False]  # pydantic's defaults where daemon.acp_lean is not imported
+    assert out["plain"][:2] == [True, False]  # pydantic's defaults where daemon.agentctl.acp_lean is not imported
     assert out["lean"][2] == out["plain"][2]

@@ -1,4 +1,4 @@
-"""Persistence and failure switches of the mock agent (daemon/agents/mock_store.py)."""
+"""Persistence and failure switches of the mock agent (daemon/agents/mock/state.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.agents.mock_store import STATE_DIR_ENV, SessionRecord, read_switches, state_dir
+from daemon.agents.mock.state import STATE_DIR_ENV, SessionRecord, read_switches, state_dir
 
 
 def test_state_dir_is_env_override_else_under_session_cwd(monkeypatch, tmp_path):

@@ -1,8 +1,9 @@
-"""Issue 13 scenario B: the product modules form no import cycle and never reach into each
-other's private names.
+"""Issue 13 scenario B, Issue 43 scenario A and Issue 43 scenario B: the product modules form no import cycle,
+never reach into each other's private names, import only their own or lower layers, and no folder
+is a flat list.
 
 Every module under ``daemon/`` and ``ipc/`` is parsed with ``ast`` (nothing is imported), so
-the check covers code paths no test runs. Two rules:
+the check covers code paths no test runs. The rules:
 
 - the graph of module-level and function-level imports between product modules has no cycle
   (``if TYPE_CHECKING:`` imports count too: a cycle for the type checker is a cycle for the
@@ -10,7 +11,10 @@ the check covers code paths no test runs. Two rules:
 - no module imports an underscore name from another module (``from X import _y``), and no
   module uses an underscore attribute of another product module or of an object it got from
   elsewhere (``other._y``; dunder names such as ``__name__`` are public). Inside a module,
-  ``self._y`` / ``cls._y`` and its own module-level ``_y`` are the module's own business.
+  ``self._y`` / ``cls._y`` and its own module-level ``_y`` are the module's own business;
+- every module belongs to one layer of ``LAYERS`` (the longest entry that names it or a package
+  holding it) and imports only modules of its own layer entry or of lower layers;
+- no folder holds more than 15 modules, and ``daemon/`` itself holds only its entry points.
 """
 
 from __future__ import annotations
@@ -20,10 +24,18 @@ import functools
 from collections.abc import Iterator
 from pathlib import Path
 
+from tests.support.layering import (
+    DAEMON_ENTRY_POINTS,
+    EXCLUDED,
+    LAYERS,
+    MAX_MODULES_PER_FOLDER,
+    TOPS,
+    layer_of,
+    upward_imports,
+)
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("daemon", "ipc")
-# Generated alembic revisions are data, not modules anybody imports.
-EXCLUDED = ("daemon/store/migrations/",)
 
 
 def _modules() -> dict[str, Path]:
@@ -142,7 +154,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 # The modules whose job is to reach into the ACP SDK's and asyncio's internals (their docstrings list
 # them and a reload preflight checks they still exist): underscore attributes they use are not ours.
-THIRD_PARTY_INTERNALS = ("daemon.agentctl.acp_internals", "daemon.agentctl.pipe_internals")
+THIRD_PARTY_INTERNALS = ("daemon.agentctl.instance.acp_internals", "daemon.agentctl.instance.pipe_internals")
 
 
 def _shown(path: Path) -> str:
@@ -237,7 +249,7 @@ def test_the_checker_finds_a_planted_cycle_and_planted_private_uses(tmp_path: Pa
     planted = tmp_path / "planted.py"
     planted.write_text(
         "import os\n"
-        "from daemon.backend.events import _now\n"
+        "from daemon.backend.state.events import _now\n"
         "def f(servers, obj):\n"
         "    obj.__class__\n"
         "    os._exit\n"
@@ -248,5 +260,56 @@ def test_the_checker_finds_a_planted_cycle_and_planted_private_uses(tmp_path: Pa
     )
     found = _problems("planted", planted, _defined_privates())
     assert len(found) == 2, found
-    assert found[0].endswith("from daemon.backend.events import _now")
+    assert found[0].endswith("from daemon.backend.state.events import _now")
     assert found[1].endswith("servers._claim_loop")
+
+
+def test_every_module_has_a_layer_and_entries_name_packages() -> None:
+    """Issue 43: the table covers every module; an entry names a package, or a module at the top of
+    ``daemon/``, ``daemon/agentctl/`` or ``daemon/backend/``."""
+    assert [m for m in MODULES if layer_of(m) is None] == []
+    for entry in LAYERS:
+        path = ROOT / Path(*entry.split("."))
+        is_package = (path / "__init__.py").is_file()
+        assert is_package or (path.with_suffix(".py").is_file() and entry.rpartition(".")[0] in TOPS), entry
+
+
+def test_no_upward_import() -> None:
+    """Issue 43 scenario B: a module imports only its own layer entry or lower layers."""
+    problems = upward_imports(_graph())
+    assert problems == [], "imports against the layering (tests/unit/test_module_structure.py LAYERS):\n" + \
+        "\n".join(problems)
+
+
+def test_the_layer_check_finds_a_planted_upward_import() -> None:
+    """Issue 43 scenario B: the check fails on an upward import. The real graph with one planted edge
+    (the store importing the backend's session service, and a control-server module importing the
+    backend) is refused; the real graph alone passes (test_no_upward_import)."""
+    graph = {m: set(deps) for m, deps in _graph().items()}
+    graph["daemon.store.transitions"].add("daemon.backend.sessions.sessions")
+    graph["daemon.agentctl.instance.instance"].add("daemon.backend.state.executions")
+    problems = upward_imports(graph)
+    assert len(problems) == 2, problems
+    assert problems[0].startswith("daemon.agentctl.instance.instance (daemon.agentctl.instance, layer 13) imports "
+                                  "daemon.backend.state.executions")
+    assert problems[1].startswith("daemon.store.transitions (daemon.store, layer 4)")
+    # a sub-package importing the package's top (its composition root) is upward too
+    graph = {"daemon.backend.sessions.sessions": {"daemon.backend.app"}, "daemon.backend.app": set()}
+    assert len(upward_imports(graph)) == 1
+
+
+def test_no_folder_is_a_flat_list() -> None:
+    """Issue 43 scenario A: no folder holds more than 15 Python modules (a package's ``__init__.py``
+    is the package itself, not one of its modules); ``daemon/`` holds no loose module but its entry
+    points and ``__init__.py``."""
+    crowded = {}
+    for pkg in PACKAGES:
+        for folder in [ROOT / pkg, *sorted(p for p in (ROOT / pkg).rglob("*") if p.is_dir())]:
+            rel = folder.relative_to(ROOT).as_posix() + "/"
+            if "__pycache__" in rel or any(rel.startswith(prefix) for prefix in EXCLUDED):
+                continue
+            count = len([p for p in folder.glob("*.py") if p.name != "__init__.py"])
+            if count > MAX_MODULES_PER_FOLDER:
+                crowded[rel] = count
+    assert crowded == {}
+    assert {p.name for p in (ROOT / "daemon").glob("*.py")} == DAEMON_ENTRY_POINTS

@@ -1,4 +1,4 @@
-"""daemon.paths: home resolution, directory modes, secret files, installation id."""
+"""daemon.host.paths: home resolution, directory modes, secret files, installation id."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.paths import (
+from daemon.host.paths import (
     Paths,
     PathsError,
     SecretFileError,

@@ -1,4 +1,4 @@
-"""daemon.platform: each reason code with injected probes (docs/architecture.md#lifetimes).
+"""daemon.config.platform: each reason code with injected probes (docs/architecture.md#lifetimes).
 
 AC-EXECUTORS-SURVIVAL-005.4: unavailable is reported distinctly from operator-disabled, with a reason,
 whatever the switch says.
@@ -11,8 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from daemon.config import Config, FeaturesConfig
-from daemon.platform import (
+from daemon.config.platform import (
     AGENTCTL_UNIT,
     Probes,
     cgroup_path,
@@ -20,6 +19,7 @@ from daemon.platform import (
     innermost_unit,
     run_checks,
 )
+from daemon.config.settings import Config, FeaturesConfig
 
 ON = Config(features=FeaturesConfig(agent_survival=True))
 OFF = Config()

@@ -1,4 +1,4 @@
-"""daemon.journal: structured entries to journald, or lines to stderr and the bounded file."""
+"""daemon.core.journal: structured entries to journald, or lines to stderr and the bounded file."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from daemon import journal
-from daemon.journal import BoundedFileHandler, log_event, setup_logging
+from daemon.core import journal
+from daemon.core.journal import BoundedFileHandler, log_event, setup_logging
 
 LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z (?P<level>[A-Z]+) (?P<comp>\S+) (?P<rest>.*)$")
 

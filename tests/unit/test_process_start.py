@@ -1,4 +1,4 @@
-"""``daemon.process_start``: a process's state and start ticks from /proc/<pid>/stat, read right
+"""``daemon.host.process_start``: a process's state and start ticks from /proc/<pid>/stat, read right
 whatever the process calls itself (its name is attacker input: an agent sets its own)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 
-from daemon import process_start
+from daemon.host import process_start
 from tests.support.waiting import wait_until
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")

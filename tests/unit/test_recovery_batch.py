@@ -1,4 +1,4 @@
-"""Recovery in bulk (daemon.backend.recovery_batch): reads coalesced, writes in one transaction,
+"""Recovery in bulk (daemon.backend.recovery.batch): reads coalesced, writes in one transaction,
 the per-record outcomes unchanged."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 from sqlalchemy import select
 
-from daemon.backend.recovery_batch import STATUS_CHUNK, TurnStatusReader, WriteBatch
+from daemon.backend.recovery.batch import STATUS_CHUNK, TurnStatusReader, WriteBatch
 from daemon.store.models import Task
 from ipc.errors import ErrorCode, IpcError
 

@@ -7,10 +7,10 @@ import os
 import psutil
 import pytest
 
-from daemon import process_start
-from daemon.backend.agent_identity import AgentIdentity as Agent
-from daemon.backend.liveness import DEAD, LIVE, UNKNOWN, Scope, classify, pid_probe
-from daemon.backend.reconstruction import RECONSTRUCTION_SOURCES, MissingInput, Record, reconstruct
+from daemon.backend.recovery.liveness import DEAD, LIVE, UNKNOWN, Scope, classify, pid_probe
+from daemon.backend.recovery.reconstruction import RECONSTRUCTION_SOURCES, MissingInput, Record, reconstruct
+from daemon.backend.state.agent_identity import AgentIdentity as Agent
+from daemon.host import process_start
 
 ME = psutil.Process(os.getpid())
 

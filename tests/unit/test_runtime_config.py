@@ -1,4 +1,4 @@
-"""daemon.backend.runtime_config: capture, normalization and the one restore routine (docs/requirements.md#runtime-configuration-across-a-context-reset).
+"""daemon.backend.sessions.runtime_config: capture, normalization and the one restore routine (docs/requirements.md#runtime-configuration-across-a-context-reset).
 
 The fake agent below behaves like the mock in the way that matters: a set answer carries its
 option list, and a new session starts from defaults that it announces (the test writes them
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from daemon.backend import runtime_config as rc
+from daemon.backend.sessions import runtime_config as rc
 from ipc.errors import ErrorCode, IpcError
 from tests.support.aio import run
 

@@ -235,7 +235,7 @@ def test_only_npx_keys_name_an_entry(tmp_path: Path, key: str) -> None:
 
 def test_no_caller_supplied_path_reaches_the_backend() -> None:
     """RESUME-12: the update op takes an agent name only; a path argument is never read."""
-    from daemon.backend import api
+    from daemon.api import ops as api
 
     op = api.TABLE.get("runtime_update")
     assert dict(op.required) == {"agent": str} and not op.optional

@@ -332,7 +332,7 @@ def test_cli_prints_each_step_and_returns_the_final_object(store: Store, tmp_pat
 
     async def scenario() -> tuple[dict[str, Any], str]:
         jobs = manager(store, tmp_path, npm, FakeProbe())
-        from daemon.backend import runtimes_api
+        from daemon.backend.handlers import runtimes as runtimes_api
 
         handlers = runtimes_api.handlers(SimpleNamespace(), jobs)  # type: ignore[arg-type]  # it keeps .runtime_jobs
         loop = asyncio.get_running_loop()

@@ -1,4 +1,4 @@
-"""The daemon skeleton both mains share (daemon/service.py): sd_notify messages read back from a real
+"""The daemon skeleton both mains share (daemon/core/service.py): sd_notify messages read back from a real
 datagram socket, the watchdog interval, the watchdog pings, the exit codes the units rely on."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.service import ExitCode, Notifier, install_signal_handlers, watchdog_interval, watched
+from daemon.core.service import ExitCode, Notifier, install_signal_handlers, watchdog_interval, watched
 
 
 @pytest.fixture
@@ -134,7 +134,7 @@ def test_prepare_process_reopens_closed_std_fds_and_survives_a_hangup(tmp_path: 
     runs does not kill it."""
     script = (
         "import os, signal, sys\n"
-        "from daemon.service import prepare_process\n"
+        "from daemon.core.service import prepare_process\n"
         "prepare_process()\n"
         "os.kill(os.getpid(), signal.SIGHUP)\n"
         "print(os.readlink('/proc/self/fd/1'), oct(os.umask(0)), file=sys.stderr)\n"

@@ -15,7 +15,7 @@ import ast
 from pathlib import Path
 
 BACKEND = Path(__file__).resolve().parents[2] / "daemon" / "backend"
-PIPELINE = BACKEND / "session_launcher.py"
+PIPELINE = BACKEND / "sessions" / "launcher.py"
 
 
 def _method(path: Path, cls: str, name: str) -> ast.AST:
@@ -48,21 +48,21 @@ def _class_calls(path: Path, cls: str) -> set[str]:
 
 def test_the_three_entry_points_launch_through_the_pipeline() -> None:
     """Issue 13 scenario D: start, resume and restart-reset each call ``SessionLauncher.launch``."""
-    start = _method(BACKEND / "sessions.py", "SessionService", "start")
-    resume = _method(BACKEND / "resume.py", "ResumeService", "resume")
-    restart = _method(BACKEND / "context_reset.py", "ContextReset", "_new_provider_session")
+    start = _method(BACKEND / "sessions" / "sessions.py", "SessionService", "start")
+    resume = _method(BACKEND / "sessions" / "resume.py", "ResumeService", "resume")
+    restart = _method(BACKEND / "sessions" / "context_reset.py", "ContextReset", "_new_provider_session")
     for entry in (start, resume, restart):
         assert "launch" in _launcher_calls(entry)
     # ... and each finishes through the pipeline's steps 3-5 (row, WAITING_FOR_INPUT, tracking).
     assert {"record_live", "ready", "track"} <= _launcher_calls(start)
-    assert {"record_live", "ready", "track"} <= _class_calls(BACKEND / "resume.py", "ResumeService")
-    assert {"record_live", "ready", "track"} <= _class_calls(BACKEND / "context_reset.py", "ContextReset")
+    assert {"record_live", "ready", "track"} <= _class_calls(BACKEND / "sessions" / "resume.py", "ResumeService")
+    assert {"record_live", "ready", "track"} <= _class_calls(BACKEND / "sessions" / "context_reset.py", "ContextReset")
 
 
 def test_no_other_backend_module_creates_an_instance_or_an_inventory_row() -> None:
     """Issue 13 scenario D: ``create_instance`` and new ``ExecutorRunning`` rows only in the pipeline."""
     offenders: list[str] = []
-    for path in sorted(BACKEND.glob("*.py")):
+    for path in sorted(BACKEND.rglob("*.py")):
         if path == PIPELINE:
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):

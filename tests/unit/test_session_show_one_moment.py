@@ -14,9 +14,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from daemon.backend.agent_identity import AgentIdentity
-from daemon.backend.session_view import PageRequest
-from daemon.backend.sessions import SessionService
+from daemon.backend.sessions.sessions import SessionService
+from daemon.backend.state.agent_identity import AgentIdentity
+from daemon.backend.views.session_view import PageRequest
 from daemon.store.db import Store, sqlite_url
 from daemon.store.models import TaskSession
 from tests.support.store_rows import new_session

@@ -1,10 +1,10 @@
-"""daemon.backend.session_view: transcript pages are bounded in entries and bytes (Issue 10 item 8)."""
+"""daemon.backend.views.session_view: transcript pages are bounded in entries and bytes (Issue 10 item 8)."""
 
 from __future__ import annotations
 
 import pytest
 
-from daemon.backend.session_view import (
+from daemon.backend.views.session_view import (
     ENTRY_TEXT_MAX,
     PAGE_TEXT_BYTES,
     PageRequest,

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from daemon.agentctl import shared_streams
-from daemon.agentctl.client import AgentctlClient
+from daemon.agentctl.client import shared_streams
+from daemon.agentctl.client.connection import AgentctlClient
+from daemon.agentctl.client.shared_streams import InstanceStream, SharedAttacher
 from daemon.agentctl.protocol import CAPABILITIES, REQUIRED_CAPABILITIES
-from daemon.agentctl.shared_streams import InstanceStream, SharedAttacher
 from ipc.errors import ErrorCode, IpcError
 from tests.support.aio import run
 

@@ -1,4 +1,4 @@
-"""daemon.backend.ids: a unique prefix (>= 4 characters) stands for a task, session or permission
+"""daemon.backend.views.ids: a unique prefix (>= 4 characters) stands for a task, session or permission
 request id; an ambiguous one is refused with ``ambiguous_id`` listing the candidates (Issue 14 scenario B, at the store level: ids chosen so that they collide)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from daemon.backend import api
-from daemon.backend.ids import CANDIDATES_SHOWN, IdKind, IdResolver, resolve, resolve_request, resolving
+from daemon.api import ops as api
+from daemon.backend.views.ids import CANDIDATES_SHOWN, IdKind, IdResolver, resolve, resolve_request, resolving
 from daemon.store import transcript
 from daemon.store.db import Store
 from daemon.store.models import Task, TaskSession

@@ -13,9 +13,10 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
-from daemon.backend import agent_launch, status_api
-from daemon.backend.api import BackendState
-from daemon.backend.launcher import ControlServerHandle
+from daemon.api.ops import BackendState
+from daemon.backend.control.launcher import ControlServerHandle
+from daemon.backend.handlers import status as status_api
+from daemon.backend.sessions import agent_launch
 from ipc.server import ConnectionContext
 
 

@@ -1,4 +1,4 @@
-"""daemon.store.space and daemon.backend.store_care: a full disk recognised and reported once, retention
+"""daemon.store.space and daemon.backend.lifetime.store_care: a full disk recognised and reported once, retention
 and vacuum on a real SQLite store (Issue 21 item 5, Issue 24 item 2)."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy.exc import OperationalError
 
-from daemon.backend.store_care import StoreCare
-from daemon.config import load_config, validate_backend
-from daemon.config_keys import ConfigError
+from daemon.backend.lifetime.store_care import StoreCare
+from daemon.config.keys import ConfigError
+from daemon.config.settings import load_config, validate_backend
 from daemon.store import transcript
 from daemon.store.db import Store
 from daemon.store.space import SpaceWatch, is_out_of_space

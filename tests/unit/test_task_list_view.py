@@ -1,4 +1,4 @@
-"""daemon.backend.views: ``task_list`` (``kandev task list``, ``board``) places each task by its
+"""daemon.backend.views.lists: ``task_list`` (``kandev task list``, ``board``) places each task by its
 latest session's last ended turn, reading every task's in a constant number of queries.
 
 Each test runs on SQLite and on a real PostgreSQL server (tests/conftest.py).
@@ -13,8 +13,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy import event
 
-from daemon.backend.executions import ExecutionStore
-from daemon.backend.views import Views
+from daemon.backend.state.executions import ExecutionStore
+from daemon.backend.views.lists import Views
 from daemon.store.db import Store
 from daemon.store.models import Task, TaskSession, Turn
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from daemon.backend.events import apply_events
+from daemon.backend.state.events import apply_events
 from daemon.store.db import Store, sqlite_url
 from daemon.store.models import TranscriptEntry, TranscriptSession
 from daemon.store.transcript import ENTRY_TEXT_LIMIT, TranscriptWriter

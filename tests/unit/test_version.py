@@ -1,4 +1,4 @@
-"""One version everywhere: daemon/version.py, pyproject.toml, debian/changelog, the man pages,
+"""One version everywhere: daemon/core/version.py, pyproject.toml, debian/changelog, the man pages,
 and the release record (packaging/releases.txt) for every earlier version (Issue 15 item 5)."""
 
 from __future__ import annotations
@@ -8,15 +8,15 @@ import subprocess
 import tomllib
 from pathlib import Path
 
-from daemon import version
-from daemon.version import VERSION, installed_version, version_key
+from daemon.core import version
+from daemon.core.version import VERSION, installed_version, version_key
 from tests.support.paths import REPO_ROOT
 
 
 def test_pyproject_reads_the_version_from_daemon_version() -> None:
     project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
     assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
-    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "daemon.version.VERSION"}
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "daemon.core.version.VERSION"}
 
 
 def test_debian_changelog_and_man_pages_are_in_step() -> None:

@@ -13,11 +13,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from daemon.backend.agent_identity import AgentIdentity
-from daemon.backend.executions import Execution, ExecutionStore
-from daemon.backend.follow import FollowService, Position, Round
-from daemon.backend.transcript_hub import TranscriptHub
-from daemon.backend.views import Views
+from daemon.backend.state.agent_identity import AgentIdentity
+from daemon.backend.state.executions import Execution, ExecutionStore
+from daemon.backend.state.transcript_hub import TranscriptHub
+from daemon.backend.views.follow import FollowService, Position, Round
+from daemon.backend.views.lists import Views
 from daemon.store.db import Store
 from daemon.store.models import TaskSession
 from daemon.store.states import SessionState

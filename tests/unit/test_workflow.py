@@ -1,10 +1,10 @@
-"""daemon.backend.workflow: step specs, storage and moves (the entry actions run in resume_api)."""
+"""daemon.store.workflow_steps: step specs, storage and moves (the entry actions run in resume_api)."""
 
 from __future__ import annotations
 
 import pytest
 
-from daemon.backend import workflow as wf
+from daemon.store import workflow_steps as wf
 from daemon.store.db import Store
 from daemon.store.models import Task
 

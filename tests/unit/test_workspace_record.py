@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from daemon.backend.workspace_record import (
+from daemon.backend.git.workspace_record import (
     RecordMismatch,
     WorkspaceRecord,
     check_dir,
     launch_view,
     repository_view,
 )
-from daemon.backend.worktree import locate_repository, remove_recorded
+from daemon.backend.git.worktree import locate_repository, remove_recorded
 from ipc.errors import IpcError
 
 

@@ -1,5 +1,5 @@
 """An agent's start as the kernel's boot id and its start in clock ticks since boot
-(``daemon.process_start.stamp``), which no step of the wall clock moves: the recovery inventory
+(``daemon.host.process_start.stamp``), which no step of the wall clock moves: the recovery inventory
 compared a recorded pid's wall-clock start time, which a clock step (NTP, a virtual machine
 resumed) changes for a process that never stopped. Rows written before have none and keep the
 wall-clock comparison.

@@ -1,0 +1,2 @@
+"""The control server's thin op handlers: instances, event streams, ownership and reload.
+"""

@@ -1,0 +1,105 @@
+"""A full disk at backend start (Issue 21 item 5): reported and waited out, never a crash loop.
+
+Opening the store needs a little space: an SQLite store in WAL mode cannot even be read when its
+shared-memory index cannot be grown. When reading or opening the store fails for want of space,
+the backend does not exit (systemd would restart it again and again). It logs
+``store_out_of_space`` (with the path and the free bytes), tells systemd it is up with a status
+saying so, and serves the CLI socket with ``status`` (backend state ``out_of_space`` and the
+store's path and free bytes) and ``shutdown``; every other op gets the retryable error
+``store_out_of_space``. Each time the free space grows (or every ``daemon.store.space.RETRY_S``) it
+tries again; once the store opens, that server stops, handing its listening socket on
+(``daemon.backend.lifetime.cli_listener``: the socket never disappears meanwhile), and the normal start goes
+on: adoption, re-tracking, catching up on the events the control server kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from sqlalchemy.engine import make_url
+
+from daemon.api import ops as api
+from daemon.backend.lifetime.cli_listener import CliListener
+from daemon.core.limits import BUFFER_LIMIT, IDLE_CONNECTION_TIMEOUT_S
+from daemon.core.service import Notifier, install_signal_handlers, setup_daemon_logging
+from daemon.core.version import VERSION
+from daemon.host.paths import Paths
+from daemon.store.db import sqlite_file
+from daemon.store.space import SpaceWatch, free_bytes
+from ipc import loop as event_loop
+from ipc.errors import IpcError
+from ipc.server import ConnectionContext, Handler, IpcServer
+
+T = TypeVar("T")
+OUT_OF_SPACE = "out_of_space"
+
+
+def when_space(paths: Paths, url: str, attempt: Callable[[], T], *, verbose: bool,
+               service_gids: list[int], notifier: Notifier, listener: CliListener) -> T | None:
+    """``attempt()``, again and again while it fails for want of space (serving ``status`` on
+    ``listener`` meanwhile); None if the backend was told to stop while waiting. Other errors
+    propagate."""
+    watch = SpaceWatch(sqlite_file(make_url(url)) or paths.home)
+    while True:
+        try:
+            return attempt()
+        except Exception as exc:
+            fresh = watch.state is None
+            if fresh:
+                setup_daemon_logging("backend", verbose=verbose)
+            if not watch.failed(exc):
+                raise
+        if event_loop.run(_serve_while_full(paths, watch, service_gids, notifier, listener)):
+            return None
+
+
+async def _serve_while_full(paths: Paths, watch: SpaceWatch, gids: list[int], notifier: Notifier,
+                            listener: CliListener) -> bool:
+    """Serve ``status`` until the free space grows (False: the listener is handed on) or a stop is
+    asked for (True: the socket is closed)."""
+    stop = asyncio.Event()
+    install_signal_handlers(asyncio.get_running_loop(), stop=stop.set)
+
+    async def op_status(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        path = Path(watch.state.path) if watch.state is not None and watch.state.path != "database.url" else None
+        return {
+            "backend": {"pid": os.getpid(), "version": VERSION, "socket": str(paths.backend_socket),
+                        "home": str(paths.home), "state": OUT_OF_SPACE},
+            "store": {"path": str(path) if path else None, "bytes": None,
+                      "free_bytes": free_bytes(path) if path else None, "out_of_space": watch.status()},
+        }
+
+    async def op_shutdown(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        stop.set()
+        return {"ok": True, "detach": True}
+
+    async def refused(ctx: ConnectionContext, args: dict[str, Any]) -> Any:
+        raise IpcError("store_out_of_space", "the backend waits for space to open its store"
+                       f" ({watch.state.path if watch.state else 'the store'}); free some space and retry", True)
+
+    handlers: dict[str, Handler] = {name: refused for name in api.TABLE.names}
+    handlers.update(status=op_status, shutdown=op_shutdown)
+    server = IpcServer(paths.backend_socket, api.TABLE, handlers, allowed_gids=gids, socket_mode=0o660,
+                       idle_timeout=IDLE_CONNECTION_TIMEOUT_S, buffer_limit=BUFFER_LIMIT,
+                       accept_json=True)  # the kandev CLI speaks JSON (ipc.codec_json)
+    await listener.serve(server)
+    notifier.ready(f"store out of space: {watch.state.path if watch.state else '?'}; waiting for space")
+    try:
+        waiting = asyncio.ensure_future(watch.wait_for_space())
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([waiting, stopping], return_when=asyncio.FIRST_COMPLETED)
+        for task in (waiting, stopping):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    finally:
+        if stop.is_set():
+            await server.close()
+        else:
+            await listener.hand_over(server)
+    return stop.is_set()

@@ -1,0 +1,169 @@
+"""Finishing things: ``session_stop`` and ``session_logs`` (``api.LIFECYCLE_OPS``; ``task_done`` and
+``task_reopen`` are ``daemon.backend.tasks.tasks``).
+
+``session_stop`` (``kandev session stop SESSION``) ends an idle session's agent: this backend stops
+tracking it first (so the agent's exit is not read as a failure), then its control server stops
+it (SIGTERM, a grace period, then SIGKILL to its whole process group, its sandbox included). The
+session stays as it was, WAITING_FOR_INPUT with its transcript and resume token: ``kandev resume``
+gives it an agent again. A running turn is refused (``kandev cancel`` ends it first), as is a
+session without an agent.
+
+``session_logs`` (``kandev logs SESSION``) reads the standard error file the control server keeps
+for the session's current (or last) agent, ``<home>/logs/agents/<instance id>.stderr.log``: its
+last lines, or what follows a byte offset (``-f``). The file is the agent's own output, so it is
+opened without following a symlink and read in bounded pieces; the client decides how to print it.
+
+A graceful stop of the backend that stops agents (survival off, ``kandev down --agents``, and the
+passthrough sessions always) records each of their sessions as stopped cleanly
+(``record_clean_stop``): the inventory row no longer claims a live agent, an open turn ends
+interrupted, the session waits for input. The next backend then has nothing to re-track for them
+and reports how many there were as information (``take_clean_stops``), not as sessions it could
+not re-track.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import select
+
+from daemon.backend.recovery.repair import repair_interrupted
+from daemon.backend.sessions.sessions import get_session
+from daemon.core.journal import log_event
+from daemon.store.db import Store
+from daemon.store.models import ExecutorRunning
+from daemon.store.states import InventoryStatus, SessionState
+from ipc.errors import ErrorCode, IpcError
+from ipc.server import ConnectionContext
+
+if TYPE_CHECKING:
+    from daemon.backend.lifetime.context import BackendContext as Backend
+
+Handler = Callable[[ConnectionContext, dict[str, Any]], Awaitable[Any]]
+
+LOG_READ_BYTES = 256 * 1024  # at most this much of an agent's stderr per answer
+DEFAULT_TAIL_LINES = 50
+_INSTANCE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+async def stop_session(backend: Backend, session_id: str) -> dict[str, Any]:
+    with backend.store.session() as db:
+        session = get_session(db, session_id)
+        state, task_id = session.state, session.task_id
+    ex = backend.executions.executions.get(session_id)
+    if ex is None:
+        raise IpcError(ErrorCode.CONFLICT, f"session {session_id} has no agent to stop (state {state})")
+    if state != SessionState.WAITING_FOR_INPUT:
+        raise IpcError(ErrorCode.CONFLICT, f"session {session_id} is {state}: a turn is in progress"
+                       f" (kandev cancel {session_id[:8]} ends it; then stop it)")
+    client = backend.servers.client_for(ex)
+    if client is None:
+        raise IpcError(ErrorCode.UNAVAILABLE, f"session {session_id}'s control server is not reachable;"
+                       " retry shortly", True)
+    # Untracked first: the agent's exit that follows is ours, not a failure of the session.
+    await backend.executions.drop(lambda e: e.session_id == session_id, "session_stopped")
+    try:
+        await client.stop_instance(ex.instance_id)
+    except IpcError as exc:
+        raise IpcError(exc.code, f"session {session_id}: stopping its agent (pid {ex.agent.pid}) failed:"
+                       f" {exc.message}; the next backend start settles it", exc.retryable) from None
+    with backend.store.session() as db:
+        row = db.get(ExecutorRunning, session_id)
+        if row is not None:
+            row.status = InventoryStatus.STALE  # the resume token is kept
+    log_event("session_agent_stopped", f"session {session_id}: agent stopped (kandev session stop)",
+              SESSION_ID=session_id, TASK_ID=task_id, INSTANCE_ID=ex.instance_id, AGENT_PID=ex.agent.pid)
+    return {"session_id": session_id, "task_id": task_id, "instance_id": ex.instance_id,
+            "agent_pid": ex.agent.pid, "state": str(state)}
+
+
+def _read_log(path: Path, tail: int, offset: int | None) -> tuple[str, int, int]:
+    """(text, offset after it, size) of the agent's stderr file; a file cut meanwhile (it is
+    truncated when it grows too big) is read again from its start."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return "", 0, 0
+    except OSError as exc:
+        raise IpcError(ErrorCode.CONFLICT, f"the agent's log {path} cannot be read: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if offset is not None:
+            start = offset if offset <= size else 0
+            f.seek(start)
+            data = f.read(LOG_READ_BYTES)
+            return data.decode("utf-8", errors="replace"), start + len(data), size
+        start = max(0, size - LOG_READ_BYTES)
+        f.seek(start)
+        data = f.read(LOG_READ_BYTES)
+    lines = data.splitlines(keepends=True)
+    if start > 0 and lines:
+        lines = lines[1:]  # the first line read may be cut
+    return b"".join(lines[-tail:]).decode("utf-8", errors="replace"), start + len(data), size
+
+
+async def session_logs(backend: Backend, session_id: str, tail: int, offset: int | None) -> dict[str, Any]:
+    with backend.store.session() as db:
+        get_session(db, session_id)
+        row = db.get(ExecutorRunning, session_id)
+        stored = row.instance_id if row is not None else None
+    ex = backend.executions.executions.get(session_id)
+    instance_id = ex.instance_id if ex is not None else stored
+    if instance_id is None:
+        raise IpcError(ErrorCode.NOT_FOUND, f"session {session_id} never had an agent: no log")
+    if not _INSTANCE_ID.fullmatch(instance_id):
+        raise IpcError(ErrorCode.CONFLICT, f"session {session_id}'s instance id is not a file name")
+    path = backend.paths.logs_dir / "agents" / f"{instance_id}.stderr.log"
+    text, end, size = await asyncio.to_thread(_read_log, path, tail, offset)
+    return {"session_id": session_id, "instance_id": instance_id, "path": str(path), "text": text,
+            "offset": end, "size": size, "live": ex is not None}
+
+
+CLEAN_STOP = "backend_stopped"
+
+
+def record_clean_stop(store: Store, session_ids: list[str]) -> None:
+    """The backend stops gracefully and these sessions' agents stop with it."""
+    now = datetime.now(UTC)
+    at = now.isoformat().replace("+00:00", "Z")
+    with store.session() as db:
+        for sid in session_ids:
+            repair_interrupted(db, sid, now, reason="agent stopped with the backend (kandev down)",
+                               interruption={"cause": CLEAN_STOP, "at": at, "reported": False})
+
+
+def take_clean_stops(store: Store) -> list[str]:
+    """The sessions the previous backend recorded as stopped cleanly (each taken once)."""
+    taken: list[str] = []
+    with store.session() as db:
+        for row in db.scalars(select(ExecutorRunning).where(ExecutorRunning.status == InventoryStatus.STALE)):
+            meta = dict(row.metadata_json or {})
+            interruption = meta.get("interruption")
+            if isinstance(interruption, dict) and interruption.get("cause") == CLEAN_STOP \
+                    and interruption.get("reported") is False:
+                meta["interruption"] = {**interruption, "reported": True}
+                row.metadata_json = meta
+                taken.append(row.session_id)
+    return taken
+
+
+def handlers(backend: Backend) -> dict[str, Handler]:
+    async def op_session_stop(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        return await stop_session(backend, args["session_id"])
+
+    async def op_session_logs(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        tail = int(args.get("tail", DEFAULT_TAIL_LINES))
+        offset = args.get("offset")
+        if not 1 <= tail <= 10_000:
+            raise IpcError(ErrorCode.INVALID_ARGUMENT, f"tail {tail} is not in 1..10000")
+        if offset is not None and int(offset) < 0:
+            raise IpcError(ErrorCode.INVALID_ARGUMENT, f"offset {offset} is negative")
+        return await session_logs(backend, args["session_id"], tail, None if offset is None else int(offset))
+
+    return {"session_stop": op_session_stop, "session_logs": op_session_logs}

@@ -1,0 +1,85 @@
+"""Small formatting rules shared by every human view: short ids, ages, state colours."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import UTC, datetime
+
+from daemon.cli.human.term import Colour
+from daemon.store.states import SessionState, TurnState
+
+SHORT = 8
+"""Characters of an id shown to people (any unique prefix of 4 or more is accepted back)."""
+
+
+def short(ident: str | None, length: int = SHORT) -> str:
+    return "-" if not ident else ident[:length]
+
+
+def unique_length(ids: Iterable[str], minimum: int = SHORT) -> int:
+    """The shortest prefix length >= ``minimum`` that tells all of ``ids`` apart."""
+    shown = sorted(set(ids))
+    length = minimum
+    for a, b in zip(shown, shown[1:], strict=False):
+        common = 0
+        while common < min(len(a), len(b)) and a[common] == b[common]:
+            common += 1
+        length = max(length, common + 1)
+    return length
+
+
+def parse_time(text: str | None) -> datetime | None:
+    if not text:
+        return None
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    return when if when.tzinfo else when.replace(tzinfo=UTC)
+
+
+def age(text: str | None, now: datetime | None = None) -> str:
+    """``kubectl``-style age of an ISO timestamp: 45s, 3m, 2h, 5d ("-" when unknown)."""
+    when = parse_time(text)
+    if when is None:
+        return "-"
+    seconds = max(0, int(((now or datetime.now(UTC)) - when).total_seconds()))
+    if seconds < 120:
+        return f"{seconds}s"
+    if seconds < 2 * 3600:
+        return f"{seconds // 60}m"
+    if seconds < 2 * 86400:
+        return f"{seconds // 3600}h"
+    return f"{seconds // 86400}d"
+
+
+def duration_ms(ms: float | int | None) -> str:
+    if ms is None:
+        return "-"
+    if ms < 1000:
+        return f"{ms:.0f} ms"
+    return f"{ms / 1000:.1f} s"
+
+
+_STATE_COLOURS: dict[str, tuple[Colour, ...]] = {
+    SessionState.RUNNING: (Colour.GREEN,),
+    SessionState.WAITING_FOR_INPUT: (Colour.CYAN,),
+    SessionState.STARTING: (Colour.YELLOW,),
+    SessionState.CREATED: (Colour.DIM,),
+    SessionState.FAILED: (Colour.RED,),
+    SessionState.CANCELLED: (Colour.YELLOW,),
+    SessionState.COMPLETED: (Colour.DIM,),
+}
+
+
+def state_styles(state: str | None) -> tuple[Colour, ...]:
+    return _STATE_COLOURS.get(state or "", ())
+
+
+def yes_no(value: object) -> str:
+    return "yes" if value else "no"
+
+
+def stop_reason_ok(state: str | None, stop_reason: str | None, error: str | None = None) -> bool:
+    """Whether a turn ended normally (``end_turn``, no error)."""
+    return state == TurnState.FINISHED and stop_reason == "end_turn" and not error
