@@ -390,9 +390,9 @@ def test_broken_new_version_is_refused_and_the_old_code_keeps_serving(server: Se
     moved on) is refused after the quiesce: the quiesce is undone and nothing is lost. Once the
     files are fixed, the reload runs the new version (0.2.1 here) in the same process."""
     srv = server
-    broken_py = srv.code / "daemon" / "agentctl" / "instance.py"  # only the server imports it
+    broken_py = srv.code / "daemon" / "agentctl" / "instance" / "instance.py"  # only the server imports it
     handover_py = srv.code / "daemon" / "agentctl" / "handover.py"
-    version_py = srv.code / "daemon" / "version.py"
+    version_py = srv.code / "daemon" / "core" / "version.py"
     good_instance, good_handover = broken_py.read_text(), handover_py.read_text()
 
     async def scenario() -> None:
@@ -460,7 +460,7 @@ def test_nothing_is_imported_after_ready_and_replaced_files_change_nothing(serve
     server reported no late import of any non-standard-library module (its audit hook logs
     ``agentctl_late_import``) and went on reporting its own version until it re-executed."""
     srv = server
-    version_py = srv.code / "daemon" / "version.py"
+    version_py = srv.code / "daemon" / "core" / "version.py"
 
     async def exercise(client: AgentctlClient, session: str) -> None:
         inst = await srv.create(client, session)

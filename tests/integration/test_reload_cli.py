@@ -100,7 +100,7 @@ def test_backend_asks_an_older_server_that_can_reload_to_reload(kandev_factory: 
     code = short_tmp / "code"
     for top in ("daemon", "ipc"):
         shutil.copytree(REPO_ROOT / top, code / top, ignore=shutil.ignore_patterns("__pycache__"))
-    version_py = code / "daemon" / "version.py"
+    version_py = code / "daemon" / "core" / "version.py"
     version_py.write_text(version_py.read_text().replace(f'VERSION = "{VERSION}"', 'VERSION = "0.1.9"'))
     old = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="true")
     old.env["PYTHONPATH"] = str(code)  # backend and control server of "0.1.9"

@@ -78,7 +78,7 @@ def test_systemctl_reload_of_a_broken_version_fails_and_keeps_serving(booted: Sd
     pid = box.prop(AGENTCTL, "MainPID")
     # What an upgrade would do: replace, where the next exec loads it, a module with one that raises
     # (inside the box only: its root is an overlay, the host's checkout is never touched).
-    module = box.repo_root / "daemon" / "agentctl" / "instance.py"
+    module = box.repo_root / "daemon" / "agentctl" / "instance" / "instance.py"
     box.run("cp", "-p", str(module), "/var/lib/instance.py.orig")
     box.run("sh", "-c", f"cp -p {module} {module}.new && echo 'raise RuntimeError(\"broken on purpose\")' >> "
                         f"{module}.new && mv {module}.new {module}")
