@@ -75,7 +75,7 @@ OPS = [
         " (daemon/backend/views/lists.py)",
     ),
     Op("board", auth=False, doc="-> {backlog, running, turn_finished, needs_attention, done: [task ids]}; why a"
-       " task needs attention: task_list's attention{reason: permission|failed|cancelled|no agent, hint|None}"),
+       " task needs attention: task_list's attention{reason: permission|failed|cancelled|timeout|no agent, hint|None}"),
     Op(
         "store_vacuum",
         auth=False,
@@ -225,6 +225,9 @@ class FollowEvent(str, Enum):
 
     ENTRY = "entry"  # seq = the entry's cursor; data = the transcript entry
     TURN_ENDED = "turn_ended"  # data = {turn_id, ordinal, state, stop_reason, error, ended_at}
+    # The followed turn's agent has been silent for agents.quiet_warning_s (again at each multiple):
+    # seq = the last cursor sent; data = the quiet object (daemon/backend/views/quiet_report.py)
+    QUIET = "quiet"
     END = "end"  # data = {reason: FollowEnd}; the backend then closes the stream
 
 
@@ -243,7 +246,9 @@ VIEW_OPS: list[Op] = [
         "task_list",
         auth=False,
         doc="-> {tasks: [{task_id, title, workspace, executor, state, bucket, attention{reason, hint}|None, created_at, sessions,"
-        " latest_session{session_id, agent, state, last_error, live, retracked, ...}|None,"
+        " latest_session{session_id, agent, state, last_error, live, retracked, quiet{turn_id, seconds,"
+        " timed_out, logs, cancel, provider}|None (its running turn's agent silent for"
+        " agents.quiet_warning_s: daemon/backend/views/quiet_report.py), ...}|None,"
         " workflow{step, position, status, steps}|None}]} in creation order",
     ),
     Op(

@@ -43,6 +43,7 @@ from daemon.backend.sessions.live import LiveSessions
 from daemon.backend.sessions.resume import ResumeService
 from daemon.backend.sessions.runtime_settings import RuntimeSettings
 from daemon.backend.sessions.sessions import SessionService
+from daemon.backend.sessions.turn_watch import TurnWatch
 from daemon.backend.sessions.workflow_runner import WorkflowRunner
 from daemon.backend.state.executions import Execution
 from daemon.backend.tasks.tasks import TaskService
@@ -78,6 +79,9 @@ class Backend:
         self.settings = RuntimeSettings(ctx, self.live)
         self.resets = ContextReset(ctx, self.launcher, self.live)
         self.workflow = WorkflowRunner(ctx, self.sessions, self.resets)
+        # Silent turns: warned about, and ended with reason timeout (agents.turn_timeout_s).
+        self.turn_watch = TurnWatch(ctx.quiet, ctx.executions, store, ctx.transcripts, self.sessions.cancel,
+                                    config.agents.turn_timeout_s)
 
     # What daemon.backend.main reads.
     @property
@@ -116,7 +120,7 @@ class Backend:
             **workflow_api.handlers(self.workflow),
             **runtimes_api.handlers(ctx),
             **ctx.views.handlers(),
-            **FollowService(ctx.store, ctx.transcripts, ctx.executions).handlers(),
+            **FollowService(ctx.store, ctx.transcripts, ctx.executions, ctx.quiet, ctx.quiet_report).handlers(),
         }))
 
     async def recover(self) -> None:
@@ -147,11 +151,17 @@ class Backend:
         ctx.report = report
         adopted = report.adoption.record if report.adoption.outcome == AdoptionOutcome.ADOPTED else None
         ctx.servers.use(client, adopted)
+        # A re-tracked agent's open turn is silent from now until its agent says something (read
+        # before its events are consumed again: an end among them is not overtaken).
+        open_turns = await asyncio.to_thread(self.sessions.open_turns, list(ctx.executions.executions))
+        for session_id, turn_id in open_turns.items():
+            ctx.quiet.started(session_id, turn_id)
         for ex in list(ctx.executions.executions.values()):
             if ex.consumer is None:
                 ctx.consumer.start(ex)
         ctx.servers.watch()
         ctx.store_care.start()
+        self.turn_watch.start()
         # A re-tracked agent's sandbox still has its endpoint's directory: serve a new socket there.
         await ctx.endpoints.reopen_for(list(ctx.executions.executions))
         await hygiene.tidy_home_async(ctx)
@@ -171,6 +181,7 @@ class Backend:
         ctx = self.context
         ctx.state = BackendState.STOPPING
         await self.upgrade.stop()  # no replacement of an old server starts or goes on now
+        await self.turn_watch.stop()  # no silent turn is cancelled now
         await ctx.servers.close()  # what follows is no loss; no claim renewed
         tracked = list(ctx.executions.executions.values())
         await ctx.consumer.stop(tracked)

@@ -32,6 +32,8 @@ EVENT_LIMIT_MIN, EVENT_LIMIT_MAX = 1, 10_000
 UNOWNED_PERIOD_MAX = 24 * HOUR
 UNOWNED_PERIOD_FLOOR = MINUTE
 LEASE_TTL_MIN, LEASE_TTL_MAX = MINUTE, 24 * HOUR
+QUIET_WARNING_MIN, QUIET_WARNING_MAX = 1, 3600  # seconds (agents.quiet_warning_s)
+TURN_TIMEOUT_MAX = 7 * 24 * 3600  # seconds (agents.turn_timeout_s; 0: off)
 DEFAULT_GITHUB_URL = "https://github.com"
 DEFAULT_PUSH_REFS = ("refs/heads/*", "!@default")  # every branch except the repository's default branch
 EPSILON = 1e-9  # float slack for "<=" between sums of parsed durations
@@ -207,6 +209,17 @@ SETTINGS: tuple[Setting, ...] = (
             " kernel counts in that agent's own user namespace, so a fork bomb fails inside that agent only"
             " (docs/architecture.md); not enforced for agents run with `agents.sandbox = \"off\"`",
             low=64, high=65536),
+    Setting("agents.quiet_warning_s", Kind.INT, 30,
+            "seconds a running turn may go without any output from its agent before `kandev follow`,"
+            " `kandev board` and `kandev session show` say `waiting for the agent: no output for N s`,"
+            " with a hint (its log, the provider address it was given, how to cancel); again every as many"
+            " seconds after. Whole number 1..3600",
+            low=QUIET_WARNING_MIN, high=QUIET_WARNING_MAX),
+    Setting("agents.turn_timeout_s", Kind.INT, 0,
+            "seconds without any output from its agent after which a running turn is cancelled and ends"
+            " with stop reason `timeout`; `0` (the default) never ends a turn for its silence;"
+            " whole number 0..604800 (7 days)",
+            low=0, high=TURN_TIMEOUT_MAX, note="0: off"),
 )
 RULES: tuple[Rule, ...] = (
     Rule("(read budget)", "agentctl.recovery_read_retries",

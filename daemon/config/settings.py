@@ -118,6 +118,10 @@ class AgentsConfig:
 
     sandbox: str = _default("agents.sandbox")
     max_processes: int = _default("agents.max_processes")
+    # seconds of silence before a running turn is shown as waiting for its agent, and before it is
+    # ended with reason timeout (0: never): daemon/backend/state/quiet_turns.py
+    quiet_warning_s: int = _default("agents.quiet_warning_s")
+    turn_timeout_s: int = _default("agents.turn_timeout_s")
     # ``[agents.NAME]`` tables: each agent's env and secret_env (daemon/agents/settings.py); a table
     # per agent rather than a declared key (see TABLE_FIELDS)
     settings: Mapping[str, AgentSettings] = field(default_factory=dict)
@@ -291,6 +295,8 @@ def validate_agents(config: Config) -> None:
         where = f" (in {config.source})" if config.source else ""
         raise ConfigError(f"{exc.key}{where}: {str(exc)[len(exc.key) + 2:]}", key=exc.key) from None
     _check_config_range(config, "agents.max_processes", config.agents.max_processes)
+    _check_config_range(config, "agents.quiet_warning_s", config.agents.quiet_warning_s)
+    _check_config_range(config, "agents.turn_timeout_s", config.agents.turn_timeout_s)
 
 
 def validate_backend(config: Config) -> None:

@@ -11,7 +11,8 @@ resumed automatically. A task without sessions is in backlog. A task marked done
 ``placement`` adds what only the backend knows (is the agent live, is a permission
 request open, how did the last turn end) and gives each task in needs_attention its
 reason in a word (``Attention``): an open permission request, a failed session or
-a failed turn, a cancelled session, a session whose agent is gone.
+a failed turn, a cancelled session, a turn ended for its agent's silence (``timeout``), a
+session whose agent is gone.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ _BY_TASK: dict[str, str] = {TaskState.BACKLOG: "backlog", TaskState.IN_PROGRESS:
 NEEDS_ATTENTION = "needs_attention"
 # Turn stop reasons that mean the turn failed (the agent's error, its refusal, its death).
 FAILED_STOPS = frozenset({"error", "refusal", "agent_exited"})
+# A turn the backend ended because its agent said nothing for agents.turn_timeout_s.
+TIMEOUT_STOP = "timeout"
 # A turn ended by its agent's death stops counting once the session has a live agent again (it was
 # resumed: the user has seen the failure and the new agent waits for them).
 _DIED = "agent_exited"
@@ -69,6 +72,8 @@ def placement(task_state: str, latest_session_state: str | None, *, live: bool |
         return NEEDS_ATTENTION, Attention.FAILED
     if latest_session_state == SessionState.CANCELLED:
         return NEEDS_ATTENTION, Attention.CANCELLED
+    if latest_session_state == SessionState.WAITING_FOR_INPUT and last_stop_reason == TIMEOUT_STOP:
+        return NEEDS_ATTENTION, Attention.TIMEOUT
     if latest_session_state == SessionState.WAITING_FOR_INPUT and last_stop_reason in FAILED_STOPS and not (
             last_stop_reason == _DIED and live):
         return NEEDS_ATTENTION, Attention.FAILED
@@ -79,6 +84,9 @@ def placement(task_state: str, latest_session_state: str | None, *, live: bool |
 
 def attention_hint(reason: Attention | None, agent: str | None, last_error: str | None) -> str | None:
     """A known provider authentication failure names the setting that gives the agent its key."""
+    if reason is Attention.TIMEOUT:
+        return ("its agent sent nothing until agents.turn_timeout_s ended the turn: `kandev logs SESSION` shows"
+                " what it wrote; check its provider, then prompt it again")
     if reason is Attention.FAILED and agent and last_error and _AUTH_FAILURE.search(last_error):
         return (f"the agent's provider refused its credentials: give it a key with agents.{agent}.secret_env"
                 " (`kandev agents` shows what it gets)")

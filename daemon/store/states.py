@@ -58,4 +58,5 @@ class Attention(str, Enum):
     PERMISSION = "permission"  # the agent waits for an answer to a permission request
     FAILED = "failed"  # the session failed, or its last turn did
     CANCELLED = "cancelled"  # the session was cancelled
+    TIMEOUT = "timeout"  # its last turn was ended for its agent's silence (agents.turn_timeout_s)
     NO_AGENT = "no agent"  # the session waits for input but has no agent to answer it

@@ -31,11 +31,13 @@ Prompt scripts (on the text of the prompt)::
                  agent's terminal tool does); one chunk "sh: exit=<code>" followed by a
                  newline and the first 4 KiB of its combined stdout and stderr; a cancel
                  ends the command (SIGTERM, then SIGKILL)
+    /silent N    says nothing at all for N seconds (a provider that does not answer), then one
+                 chunk "silent: N s"; a cancel ends it at once, with no chunk
     /stderr N    writes N bytes (lines of "x") to the agent's own stderr, then one chunk
                  "stderr: wrote N" (a chatty or flooding agent)
     /other       treated as plain text (echo)
 
-``session/cancel`` stops /slow and /flood between chunks; the prompt then
+``session/cancel`` stops /slow and /flood between chunks, and /silent; the prompt then
 ends with stop reason ``cancelled``. A chunk whose recording fails because
 the state dir's filesystem is full is recorded again every
 ``ENOSPC_RETRY_S`` until it fits (the agent waits for space, it does not fail
@@ -315,6 +317,13 @@ class MockAgent:
         number = _int_arg(args)
         if command in ("/slow", "/flood") and number is not None and number >= 0:
             return await self._stream(rec, number, SLOW_INTERVAL if command == "/slow" else 0.0, cancel)
+        if command == "/silent" and number is not None and number >= 0:
+            with contextlib.suppress(TimeoutError):
+                await within(cancel.wait(), number)
+            if cancel.is_set():
+                return "cancelled"
+            await self._say(rec, f"silent: {number} s")
+            return "end_turn"
         if command == "/permission" and not args:
             return await self._ask_permission(rec, cancel)
         if command == "/fail" and not args:

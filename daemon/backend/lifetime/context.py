@@ -11,8 +11,11 @@ nothing that uses it forms an import cycle with it.
 from __future__ import annotations
 
 import asyncio
+import functools
+import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 from daemon.agentctl.client.connection import AgentctlClient
 from daemon.api.ops import BackendState
@@ -24,8 +27,10 @@ from daemon.backend.lifetime.store_care import StoreCare
 from daemon.backend.recovery.recovery import RecoveryReport
 from daemon.backend.state.executions import EventConsumer, Execution, ExecutionStore
 from daemon.backend.state.launch_gate import LaunchGate
+from daemon.backend.state.quiet_turns import QuietTurns, note_events
 from daemon.backend.state.transcript_hub import TranscriptHub
 from daemon.backend.views.lists import Views
+from daemon.backend.views.quiet_report import quiet_report
 from daemon.config.platform import CapabilityStatus
 from daemon.config.settings import Config
 from daemon.credentials import GitCredentials, prepare_git_credentials, record_credential_snapshot
@@ -66,12 +71,17 @@ class BackendContext:
                                       self.endpoints, self.on_gone)
         # The store's size, free space, retention and vacuum (daemon.backend.lifetime.store_care).
         self.store_care = StoreCare(store, config.store.transcript_retention)
-        self.consumer = EventConsumer(store, self.servers.client_for, self.on_gone, self.store_care.space)
+        # How long each running turn's agent has been silent (agents.quiet_warning_s, turn_timeout_s):
+        # fed every committed batch of events, read by follow, the board, session show and the
+        # turn watch (daemon.backend.sessions.turn_watch).
+        self.quiet = QuietTurns(time.monotonic, config.agents.quiet_warning_s, config.agents.turn_timeout_s)
+        self.consumer = EventConsumer(store, self.servers.client_for, self.on_gone, self.store_care.space,
+                                      on_applied=functools.partial(note_events, self.quiet))
         self.transcripts = TranscriptHub()  # wakes follow streams on store commits
         self.transcripts.observe(store)
         # sessions features.auto_resume is about to resume: not "no agent" on the board meanwhile
         self.auto_resume_pending: set[str] = set()
-        self.views = Views(store, self.executions, self.auto_resume_pending)
+        self.views = Views(store, self.executions, self.auto_resume_pending, self.quiet_report)
         self.report = RecoveryReport()
         self.shutdown_requested = asyncio.Event()
         self.stop_agents_at_shutdown = False  # kandev down --agents: the survival server stops them too
@@ -86,6 +96,15 @@ class BackendContext:
         """An execution ended (its agent exited, or it is no longer ours)."""
         self.executions.executions.pop(ex.session_id, None)
         self.endpoints.close_soon(ex.session_id)
+        self.quiet.forget(ex.session_id)
+
+    def quiet_report(self, session_id: str, agent: str | None) -> dict[str, Any] | None:
+        """The session's ``quiet`` object (``daemon.backend.views.quiet_report``): its running turn's
+        agent has been silent for ``agents.quiet_warning_s`` or more; None otherwise, or when this
+        backend does not track its agent. Read on the event loop."""
+        if session_id not in self.executions.executions:
+            return None
+        return quiet_report(self.quiet.quiet(session_id), session_id, agent, self.config.agents.settings)
 
     # The survival and passthrough servers' parts, as the rest of the backend reads them.
     @property

@@ -29,7 +29,7 @@ from daemon.backend.views.session_view import PageRequest, StoredSession, read_s
 from daemon.core.journal import log_event
 from daemon.credentials import CredentialError
 from daemon.store import transcript, transitions
-from daemon.store.models import Task, TaskSession
+from daemon.store.models import Task, TaskSession, Turn
 from daemon.store.session_metadata import SessionMetadata
 from daemon.store.states import SessionState, TaskState, TurnState
 from daemon.store.transcript import ensure_turn
@@ -180,6 +180,8 @@ class SessionService:
             turn = ensure_turn(db, session_id, turn_id, text)
             finished = turn.state != TurnState.OPEN
             stop_reason = turn.stop_reason
+        if not finished:  # its agent's silence counts from now (an ended turn's end was noted already)
+            b.quiet.started(session_id, turn_id)
         result: dict[str, Any] = {"turn_id": turn_id}
         if waiter is not None:
             if finished:
@@ -211,6 +213,7 @@ class SessionService:
         if ex is None or client is None:
             raise IpcError(ErrorCode.CONFLICT, f"session {session_id} has no running agent")
         await client.respond_permission(ex.instance_id, request_id, option_id)
+        b.quiet.answered(session_id, str(request_id))  # the agent has the word again
         with b.store.session() as db:
             transcript.append(db, session_id, role="user", kind="permission_response",
                               text=json.dumps({"request_id": request_id, "option_id": option_id}, sort_keys=True))
@@ -255,6 +258,8 @@ class SessionService:
             # Why its agent was lost, while it has none: a backend restart or a lost control server.
             "interruption": (row.metadata_json or {}).get("interruption") if row is not None and ex is None else None,
             "guard": b.executions.guards.get(session_id),
+            # its running turn's agent silent for agents.quiet_warning_s (daemon/backend/views/quiet_report.py)
+            "quiet": b.quiet_report(session_id, session.agent),
             "last_error": session.last_error,
             "runtime_config": runtime,
             # the runtime job a first use ran before the agent started (daemon/backend/sessions/runtime_prepare.py)
@@ -265,6 +270,13 @@ class SessionService:
             "transcript": stored.transcript,
             "page": stored.page,
         }
+
+    def open_turns(self, session_ids: list[str]) -> dict[str, str]:
+        """Session id -> its open turn, of these sessions (a worker thread)."""
+        with self.backend.store.session() as db:
+            return {sid: tid for sid, tid in db.execute(
+                select(Turn.session_id, Turn.id).where(Turn.session_id.in_(session_ids), Turn.state == TurnState.OPEN)
+            )}
 
     def _read_sessions(self) -> list[tuple[str, str, str]]:
         with self.backend.store.session() as db:

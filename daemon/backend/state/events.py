@@ -23,7 +23,7 @@ from sqlalchemy import Integer, Table, bindparam, case, func, select, update
 from sqlalchemy.orm import Session as DbSession
 
 from daemon.agentctl.protocol import EventKind
-from daemon.store import transitions
+from daemon.store import transcript, transitions
 from daemon.store.models import ExecutorRunning, TaskSession, Turn
 from daemon.store.session_metadata import SessionMetadata
 from daemon.store.states import InventoryStatus, SessionState, TaskState, TurnState
@@ -37,6 +37,10 @@ _TEXT_UPDATES = {
 }
 # Stop reasons after which the session waits for the next prompt.
 _AGENT_DIED = "agent_exited"
+_CANCELLED = "cancelled"
+TIMEOUT = "timeout"
+"""The stop reason of a turn the backend ended because its agent said nothing for
+``agents.turn_timeout_s`` seconds (``mark_timed_out``)."""
 
 
 def _now() -> datetime:
@@ -70,6 +74,9 @@ def apply_turn_outcome(
     turn = ensure_turn(db, session_id, turn_id, None)
     if turn.state in ("finished", "abandoned"):
         return False
+    if turn.stop_reason == TIMEOUT and stop_reason == _CANCELLED:
+        # the backend cancelled it for its agent's silence (mark_timed_out): said as such
+        stop_reason, error = TIMEOUT, turn.error
     turn.state = TurnState.FINISHED
     turn.stop_reason = stop_reason
     turn.error = error
@@ -192,7 +199,8 @@ def apply_events(db: DbSession, session_id: str, instance_id: str, events: list[
             tid = str(turn_id)
             # Applied or already applied: either way it is acked and its waiters woken.
             apply_turn_outcome(db, session_id, tid, data.get("stop_reason"), data.get("error"))
-            result.ended_turns.append((tid, data.get("stop_reason")))
+            stored = db.get(Turn, tid)  # its stop reason as stored (a timeout: not the agent's "cancelled")
+            result.ended_turns.append((tid, stored.stop_reason if stored is not None else data.get("stop_reason")))
         elif ev.kind == EventKind.AGENT_EXITED:
             result.agent_exited = True
             code = data.get("exit_code")
@@ -257,3 +265,18 @@ def mark_agent_gone(db: DbSession, session_id: str, reason: str) -> None:
     if row is not None:
         row.status = InventoryStatus.STALE  # resume token and worktree identity are kept
         row.updated_at = _now()
+
+
+def mark_timed_out(db: DbSession, session_id: str, turn_id: str, *, seconds: int, limit: int) -> bool:
+    """The backend ends this open turn because its agent said nothing for ``seconds`` (at least
+    ``agents.turn_timeout_s`` = ``limit``) and is about to cancel it: the open turn keeps the reason
+    (stop reason ``timeout`` and the error, until its end arrives: ``apply_turn_outcome`` then says
+    ``timeout`` where the agent says ``cancelled``) and the transcript says so. False if the turn is
+    not open any more (it ended meanwhile: nothing to time out)."""
+    turn = db.get(Turn, turn_id)
+    if turn is None or turn.session_id != session_id or turn.state != TurnState.OPEN:
+        return False
+    turn.stop_reason = TIMEOUT
+    turn.error = f"no output from the agent for {seconds} s (agents.turn_timeout_s = {limit}); the turn was cancelled"
+    transcript.append(db, session_id, role="system", kind="turn_timeout", text=turn.error, turn_id=turn_id)
+    return True

@@ -21,6 +21,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from daemon.agentctl.client.connection import AgentctlClient
 from daemon.agentctl.client.handshake import OwnershipRefused
@@ -194,10 +195,13 @@ class EventConsumer:
         client_factory: Callable[[Execution], AgentctlClient | None],
         on_gone: Callable[[Execution], None],
         space: SpaceWatch | None = None,
+        on_applied: Callable[[str, list[Any]], None] | None = None,
     ) -> None:
         self.store = store
         self.client_factory = client_factory
         self.on_gone = on_gone
+        # told each committed batch of a session's events (how long its turn has been quiet)
+        self.on_applied = on_applied
         self.space = space if space is not None else SpaceWatch(None)
         self.stopping = False
 
@@ -278,6 +282,8 @@ class EventConsumer:
                     raise
                 self.space.succeeded()
                 ex.last_seq = batch[-1].seq
+                if self.on_applied is not None:
+                    self.on_applied(ex.session_id, batch)
                 for turn_id, stop_reason in result.ended_turns:
                     ex.applied_turns.add(turn_id)
                     ex.replaying_turns.discard(turn_id)  # its entries are committed now

@@ -9,6 +9,9 @@ followed and the cursor the stream starts after) the connection carries event fr
   for a given ``after_seq`` (a ``permission_request`` also says whether it is still ``open``);
 - ``turn_ended`` (seq = the cursor of the last entry sent): the followed turn is over:
   ``{turn_id, ordinal, state, stop_reason, error}``; sent after every entry of that turn;
+- ``quiet`` (same seq): the followed turn's agent has sent nothing for ``agents.quiet_warning_s``
+  seconds, and again at each multiple of it (``daemon.backend.views.quiet_report``: the seconds and a
+  hint); the turn goes on;
 - ``end`` (same seq): the stream is over (``reason``: ``turn_ended``, or ``no_agent`` when there
   is no turn to follow and the session has no running agent), then the backend closes it.
 
@@ -58,7 +61,9 @@ from sqlalchemy.orm import Session
 
 from daemon.api.ops import FollowEnd, FollowEvent
 from daemon.backend.state.executions import ExecutionStore
+from daemon.backend.state.quiet_turns import QuietTurns
 from daemon.backend.state.transcript_hub import TranscriptHub
+from daemon.backend.views.quiet_report import QuietOf
 from daemon.backend.views.session_view import PAGE_TEXT_BYTES, permissions, transcript_entry
 from daemon.store import transcript
 from daemon.store.db import Store
@@ -257,10 +262,24 @@ def _end(out: Round, pos: Position, reason: FollowEnd) -> Round:
 class FollowService:
     """Serves ``follow`` streams from the store, woken by the hub."""
 
-    def __init__(self, store: Store, hub: TranscriptHub, executions: ExecutionStore) -> None:
+    def __init__(self, store: Store, hub: TranscriptHub, executions: ExecutionStore,
+                 quiet: QuietTurns | None = None, report: QuietOf | None = None) -> None:
         self.store = store
         self.hub = hub
         self.executions = executions
+        self.quiet = quiet  # how long each running turn's agent has been silent
+        self.report = report  # a silence as the stream sends it (daemon.backend.views.quiet_report)
+
+    def _quiet_news(self, pos: Position, agent: str | None, sent: tuple[int, int] | None
+                    ) -> tuple[tuple[int, int], dict[str, Any]] | None:
+        """The followed turn's silence, when it reached a level this stream has not sent yet."""
+        if self.quiet is None or self.report is None or pos.turn_id is None or pos.turn_end_sent:
+            return None
+        q = self.quiet.quiet(pos.session_id)
+        if q is None or q.turn_id != pos.turn_id or (q.period, q.level) == sent:
+            return None
+        data = self.report(pos.session_id, agent)
+        return ((q.period, q.level), data) if data is not None else None
 
     def _start(self, session_id: str, args: dict[str, Any]) -> tuple[Position, dict[str, Any]]:
         with self.store.session() as db:
@@ -277,6 +296,7 @@ class FollowService:
             pos, result = await asyncio.to_thread(self._start, session_id, args)
             try:
                 await ctx.start_stream(result)
+                quiet_sent: tuple[int, int] | None = None  # the silence (period, level) last sent
                 while True:
                     seen = watch.version
                     ex = self.executions.executions.get(session_id)
@@ -291,6 +311,10 @@ class FollowService:
                     if step.done:
                         return
                     if not step.more:
+                        news = self._quiet_news(pos, result.get("agent"), quiet_sent)
+                        if news is not None:
+                            quiet_sent, data = news
+                            await ctx.send_event(pos.cursor, FollowEvent.QUIET.value, data)
                         await watch.wait(seen, RECHECK_S)
             except ConnectionClosed:
                 return  # the client left

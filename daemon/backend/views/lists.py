@@ -18,6 +18,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from daemon.backend.state.executions import ExecutionStore
+from daemon.backend.views.quiet_report import QuietOf
 from daemon.backend.views.session_view import permissions
 from daemon.store import workflow_steps as wf
 from daemon.store.board import BUCKETS, attention_hint, placement
@@ -74,10 +75,18 @@ def _workflow_summary(steps: list[WorkflowStep]) -> dict[str, Any] | None:
 class Views:
     """The handlers of ``api.VIEW_OPS`` (and the detail of ``session_list``)."""
 
-    def __init__(self, store: Store, executions: ExecutionStore, resuming: set[str] | None = None) -> None:
+    def __init__(self, store: Store, executions: ExecutionStore, resuming: set[str] | None = None,
+                 quiet: QuietOf | None = None) -> None:
         self.store = store
         self.executions = executions
         self.resuming = resuming if resuming is not None else set()  # the backend resumes these itself
+        # session id, agent -> its running turn's silence (daemon.backend.views.quiet_report), or None
+        self.quiet = quiet if quiet is not None else (lambda _sid, _agent: None)
+
+    def _add_quiet(self, summary: dict[str, Any] | None) -> None:
+        """A session summary's ``quiet`` (read on the loop, after the store's rows)."""
+        if summary is not None:
+            summary["quiet"] = self.quiet(summary["session_id"], summary.get("agent"))
 
     def tracked(self) -> dict[str, bool]:
         """Session id -> re-tracked, of every execution this backend tracks (read on the loop); a
@@ -193,10 +202,17 @@ class Views:
         return result
 
     async def op_task_list(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
-        return await self._of_one_moment(self.read_tasks)
+        result = await self._of_one_moment(self.read_tasks)
+        for task in result["tasks"]:
+            self._add_quiet(task["latest_session"])
+        return result
 
     async def op_task_show(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
-        return await self._of_one_moment(functools.partial(self.read_task, args["task_id"]))
+        result = await self._of_one_moment(functools.partial(self.read_task, args["task_id"]))
+        self._add_quiet(result["latest_session"])
+        for summary in result["session_list"]:
+            self._add_quiet(summary)
+        return result
 
     async def op_board(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         """Task ids by bucket (creation order), the same placement as ``task_list`` (whose rows say
@@ -206,7 +222,10 @@ class Views:
 
     async def session_rows(self) -> dict[str, Any]:
         """``session_list`` with ``detail``: newest first, with agent, task title and last turn."""
-        return await self._of_one_moment(self.read_session_rows)
+        result = await self._of_one_moment(self.read_session_rows)
+        for summary in result["sessions"]:
+            self._add_quiet(summary)
+        return result
 
     def handlers(self) -> dict[str, Handler]:
         return {"task_list": self.op_task_list, "task_show": self.op_task_show, "board": self.op_board}

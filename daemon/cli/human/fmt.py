@@ -83,3 +83,21 @@ def yes_no(value: object) -> str:
 def stop_reason_ok(state: str | None, stop_reason: str | None, error: str | None = None) -> bool:
     """Whether a turn ended normally (``end_turn``, no error)."""
     return state == TurnState.FINISHED and stop_reason == "end_turn" and not error
+
+
+def quiet_text(quiet: dict[str, object]) -> str:
+    """``waiting for the agent: no output for 45 s``: a running turn whose agent is silent (the
+    ``quiet`` object of follow, the board and ``session show``)."""
+    text = f"waiting for the agent: no output for {quiet.get('seconds')} s"
+    if quiet.get("timed_out"):
+        text += " (agents.turn_timeout_s passed: the turn is being cancelled)"
+    return text
+
+
+def quiet_hint(quiet: dict[str, object]) -> str:
+    """What to look at about a silent agent: its log, the provider address it was given, the cancel."""
+    parts = [f"`{quiet.get('logs')}` shows what it wrote"]
+    if quiet.get("provider"):
+        parts.append(f"it was given {quiet['provider']}")
+    parts.append(f"`{quiet.get('cancel')}` ends the turn")
+    return "; ".join(parts)

@@ -3,6 +3,8 @@
 The client of the backend's ``follow`` stream op (``daemon.backend.views.follow``), on a connection of
 its own. It prints each transcript entry as it arrives (``ConversationWriter``: text chunks
 joined, tool calls and permission requests on lines of their own) and a line when the turn ends.
+While the turn's agent says nothing for ``agents.quiet_warning_s`` (and again at each multiple) it
+says so on stderr, with a hint: ``waiting for the agent: no output for 30 s``.
 
 If the connection to the backend is lost (the backend was SIGKILLed, ``kandev down``/``up``,
 ``systemctl restart``) it says so on stderr, reconnects, and asks for what comes after the last
@@ -24,7 +26,7 @@ from typing import IO, Any
 
 from daemon.api.ops import FollowEnd, FollowEvent
 from daemon.cli.human import RECONNECT_TIMEOUT_S
-from daemon.cli.human.fmt import short, stop_reason_ok
+from daemon.cli.human.fmt import quiet_hint, quiet_text, short, stop_reason_ok
 from daemon.cli.human.term import Term
 from daemon.cli.human.transcript import ConversationWriter
 from ipc.client import AsyncClient
@@ -152,6 +154,14 @@ class Follower:
             if not self.follow_all:
                 self.outcome = data
                 return FollowEnd.TURN_ENDED.value
+            return None
+        if kind == FollowEvent.QUIET:  # the turn goes on; its agent has said nothing for a while
+            if self.json_lines:
+                self._json(seq, kind, data)
+            else:
+                self._say(quiet_text(data))
+                self.err.write(f"hint: {quiet_hint(data)}\n")
+                self.err.flush()
             return None
         if kind == FollowEvent.END:
             return str(data.get("reason") or "end")

@@ -123,6 +123,8 @@ class ConversationWriter:
             self.line(t.red(f"[agent error] {_json(text).get('message') or text}"))
         elif kind == "agent_exited":
             self.line(t.red(f"[{text}]"))
+        elif kind == "turn_timeout":  # the backend ended the turn for its agent's silence
+            self.line(t.red(f"[timeout: {text}]"))
         elif kind == "plan":
             self._plan(_json(text))
         elif kind == "current_mode_update":

@@ -7,7 +7,17 @@ long (longer only where two shown ids would otherwise look the same).
 
 from __future__ import annotations
 
-from daemon.cli.human.fmt import age, duration_ms, short, state_styles, stop_reason_ok, unique_length, yes_no
+from daemon.cli.human.fmt import (
+    age,
+    duration_ms,
+    quiet_hint,
+    quiet_text,
+    short,
+    state_styles,
+    stop_reason_ok,
+    unique_length,
+    yes_no,
+)
 from daemon.cli.human.status import warnings
 from daemon.cli.human.table import Cell, cell, render_table
 from daemon.cli.human.term import Colour, Term
@@ -198,12 +208,17 @@ def board_lines(result: dict[str, Any], term: Term) -> list[str]:
             agent, state = _session_brief(t.get("latest_session"))
             attention = t.get("attention") or {}
             reason = attention.get("reason")
-            detail = session.get("last_error") if reason == Attention.FAILED or state == SessionState.FAILED else None
+            failed = reason in (Attention.FAILED, Attention.TIMEOUT) or state == SessionState.FAILED
+            detail = Cell(str(session.get("last_error") or "") if failed else "")
+            quiet = session.get("quiet")
+            if quiet:  # a running turn whose agent has said nothing for agents.quiet_warning_s
+                detail = cell(quiet_text(quiet), Colour.YELLOW)
+                hints.append(_hint(term, f"{short(t['task_id'], n)}: {quiet_hint(quiet)}"))
             row = [short(t["task_id"], n), t.get("title") or "-", agent, cell(state, *state_styles(state)),
                    short(session.get("session_id"))]
             if bucket == "needs_attention":
                 row.insert(0, cell(reason or "-", Colour.YELLOW))
-            rows.append([*row, Cell(detail or "")])
+            rows.append([*row, detail])
             if attention.get("hint"):
                 hints.append(_hint(term, f"{short(t['task_id'], n)}: {attention['hint']}"))
         header = ["TASK", "TITLE", "AGENT", "STATE", "SESSION", ""]
@@ -303,6 +318,10 @@ def session_header_lines(show: dict[str, Any], term: Term, task_title: str | Non
         field("Not re-tracked", show["not_retracked_reason"])
     if show.get("last_error"):
         field("Last error", term.red(str(show["last_error"])))
+    quiet = show.get("quiet")
+    if quiet:  # its running turn's agent has said nothing for agents.quiet_warning_s
+        field("Waiting", term.yellow(quiet_text(quiet)))
+        lines.append(_hint(term, quiet_hint(quiet)))
     field("Turns", str(show.get("turns_total", len(show.get("turns") or []))))
     field("Id", sid)
     if show.get("recoverable") and not show.get("live"):
