@@ -1,0 +1,116 @@
+"""Issue 46 Why 5: a real agent that never answers is no longer a silent hang.
+
+Through the real CLI against real daemons, with the mock agent's ``/silent N`` (it says nothing for
+N seconds, as an agent whose provider does not answer) and small settings:
+
+- with ``agents.quiet_warning_s = 1``, ``kandev prompt --follow`` says ``waiting for the agent: no
+  output for N s`` (N growing with the silence) with the hint (``kandev logs SID``, the provider
+  address the agent was given in ``[agents.mock] env``, ``kandev cancel SID``), and so do
+  ``kandev board``, ``task list --json`` and ``session show``; the warning goes once the turn ends;
+- with ``agents.turn_timeout_s = 2``, the silent turn is cancelled and ends with reason ``timeout``:
+  in the follow, the transcript, the turn and the board; the session takes the next prompt.
+
+Before the fix the follow printed nothing, the board said RUNNING, and nothing ever ended the turn.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from tests.support.kandev import Kandev
+from tests.support.streams import TimedOutput
+from tests.support.waiting import wait_until
+
+pytestmark = pytest.mark.timeout(300)
+
+PROVIDER = "MOCK_BASE_URL=http://127.0.0.1:9/v1"
+CONFIG = '[agents.mock]\nenv = {{ MOCK_BASE_URL = "http://127.0.0.1:9/v1" }}\n\n[agents]\nquiet_warning_s = 1\n{extra}'
+
+
+def _home(kandev_factory: Callable[..., Kandev], extra: str = "") -> Kandev:
+    k = kandev_factory(config_text=CONFIG.format(extra=extra))
+    k.up()
+    return k
+
+
+def _session(k: Kandev) -> tuple[str, str]:
+    task, sid = k.start_session("silent provider")
+    wait_until(lambda: k.show(sid)["state"] == "WAITING_FOR_INPUT", timeout=60)
+    return task, sid
+
+
+def _task_row(k: Kandev, task: str) -> dict[str, Any]:
+    return next(t for t in k.cli("task", "list")["tasks"] if t["task_id"] == task)
+
+
+def _quiet_seconds(text: str) -> list[int]:
+    return [int(n) for n in re.findall(r"waiting for the agent: no output for (\d+) s", text)]
+
+
+def test_a_silent_turn_is_shown_as_waiting_for_the_agent_in_follow_and_on_the_board(
+        kandev_factory: Callable[..., Kandev]) -> None:
+    """Issue 46 Why 5 (Build 5): the warning with the real number of seconds and the hint, in
+    ``prompt --follow``, ``board``, ``task list --json`` and ``session show``; gone once the turn ends."""
+    k = _home(kandev_factory)
+    task, sid = _session(k)
+    follow = k.popen("prompt", sid, "/silent 600", "--follow")
+    err = TimedOutput(follow.stderr)
+    out = TimedOutput(follow.stdout)
+    err.wait_for("waiting for the agent: no output for 1 s", timeout=60)
+    # the silence goes on and the number grows with it: the real seconds, not the setting
+    wait_until(lambda: any(n >= 2 for n in _quiet_seconds(err.text)), timeout=60,
+               message="follow says the silence grew")
+    hint = next(line for line in err.text.splitlines() if line.startswith("hint:"))
+    assert f"kandev logs {sid[:8]}" in hint and PROVIDER in hint and f"kandev cancel {sid[:8]}" in hint, hint
+
+    quiet = wait_until(lambda: (_task_row(k, task)["latest_session"] or {}).get("quiet"), timeout=30)
+    assert quiet["seconds"] >= 1 and quiet["turn_id"] and quiet["provider"] == PROVIDER
+    assert not quiet["timed_out"]  # agents.turn_timeout_s is off by default
+
+    board = k.human("board")
+    assert board.returncode == 0, board.stderr
+    assert _quiet_seconds(board.stdout) and min(_quiet_seconds(board.stdout)) >= 1, board.stdout
+    assert f"kandev logs {sid[:8]}" in board.stdout and PROVIDER in board.stdout, board.stdout
+    shown = k.human("session", "show", sid)
+    assert _quiet_seconds(shown.stdout) and f"kandev cancel {sid[:8]}" in shown.stdout, shown.stdout
+    assert k.cli("session", "show", sid)["quiet"]["seconds"] >= 1
+
+    assert k.run("cancel", sid).returncode == 0
+    assert follow.wait(timeout=60) == 1
+    out.join()
+    assert "[turn cancelled]" in out.text, out.text
+    wait_until(lambda: _task_row(k, task)["latest_session"]["quiet"] is None, timeout=30,
+               message="the board's warning goes once the turn ended")
+    assert k.cli("session", "show", sid)["quiet"] is None
+
+
+def test_a_turn_silent_for_turn_timeout_s_ends_with_reason_timeout(kandev_factory: Callable[..., Kandev]) -> None:
+    """Issue 46 Why 5 (Build 5): agents.turn_timeout_s cancels the silent turn through the cancel
+    path; follow, transcript, turn and board say ``timeout``; the session takes the next prompt."""
+    k = _home(kandev_factory, "turn_timeout_s = 2\n")
+    task, sid = _session(k)
+    follow = k.popen("prompt", sid, "/silent 600", "--follow")
+    out, err = TimedOutput(follow.stdout), TimedOutput(follow.stderr)
+    assert follow.wait(timeout=120) == 1, err.text
+    out.join()
+    err.join()
+    assert "[timeout: no output from the agent for 2 s (agents.turn_timeout_s = 2)" in out.text, out.text
+    assert "[turn failed: timeout]" in out.text, out.text
+    assert "waiting for the agent: no output for 1 s" in err.text, err.text
+
+    show = k.cli("session", "show", sid)
+    turn = show["turns"][-1]
+    assert (turn["state"], turn["stop_reason"]) == ("finished", "timeout"), turn
+    assert any(e["kind"] == "turn_timeout" for e in show["transcript"]), show["transcript"]
+    assert show["state"] == "WAITING_FOR_INPUT" and show["quiet"] is None
+    row = _task_row(k, task)
+    assert row["bucket"] == "needs_attention" and row["attention"]["reason"] == "timeout", row
+    board = k.human("board")
+    assert "timeout" in board.stdout and "agents.turn_timeout_s" in board.stdout, board.stdout
+
+    # the agent and the session are fine: the next prompt is answered
+    assert k.cli("prompt", sid, "hello", "--wait")["stop_reason"] == "end_turn"
