@@ -1,4 +1,4 @@
-"""Issue 46 Why 5: a real agent that never answers is no longer a silent hang.
+"""Issue 46 item 5 (Issue 46 Why 5): a real agent that never answers is no longer a silent hang.
 
 Through the real CLI against real daemons, with the mock agent's ``/silent N`` (it says nothing for
 N seconds, as an agent whose provider does not answer) and small settings:

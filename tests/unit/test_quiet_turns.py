@@ -1,4 +1,5 @@
-"""Issue 46 Why 5: a running turn whose agent says nothing is shown as such, and can be timed out.
+"""Issue 46 item 5 (Issue 46 Why 5): a running turn whose agent says nothing is shown as such, and
+can be timed out.
 
 ``QuietTurns`` on a clock the test moves (no sleeping): when a turn counts as quiet, the real number
 of seconds, what ends a silence (any event of the turn; a permission request hands the word to the
@@ -207,7 +208,7 @@ def test_a_timed_out_turn_cancelled_by_its_agent_ends_with_reason_timeout(store:
         assert session is not None and session.state == SessionState.WAITING_FOR_INPUT
         assert session.last_error == turn.error
         kinds = [(c.kind, c.text) for c in transcript.chunks_after(db, session_id, 0)]
-    assert ("turn_timeout", turn.error) in kinds
+    assert ("turn_timeout", f"{turn.error}; cancelling the turn") in kinds
 
 
 def test_a_timed_out_turn_that_finishes_anyway_keeps_its_own_end(store: Store) -> None:

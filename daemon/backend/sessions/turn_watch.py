@@ -10,8 +10,8 @@ second at most (sooner when a warning level or a timeout is nearer) and acts:
   transcript says why (``daemon.backend.state.events.mark_timed_out``), then it is cancelled through
   the one cancel path (``SessionService.cancel``, what ``kandev cancel`` does). The agent answers the
   cancel with ``cancelled``, which the store keeps as stop reason ``timeout``. An agent that does
-  not answer a cancel at all keeps its turn open: the silence goes on being reported, and
-  ``kandev session stop`` ends it.
+  not answer a cancel at all keeps its turn open: the silence goes on being reported (``timed_out``)
+  until its agent is stopped; nothing here stops an agent.
 
 A session this backend no longer tracks is forgotten. Blocking store work runs in a worker thread.
 """

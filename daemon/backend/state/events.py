@@ -277,6 +277,7 @@ def mark_timed_out(db: DbSession, session_id: str, turn_id: str, *, seconds: int
     if turn is None or turn.session_id != session_id or turn.state != TurnState.OPEN:
         return False
     turn.stop_reason = TIMEOUT
-    turn.error = f"no output from the agent for {seconds} s (agents.turn_timeout_s = {limit}); the turn was cancelled"
-    transcript.append(db, session_id, role="system", kind="turn_timeout", text=turn.error, turn_id=turn_id)
+    turn.error = f"no output from the agent for {seconds} s (agents.turn_timeout_s = {limit})"
+    transcript.append(db, session_id, role="system", kind="turn_timeout", text=f"{turn.error}; cancelling the turn",
+                      turn_id=turn_id)
     return True

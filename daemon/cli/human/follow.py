@@ -66,6 +66,7 @@ class Follower:
         self.cursor: int | None = None  # the last entry printed (or where the stream started)
         self.outcome: dict[str, Any] | None = None  # the followed turn's end, once seen
         self.ended_turns: set[str] = set()
+        self.hinted_turns: set[Any] = set()  # turns whose silence was explained with a hint
         self.writer: ConversationWriter | None = None
 
     def _say(self, text: str) -> None:
@@ -160,8 +161,10 @@ class Follower:
                 self._json(seq, kind, data)
             else:
                 self._say(quiet_text(data))
-                self.err.write(f"hint: {quiet_hint(data)}\n")
-                self.err.flush()
+                if data.get("turn_id") not in self.hinted_turns:  # the hint once a turn, not at every step
+                    self.hinted_turns.add(data.get("turn_id"))
+                    self.err.write(f"hint: {quiet_hint(data)}\n")
+                    self.err.flush()
             return None
         if kind == FollowEvent.END:
             return str(data.get("reason") or "end")

@@ -275,9 +275,12 @@ def session_list_lines(result: dict[str, Any], term: Term, show_all: bool) -> li
             state_cell = cell(state, *state_styles(state))
             if state in (SessionState.RUNNING, SessionState.WAITING_FOR_INPUT) and not s.get("live"):
                 state_cell = cell(f"{state} (no agent)", Colour.YELLOW)  # e.g. not re-tracked after a restart
+            last_turn = _last_turn(s.get("last_turn"))
+            if s.get("quiet"):  # its agent has said nothing for agents.quiet_warning_s
+                last_turn += f", no output for {s['quiet'].get('seconds')} s"
             rows.append([short(s["session_id"], n), f"{short(s.get('task_id'))} {s.get('task_title') or ''}".rstrip(),
                          s.get("agent") or "-", state_cell, retracked,
-                         age(s.get("created_at")), _last_turn(s.get("last_turn"))])
+                         age(s.get("created_at")), last_turn])
         lines = render_table(term, ["SESSION", "TASK", "AGENT", "STATE", "RETRACKED", "AGE", "LAST TURN"], rows,
                              flex=1)
     if hidden:
