@@ -114,3 +114,16 @@ def test_a_turn_silent_for_turn_timeout_s_ends_with_reason_timeout(kandev_factor
 
     # the agent and the session are fine: the next prompt is answered
     assert k.cli("prompt", sid, "hello", "--wait")["stop_reason"] == "end_turn"
+
+
+@pytest.mark.parametrize(("line", "accepted"), [("quiet_warning_s = 0", "1..3600"),
+                                                ("turn_timeout_s = 604801", "0..604800")])
+def test_an_out_of_range_setting_is_refused_by_up_naming_key_value_and_range(
+        kandev_factory: Callable[..., Kandev], line: str, accepted: str) -> None:
+    """Issue 46 Why 5: ``kandev up`` refuses the value before starting anything, and says why."""
+    k = kandev_factory(config_text=f"[agents]\n{line}\n")
+    proc = k.human("up")
+    key, value = (part.strip() for part in line.split("="))
+    assert proc.returncode != 0
+    assert f"agents.{key}" in proc.stderr and value in proc.stderr and accepted in proc.stderr, proc.stderr
+    assert not (k.home / "run" / "backend.sock").exists()
