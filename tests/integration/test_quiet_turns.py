@@ -7,7 +7,7 @@ N seconds, as an agent whose provider does not answer) and small settings:
   output for N s`` (N growing with the silence) with the hint (``kandev logs SID``, the provider
   address the agent was given in ``[agents.mock] env``, ``kandev cancel SID``), and so do
   ``kandev board``, ``task list --json`` and ``session show``; the warning goes once the turn ends;
-- with ``agents.turn_timeout_s = 2``, the silent turn is cancelled and ends with reason ``timeout``:
+- with ``agents.turn_timeout_s = 3``, the silent turn is cancelled and ends with reason ``timeout``:
   in the follow, the transcript, the turn and the board; the session takes the next prompt.
 
 Before the fix the follow printed nothing, the board said RUNNING, and nothing ever ended the turn.
@@ -60,10 +60,10 @@ def test_a_silent_turn_is_shown_as_waiting_for_the_agent_in_follow_and_on_the_bo
     follow = k.popen("prompt", sid, "/silent 600", "--follow")
     err = TimedOutput(follow.stderr)
     out = TimedOutput(follow.stdout)
-    err.wait_for("waiting for the agent: no output for 1 s", timeout=60)
+    first = wait_until(lambda: _quiet_seconds(err.text), timeout=60, message="follow says the agent is silent")[0]
+    assert first >= 1
     # the silence goes on and the number grows with it: the real seconds, not the setting
-    wait_until(lambda: any(n >= 2 for n in _quiet_seconds(err.text)), timeout=60,
-               message="follow says the silence grew")
+    wait_until(lambda: max(_quiet_seconds(err.text)) > first, timeout=60, message="follow says the silence grew")
     hint = next(line for line in err.text.splitlines() if line.startswith("hint:"))
     assert f"kandev logs {sid[:8]}" in hint and PROVIDER in hint and f"kandev cancel {sid[:8]}" in hint, hint
 
@@ -91,16 +91,16 @@ def test_a_silent_turn_is_shown_as_waiting_for_the_agent_in_follow_and_on_the_bo
 def test_a_turn_silent_for_turn_timeout_s_ends_with_reason_timeout(kandev_factory: Callable[..., Kandev]) -> None:
     """Issue 46 Why 5 (Build 5): agents.turn_timeout_s cancels the silent turn through the cancel
     path; follow, transcript, turn and board say ``timeout``; the session takes the next prompt."""
-    k = _home(kandev_factory, "turn_timeout_s = 2\n")
+    k = _home(kandev_factory, "turn_timeout_s = 3\n")
     task, sid = _session(k)
     follow = k.popen("prompt", sid, "/silent 600", "--follow")
     out, err = TimedOutput(follow.stdout), TimedOutput(follow.stderr)
     assert follow.wait(timeout=120) == 1, err.text
     out.join()
     err.join()
-    assert "[timeout: no output from the agent for 2 s (agents.turn_timeout_s = 2)" in out.text, out.text
+    assert re.search(r"\[timeout: no output from the agent for \d+ s \(agents.turn_timeout_s = 3\)", out.text), out.text
     assert "[turn failed: timeout]" in out.text, out.text
-    assert "waiting for the agent: no output for 1 s" in err.text, err.text
+    assert _quiet_seconds(err.text), err.text  # it was shown as waiting first
 
     show = k.cli("session", "show", sid)
     turn = show["turns"][-1]
