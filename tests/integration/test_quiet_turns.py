@@ -8,20 +8,25 @@ N seconds, as an agent whose provider does not answer) and small settings:
   address the agent was given in ``[agents.mock] env``, ``kandev cancel SID``), and so do
   ``kandev board``, ``task list --json`` and ``session show``; the warning goes once the turn ends;
 - with ``agents.turn_timeout_s = 3``, the silent turn is cancelled and ends with reason ``timeout``:
-  in the follow, the transcript, the turn and the board; the session takes the next prompt.
+  in the follow, the transcript, the turn and the board; the session takes the next prompt;
+- a silent turn whose agent survives a SIGKILLed backend is shown and timed out by the next one;
+- an out-of-range value is refused by ``kandev up``.
 
 Before the fix the follow printed nothing, the board said RUNNING, and nothing ever ended the turn.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from tests.support.kandev import Kandev
+from tests.support.processes import alive
 from tests.support.streams import TimedOutput
 from tests.support.waiting import wait_until
 
@@ -114,6 +119,28 @@ def test_a_turn_silent_for_turn_timeout_s_ends_with_reason_timeout(kandev_factor
 
     # the agent and the session are fine: the next prompt is answered
     assert k.cli("prompt", sid, "hello", "--wait")["stop_reason"] == "end_turn"
+
+
+def test_a_silent_turn_re_tracked_after_a_backend_restart_is_still_shown_and_timed_out(
+        kandev_factory: Callable[..., Kandev]) -> None:
+    """Issue 46 Why 5: with survival on, a backend SIGKILLed during a silent turn re-tracks the
+    agent; the new backend counts the turn's silence from its start, shows it and times it out."""
+    k = kandev_factory(config_text=CONFIG.format(extra="turn_timeout_s = 6\n"),
+                       KANDEV_FEATURES_AGENT_SURVIVAL="true")
+    first = k.up()
+    task, sid = _session(k)
+    k.cli("prompt", sid, "/silent 600")
+    wait_until(lambda: (_task_row(k, task)["latest_session"] or {}).get("quiet"), timeout=30)
+    backend = first["backend"]["pid"]
+    os.kill(backend, signal.SIGKILL)
+    wait_until(lambda: not alive(backend), timeout=10)
+    assert k.up()["recovery"]["retracked"] == 1
+    quiet = wait_until(lambda: (_task_row(k, task)["latest_session"] or {}).get("quiet"), timeout=30)
+    assert quiet["provider"] == PROVIDER
+    turn = wait_until(lambda: t if (t := k.cli("session", "show", sid)["turns"][-1])["state"] != "open" else None,
+                      timeout=60)
+    assert turn["stop_reason"] == "timeout", turn
+    assert _task_row(k, task)["attention"]["reason"] == "timeout"
 
 
 @pytest.mark.parametrize(("line", "accepted"), [("quiet_warning_s = 0", "1..3600"),
