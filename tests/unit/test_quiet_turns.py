@@ -272,3 +272,21 @@ def test_one_look_of_the_turn_watch_wakes_followers_then_cancels_once(store: Sto
     with store.session() as db:
         turn = db.scalars(select(Turn).where(Turn.id == "t1")).one()
         assert (turn.state, turn.stop_reason) == (TurnState.OPEN, "timeout")  # until its agent answers
+
+
+def test_the_turn_watch_is_woken_only_when_a_silence_may_end_sooner(clock: Clock) -> None:
+    """Issue 46 Why 5: the watch sleeps until the next level or timeout; a new turn or an answered
+    permission request wakes it (their deadlines may come sooner), the agent's output does not."""
+    quiet = QuietTurns(clock, warning_s=30)
+    woken: list[int] = []
+    quiet.on_sooner = lambda: woken.append(1)
+    quiet.started("s1", "t1")
+    quiet.started("s1", "t1")  # the same turn again
+    assert len(woken) == 1
+    quiet.output("s1", "t1")
+    quiet.asked("s1", "t1", "r1")
+    assert len(woken) == 1
+    quiet.answered("s1", "r1")
+    assert len(woken) == 2
+    clock.advance(12)
+    assert quiet.next_change() == pytest.approx(18.0)

@@ -1,7 +1,8 @@
 """The turn watch: what the backend does about a running turn whose agent went silent (Issue 46 Why 5).
 
-``daemon.backend.state.quiet_turns`` measures each running turn's silence; this task reads it once a
-second at most (sooner when a warning level or a timeout is nearer) and acts:
+``daemon.backend.state.quiet_turns`` measures each running turn's silence; this task sleeps until the
+next warning level or timeout is due (a new turn wakes it sooner; an idle backend looks once a
+minute), reads it and acts:
 
 - a turn silent for ``agents.quiet_warning_s`` (and again at each multiple): the follow streams of
   its session are woken, and send ``quiet`` (``daemon.backend.views.follow``); the first time in a
@@ -30,12 +31,14 @@ from daemon.backend.state.quiet_turns import Quiet, QuietTurns
 from daemon.backend.state.transcript_hub import TranscriptHub
 from daemon.core.journal import log_event
 from daemon.store.db import Store
+from ipc.aio import within
 from ipc.errors import IpcError
 
 log = logging.getLogger(__name__)
 
-TICK_MAX_S = 1.0
-"""The longest the watch sleeps between two looks (a turn that starts meanwhile waits this much)."""
+IDLE_S = 60.0
+"""The longest the watch sleeps between two looks; it sleeps until the next warning or timeout is
+due, and a new turn (or an answered permission request) wakes it sooner."""
 TICK_MIN_S = 0.05
 
 
@@ -51,6 +54,8 @@ class TurnWatch:
         self.cancel = cancel  # SessionService.cancel
         self.timeout_s = timeout_s
         self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        quiet.on_sooner = self._wake.set
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="turn-watch")
@@ -63,6 +68,7 @@ class TurnWatch:
 
     async def _run(self) -> None:
         while True:
+            self._wake.clear()
             try:
                 await self.tick()
             except asyncio.CancelledError:
@@ -70,7 +76,8 @@ class TurnWatch:
             except Exception:
                 log.exception("the turn watch failed; it goes on")
             soon = self.quiet.next_change()
-            await asyncio.sleep(TICK_MAX_S if soon is None else min(TICK_MAX_S, max(TICK_MIN_S, soon)))
+            with contextlib.suppress(TimeoutError):
+                await within(self._wake.wait(), IDLE_S if soon is None else min(IDLE_S, max(TICK_MIN_S, soon)))
 
     async def tick(self) -> None:
         """One look: wake the followers of turns that grew quieter, end those silent for too long."""

@@ -65,6 +65,9 @@ class QuietTurns:
         self.timeout_s = float(timeout_s)  # 0: turns are never timed out
         self._turns: dict[str, _Turn] = {}
         self._periods = 0
+        # called when a silence starts that may end sooner than ``next_change`` said (a new turn, an
+        # answered permission request): the turn watch sleeps until then, and is woken by it
+        self.on_sooner: Callable[[], None] | None = None
 
     # -- what happens ----------------------------------------------------------------------------
 
@@ -74,6 +77,7 @@ class QuietTurns:
         turn = self._turns.get(session_id)
         if turn is None or turn.turn_id != turn_id:
             self._turns[session_id] = _Turn(turn_id, self.clock(), self._next_period())
+            self._sooner()
 
     def output(self, session_id: str, turn_id: str) -> None:
         """The agent sent something for ``turn_id``: a new silence starts now. A turn not seen
@@ -95,6 +99,7 @@ class QuietTurns:
         if turn is not None and request_id in turn.asking:
             turn.asking.discard(request_id)
             self._restart(turn)
+            self._sooner()
 
     def ended(self, session_id: str, turn_id: str) -> None:
         turn = self._turns.get(session_id)
@@ -164,6 +169,10 @@ class QuietTurns:
     def _next_period(self) -> int:
         self._periods += 1
         return self._periods
+
+    def _sooner(self) -> None:
+        if self.on_sooner is not None:
+            self.on_sooner()
 
     def _restart(self, turn: _Turn) -> None:
         turn.since = self.clock()
