@@ -85,6 +85,10 @@ def test_each_multiple_of_the_warning_is_reported_once_and_output_starts_a_new_s
     note_events(quiet, "s1", [Event(5, "session_update", {"turn_id": "t1", "update": {"sessionUpdate": "tool_call"}})])
     assert quiet.quiet("s1") is None
     clock.advance(10)
+    # what the agent says outside any turn (a line that is not JSON-RPC) is heard too
+    note_events(quiet, "s1", [Event(6, "agent_error", {"message": "not JSON-RPC: connecting..."})])
+    assert quiet.quiet("s1") is None
+    clock.advance(10)
     again = quiet.crossed()
     assert [q.level for q in again] == [1] and again[0].period != first[0].period
 

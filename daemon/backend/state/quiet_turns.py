@@ -88,6 +88,13 @@ class QuietTurns:
             return
         self._restart(turn)
 
+    def heard(self, session_id: str) -> None:
+        """The agent said something tied to no turn (an ``agent_error``): its open turn's silence,
+        if it has one, starts again."""
+        turn = self._turns.get(session_id)
+        if turn is not None:
+            self._restart(turn)
+
     def asked(self, session_id: str, turn_id: str, request_id: str) -> None:
         """The agent asked its user for a permission: the turn now waits for the user."""
         self.output(session_id, turn_id)
@@ -196,7 +203,8 @@ def note_events(quiet: QuietTurns, session_id: str, events: Iterable[Any]) -> No
         if ev.kind == EventKind.AGENT_EXITED:
             quiet.forget(session_id)
         elif turn_id is None:
-            continue
+            if ev.kind in (EventKind.AGENT_ERROR, EventKind.SESSION_UPDATE):
+                quiet.heard(session_id)
         elif ev.kind == EventKind.TURN_STARTED:
             quiet.started(session_id, str(turn_id))
         elif ev.kind == EventKind.TURN_ENDED:
