@@ -2,10 +2,11 @@
 
 A real agent whose provider never answers says nothing at all: no text, no tool call, nothing in
 its log. ``QuietTurns`` keeps, for each session with an open turn, when its agent last sent
-anything for that turn (a text or thought chunk, a tool call, a plan, a permission request, an
-error: any event of the turn), on an injected monotonic clock, so the unit tests drive it without
-sleeping. The backend's event consumer feeds it (``note_events``) after each committed batch;
-``daemon.backend.sessions.turn_watch`` reads it once a second and acts.
+anything for that turn (a text or thought chunk, a tool call, a plan, a permission request: any
+event of the turn, and an ``agent_error``, which belongs to no turn), on an injected monotonic
+clock, so the unit tests drive it without sleeping. The backend's event consumer feeds it
+(``note_events``) after each committed batch; ``daemon.backend.sessions.turn_watch`` sleeps until
+``next_change``, reads it and acts (``on_sooner`` wakes it when a new silence may end sooner).
 
 - **Quiet**: a turn whose agent said nothing for ``warning_s`` seconds (``agents.quiet_warning_s``)
   is reported by ``quiet`` with the real number of seconds; ``follow``, the board and ``session
