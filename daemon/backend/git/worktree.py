@@ -7,7 +7,10 @@ user let near it), so the host never runs what they name. Creating a worktree
 1. ``locate_repository``: the directory the user named must be a repository's top directory with
    a real ``.git`` directory (or a bare repository itself), no symlink, no ``commondir`` (a linked
    worktree's or a submodule's git dir is refused: name the main repository). Its git directory and
-   owner are what gets recorded.
+   owner are what gets recorded. When agents run as their own uid (kandev runs as root: agents run
+   as ``kandev-agent``), ``check_shared`` then refuses, before anything is created, a repository
+   that uid cannot commit into (its git directory, ``objects``, ``refs`` and ``logs`` each writable
+   by it: given to it, or shared through a group or with every uid), saying how to share it.
 2. on the host, ``git worktree add --no-checkout -b kandev/<task> <home>/worktrees/<task>`` with
    the git directory named explicitly (``--git-dir``, no discovery) and a hardened environment
    (``host_git_env``, ``HOST_GIT_CONFIG``): no system or global config, no hooks
@@ -16,6 +19,10 @@ user let near it), so the host never runs what they name. Creating a worktree
    repository's config could still name (``sshCommand``, credential helpers, diff and merge
    drivers) has no part in a local ``worktree add``. The new admin directory must be
    ``<git dir>/worktrees/<task>`` and the new ``.git`` file must name it, else the attempt is undone.
+   What git made there as kandev's uid is then given to the agents' uid, exactly as far as the
+   worktree needs it (``give_worktree``): its admin directory and its branch's ref and reflog
+   directories, never following a symlink; a repository the user shared keeps every other owner
+   and mode.
 3. inside a sandbox, as an agent would run: ``git reset --hard`` populates the index and the files
    (smudge filters and whatever the repository defines run there, contained), with the same view of
    the repository an agent of the task gets (``daemon.backend.git.workspace_record.repository_view``).
@@ -23,7 +30,8 @@ user let near it), so the host never runs what they name. Creating a worktree
 
 Each git step runs as an asyncio subprocess in its own process group with a time limit below the
 watchdog's ping interval; on a failure or a timeout the group is killed and everything is undone:
-the worktree directory, its admin directory, the ``kandev/<task>`` branch.
+the worktree directory, its admin directory (and ``worktrees/`` when the attempt made it), the
+``kandev/<task>`` branch: the repository is left as it was.
 
 ``remove_recorded`` (``task delete``) runs no git at all: the recorded worktree directory and the
 recorded admin directory are each checked against the record and removed (``shutil.rmtree`` never
@@ -35,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -49,6 +58,7 @@ from daemon.agentctl.sandbox import bubblewrap as sandbox
 from daemon.agentctl.sandbox.bubblewrap import SandboxPolicy, SandboxRequest
 from daemon.backend.git.workspace_record import (
     WORKTREES,
+    WRITABLE_GIT_DIRS,
     RecordMismatch,
     WorkspaceRecord,
     check_dir,
@@ -56,7 +66,15 @@ from daemon.backend.git.workspace_record import (
     check_workspace,
     repository_view,
 )
-from daemon.host.agent_user import agent_user, give
+from daemon.host.agent_user import (
+    AgentUser,
+    AgentUserMissing,
+    agent_user,
+    cannot_write,
+    fix_hint,
+    give,
+    give_fd,
+)
 from ipc.aio import within
 from ipc.errors import ErrorCode, IpcError
 
@@ -207,22 +225,70 @@ def _created_record(repo: Repository, target: Path) -> WorkspaceRecord:
     return rec
 
 
+def check_shared(repo: Repository) -> None:
+    """Refuse, before anything is created, a repository the agents' uid cannot commit into: its git
+    directory and the parts of it a worktree's sandbox binds read-write (``objects``, ``refs``,
+    ``logs``) must each be writable by that uid (it owns them, or the user shared them through a
+    group or with every uid). Raises ``IpcError(workspace_not_writable)`` saying how to share the
+    repository; a no-op when agents keep our uid. Blocking (stats)."""
+    try:
+        user = agent_user()
+    except AgentUserMissing as exc:
+        raise IpcError(ErrorCode.SANDBOX_UNAVAILABLE, str(exc), retryable=False) from None
+    for name in ("", *WRITABLE_GIT_DIRS):
+        path = os.path.join(repo.git_dir, name) if name else repo.git_dir
+        if name and not os.path.lexists(path):
+            continue  # a bare repository may have no logs/
+        why = cannot_write(path, user)
+        if why is not None:
+            raise IpcError(ErrorCode.WORKSPACE_NOT_WRITABLE,
+                           f"the repository {repo.path} is not shared with the agents: {why}. Agents commit into"
+                           f" its git directory: {fix_hint(repo.path, user)}", retryable=False,
+                           details={"path": repo.path, "uid": user.uid, "user": user.name})
+
+
 def give_worktree(repo: Repository, target: Path, branch: str) -> None:
     """Give what ``git worktree add`` (run by kandev) just made for ``target`` to the agents' uid:
-    the worktree, and, when that uid owns the repository's git directory (the user gave it the
-    repository), ``worktrees/``, the worktree's admin directory and the branch's ref and reflog
-    directories. Walks by descriptors, never through a symlink; a no-op when agents keep our uid."""
+    the worktree, its admin directory ``worktrees/<name>`` (its ``HEAD``, the index the checkout
+    writes) and the directories of the branch's ref and reflog (``refs/heads/kandev``,
+    ``logs/refs/heads/kandev``), where its commits go; when that uid owns the git directory (the user
+    gave it the repository), ``worktrees/`` itself too. Nothing else of a repository the user
+    shared changes owner or mode (``check_shared`` made sure the agents may write the rest). Each
+    path is reached from the git directory one component at a time, never through a symlink (a
+    symlink where a directory should be fails the creation). A no-op when agents keep our uid."""
     give(target)
     user = agent_user()
-    if not user.dedicated or repo.owner_uid != user.uid:
+    if not user.dedicated:
         return
     ref_dir = os.path.dirname(branch)  # "kandev" of "kandev/<task id>"
-    for rel, recursive in ((WORKTREES, False), (os.path.join(WORKTREES, target.name), True),
-                           (os.path.join("refs", "heads", ref_dir), True),
-                           (os.path.join("logs", "refs", "heads", ref_dir), True)):
-        path = os.path.join(repo.git_dir, rel)
-        if os.path.isdir(path) and not os.path.islink(path):
-            give(path, user, recursive=recursive)
+    given = [(os.path.join(WORKTREES, target.name), True), (os.path.join("refs", "heads", ref_dir), True),
+             (os.path.join("logs", "refs", "heads", ref_dir), True)]
+    if repo.owner_uid == user.uid:
+        given.append((WORKTREES, False))
+    for rel, recursive in given:
+        _give_inside(repo.git_dir, rel, user, recursive=recursive)
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _give_inside(root: str, rel: str, user: AgentUser, *, recursive: bool) -> None:
+    """``give`` the directory ``root/rel`` (nothing when it does not exist), every component opened
+    below the previous one's descriptor without following a symlink (raises ``RecordMismatch``)."""
+    fd = os.open(root, _DIR_FLAGS)
+    try:
+        for part in rel.split(os.sep):
+            try:
+                below = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                return
+            except OSError as exc:  # ELOOP, ENOTDIR: a symlink or a file where git made a directory
+                raise RecordMismatch(f"{os.path.join(root, rel)}: {part} is not a directory ({exc.strerror})") from None
+            os.close(fd)
+            fd = below
+        give_fd(fd, user, recursive=recursive)
+    finally:
+        os.close(fd)
 
 
 async def create_worktree(repo: Repository, target: Path, branch: str, box: CheckoutSandbox,
@@ -236,6 +302,8 @@ async def create_worktree(repo: Repository, target: Path, branch: str, box: Chec
         raise IpcError(ErrorCode.CONFLICT, f"worktree path {target} already exists")
     made: WorkspaceRecord | None = None
     step = "git worktree add"
+    had_worktrees = os.path.lexists(os.path.join(repo.git_dir, WORKTREES))
+    undo = functools.partial(_undo, repo, target, branch, had_worktrees)
     try:
         code, err = await host_git(repo.git_dir, ["worktree", "add", "--no-checkout", "-b", branch, str(target)],
                                    timeout)
@@ -243,8 +311,8 @@ async def create_worktree(repo: Repository, target: Path, branch: str, box: Chec
             raise IpcError(ErrorCode.INVALID_ARGUMENT, f"git worktree add failed: {err}")
         # Agents run under their own uid when kandev is root: what git made for the worktree is
         # given to it first (the record then takes each owner from disk), and the checkout runs as it.
-        await asyncio.to_thread(give_worktree, repo, target, branch)
         try:
+            await asyncio.to_thread(give_worktree, repo, target, branch)
             made = await asyncio.to_thread(_created_record, repo, target)
         except (RecordMismatch, OSError) as exc:
             raise IpcError(ErrorCode.INTERNAL, f"git worktree add made something unexpected: {exc}") from None
@@ -259,36 +327,50 @@ async def create_worktree(repo: Repository, target: Path, branch: str, box: Chec
             raise IpcError(ErrorCode.INVALID_ARGUMENT, f"checking out the new worktree failed: {err}")
         return made
     except TimeoutError:
-        await _undo(repo, target, branch)
+        await undo()
         raise IpcError(ErrorCode.TIMEOUT,
                        f"{step} took longer than {timeout:g} s and was stopped; nothing was kept") from None
     except asyncio.CancelledError:
-        await asyncio.shield(_undo(repo, target, branch))
+        await asyncio.shield(undo())
         raise
     except OSError as exc:
-        await _undo(repo, target, branch)
+        await undo()
         raise IpcError(ErrorCode.UNAVAILABLE, f"cannot run {step}: {exc.strerror or exc}") from None
     except BaseException:
-        await _undo(repo, target, branch)
+        await undo()
         raise
 
 
-async def _undo(repo: Repository, target: Path, branch: str) -> None:
+async def _undo(repo: Repository, target: Path, branch: str, had_worktrees: bool) -> None:
     """Undo a failed creation: each step may find nothing to do. The admin directory is removed
-    only where ``worktree add`` makes it (``<git dir>/worktrees/<name>``, checked)."""
+    only where ``worktree add`` makes it (``<git dir>/worktrees/<name>``, checked: ours, or given
+    to the agents' uid), and ``worktrees/`` itself when this attempt made it and it is empty again;
+    deleting the branch removes its ref and reflog (git removes the directories it emptied)."""
     if target.is_dir() and not target.is_symlink():
         await asyncio.to_thread(shutil.rmtree, target, True)
-    admin = os.path.join(repo.git_dir, WORKTREES, target.name)
+    worktrees = os.path.join(repo.git_dir, WORKTREES)
+    admin = os.path.join(worktrees, target.name)
     try:
-        check_dir(os.path.join(repo.git_dir, WORKTREES), None, "worktrees")
-        check_dir(admin, (os.geteuid(),), "admin")
-        await asyncio.to_thread(shutil.rmtree, admin, True)
+        check_dir(worktrees, None, "worktrees")
+        with contextlib.suppress(RecordMismatch):
+            check_dir(admin, _undo_owners(), "admin")
+            await asyncio.to_thread(shutil.rmtree, admin, True)
+        if not had_worktrees:
+            with contextlib.suppress(OSError):  # not empty: someone else's worktree is there now
+                os.rmdir(worktrees)
     except RecordMismatch:
         pass
     try:
         await host_git(repo.git_dir, ["update-ref", "-d", f"refs/heads/{branch}"], CLEANUP_TIMEOUT_S)
     except (TimeoutError, OSError) as exc:
         log.warning("worktree clean-up: deleting branch %s failed: %s", branch, exc)
+
+
+def _undo_owners() -> tuple[int, ...]:
+    try:
+        return (os.geteuid(), agent_user().uid)
+    except AgentUserMissing:
+        return (os.geteuid(),)
 
 
 # ---------------------------------------------------------------- remove

@@ -25,7 +25,7 @@ from sqlalchemy import select
 
 from daemon.agentctl.sandbox.bubblewrap import SandboxPolicy, find_bwrap
 from daemon.backend.git.workspace_record import WorkspaceRecord, record_local
-from daemon.backend.git.worktree import CheckoutSandbox, create_worktree, locate_repository
+from daemon.backend.git.worktree import CheckoutSandbox, check_shared, create_worktree, locate_repository
 from daemon.config.settings import Config
 from daemon.core.journal import log_event
 from daemon.credentials.scope import workspace_origin_url
@@ -90,7 +90,7 @@ class TaskService:
                 raise IpcError(ErrorCode.INVALID_ARGUMENT, "executor 'worktree' needs --workspace (a git repository)")
             repo = await asyncio.to_thread(locate_repository, workspace)
             # the agent commits into the repository's git directory: its uid must be able to write it
-            await asyncio.to_thread(check_agent_can_write, repo.git_dir, "repository's git directory")
+            await asyncio.to_thread(check_shared, repo)
             return await create_worktree(repo, self.paths.worktrees_dir / task_id, f"kandev/{task_id}",
                                          self._checkout_sandbox())
         if workspace:
