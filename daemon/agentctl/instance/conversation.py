@@ -33,6 +33,7 @@ from acp.exceptions import RequestError
 from acp.schema import ClientCapabilities, Implementation
 
 from daemon.agentctl.handover import PermissionHandover
+from daemon.agentctl.instance import tool_processes
 from daemon.agentctl.instance.events import EventLog, plain
 from daemon.agentctl.protocol import EventKind
 from daemon.core.version import VERSION
@@ -81,9 +82,12 @@ class Turns:
         self.log = log
         self.current: str | None = None
         self.outcomes: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self.started_ticks: int | None = None  # the open turn's start (tool_processes.boot_ticks)
+        self.cancelled: str | None = None  # the turn a cancel was sent for (its leftover tools are ended)
 
     def open(self, turn_id: str, text: str) -> None:
         self.current = turn_id
+        self.started_ticks = tool_processes.boot_ticks()
         self.log.append(EventKind.TURN_STARTED, {"turn_id": turn_id, "text": text})
 
     def end(self, turn_id: str, stop_reason: str, error: str | None, *, retain: bool) -> None:

@@ -60,7 +60,7 @@ from acp.connection import StreamDirection, StreamEvent
 from acp.exceptions import RequestError
 from acp.schema import AllowedOutcome, DeniedOutcome, RequestPermissionResponse
 
-from daemon.agentctl.instance import conversation, stderr_drain
+from daemon.agentctl.instance import conversation, stderr_drain, tool_processes
 from daemon.agentctl.instance import logs as agent_logs
 from daemon.agentctl.instance.conversation import Permissions, Turns, rpc_error_text, rpc_key
 from daemon.agentctl.instance.events import EventLog, Subscription
@@ -397,9 +397,9 @@ class Instance:
         await self.finish_turn(turn_id, conn.prompt(session_id=self.acp_session_id, prompt=[acp.text_block(text)]))
 
     async def finish_turn(self, turn_id: str, answer: Awaitable[Any]) -> None:
-        """Await the agent's answer to the turn's session/prompt and end the turn with it."""
+        """Await the agent's answer to the turn's session/prompt (``tool_processes.answered``), end the turn."""
         try:
-            response = await answer
+            response = await tool_processes.answered(answer, turn_id, self)
         except asyncio.CancelledError:
             raise
         except RequestError as exc:
@@ -423,6 +423,7 @@ class Instance:
         """ACP ``session/cancel``; open permission requests are answered ``cancelled`` (ACP rule)."""
         conn = self._require_running("cancel")
         assert self.acp_session_id is not None
+        self.turns.cancelled = self.current_turn_id
         self.permissions.cancel_all("cancel")
         try:
             await conn.cancel(session_id=self.acp_session_id)
@@ -504,8 +505,7 @@ class Instance:
 
     async def _stderr_settled(self, timeout: float = STDOUT_DRAIN_GRACE) -> None:
         """Give the stderr sink up to ``timeout`` s to write what the agent left in the pipe."""
-        sink = self.stderr_sink
-        if sink is not None and not sink.eof:
+        if (sink := self.stderr_sink) is not None and not sink.eof:
             await asyncio.to_thread(sink.drained, timeout)
 
     def stderr_tail(self, limit: int = STDERR_TAIL_BYTES) -> str:
@@ -569,7 +569,7 @@ class Instance:
         self.permissions.cancel_all("stop")
         if self.prompt_task is not None and not self.prompt_task.done():
             self.prompt_task.cancel()
-        ended_by = await self.group.kill_group()
+        ended_by = await tool_processes.kill_group_and_tools(self.group)
         if self.conn is not None:
             with contextlib.suppress(Exception):
                 await within(self.conn.close(), 2.0)

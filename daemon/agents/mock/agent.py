@@ -27,10 +27,11 @@ Prompt scripts (on the text of the prompt)::
                  agent's own environment); one chunk "git-credential: ok repository=H/O/N
                  lease-sha256=D" (first 12 hex of the lease token's SHA-256, never the
                  token) or "git-credential: failed: <reason>"
-    /sh CMD      runs ``sh -c CMD`` as a child of the agent in the session's cwd (the way an
-                 agent's terminal tool does); one chunk "sh: exit=<code>" followed by a
-                 newline and the first 4 KiB of its combined stdout and stderr; a cancel
-                 ends the command (SIGTERM, then SIGKILL)
+    /sh CMD      runs ``sh -c CMD`` as a child of the agent in the session's cwd, in a
+                 process group of its own (the way an agent's terminal tool does); one chunk
+                 "sh: exit=<code>" followed by a newline and the first 4 KiB of its combined
+                 stdout and stderr; a cancel ends the command's whole process group
+                 (SIGTERM, then SIGKILL), what it put in the background included
     /silent N    says nothing at all for N seconds (a provider that does not answer), then one
                  chunk "silent: N s"; a cancel ends it at once, with no chunk
     /stderr N    writes N bytes (lines of "x") to the agent's own stderr, then one chunk
@@ -72,8 +73,6 @@ import signal
 import sys
 import uuid
 from typing import Any
-
-import psutil
 
 from daemon.agents.mock.acp_wire import (
     PROTOCOL_VERSION,
@@ -417,6 +416,10 @@ async def _git(cwd: str, env: dict[str, str], *args: str, stdin: str = "") -> tu
 
 
 SH_OUTPUT_LIMIT = 4096
+SH_KILL_GRACE = 2.0
+"""Seconds a cancelled /sh command's group has to end after SIGTERM (then SIGKILL), and after SIGKILL."""
+SH_READ_GRACE = 0.2
+"""Seconds the output is still read once the group is gone."""
 
 
 def _write_stderr(total: int) -> None:
@@ -429,11 +432,14 @@ def _write_stderr(total: int) -> None:
 
 
 async def _shell(command: str, cwd: str, cancel: asyncio.Event) -> tuple[str, bool]:
-    """``sh -c command`` in ``cwd``: ``("sh: exit=<code>\n<first 4 KiB of stdout+stderr>", cancelled)``.
-    The rest of the output is read and dropped, so the command never blocks on a full pipe."""
+    """``sh -c command`` in ``cwd``, in a process group of its own (as a shell's job control or a
+    terminal tool starts each command): ``("sh: exit=<code>\n<first 4 KiB of stdout+stderr>",
+    cancelled)``. The rest of the output is read and dropped, so the command never blocks on a full
+    pipe. A cancel ends the whole group (SIGTERM, then SIGKILL), what ``sh`` put in the background
+    included; a process that left the group (``setsid``) is the control server's to end."""
     proc = await asyncio.create_subprocess_exec(
         "sh", "-c", command, cwd=cwd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
+        stderr=asyncio.subprocess.STDOUT, start_new_session=True,
     )
     assert proc.stdout is not None
     kept = bytearray()
@@ -450,34 +456,47 @@ async def _shell(command: str, cwd: str, cancel: asyncio.Event) -> tuple[str, bo
     try:
         await asyncio.wait([reader, cancelled], return_when=asyncio.FIRST_COMPLETED)
         if not reader.done():
-            # sh and everything it started (they share the agent's process group, so the agent's
-            # own stop still reaches them): SIGTERM, then SIGKILL what is left.
             for sig in (signal.SIGTERM, signal.SIGKILL):
-                _signal_tree(proc.pid, sig)
+                _signal_group(proc.pid, sig)
                 with contextlib.suppress(TimeoutError):
-                    await within(asyncio.shield(reader), 2.0)
-                if reader.done():
+                    await within(_group_gone(proc.pid), SH_KILL_GRACE)
+                if not _group_exists(proc.pid):
                     break
+            # The group is gone: whatever still holds the pipe left it (setsid); stop reading.
+            with contextlib.suppress(TimeoutError):
+                await within(asyncio.shield(reader), SH_READ_GRACE)
             if not reader.done():
-                reader.cancel()  # something escaped and holds the pipe: stop reading it
+                reader.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await reader
+                with contextlib.suppress(TimeoutError):
+                    await within(proc.wait(), SH_KILL_GRACE)
     finally:
         cancelled.cancel()
     output = kept.decode("utf-8", errors="replace")
     return f"sh: exit={proc.returncode}\n{output}", cancel.is_set()
 
 
-def _signal_tree(pid: int, sig: int) -> None:
-    """Signal ``pid`` and all its descendants (children first found, then the parent)."""
+def _signal_group(pgid: int, sig: int) -> None:
+    """Signal the command's process group (its id is sh's pid: no other group takes it while one
+    of its members lives, even once sh itself is gone)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _group_exists(pgid: int) -> bool:
     try:
-        parent = psutil.Process(pid)
-        family = [*parent.children(recursive=True), parent]
-    except psutil.Error:
-        return
-    for p in family:
-        with contextlib.suppress(psutil.Error):
-            p.send_signal(sig)
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+async def _group_gone(pgid: int) -> None:
+    while _group_exists(pgid):
+        await asyncio.sleep(0.05)
 
 
 def _first_line(text: str) -> str:
