@@ -293,8 +293,8 @@ def _build_parser() -> argparse.ArgumentParser:
     sh.add_argument("--limit", type=_page_size, metavar="N", help="with --after-seq: at most N entries (default 10000)")
     sl = session.add("list", "sessions, newest first (finished ones with --all; --json: every session)")
     sl.add_argument("--all", action="store_true", help="also COMPLETED and CANCELLED sessions")
-    sst = session.add("stop", "end the session's agent (gracefully, then its whole process group); the session"
-                      " stays readable and kandev resume gives it an agent again")
+    sst = session.add("stop", "end the session's agent at once, a running turn too (gracefully, then its whole"
+                      " process group); the session stays readable and kandev resume gives it an agent again")
     sst.add_argument("session_id", metavar="SESSION", help="the session's id (any unique prefix of 4+ characters)")
     sc = session.add("configure", "set the agent's model, mode and options (applied through the agent)")
     sc.add_argument("session_id", metavar="SESSION", help="the session's id (any unique prefix of 4+ characters)")

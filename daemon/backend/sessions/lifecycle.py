@@ -1,12 +1,15 @@
 """Finishing things: ``session_stop`` and ``session_logs`` (``api.LIFECYCLE_OPS``; ``task_done`` and
 ``task_reopen`` are ``daemon.backend.tasks.tasks``).
 
-``session_stop`` (``kandev session stop SESSION``) ends an idle session's agent: this backend stops
-tracking it first (so the agent's exit is not read as a failure), then its control server stops
-it (SIGTERM, a grace period, then SIGKILL to its whole process group, its sandbox included). The
-session stays as it was, WAITING_FOR_INPUT with its transcript and resume token: ``kandev resume``
-gives it an agent again. A running turn is refused (``kandev cancel`` ends it first), as is a
-session without an agent.
+``session_stop`` (``kandev session stop SESSION``) ends a session's agent, at once: this backend
+stops tracking it first (so the agent's exit is not read as a failure), then its control server
+stops it (SIGTERM, a grace period, then SIGKILL to its whole process group, its sandbox included,
+every tool process in it). A RUNNING session's turn ends with it, with stop reason ``stopped``, and
+the transcript says so (a ``session_stopped`` entry). No ``session/cancel`` goes first: the agent's
+SIGTERM and grace period are its chance to wind down, and a cancel would let its tools go (an
+unsandboxed agent's orphans then belong to the host's init, where the stop cannot find them). The
+session then waits for input with its transcript and resume token: ``kandev resume`` gives it an
+agent again. A session without an agent, or one still starting, is refused.
 
 ``session_logs`` (``kandev logs SESSION``) reads the standard error file the control server keeps
 for the session's current (or last) agent, ``<home>/logs/agents/<instance id>.stderr.log``: its
@@ -24,6 +27,7 @@ not re-track.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 from collections.abc import Awaitable, Callable
@@ -36,9 +40,10 @@ from sqlalchemy import select
 from daemon.backend.recovery.repair import repair_interrupted
 from daemon.backend.sessions.sessions import get_session
 from daemon.core.journal import log_event
+from daemon.store import transcript, transitions
 from daemon.store.db import Store
-from daemon.store.models import ExecutorRunning
-from daemon.store.states import InventoryStatus, SessionState
+from daemon.store.models import ExecutorRunning, Task, Turn
+from daemon.store.states import InventoryStatus, SessionState, TaskState, TurnState
 from ipc.errors import ErrorCode, IpcError
 from ipc.server import ConnectionContext
 
@@ -47,6 +52,8 @@ if TYPE_CHECKING:
 
 Handler = Callable[[ConnectionContext, dict[str, Any]], Awaitable[Any]]
 
+STOPPED = "stopped"
+"""The stop reason of a turn ``session stop`` ended."""
 LOG_READ_BYTES = 256 * 1024  # at most this much of an agent's stderr per answer
 DEFAULT_TAIL_LINES = 50
 _INSTANCE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -59,14 +66,15 @@ async def stop_session(backend: Backend, session_id: str) -> dict[str, Any]:
     ex = backend.executions.executions.get(session_id)
     if ex is None:
         raise IpcError(ErrorCode.CONFLICT, f"session {session_id} has no agent to stop (state {state})")
-    if state != SessionState.WAITING_FOR_INPUT:
-        raise IpcError(ErrorCode.CONFLICT, f"session {session_id} is {state}: a turn is in progress"
-                       f" (kandev cancel {session_id[:8]} ends it; then stop it)")
+    if state not in (SessionState.WAITING_FOR_INPUT, SessionState.RUNNING):
+        raise IpcError(ErrorCode.CONFLICT, f"session {session_id} is {state}: its agent is not started yet;"
+                       " retry once it is")
     client = backend.servers.client_for(ex)
     if client is None:
         raise IpcError(ErrorCode.UNAVAILABLE, f"session {session_id}'s control server is not reachable;"
                        " retry shortly", True)
-    # Untracked first: the agent's exit that follows is ours, not a failure of the session.
+    # Untracked first: the agent's exit that follows is ours, not a failure of the session, and
+    # nothing the agent says of its turn from now on reaches the store.
     await backend.executions.drop(lambda e: e.session_id == session_id, "session_stopped")
     try:
         await client.stop_instance(ex.instance_id)
@@ -77,10 +85,40 @@ async def stop_session(backend: Backend, session_id: str) -> dict[str, Any]:
         row = db.get(ExecutorRunning, session_id)
         if row is not None:
             row.status = InventoryStatus.STALE  # the resume token is kept
-    log_event("session_agent_stopped", f"session {session_id}: agent stopped (kandev session stop)",
+        stopped = _end_running_turn(db, session_id, task_id)  # also one that began since the check above
+        state = get_session(db, session_id).state
+    log_event("session_agent_stopped", f"session {session_id}: agent stopped (kandev session stop)"
+              + (f"; turn {stopped[0]} stopped with it" if stopped else ""),
               SESSION_ID=session_id, TASK_ID=task_id, INSTANCE_ID=ex.instance_id, AGENT_PID=ex.agent.pid)
-    return {"session_id": session_id, "task_id": task_id, "instance_id": ex.instance_id,
-            "agent_pid": ex.agent.pid, "state": str(state)}
+    result: dict[str, Any] = {"session_id": session_id, "task_id": task_id, "instance_id": ex.instance_id,
+                              "agent_pid": ex.agent.pid, "state": str(state)}
+    if stopped:
+        result["stopped_turn_id"] = stopped[0]
+    return result
+
+
+def _end_running_turn(db: Any, session_id: str, task_id: str) -> list[str]:
+    """The open turn of a session whose agent ``session stop`` just stopped: ended ``stopped``, said
+    in the transcript; the session waits for input, its task goes to review. Returns the turn ids."""
+    now = datetime.now(UTC)
+    ended = []
+    for turn in db.scalars(select(Turn).where(Turn.session_id == session_id, Turn.state == TurnState.OPEN)):
+        turn.state = TurnState.FINISHED
+        turn.stop_reason = STOPPED
+        turn.ended_at = now
+        ended.append(turn.id)
+    if ended:
+        transcript.append(db, session_id, role="system", kind="session_stopped", turn_id=ended[0],
+                          text=f"Stopped by kandev session stop while turn {ended[0]} was running: the turn and the"
+                               f" agent were stopped. kandev resume {session_id} gives the session an agent again.",
+                          created_at=now)
+    with contextlib.suppress(transitions.TransitionConflict):
+        transitions.transition_session(db, session_id, SessionState.WAITING_FOR_INPUT,
+                                       expected_from={SessionState.RUNNING}, reason="stopped (kandev session stop)")
+        task = db.get(Task, task_id)
+        if task is not None and task.state != TaskState.DONE:
+            transitions.set_task_state(db, task_id, TaskState.REVIEW)
+    return ended
 
 
 def _read_log(path: Path, tail: int, offset: int | None) -> tuple[str, int, int]:

@@ -47,6 +47,8 @@ def turn_end_line(term: Term, outcome: dict[str, Any]) -> str:
         return term.green(f"[turn ended: {reason}]")
     if reason == "cancelled":
         return term.yellow("[turn cancelled]")
+    if reason == "stopped":  # kandev session stop ended it with the agent
+        return term.yellow("[turn stopped]")
     verb = "failed" if state == TurnState.ABANDONED or error else "ended"
     text = f"[turn {verb}: {reason or state or 'unknown'}]"
     if error:

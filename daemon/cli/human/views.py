@@ -411,8 +411,9 @@ def cancel_lines(session: str) -> list[str]:
 def session_stop_lines(result: dict[str, Any], term: Term) -> list[str]:
     sid = short(result.get("session_id"))
     pid = result.get("agent_pid")
+    turn = result.get("stopped_turn_id")
     return [f"Stopped the agent of session {sid}" + (f" (pid {pid}, its whole process group)" if pid else "")
-            + f"; the session stays readable (kandev session show {sid}) and kandev resume {sid} gives it an"
+            + (f" and its running turn {turn}" if turn else "") + f"; the session stays readable (kandev session show {sid}) and kandev resume {sid} gives it an"
             " agent again."]
 
 
