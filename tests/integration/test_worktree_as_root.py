@@ -1,4 +1,4 @@
-"""Worktrees as root (Issue 45 item 4, scenario D): kandev running as root, its agents as
+"""Worktrees as root (Issue 45 item 4; Issue 45 scenario D): kandev running as root, its agents as
 ``kandev-agent``, on a repository that root owns.
 
 - shared with every uid (``chmod -R a+rwX``, as shared build checkouts are): ``task create
