@@ -19,7 +19,8 @@ from daemon.backend.git.workspace_record import (
     launch_view,
     repository_view,
 )
-from daemon.backend.git.worktree import locate_repository, remove_recorded
+from daemon.backend.git.worktree import Repository, give_worktree, locate_repository, remove_recorded
+from daemon.host.agent_user import agent_user
 from ipc.errors import IpcError
 
 
@@ -136,3 +137,28 @@ def test_locate_repository_takes_a_real_git_directory_only(tmp_path: Path) -> No
         locate_repository(str(tmp_path / "linked" / ".."))  # tmp_path itself
     with pytest.raises(IpcError, match="absolute"):
         locate_repository("relative/repo")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="agents keep our own uid when kandev is not root: nothing is given")
+@pytest.mark.parametrize("planted", ["refs/heads", "refs/heads/kandev"])
+def test_give_worktree_never_follows_a_symlink_in_the_repository(tmp_path: Path, planted: str) -> None:
+    """Issue 45 item 4: what kandev gives the agents' uid in a repository is reached one component
+    at a time from the git directory; a symlink planted where git made a directory (at the branch's
+    ref directory or above it) fails the creation and nothing it names changes owner (the repository
+    given to the agents' uid, where a symlinked ``refs/heads`` was once followed)."""
+    repo = _repo(tmp_path / "repo")
+    git_dir = repo / ".git"
+    (git_dir / "worktrees" / "t1").mkdir(parents=True)
+    outside = tmp_path / "outside"
+    (outside / "kandev").mkdir(parents=True)
+    (outside / "kandev" / "t1").write_text("x")
+    link = git_dir / planted
+    if link.exists():
+        os.rename(link, tmp_path / "moved")
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(outside if planted == "refs/heads" else outside / "kandev")
+    target = tmp_path / "home" / "worktrees" / "t1"
+    target.mkdir(parents=True)
+    with pytest.raises(RecordMismatch, match="is not a directory"):
+        give_worktree(Repository(str(repo), str(git_dir), agent_user().uid), target, "kandev/t1")
+    assert {os.lstat(p).st_uid for p in (outside, outside / "kandev", outside / "kandev" / "t1")} == {0}
