@@ -478,7 +478,7 @@ def _tools(r: _Report, path: str | None, probes: DoctorProbes) -> None:
             r.add(tool, True, f"{exe} {probes.version(exe) or '(version unknown)'}")
 
 
-SANDBOX_HINT = ("apt-get install bubblewrap; allow unprivileged user namespaces (sysctl"
+SANDBOX_HINT = ("apt-get install bubblewrap python3-seccomp; allow unprivileged user namespaces (sysctl"
                 " user.max_user_namespaces > 0); under systemd keep the units' RestrictNamespaces=user mnt pid"
                 " and SystemCallFilter=@mount; or set agents.sandbox = \"off\" to run agents unsandboxed")
 
@@ -493,16 +493,16 @@ def _sandbox(r: _Report, config: Config | None, status: dict[str, Any] | None, p
     reported = (status or {}).get("sandbox")
     if isinstance(reported, dict) and reported.get("available") is not None:
         if reported.get("sandboxed"):
-            r.add("sandbox", True, f"agents are sandboxed (bubblewrap {reported.get('version') or '?'}), as the"
-                  " running control server reports")
+            r.add("sandbox", True, f"agents are sandboxed (bubblewrap {reported.get('version') or '?'}, system-call"
+                  f" filter {reported.get('seccomp') or '?'}), as the running control server reports")
         else:
             r.add("sandbox", False, f"agents cannot be sandboxed: {reported.get('reason')}", SANDBOX_HINT)
         return
     support = probes.sandbox_probe({**env, "PATH": path or env.get("PATH", "")})
     where = "probed by this command, not inside the units (no backend answered)"
     if support.available:
-        r.add("sandbox", True, f"agents can be sandboxed (bubblewrap {support.version or '?'} at {support.bwrap};"
-              f" {where})")
+        r.add("sandbox", True, f"agents can be sandboxed (bubblewrap {support.version or '?'} at {support.bwrap},"
+              f" system-call filter {support.seccomp or '?'}; {where})")
     else:
         r.add("sandbox", False, f"agents cannot be sandboxed: {support.reason} ({where}); agents.sandbox ="
               ' "required": every agent start fails with sandbox_unavailable', SANDBOX_HINT)

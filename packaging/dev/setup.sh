@@ -19,7 +19,8 @@ die() { printf 'setup: ERROR: %s\n' "$*"; exit 1; }
 APT_PKGS=(python3 python3-venv python3-dev gcc pkg-config libsystemd-dev systemd-container
           util-linux iproute2)
 # every agent runs in a bubblewrap sandbox (daemon/agentctl/sandbox/bubblewrap.py; the package depends on it)
-APT_PKGS+=(bubblewrap)
+# under a system-call filter built with libseccomp's own Python bindings (sandbox/seccomp_filter.py)
+APT_PKGS+=(bubblewrap python3-seccomp)
 # the store tests also run against a throwaway PostgreSQL server (tests/support/postgres.py)
 APT_PKGS+=(postgresql)
 # tests/systemd/test_package*.py build the .deb (dpkg-buildpackage, lintian) and install it inside a
@@ -158,6 +159,16 @@ else
   installed_ok || die "kandev installed, but its packages do not resolve to $REPO from outside the checkout"
   printf '%s\n' "$STAMP" > "$STAMP_FILE"
 fi
+
+# libseccomp's Python bindings are not on PyPI: the venv (of Debian's python3, see above) sees Debian's
+# python3-seccomp module through a link, and nothing else of dist-packages. The package's own prefix
+# has dist-packages on its path (debian/rules).
+SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
+for so in /usr/lib/python3/dist-packages/seccomp.cpython-*.so; do
+  [ -e "$so" ] && ln -sfn "$so" "$SITE/"
+done
+"$VENV/bin/python" -c 'import seccomp' 2>/dev/null ||
+  log "WARNING: the venv cannot import seccomp (python3-seccomp for $("$VENV/bin/python" -V)): agents cannot be sandboxed"
 
 # Every daemon, CLI call and agent that the tests, the benchmarks and the demo start imports kandev's
 # code: compile it once, as an installed package is (the .deb's postinst). With PYTHONDONTWRITEBYTECODE

@@ -306,8 +306,10 @@ def test_sandbox_check_says_whether_agents_are_sandboxed_and_why_not(home: Paths
     """Issue 10 scenario B: doctor says why agents cannot be sandboxed, from what the running control
     server reports through the backend, else from its own probe (which gets the backend's PATH)."""
     ok = by_name(run_doctor(home, env={}, probes=probes(backend_status=_status_with_sandbox(
-        policy="required", available=True, sandboxed=True, version="0.8.0", reason=None))))["sandbox"]
-    assert ok.ok and "sandboxed (bubblewrap 0.8.0)" in ok.detail
+        policy="required", available=True, sandboxed=True, version="0.8.0", reason=None,
+        seccomp="kandev-seccomp/1 sha256:0123456789ab"))))["sandbox"]
+    # Issue 44 item 6: and under which system-call filter
+    assert ok.ok and "sandboxed (bubblewrap 0.8.0, system-call filter kandev-seccomp/1 sha256:0123456789ab)" in ok.detail
 
     reason = "bwrap (bubblewrap) is not on the PATH (/nowhere)"
     bad = by_name(run_doctor(home, env={}, probes=probes(backend_status=_status_with_sandbox(

@@ -35,6 +35,9 @@ clears every capability (bounding set included) and sets no-new-privileges befor
 Only bwrap's reaper (pid 1 inside) keeps host uid 0; nothing inside can signal, trace or read it.
 Each agent has its own IPC namespace (``--unshare-ipc``: no SysV shared memory, semaphores or
 message queues shared with another sandbox) and bwrap's ``/proc`` keeps ``/proc/sys`` read-only.
+Every sandbox also gets the agents' system-call filter (``--seccomp``, built by
+``daemon.agentctl.sandbox.seccomp_filter``): no namespace of its own, no io_uring, no keyring, no
+``bpf``, no mount; bwrap loads it just before it executes the command.
 
 The process cap (``agents.max_processes``) is the agent's ``RLIMIT_NPROC``, set on bwrap and
 inherited: the kernel counts it per user namespace and uid, so it bounds the processes of one
@@ -69,6 +72,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from daemon.agentctl.sandbox import seccomp_filter
 from daemon.agentctl.sandbox.userns import make_userns
 from daemon.host.agent_user import AgentUser, AgentUserMissing, agent_user
 from ipc.errors import ErrorCode, IpcError
@@ -175,6 +179,8 @@ class SandboxSupport:
     bwrap: str | None = None
     version: str | None = None
     mechanism: str = "bubblewrap"
+    seccomp: str | None = None
+    """The agents' system-call filter (``seccomp_filter.describe``; None: it cannot be built)."""
     ipc_namespace: bool = True
     """Whether each agent gets its own IPC namespace. False only where this process may not make
     one (a control server reloaded in place under an older unit whose ``RestrictNamespaces=`` has
@@ -182,7 +188,8 @@ class SandboxSupport:
 
     def to_wire(self) -> dict[str, Any]:
         return {"available": self.available, "reason": self.reason, "mechanism": self.mechanism,
-                "bwrap": self.bwrap, "version": self.version, "ipc_namespace": self.ipc_namespace}
+                "bwrap": self.bwrap, "version": self.version, "seccomp": self.seccomp,
+                "ipc_namespace": self.ipc_namespace}
 
 
 def find_bwrap(env: Mapping[str, str] | None = None) -> str | None:
@@ -213,12 +220,16 @@ def probe(env: Mapping[str, str] | None = None) -> SandboxSupport:
         return SandboxSupport(False, f"{bwrap} --version failed: {exc}", bwrap)
     env_tool = shutil.which("env", path="/usr/bin:/bin") or "/usr/bin/env"
     try:
+        seccomp = seccomp_filter.describe()
+    except seccomp_filter.SeccompUnavailable as exc:
+        return SandboxSupport(False, str(exc), bwrap, version)
+    try:
         user = agent_user()
     except AgentUserMissing as exc:
         return SandboxSupport(False, str(exc), bwrap, version)
     view = SandboxView(bwrap=bwrap, uid=user.uid, gid=user.gid, binds=system_binds(), cwd="/", env_tool=env_tool,
                        links=system_links(), own_userns=user.dedicated)
-    support = _trial(view, user, bwrap, version)
+    support = dataclasses.replace(_trial(view, user, bwrap, version), seccomp=seccomp)
     if support.available:
         return support
     # A server reloaded in place keeps the namespace restrictions its unit had when it started: an
@@ -228,7 +239,7 @@ def probe(env: Mapping[str, str] | None = None) -> SandboxSupport:
     if not without_ipc.available:
         return support
     return dataclasses.replace(
-        without_ipc, ipc_namespace=False,
+        without_ipc, ipc_namespace=False, seccomp=seccomp,
         reason="agents get no IPC namespace of their own (SysV IPC is shared between sandboxes): this process"
                " may not create one, e.g. a control server reloaded in place under an older unit without"
                " RestrictNamespaces=ipc; restart kandev-agentctl once its agents are done")
@@ -240,14 +251,15 @@ def _trial(view: SandboxView, user: AgentUser, bwrap: str, version: str | None) 
         userns = make_userns(user) if user.dedicated else None
     except OSError as exc:
         return SandboxSupport(False, f"cannot make a user namespace for {user.name}: {exc}", bwrap, version)
-    argv = build_argv(view, ["true"], userns)
+    fds = (*(userns or ()), seccomp_filter.program_fd())
+    argv = build_argv(view, ["true"], userns, seccomp=fds[-1])
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                start_new_session=True, preexec_fn=ignore_sigterm, pass_fds=userns or ())
+                                start_new_session=True, preexec_fn=ignore_sigterm, pass_fds=fds)
     except OSError as exc:
         return SandboxSupport(False, f"cannot run {bwrap}: {exc.strerror or exc}", bwrap, version)
     finally:
-        for fd in userns or ():
+        for fd in fds:
             os.close(fd)
     try:
         _, err = proc.communicate(timeout=PROBE_TIMEOUT_S)
@@ -462,9 +474,12 @@ def _depth(path: str) -> int:
     return 0 if path == "/" else path.rstrip("/").count("/")
 
 
-def build_argv(view: SandboxView, command: Sequence[str], userns: tuple[int, int] | None = None) -> list[str]:
+def build_argv(view: SandboxView, command: Sequence[str], userns: tuple[int, int] | None = None, *,
+               seccomp: int | None = None) -> list[str]:
     """The ``bwrap`` command line that runs ``command`` in ``view`` (pure; see the module docstring);
-    ``userns``: the namespaces ``make_userns`` made, for a view with ``own_userns``.
+    ``userns``: the namespaces ``make_userns`` made, for a view with ``own_userns``; ``seccomp``: the
+    descriptor of the agents' system-call filter (``seccomp_filter.program_fd``), which bwrap loads
+    just before it executes the command.
 
     Mount operations run in order of path depth, so a bind inside another one and a mask inside a
     bind both come after it; at the same path a mask comes after the bind (the mask wins). A hidden
@@ -488,6 +503,8 @@ def build_argv(view: SandboxView, command: Sequence[str], userns: tuple[int, int
         become = []
     # The process cap, set inside: the kernel then counts it in this sandbox's user namespace only.
     cap = [PRLIMIT, f"--nproc={view.max_processes}:{view.max_processes}", "--"]
+    if seccomp is not None:
+        argv += ["--seccomp", str(seccomp)]
     for target, path in view.links:
         argv += ["--symlink", target, path]
     ops: list[tuple[int, int, str, list[str]]] = []  # (depth, order at equal depth, path, args)
@@ -534,7 +551,8 @@ def build_argv(view: SandboxView, command: Sequence[str], userns: tuple[int, int
 
 @dataclass(frozen=True)
 class Launch:
-    """A sandboxed agent's argv and the descriptors its bwrap must inherit (the user namespace)."""
+    """A sandboxed agent's argv and the descriptors its bwrap must inherit (the user namespaces,
+    the system-call filter)."""
 
     argv: list[str]
     fds: tuple[int, ...] = ()
@@ -550,18 +568,21 @@ def wrap_command(
     env: Mapping[str, str] | None = None,
     own_ipc: bool = True,
 ) -> Launch:
-    """``build_argv(host_view(...), command)`` with the user namespace it needs (the caller passes
-    ``fds`` to bwrap and closes them). Blocking: call it off the event loop. ``own_ipc``: the
-    probe's ``SandboxSupport.ipc_namespace``."""
+    """``build_argv(host_view(...), command)`` with the user namespaces it needs and the agents'
+    system-call filter (the caller passes ``fds`` to bwrap and closes them). Blocking: call it off
+    the event loop. ``own_ipc``: the probe's ``SandboxSupport.ipc_namespace``."""
     hidden_ok(request, cwd, extra_hidden)
     view = host_view(request, cwd, bwrap=bwrap, extra_hidden=extra_hidden, env=env)
     if not own_ipc:
         view = dataclasses.replace(view, own_ipc=False)
-    if not view.own_userns:
-        return Launch(build_argv(view, command))
-    fds = make_userns(AgentUser(view.uid, view.gid, "", True))
     try:
-        return Launch(build_argv(view, command, fds), fds)
+        fds: tuple[int, ...] = (seccomp_filter.program_fd(),)
+    except seccomp_filter.SeccompUnavailable as exc:
+        raise unavailable(str(exc)) from None
+    try:
+        userns = make_userns(AgentUser(view.uid, view.gid, "", True)) if view.own_userns else None
+        fds += userns or ()
+        return Launch(build_argv(view, command, userns, seccomp=fds[0]), fds)
     except BaseException:
         for fd in fds:
             os.close(fd)

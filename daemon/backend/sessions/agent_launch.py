@@ -193,13 +193,13 @@ async def sandbox_status(backend: Backend) -> dict[str, Any]:
     (as the control server in use reports it) and why not."""
     policy = backend.config.agents.sandbox
     out: dict[str, Any] = {"policy": policy, "sandboxed": False, "available": None, "reason": None,
-                           "mechanism": "bubblewrap", "version": None}
+                           "mechanism": "bubblewrap", "version": None, "seccomp": None}
     client = backend.client
     if client is not None and client.usable:
         try:
             support = await client.call("sandbox_status", {}, timeout=STATUS_TIMEOUT_S)
             out.update(available=bool(support.get("available")), reason=support.get("reason"),
-                       version=support.get("version"))
+                       version=support.get("version"), seccomp=support.get("seccomp"))
         except IpcError as exc:
             if exc.code == ErrorCode.UNKNOWN_OP:
                 out["available"] = False  # it cannot: a launch there is refused (AgentctlClient.check_sandbox)
