@@ -24,7 +24,10 @@ from daemon.agentctl.sandbox.bubblewrap import Bind, BindMode, SandboxView, buil
 X86_64 = platform.machine() == "x86_64"
 X32_BIT = 0x40000000
 
-# Runs in the child: load the program read from the descriptor argv[2] names, then try each call; prints name -> errno (0: it worked).
+# Runs in the child: load the program read from the descriptor argv[2] names, then try each call; prints
+# name -> errno (0: it worked). The test runs as root: every call is made so that, should the filter
+# let it through, it changes nothing outside the child (a bad argument, a path that does not exist, a
+# namespace of the child's own), and the kernel's answer then differs from the filter's.
 CHILD = r"""
 import ctypes, errno, json, os, socket, subprocess, sys, threading
 libc = ctypes.CDLL(None, use_errno=True)
@@ -44,17 +47,17 @@ out = {
     "unshare_user": call(nrs["unshare"], 0x10000000),
     "unshare_net": call(nrs["unshare"], 0x40000000),
     "unshare_files": call(nrs["unshare"], 0x400),  # CLONE_FILES: no namespace, allowed
-    "clone_newuser": call(nrs["clone"], 0x10000000 | 17, 0, 0, 0, 0),
-    "clone3": call(nrs["clone3"], buf, 88),
+    "clone_newuser": call(nrs["clone"], 0x10000000 | 0x200, 0, 0, 0, 0),  # with CLONE_FS: EINVAL unfiltered
+    "clone3": call(nrs["clone3"], buf, 0),  # a size too small: EINVAL unfiltered
     "io_uring_setup": call(nrs["io_uring_setup"], 8, buf),
-    "add_key": call(nrs["add_key"], b"user", b"k", b"v", 1, -3),
+    "add_key": call(nrs["add_key"], b"kandev-no-such-key-type", b"k", b"v", 1, -3),
     "keyctl": call(nrs["keyctl"], 0, -3, 0),
     "bpf": call(nrs["bpf"], 0, buf, 64),
     "setns": call(nrs["setns"], 0, 0),
-    "mount": call(nrs["mount"], b"none", b"/", b"tmpfs", 0, 0),
+    "mount": call(nrs["mount"], b"none", b"/nonexistent/kandev-seccomp-test", b"tmpfs", 0, 0),
 }
 if "x32_add_key" in nrs:
-    out["x32_add_key"] = call(nrs["x32_add_key"], b"user", b"k", b"v", 1, -3)
+    out["x32_add_key"] = call(nrs["x32_add_key"], b"kandev-no-such-key-type", b"k", b"v", 1, -3)
 try:
     socket.socket(40, socket.SOCK_STREAM).close()  # AF_VSOCK
     out["vsock"] = 0
