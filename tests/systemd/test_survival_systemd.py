@@ -173,6 +173,10 @@ def test_scenario_d_survives_kill_and_restart_then_stop_control_server(booted: S
         gh["agent_pid"], gh["agent_pid_start_time"])
     assert cli("status")["sandbox"]["sandboxed"] is True
     attack(box, cli, gh_sid, sid)
+    # Issue 44 scenario E under the units: the agents' system-call filter loads below the units' own
+    assert cli("status")["sandbox"]["seccomp"].startswith("kandev-seccomp/")
+    held = cli.says(gh_sid, "/sh grep '^Seccomp:' /proc/self/status; unshare -Ur true 2>/dev/null || echo refused")
+    assert held.split("\n")[1:3] == ["Seccomp:\t2", "refused"], held
 
     # 3. systemctl stop of the control server stops every agent (KillMode=control-group).
     box.systemctl("stop", "kandev-agentctl.service")
