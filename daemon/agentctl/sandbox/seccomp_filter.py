@@ -111,7 +111,7 @@ def _bindings() -> Any:
     return seccomp
 
 
-def _add(flt: Any, sc: Any, action: Any, name: str, *args: Any) -> None:
+def _add(flt: Any, action: Any, name: str, *args: Any) -> None:
     try:
         flt.add_rule(action, name, *args)
     except ValueError:
@@ -127,31 +127,29 @@ def build() -> AgentFilter:
     sc = _bindings()
     try:
         flt = sc.SyscallFilter(sc.ALLOW)
+        flt.set_attr(sc.Attr.ACT_BADARCH, sc.KILL_PROCESS)  # a system call of an ABI not listed below
         for arch in COMPAT_ARCHES.get(platform.machine(), ()):
             flt.add_arch(getattr(sc.Arch, arch))
         refuse = sc.ERRNO(errno.EPERM)
         for name in REFUSED:
-            _add(flt, sc, refuse, name)
-        _add(flt, sc, sc.ERRNO(errno.ENOSYS), "clone3")
+            _add(flt, refuse, name)
+        _add(flt, sc.ERRNO(errno.ENOSYS), "clone3")
         for flag in CLONE_NEW.values():
-            _add(flt, sc, refuse, "clone", _masked(sc, flag))
+            _add(flt, refuse, "clone", _masked(sc, flag))
         for flag in (*CLONE_NEW.values(), CLONE_NEWTIME):
-            _add(flt, sc, refuse, "unshare", _masked(sc, flag))
+            _add(flt, refuse, "unshare", _masked(sc, flag))
         for request in TERMINAL_INPUT_IOCTLS:  # the request is an int: compare its low 32 bits only
-            _add(flt, sc, refuse, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, request))
+            _add(flt, refuse, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, request))
         no_family = sc.ERRNO(errno.EAFNOSUPPORT)
         allowed = sorted(SOCKET_FAMILIES)
         for family in range(allowed[-1]):
             if family not in allowed:
-                _add(flt, sc, no_family, "socket", sc.Arg(0, sc.EQ, family))
-        _add(flt, sc, no_family, "socket", sc.Arg(0, sc.GT, allowed[-1]))
-        read, write = os.pipe()
-        try:
-            with os.fdopen(write, "wb") as out:  # a program is a few KiB, far below a pipe's buffer
-                flt.export_bpf(out)
-            program = b"".join(iter(lambda: os.read(read, 65536), b""))
-        finally:
-            os.close(read)
+                _add(flt, no_family, "socket", sc.Arg(0, sc.EQ, family))
+        _add(flt, no_family, "socket", sc.Arg(0, sc.GT, allowed[-1]))
+        with os.fdopen(os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC), "w+b") as out:
+            flt.export_bpf(out)
+            out.seek(0)
+            program = out.read()
     except (OSError, RuntimeError, ValueError) as exc:
         raise SeccompUnavailable(f"libseccomp could not build the agents' system-call filter: {exc}") from None
     if not program or len(program) % 8:
