@@ -127,3 +127,36 @@ def test_a_host_without_the_bindings_gets_a_reason_and_the_fix(monkeypatch: pyte
     monkeypatch.setitem(sys.modules, "seccomp", None)  # import seccomp then raises ImportError
     with pytest.raises(seccomp_filter.SeccompUnavailable, match="python3-seccomp"):
         seccomp_filter.build()
+
+
+UNDER_A_UNIT = r"""
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+program = os.read(int(sys.argv[1]), 1 << 20)
+class Prog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+assert libc.prctl(38, 1, 0, 0, 0) == 0
+assert libc.prctl(22, 2, ctypes.byref(Prog(len(program) // 8, program)), 0, 0) == 0
+from daemon.agentctl.sandbox import seccomp_filter
+print(seccomp_filter.build().version)
+"""
+
+
+def test_the_program_builds_where_a_units_own_filter_refuses_the_seccomp_system_call() -> None:
+    """Issue 44 item 6 under the units: their ``SystemCallFilter=`` refuses ``seccomp(2)``, with
+    which libseccomp asks the kernel what it supports; the program is still built (the same one),
+    needing no answer (a bad-architecture action of KILL_PROCESS once made it fail there)."""
+    import seccomp
+
+    unit = seccomp.SyscallFilter(seccomp.ALLOW)
+    unit.add_rule(seccomp.ERRNO(errno.EPERM), "seccomp")
+    read, write = os.pipe()
+    with os.fdopen(write, "wb") as out:
+        unit.export_bpf(out)
+    try:
+        done = subprocess.run([sys.executable, "-c", UNDER_A_UNIT, str(read)], pass_fds=(read,),
+                              capture_output=True, text=True, timeout=60)
+    finally:
+        os.close(read)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == seccomp_filter.describe()

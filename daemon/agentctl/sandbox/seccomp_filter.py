@@ -20,8 +20,9 @@ they do elsewhere):
   the rarely used protocol families are where many kernel bugs were).
 
 The same rules hold for each ABI the kernel runs on this machine (on x86-64 also the 32-bit x86 and
-x32 ones, as Docker does; a system call of any other architecture kills the process). On 32-bit
-x86, socket calls made through ``socketcall`` cannot be inspected and pass (as in Flatpak).
+x32 ones, as Docker does; a system call of any other architecture kills the thread making it:
+libseccomp's default, set without asking the kernel, which a unit's own filter may not let it ask).
+On 32-bit x86, socket calls made through ``socketcall`` cannot be inspected and pass (as in Flatpak).
 
 The program is built with libseccomp's own Python bindings (Debian ``python3-seccomp``; the
 library Docker, systemd and Flatpak build their filters with), once per process from the rules
@@ -127,7 +128,6 @@ def build() -> AgentFilter:
     sc = _bindings()
     try:
         flt = sc.SyscallFilter(sc.ALLOW)
-        flt.set_attr(sc.Attr.ACT_BADARCH, sc.KILL_PROCESS)  # a system call of an ABI not listed below
         for arch in COMPAT_ARCHES.get(platform.machine(), ()):
             flt.add_arch(getattr(sc.Arch, arch))
         refuse = sc.ERRNO(errno.EPERM)
