@@ -1,6 +1,6 @@
 """The agents' system-call filter (daemon.agentctl.sandbox.seccomp_filter), loaded into a child process.
 
-Issue 44 item 6 and scenario E at the level of the program itself: a process that loaded it (as
+Issue 44 item 6 and Issue 44 scenario E at the level of the program itself: a process that loaded it (as
 bwrap does, with no-new-privileges) gets EPERM for a new user namespace, io_uring, the keyring and
 the rest, ENOSYS for clone3, EAFNOSUPPORT for a rare socket family, also through the x32 ABI, while
 threads, subprocesses and ordinary sockets work. The sandbox tests (tests/integration/test_seccomp.py)
