@@ -249,7 +249,8 @@ VIEW_OPS: list[Op] = [
         " latest_session{session_id, agent, state, last_error, live, retracked, quiet{turn_id, seconds,"
         " timed_out, logs, cancel, provider}|None (its running turn's agent silent for"
         " agents.quiet_warning_s: daemon/backend/views/quiet_report.py), ...}|None,"
-        " workflow{step, position, status, steps}|None}]} in creation order",
+        " workflow{step, position, status, steps}|None}], store_out_of_space} in creation order;"
+        " store_out_of_space: status's store.out_of_space (None unless the store or the home is out of space)",
     ),
     Op(
         "task_show",

@@ -1,5 +1,6 @@
-"""daemon.store.space and daemon.backend.lifetime.store_care: a full disk recognised and reported once, retention
-and vacuum on a real SQLite store (Issue 21 item 5, Issue 24 item 2)."""
+"""daemon.store.space and daemon.backend.lifetime.store_care: a full disk recognised and reported once (from a
+failed write, or from the free space alone), retention and vacuum on a real SQLite store (Issue 21 item 5,
+Issue 24 item 2, Issue 45 item 3)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ from sqlalchemy.exc import OperationalError
 from daemon.backend.lifetime.store_care import StoreCare
 from daemon.config.keys import ConfigError
 from daemon.config.settings import load_config, validate_backend
-from daemon.store import transcript
+from daemon.store import space, transcript
 from daemon.store.db import Store
-from daemon.store.space import SpaceWatch, is_out_of_space
+from daemon.store.space import CLEAR_BYTES, LOW_BYTES, SpaceWatch, is_out_of_space
 from tests.support.aio import run
 from tests.support.store_rows import new_session
 
@@ -56,6 +57,58 @@ def test_out_of_space_is_reported_once_and_cleared(tmp_path: Path, caplog: pytes
     assert watch.status() is None and not watch.out_of_space
     assert [r.kandev_event for r in caplog.records if hasattr(r, "kandev_event")][-1] == "store_space_back"
     run(watch.wait_for_space())  # not out of space: returns at once
+
+
+def _events(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.kandev_event for r in caplog.records if hasattr(r, "kandev_event")]
+
+
+def test_no_free_space_is_reported_without_a_failed_write(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 45 item 3: a home with (almost) no free byte is out of space even though no store write
+    failed (an agent waiting for space stalls its turn, and the store is then not written at all);
+    writes that still succeed (root's reserve) do not end the episode, only room again does, with
+    some margin so that a filesystem hovering at the bound does not flap."""
+    store, home = tmp_path / "store" / "kandev.db", tmp_path / "home"
+    free = {store: 10 * CLEAR_BYTES, home: 10 * CLEAR_BYTES}
+    monkeypatch.setattr(space, "free_bytes", lambda p: free[p])
+    caplog.set_level(logging.INFO)
+    watch = SpaceWatch(store, home)
+    assert not watch.check_free() and watch.status() is None
+    free[home] = LOW_BYTES - 1
+    assert watch.check_free() and watch.check_free()
+    status = watch.status()
+    assert status is not None and status["path"] == str(home) and status["cause"] == "no_free_space"
+    assert status["free_bytes"] == LOW_BYTES - 1
+    watch.succeeded()  # the store still takes writes: still out of space
+    free[home] = LOW_BYTES + 1
+    watch.succeeded()  # above the bound, but not by the margin
+    assert watch.out_of_space and watch.check_free()
+    free[home] = CLEAR_BYTES
+    run(watch.wait_for_space())  # room again: returns (at once)
+    watch.succeeded()
+    assert watch.status() is None and not watch.check_free()
+    assert _events(caplog) == ["store_out_of_space", "store_space_back"]
+
+
+def test_a_failed_write_ends_with_the_next_write_that_succeeds(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 21 item 5 with Issue 45 item 3's watch: an episode begun by a failed write ends with a
+    write that succeeds, once every watched filesystem has more than ``LOW_BYTES`` free."""
+    store = tmp_path / "kandev.db"
+    free = {store: 0}
+    monkeypatch.setattr(space, "free_bytes", lambda p: free[p])
+    caplog.set_level(logging.INFO)
+    watch = SpaceWatch(store, tmp_path)
+    assert watch.watched == [store, tmp_path]
+    free[tmp_path] = 10 * CLEAR_BYTES
+    assert watch.failed(_sqlite_error("SQLITE_FULL"))
+    assert (watch.status() or {}).get("cause") == "write_failed"
+    watch.succeeded()  # a write that fit, on a filesystem still full
+    assert watch.out_of_space
+    free[store] = LOW_BYTES
+    watch.succeeded()
+    assert not watch.out_of_space and _events(caplog) == ["store_out_of_space", "store_space_back"]
 
 
 def test_retention_removes_old_entries_and_vacuum_gives_space_back(store: Store) -> None:

@@ -70,7 +70,7 @@ class BackendContext:
         self.servers = ControlServers(paths, config, installation_id, mode, store, self.executions,
                                       self.endpoints, self.on_gone)
         # The store's size, free space, retention and vacuum (daemon.backend.lifetime.store_care).
-        self.store_care = StoreCare(store, config.store.transcript_retention)
+        self.store_care = StoreCare(store, config.store.transcript_retention, paths.home)
         # How long each running turn's agent has been silent (agents.quiet_warning_s, turn_timeout_s):
         # fed every committed batch of events, read by follow, the board, session show and the
         # turn watch (daemon.backend.sessions.turn_watch).
@@ -81,7 +81,8 @@ class BackendContext:
         self.transcripts.observe(store)
         # sessions features.auto_resume is about to resume: not "no agent" on the board meanwhile
         self.auto_resume_pending: set[str] = set()
-        self.views = Views(store, self.executions, self.auto_resume_pending, self.quiet_report)
+        self.views = Views(store, self.executions, self.auto_resume_pending, self.quiet_report,
+                           self.store_care.space.status)
         self.report = RecoveryReport()
         self.shutdown_requested = asyncio.Event()
         self.stop_agents_at_shutdown = False  # kandev down --agents: the survival server stops them too

@@ -1,9 +1,12 @@
 """The store's upkeep while the backend runs: its size, free space, transcript retention, vacuum.
 
-- Space (Issue 21 item 5): ``space`` (``daemon.store.space.SpaceWatch``) is what every writer that
-  can fail for want of space reports to (the event consumer, ``kandev`` ops). While it says out of
-  space, a probe writes one row each time free space grows (or every ``RETRY_S``) so the warning
-  clears even when no agent is streaming; the consumers retry on their own.
+- Space (Issue 21 item 5, Issue 45 item 3): ``space`` (``daemon.store.space.SpaceWatch``) is what
+  every writer that can fail for want of space reports to (the event consumer, ``kandev`` ops);
+  every second the upkeep also looks at the free space of the store's and the home's filesystems
+  (``SpaceWatch.check_free``), since an agent that finds the home full stalls its turn without any
+  store write failing. While it says out of space, a probe writes one row each time free space
+  grows (or every ``RETRY_S``) so the warning clears even when no agent is streaming; the
+  consumers retry on their own.
 - Retention (Issue 24 item 2): with ``store.transcript_retention`` set, entries older than it are
   removed at start and then every ``RETENTION_EVERY_S``. The freed pages are reused by later
   writes; ``vacuum()`` (``kandev store vacuum``) gives them back to the filesystem.
@@ -70,10 +73,10 @@ def probe_write(store: Store, *, need_room: bool = False) -> bool:
 class StoreCare:
     """Size, space, retention and vacuum of one backend's store (see the module doc)."""
 
-    def __init__(self, store: Store, retention_s: float | None) -> None:
+    def __init__(self, store: Store, retention_s: float | None, home: Path | None = None) -> None:
         self.store = store
         self.path = sqlite_file(make_url(store.engine.url))
-        self.space = SpaceWatch(self.path)
+        self.space = SpaceWatch(self.path, home)
         self.retention_s = retention_s
         self.last_retention: dict[str, Any] | None = None
         self._task: asyncio.Task[None] | None = None
@@ -117,7 +120,7 @@ class StoreCare:
     async def _run(self) -> None:
         next_retention = time.monotonic()
         while True:
-            if self.space.out_of_space:
+            if self.space.check_free():
                 await self.space.wait_for_space()
                 await self._probe()
                 continue

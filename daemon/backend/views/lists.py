@@ -76,12 +76,15 @@ class Views:
     """The handlers of ``api.VIEW_OPS`` (and the detail of ``session_list``)."""
 
     def __init__(self, store: Store, executions: ExecutionStore, resuming: set[str] | None = None,
-                 quiet: QuietOf | None = None) -> None:
+                 quiet: QuietOf | None = None,
+                 out_of_space: Callable[[], dict[str, Any] | None] | None = None) -> None:
         self.store = store
         self.executions = executions
         self.resuming = resuming if resuming is not None else set()  # the backend resumes these itself
         # session id, agent -> its running turn's silence (daemon.backend.views.quiet_report), or None
         self.quiet = quiet if quiet is not None else (lambda _sid, _agent: None)
+        # ``kandev status``'s store.out_of_space, which task_list carries for the board's header
+        self.out_of_space = out_of_space if out_of_space is not None else (lambda: None)
 
     def _add_quiet(self, summary: dict[str, Any] | None) -> None:
         """A session summary's ``quiet`` (read on the loop, after the store's rows)."""
@@ -205,6 +208,7 @@ class Views:
         result = await self._of_one_moment(self.read_tasks)
         for task in result["tasks"]:
             self._add_quiet(task["latest_session"])
+        result["store_out_of_space"] = self.out_of_space()
         return result
 
     async def op_task_show(self, ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
