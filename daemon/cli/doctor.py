@@ -450,8 +450,10 @@ def _store_space(r: _Report, paths: Paths, status: dict[str, Any] | None) -> Non
     full = store.get("out_of_space") if isinstance(store, dict) else None
     size = f"; the store takes {store.get('bytes')} bytes" if isinstance(store, dict) and store.get("bytes") else ""
     if full:
+        why = ("agents' writes there wait for space, so their turns stall" if full.get("cause") == "no_free_space"
+               else "the backend cannot write events, agents wait at their bound with the control server")
         r.add("store_space", False, f"{full.get('path')} is out of space ({full.get('free_bytes')} bytes free){size}:"
-              " the backend cannot write events, agents wait at their bound with the control server",
+              f" {why}",
               "free some space on that filesystem (or `kandev store vacuum` once it can write): the backend"
               " catches up on its own, every chunk once and in order")
         return

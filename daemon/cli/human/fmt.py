@@ -8,6 +8,10 @@ from datetime import UTC, datetime
 from daemon.cli.human.term import Colour
 from daemon.store.states import SessionState, TurnState
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (the CLI's import budget)
+if TYPE_CHECKING:
+    from typing import Any
+
 SHORT = 8
 """Characters of an id shown to people (any unique prefix of 4 or more is accepted back)."""
 
@@ -101,3 +105,14 @@ def quiet_hint(quiet: dict[str, object]) -> str:
         parts.append(f"it was given {quiet['provider']}")
     parts.append(f"`{quiet.get('cancel')}` ends the turn")
     return "; ".join(parts)
+
+
+def out_of_space_line(full: dict[str, Any]) -> str:
+    """The sentence ``kandev status`` and the board's header show while the store or the home is out
+    of space (``store.out_of_space``)."""
+    if full.get("cause") == "no_free_space":
+        why = "agents' writes there wait for space, so their turns stall"
+    else:
+        why = "agents' output waits with the control server"
+    return (f"out of space: {full.get('path')} ({full.get('free_bytes')} bytes free): {why}; free some space"
+            " and everything goes on (nothing is lost)")

@@ -10,7 +10,7 @@ as ``name: value``; a part it does not know gets a block of its own. Nothing is 
 from __future__ import annotations
 
 from daemon.api.ops import AdoptionOutcome, BackendState, LinkObserved, LinkState
-from daemon.cli.human.fmt import duration_ms, short
+from daemon.cli.human.fmt import duration_ms, out_of_space_line, short
 from daemon.cli.human.term import Term
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
@@ -94,8 +94,7 @@ def warnings(status: dict[str, Any]) -> list[str]:
         out.append(f"the control server could not be adopted: {adoption.get('reason')}")
     full = (status.get("store") or {}).get("out_of_space")
     if full:
-        out.append(f"the store at {full.get('path')} is out of space ({full.get('free_bytes')} bytes free): agents'"
-                   " output waits with the control server; free some space and the backend catches up")
+        out.append(out_of_space_line(full))
     sandbox = status.get("sandbox") or {}
     if sandbox.get("sandboxed") is False:
         out.append(f"agents are not sandboxed: {sandbox.get('reason') or 'unknown'}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from daemon.cli.human.fmt import (
     age,
     duration_ms,
+    out_of_space_line,
     quiet_hint,
     quiet_text,
     short,
@@ -195,7 +196,8 @@ def task_show_lines(result: dict[str, Any], term: Term) -> list[str]:
 def board_lines(result: dict[str, Any], term: Term) -> list[str]:
     tasks = result.get("tasks") or []
     n = unique_length(t["task_id"] for t in tasks) if tasks else 8
-    lines: list[str] = []
+    full = result.get("store_out_of_space")
+    lines: list[str] = [term.red(out_of_space_line(full))] if full else []  # the header: before every bucket
     hints: list[str] = []
     for bucket, title in BUCKETS:
         mine = [t for t in tasks if t.get("bucket") == bucket]
