@@ -1,9 +1,11 @@
-"""A small filesystem a test can fill (Issue 21 scenario E): a tmpfs mounted for the test, and a
-filler file that takes its free space and gives it back.
+"""A small filesystem a test can fill (Issue 21 scenario E, Issue 45 scenario C): a tmpfs or an
+ext4 image mounted for the test, and a filler file that takes its free space and gives it back.
 
 ``small_filesystem(path, size)`` mounts a tmpfs of ``size`` at ``path`` (root only) and unmounts it
 when the block ends (lazily if something still holds it, so a failing test never leaves a mount
-behind). ``Filler(directory)`` grows one file until the filesystem has no space (``fill``, leaving
+behind). ``small_ext4(path, image, size)`` does the same with an ext4 filesystem made in the file
+``image`` and loop-mounted: unlike a tmpfs it keeps blocks only root may use (``mkfs.ext4 -m``),
+so root-run daemons can still write when unprivileged writers (the agents) get ``ENOSPC``. ``Filler(directory)`` grows one file until the filesystem has no space (``fill``, leaving
 ``leave`` bytes free) and removes it (``free``).
 """
 
@@ -27,6 +29,24 @@ def small_filesystem(path: Path, size: str) -> Iterator[Path]:
     finally:
         if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
             subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+@contextlib.contextmanager
+def small_ext4(path: Path, image: Path, size: str, reserved_percent: int = 5) -> Iterator[Path]:
+    path.mkdir(mode=0o700, exist_ok=True)
+    subprocess.run(["truncate", "-s", size, str(image)], check=True, capture_output=True, text=True)
+    try:
+        subprocess.run(["mkfs.ext4", "-q", "-F", "-m", str(reserved_percent), str(image)], check=True,
+                       capture_output=True, text=True)
+        subprocess.run(["mount", "-o", "loop", str(image), str(path)], check=True, capture_output=True, text=True)
+        try:
+            path.chmod(0o700)
+            yield path
+        finally:
+            if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
+                subprocess.run(["umount", "-l", str(path)], capture_output=True)
+    finally:
+        image.unlink(missing_ok=True)
 
 
 def free_bytes(path: Path) -> int:
