@@ -92,7 +92,7 @@ class InstanceService:
         if server.shutting_down:  # shut down while the agent was starting
             await inst.stop()
             server.instances.pop(spec.instance_id, None)
-            raise IpcError(ErrorCode.SHUTTING_DOWN, "create_instance: the control server is shutting down")
+            raise IpcError(ErrorCode.SHUTTING_DOWN, "the control server is shutting down: the agent was not started")
         log_event(
             "instance_started",
             f"instance {spec.instance_id} started: agent {spec.agent or spec.command[0]} pid {inst.pid}"
@@ -111,7 +111,7 @@ class InstanceService:
         try:
             parsed = agent_env.parse_refs(refs, f"agents.{agent or '?'}.secret_env")
         except SettingsError as exc:
-            raise IpcError(ErrorCode.INVALID_ARGUMENT, f"create_instance: secret_env: {exc}") from None
+            raise IpcError(ErrorCode.INVALID_ARGUMENT, f"the agent's keys are refused: {exc}") from None
         if not parsed:
             return {}
         try:
@@ -119,7 +119,7 @@ class InstanceService:
                 agent_env.resolve, parsed, f"agents.{agent or '?'}.secret_env",
                 credentials_dir=os.environ.get("CREDENTIALS_DIRECTORY"), forbidden=self.sandbox.own_paths())
         except agent_env.SecretUnavailable as exc:
-            raise IpcError(ErrorCode.INVALID_ARGUMENT, f"create_instance: the agent's secret cannot be read: {exc}",
+            raise IpcError(ErrorCode.INVALID_ARGUMENT, f"the agent's key cannot be read: {exc}",
                            retryable=False) from None
 
     async def stop(self, instance_id: str) -> bool:

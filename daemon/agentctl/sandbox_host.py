@@ -65,6 +65,6 @@ class SandboxHost:
         except AgentUserMissing as exc:
             raise sandbox.unavailable(str(exc)) from None
         except ValueError as exc:
-            raise IpcError(ErrorCode.INVALID_ARGUMENT, f"create_instance: {exc}") from None
+            raise IpcError(ErrorCode.INVALID_ARGUMENT, f"the agent's sandbox cannot be made: {exc}") from None
         except OSError as exc:
             raise sandbox.unavailable(f"cannot prepare the agent's user namespace: {exc}") from None

@@ -30,9 +30,10 @@ first; ``env`` overrides them. Variables kandev sets itself (``HOME``, ``PATH``,
 git credential routing ``GIT_*``) cannot be set here, and one name cannot be both plain and secret.
 
 Checks (``SettingsError`` naming the dotted key, e.g. ``agents.claude-code.secret_env.X``): an
-unknown agent, a bad variable name, a non-string value, a relative path; ``check_secret_file`` (the
-file's presence, type, owner and mode, without reading it) is run by the backend at start for
-paths, and by the control server at its start and at every spawn, where it reads the value.
+unknown agent, a bad variable name, a non-string value, a relative path. The files themselves
+(presence, type, owner, mode, emptiness) are checked by ``daemon.agents.file_checks`` (``kandev up``,
+the backend at start, ``kandev doctor``) and by the control server at its start and at every spawn,
+where it reads the value (``check_secret_stat``, here: a ``KeyFileError`` says what to do).
 """
 
 from __future__ import annotations
@@ -216,56 +217,31 @@ def _service_ids() -> tuple[set[int], set[int]]:
     return uids, gids
 
 
+class KeyFileError(ValueError):
+    """A secret (or ``home_files``) file kandev refuses: the message says what is wrong with it,
+    ``fix`` what to do about it (a command where one does it)."""
+
+    def __init__(self, what: str, fix: str) -> None:
+        super().__init__(what)
+        self.fix = fix
+
+
 def check_secret_stat(st: os.stat_result, where: str) -> None:
-    """Refuse a secret file that is not a regular file of root or ours with a safe mode."""
+    """Refuse a secret file that is not a regular file of root or ours with a safe mode
+    (``KeyFileError``)."""
     if not stat.S_ISREG(st.st_mode):
-        raise ValueError(f"{where} is not a regular file")
+        raise KeyFileError(f"{where} is not a regular file", "name a regular file (not a directory or a device)")
     uids, gids = _service_ids()
     if st.st_uid not in uids:
-        raise ValueError(f"{where} is owned by uid {st.st_uid}; it must belong to root or the service user"
-                         f" (uid {os.geteuid()})")
+        raise KeyFileError(f"{where} is owned by uid {st.st_uid}; it must belong to root or the service user"
+                           f" (uid {os.geteuid()})", f"chown {os.geteuid()} {where}")
     mode = stat.S_IMODE(st.st_mode)
     if mode not in ALLOWED_MODES:
-        raise ValueError(f"{where} has mode {mode:04o}; it must be 0600 or 0640 (0400/0440 too): readable by"
-                         " nobody but its owner and, at most, its group")
+        raise KeyFileError(f"{where} has mode {mode:04o}; it must be 0600 or 0640 (0400/0440 too): readable by"
+                           " nobody but its owner and, at most, its group", f"chmod 600 {where}")
     if mode & stat.S_IRGRP and st.st_gid not in gids:
-        raise ValueError(f"{where} is readable by group {st.st_gid}; a group-readable secret must belong to"
-                         f" group root or {SERVICE_GROUP}")
-
-
-def check_secret_file(path: str) -> None:
-    """Presence, type, owner, mode and readability of a secret file, without reading it
-    (ValueError saying what is wrong)."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        raise ValueError(f"{path} does not exist") from None
-    except OSError as exc:
-        raise ValueError(f"{path}: {exc.strerror or exc}") from None
-    if stat.S_ISLNK(st.st_mode):
-        raise ValueError(f"{path} is a symlink; name the file itself")
-    check_secret_stat(st, path)
-    if not os.access(path, os.R_OK):
-        raise ValueError(f"{path} is not readable by uid {os.geteuid()} (the service user): make it 0640"
-                         f" root:{SERVICE_GROUP}, or load it with LoadCredential= and write \"credential:NAME\"")
-
-
-def validate_settings(configured: Mapping[str, AgentSettings]) -> None:
-    """The backend's start check of every ``secret_env`` file (credentials are the control
-    server's to check: only its unit has them) and every ``home_files`` source (the same rules:
-    such a file may name a key). SettingsError naming the key."""
-    for name, settings in sorted(configured.items()):
-        for var, ref in sorted(settings.secret_env.items()):
-            if ref.kind is SecretKind.FILE:
-                try:
-                    check_secret_file(ref.target)
-                except ValueError as exc:
-                    raise SettingsError(f"agents.{name}.secret_env.{var}", str(exc)) from None
-        for dest, source in sorted(settings.home_files.items()):
-            try:
-                check_secret_file(source)
-            except ValueError as exc:
-                raise SettingsError(f"agents.{name}.home_files.{dest}", str(exc)) from None
+        raise KeyFileError(f"{where} is readable by group {st.st_gid}; a group-readable secret must belong to"
+                           f" group root or {SERVICE_GROUP}", f"chgrp {SERVICE_GROUP} {where}, or chmod 600 {where}")
 
 
 def secret_paths(configured: Mapping[str, AgentSettings]) -> list[str]:

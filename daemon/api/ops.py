@@ -14,6 +14,10 @@ from ipc.schema import Op, OpTable
 
 OPS = [
     Op("status", auth=False, doc="backend, capability, control_server, recovery, adoption"),
+    Op("config_show", auth=False,
+       doc="the configuration this backend runs with (daemon/config/view.py) -> {file, settings (a secret"
+       " one: <hidden>), origins, agents {NAME: {env, secret_env, home_files}}, problems [{key, what, fix}]:"
+       " the key files checked now, as this backend's user}, plus pid"),
     Op("shutdown", optional={"agents": bool}, auth=False,
        doc="graceful stop (kandev down); with survival on, agents keep running unless agents (kandev down"
        " --agents): then the control server stops every agent and exits -> {ok, detach, agents: how many"

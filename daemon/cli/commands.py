@@ -56,22 +56,20 @@ def _ensure_runtime(sock: str, agent: Any) -> None:
     ensure_runtime(lambda op, a, t: call(sock, op, a, timeout=t), spec.name, sys.stderr)
 
 
-def _agents(config_path: str | None) -> dict[str, Any]:
-    """The built-in agents, each with the variable names its configuration gives it (no value)."""
+def _agents(sock: str, config_path: str | None) -> dict[str, Any]:
+    """The built-in agents, each with the variable names its configuration gives it (no value):
+    the running backend's configuration unless ``--config`` names a file (daemon.cli.config_read)."""
     from daemon.agents.registry import BUILTIN_AGENTS
-    from daemon.agents.settings import describe
-    from daemon.config.keys import ConfigError
-    from daemon.config.settings import Config, load_config
+    from daemon.cli.config_read import read_config
 
-    error = None
-    try:
-        config = load_config(config_path)
-    except ConfigError as exc:  # still list the agents (bash completion reads them), and say why
-        config, error = Config(), f"the configuration is refused: {exc}"
-    return {"config": config.source, "config_error": error, "agents": [
-        {"name": a.name, "package": a.package, "version": a.version, "runtime": a.runtime,
-         **describe(config.agents.settings, a.name)}
-        for a in sorted(BUILTIN_AGENTS.values(), key=lambda a: a.name)]}
+    view = read_config(sock, config_path)
+    error = view.get("error")
+    return {"config": view.get("file"), "read_by": view["read_by"], "reason": view["reason"],
+            "config_error": f"the configuration is refused: {error}" if error else None,
+            "problems": view.get("problems") or [],
+            "agents": [{"name": a.name, "package": a.package, "version": a.version, "runtime": a.runtime,
+                        **view["agents"][a.name]}
+                       for a in sorted(BUILTIN_AGENTS.values(), key=lambda a: a.name)]}
 
 
 def run(args: argparse.Namespace) -> Any:
@@ -177,7 +175,7 @@ def run(args: argparse.Namespace) -> Any:
 
         return runtime_update(lambda op, a, t: call(sock, op, a, timeout=t), args.agent, sys.stderr)
     if cmd == "agents":
-        return _agents(args.config)
+        return _agents(sock, args.config)
     raise Usage(f"unknown command {cmd}")
 
 
@@ -277,11 +275,9 @@ def run_command_line(argv: list[str]) -> int:
         print(json_line(result) if args.json else doctor.as_text(checks))
         return EXIT_OK if result["ok"] else EXIT_REFUSED
     if args.command == "agents" and not args.json:
-        for a in result["agents"]:
-            secret = ", ".join(f"{var} <- {ref}" for var, ref in a["secret_env"].items())
-            files = ", ".join(f"~/{dest} <- {src}" for dest, src in a.get("home_files", {}).items())
-            print(f"{a['name']}\t{a['package']}\t{a['version']}\tenv: {', '.join(a['env']) or '-'}"
-                  f"\tsecret_env: {secret or '-'}\thome_files: {files or '-'}")
+        from daemon.cli.human.views import agents_lines
+
+        print("\n".join(agents_lines(result, _term())))
     if args.command == "agents" and result.get("config_error"):
         if args.json:
             _print(result)

@@ -40,12 +40,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from daemon.agents.settings import describe as describe_agent
 from daemon.api.ops import LinkObserved, LinkState
+from daemon.cli.config_read import BACKEND, HERE, backend_config, described
+from daemon.cli.human.views import configuration_line
 from daemon.config import platform
 from daemon.config.keys import ConfigError
 from daemon.config.platform import AGENTCTL_UNIT, Check, Probes
-from daemon.config.settings import Config, check_config, config_file
+from daemon.config.settings import Config, check_config, config_file, load_config
+from daemon.config.view import config_from_view, config_view, hidden
 from daemon.host.paths import SERVICE_GROUP, Paths
 
 BACKEND_UNIT = "kandev-backend.service"
@@ -84,6 +86,15 @@ def _backend_status(socket: Path) -> dict[str, Any] | None:
         return None
 
 
+def _database_url(file: str | None) -> str | None:
+    """``database.url`` as the running backend's file gives it, read here (None: not readable here,
+    or it came from the backend's environment)."""
+    try:
+        return load_config(file, {}).database.url if file else None
+    except (ConfigError, OSError):
+        return None
+
+
 def _version(exe: str) -> str | None:
     try:
         done = subprocess.run([exe, "--version"], stdin=subprocess.DEVNULL, capture_output=True, text=True,
@@ -115,6 +126,7 @@ class DoctorProbes:
     platform: Probes = field(default_factory=Probes)
     systemctl_show: Callable[[str, Sequence[str]], dict[str, str] | None] = _systemctl_show
     backend_status: Callable[[Path], dict[str, Any] | None] = _backend_status
+    backend_config: Callable[[Path], dict[str, Any] | None] = backend_config
     which: Callable[[str, str | None], str | None] = lambda name, path: shutil.which(name, path=path)
     version: Callable[[str], str | None] = _version
     euid: Callable[[], int] = os.geteuid
@@ -151,16 +163,28 @@ class _Report:
 # ---------------------------------------------------------------- the checks
 
 
-def _config(r: _Report, config_path: str | None, env: Mapping[str, str]) -> Config | None:
+def _config(r: _Report, paths: Paths, config_path: str | None, env: Mapping[str, str],
+            probes: DoctorProbes) -> tuple[Config | None, dict[str, Any] | None]:
+    """The running backend's configuration, asked over its socket, unless ``--config`` names a file
+    or no backend answers: then that file (or the one ``kandev up`` would use), checked here (Issue 46
+    Why 3). Returns it and its view (``daemon.config.view``); None, None when it is refused."""
+    view = probes.backend_config(paths.backend_socket) if config_path is None else None
+    if view is not None:
+        view = described(view, BACKEND, f"the running backend's, pid {view.get('pid')}, as it read it at its start;"
+                         " `kandev doctor --config FILE` checks another file")
+        r.add("config", True, configuration_line(view.get("file"), view["reason"]))
+        return config_from_view(view), view
+    reason = "--config" if config_path else "no backend answers for this home: the file `kandev up` would start one with"
     try:
-        config = check_config(config_path, env)
+        config = check_config(config_path, env, files=False)  # the agents' files: one check each, below
     except (ConfigError, OSError) as exc:
         r.add("config", False, f"configuration refused: {exc}",
               f"fix the key named above in {config_file(config_path, env)} (or the KANDEV_* variable);"
               " the packaged /etc/kandev/kandev.toml lists every key with its default and range")
-        return None
-    r.add("config", True, f"configuration valid ({config.source or 'defaults: no file'})")
-    return config
+        return None, None
+    view = described(config_view(config), HERE, reason)
+    r.add("config", True, "configuration valid; " + configuration_line(config.source, reason))
+    return config, view
 
 
 def _units(r: _Report, probes: DoctorProbes) -> dict[str, dict[str, str]]:
@@ -394,9 +418,16 @@ def _control_server(r: _Report, status: dict[str, Any] | None) -> None:
                 r.add(name, True, detail + (f", version {running}" if running else ""))
 
 
-def _store(r: _Report, config: Config | None, paths: Paths, probes: DoctorProbes) -> None:
+def _store(r: _Report, config: Config | None, view: dict[str, Any] | None, paths: Paths,
+           probes: DoctorProbes) -> None:
     head = probes.head_revision()
     url = config.database.url if config is not None else None
+    if view is not None and hidden(view, "database.url"):  # the running backend's: never shown
+        url = _database_url(view.get("file"))
+        if url is None:
+            r.add("store", True, f"database.url (not shown): the running backend (pid {view.get('pid')}) has its"
+                  " store open; `kandev doctor --config FILE` reads it from a file this user may read")
+            return
     if url:
         try:
             from sqlalchemy import create_engine, text
@@ -510,20 +541,28 @@ def _sandbox(r: _Report, config: Config | None, status: dict[str, Any] | None, p
               ' "required": every agent start fails with sandbox_unavailable', SANDBOX_HINT)
 
 
-def _agents(r: _Report, config: Config | None) -> None:
-    """Each configured agent's variable names (and where its secrets come from), never a value;
-    the files themselves were checked with the configuration."""
-    if config is None or not config.agents.settings:
-        r.add("agents", True, "no [agents.NAME] settings: agents get no provider settings or keys from kandev")
+def _agents(r: _Report, view: dict[str, Any] | None) -> None:
+    """Each configured agent's variable names (and where its secrets come from), never a value; then
+    one failing check per key file or ``home_files`` source that would refuse an agent's start (as
+    the running backend's user sees it, when it answered), named by its key, with the fix."""
+    if view is None:  # the configuration was refused: said by the config check
         return
+    where = view.get("file") or "the configuration (no file)"
+    configured = view.get("configured") or []
+    if not configured:
+        r.add("agents", True, f"no [agents.NAME] settings in {where}: agents get no provider settings or keys"
+              " from kandev")
     parts = []
-    for name in sorted(config.agents.settings):
-        shown = describe_agent(config.agents.settings, name)
+    for name in configured:
+        shown = view["agents"][name]
         secret = ", ".join(f"{var} ({ref})" for var, ref in shown["secret_env"].items())
         files = ", ".join(f"~/{dest} ({src})" for dest, src in shown["home_files"].items())
         parts.append(f"{name}: env {', '.join(shown['env']) or '-'}; secret_env {secret or '-'}"
                      + (f"; home_files {files}" if files else ""))
-    r.add("agents", True, "; ".join(parts))
+    if parts:
+        r.add("agents", True, f"{where}: " + "; ".join(parts))
+    for problem in view.get("problems") or []:
+        r.add(problem["key"], False, problem["what"], problem["fix"])
 
 
 def _agent_limits(r: _Report, config: Config | None) -> None:
@@ -563,17 +602,17 @@ def run_doctor(
     environ = os.environ if env is None else env
     p = probes or DoctorProbes()
     r = _Report()
-    config = _config(r, config_path, environ)
+    config, view = _config(r, paths, config_path, environ, p)
     states = _units(r, p)
     path = _platform(r, config, environ, p, states)
     status = _permissions(r, paths, p)
     _control_server(r, status)
-    _store(r, config, paths, p)
+    _store(r, config, view, paths, p)
     _store_space(r, paths, status)
     _tools(r, path, p)
     _sandbox(r, config, status, path, environ, p)
     _agent_limits(r, config)
-    _agents(r, config)
+    _agents(r, view)
     return r.checks
 
 

@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from daemon.agents.settings import AgentSettings, SettingsError, parse_agent_table, validate_settings
+from daemon.agents.file_checks import validate_settings
+from daemon.agents.settings import AgentSettings, SettingsError, parse_agent_table
 from daemon.config.agentctl import validate_agentctl
 from daemon.config.keys import (
     EPSILON,
@@ -285,12 +286,13 @@ def validate_credentials(config: Config) -> None:
                 f"has an entry that is not a ref glob: {json.dumps(pattern)}")
 
 
-def validate_agents(config: Config) -> None:
+def validate_agents(config: Config, files: bool = True) -> None:
     """Check each ``[agents.NAME] secret_env`` file and ``home_files`` source (present, a regular file
-    of root or the service user, mode 0600/0640), without reading it; ``credential:`` ones are the
-    control server's to check."""
+    of root or the service user, mode 0600/0640, a key file not empty; ``daemon.agents.file_checks``),
+    unless not ``files``; ``credential:`` ones are the control server's to check."""
     try:
-        validate_settings(config.agents.settings)
+        if files:
+            validate_settings(config.agents.settings)
     except SettingsError as exc:
         where = f" (in {config.source})" if config.source else ""
         raise ConfigError(f"{exc.key}{where}: {str(exc)[len(exc.key) + 2:]}", key=exc.key) from None
@@ -299,10 +301,10 @@ def validate_agents(config: Config) -> None:
     _check_config_range(config, "agents.turn_timeout_s", config.agents.turn_timeout_s)
 
 
-def validate_backend(config: Config) -> None:
+def validate_backend(config: Config, files: bool = True) -> None:
     """Check the keys the backend reads (AC-EXECUTORS-SURVIVAL-002.13, AC-EXECUTORS-SURVIVAL-003.7; credentials; agents)."""
     validate_credentials(config)
-    validate_agents(config)
+    validate_agents(config, files)
     if config.store.transcript_retention is not None:
         _check_config_range(config, "store.transcript_retention", config.store.transcript_retention)
     a = config.agentctl
@@ -340,11 +342,12 @@ def config_file(config_file: str | None, env: Mapping[str, str] | None = None) -
     return str(config_file or environ.get("KANDEV_CONFIG") or DEFAULT_CONFIG_FILE)
 
 
-def check_config(config_file: str | None, env: Mapping[str, str] | None = None) -> Config:
+def check_config(config_file: str | None, env: Mapping[str, str] | None = None, *, files: bool = True) -> Config:
     """What the backend checks at start (``kandev up`` and ``kandev doctor`` check the same, before
-    starting anything): the file and the environment, the backend's keys, the control server's."""
+    starting anything): the file and the environment, the backend's keys, the control server's;
+    the agents' key files too unless not ``files`` (``kandev doctor`` lists each of them apart)."""
     config = load_config(config_file, env)
-    validate_backend(config)
+    validate_backend(config, files)
     a = config.agentctl
     validate_agentctl(a.detached_event_limit, a.unowned_period, a.idle_timeout, origins=config.origins)
     return config

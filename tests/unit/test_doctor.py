@@ -252,9 +252,13 @@ def test_cli_agents_lists_builtin_agents(capsys: pytest.CaptureFixture[str]) -> 
     mock = next(a for a in agents if a["name"] == "mock")
     assert {"package": "daemon.agents.mock", "version": VERSION, "env": [], "secret_env": {}}.items() <= mock.items()
     assert cli.main(["agents"]) == 0
-    lines = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
-    assert [line[:3] for line in lines] == [[a["name"], a["package"], a["version"]] for a in agents]  # same order
-    assert ["mock", "daemon.agents.mock", VERSION, "env: -", "secret_env: -", "home_files: -"] in lines
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("Configuration: ")
+    header = out.index(next(line for line in out if line.startswith("AGENT ")))
+    assert out[header].split() == ["AGENT", "PACKAGE", "VERSION", "SECRET_ENV", "HOME_FILES", "ENV"]
+    rows = [line.split() for line in out[header + 1:] if line.strip()]
+    assert [row[:3] for row in rows] == [[a["name"], a["package"], a["version"]] for a in agents]  # same order
+    assert ["mock", "daemon.agents.mock", VERSION, "-", "-", "-"] in rows
 
 
 def _with_server(**server: Any) -> Any:

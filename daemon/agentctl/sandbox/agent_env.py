@@ -21,6 +21,7 @@ from typing import Any
 from daemon.agentctl.sandbox.bubblewrap import SandboxRequest
 from daemon.agents.settings import (
     SECRET_MAX_BYTES,
+    KeyFileError,
     SecretKind,
     SecretRef,
     SettingsError,
@@ -65,7 +66,7 @@ def _read_fd(fd: int, where: str, *, check_owner: bool) -> str:
     elif data.endswith(b"\n"):
         data = data[:-1]
     if not data:
-        raise ValueError(f"{where} is empty")
+        raise KeyFileError(f"{where} is empty", f"write the key into it (printf '%s' KEY > {where})")
     if b"\0" in data:
         raise ValueError(f"{where} holds a NUL byte")
     try:
@@ -91,7 +92,8 @@ def read_secret(ref: SecretRef, credentials_dir: str | None, forbidden: Sequence
         if ref.kind is SecretKind.CREDENTIAL:
             raise ValueError(f"this control server's unit has no credential {ref.target!r}: add"
                              f" LoadCredential={ref.target}:/path/to/file in a drop-in") from None
-        raise ValueError(f"{path} does not exist") from None
+        raise KeyFileError(f"{path} does not exist", f"create it (install -m 600 /dev/null {path}) and write the"
+                           " key into it, or correct the path") from None
     except OSError as exc:
         raise ValueError(f"{path}: {exc.strerror or exc} (a symlink is refused)") from None
     try:
@@ -109,7 +111,8 @@ def resolve(refs: Mapping[str, SecretRef], key_prefix: str, *, credentials_dir: 
         try:
             values[var] = read_secret(ref, credentials_dir, forbidden)
         except ValueError as exc:
-            raise SecretUnavailable(f"{key_prefix}.{var} = {ref.render()!r}: {exc}") from None
+            fix = f"; fix: {exc.fix}" if isinstance(exc, KeyFileError) else ""
+            raise SecretUnavailable(f"{key_prefix}.{var} = {ref.render()!r}: {exc}{fix}") from None
     return values
 
 

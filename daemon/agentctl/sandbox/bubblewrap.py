@@ -115,7 +115,7 @@ def unavailable(reason: str) -> IpcError:
 
 
 def _bad(message: str) -> IpcError:
-    return IpcError(ErrorCode.INVALID_ARGUMENT, f"create_instance: sandbox: {message}")
+    return IpcError(ErrorCode.INVALID_ARGUMENT, f"the agent's sandbox cannot be made as asked: {message}")
 
 
 def _paths(doc: Mapping[str, Any], key: str) -> tuple[str, ...]:
@@ -595,5 +595,5 @@ def hidden_ok(request: SandboxRequest, cwd: str, extra_hidden: Sequence[str] = (
     workspace = os.path.realpath(cwd)
     for h in (*request.hidden, *extra_hidden):
         if os.path.realpath(h) == workspace:
-            raise IpcError(ErrorCode.INVALID_ARGUMENT, f"create_instance: the workspace {cwd} is a path agents may"
+            raise IpcError(ErrorCode.INVALID_ARGUMENT, f"the workspace {cwd} is a path agents may"
                            " not see (the kandev home, a secret); give the task its own directory")

@@ -1,4 +1,4 @@
-"""Handlers of the backend's own ops: ``status``, ``shutdown``, ``agentctl_reload`` and
+"""Handlers of the backend's own ops: ``status``, ``config_show``, ``shutdown``, ``agentctl_reload`` and
 ``control_server_retry`` (``api.TABLE``): the backend, its control servers and their version."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from daemon.backend.control.launcher import ControlServerHandle
 from daemon.backend.lifetime.context import BackendContext
 from daemon.backend.lifetime.server_upgrade import ServerUpgrade
 from daemon.backend.sessions import agent_launch
+from daemon.config.view import config_view
 from daemon.core.version import VERSION
 from ipc.errors import ErrorCode, IpcError
 from ipc.server import ConnectionContext, Handler
@@ -96,6 +97,11 @@ def handlers(backend: BackendContext, upgrade: ServerUpgrade) -> dict[str, Handl
             "store": store,
         }
 
+    async def op_config_show(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        """``kandev agents``, ``kandev doctor``: the configuration this backend runs with, its key
+        files checked now as this backend's user (Issue 46 Why 3)."""
+        return {**await asyncio.to_thread(config_view, b.config), "pid": os.getpid()}
+
     async def op_store_vacuum(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         """``kandev store vacuum``: give the store's free pages back to the filesystem."""
         return await asyncio.to_thread(b.store_care.vacuum)
@@ -125,6 +131,7 @@ def handlers(backend: BackendContext, upgrade: ServerUpgrade) -> dict[str, Handl
 
     return {
         "status": op_status,
+        "config_show": op_config_show,
         "shutdown": op_shutdown,
         "agentctl_reload": op_agentctl_reload,
         "control_server_retry": op_control_server_retry,

@@ -48,6 +48,33 @@ def _runtime(config: dict[str, Any] | None) -> list[str]:
             "  options: " + (", ".join(f"{k}={v}" for k, v in sorted(options.items())) or "-")]
 
 
+# -- configuration ---------------------------------------------------------------------------
+
+def configuration_line(file: str | None, reason: str | None) -> str:
+    """Which configuration file an inspection command read, and why that one."""
+    return (f"Configuration: {file or 'no file (every key at its default or from KANDEV_* variables)'}"
+            + (f" ({reason})" if reason else ""))
+
+
+def agents_lines(result: dict[str, Any], term: Term) -> list[str]:
+    """``kandev agents``: which file, then a table of the agents and what each gets (never a
+    value), then any key file that would refuse the agent's start, with its fix."""
+    rows = []
+    for a in result.get("agents") or []:
+        secret = ", ".join(f"{var} <- {ref}" for var, ref in (a.get("secret_env") or {}).items())
+        files = ", ".join(f"~/{dest} <- {src}" for dest, src in (a.get("home_files") or {}).items())
+        rows.append([a.get("name"), a.get("package"), a.get("version"), secret, files, ", ".join(a.get("env") or [])])
+    lines = [configuration_line(result.get("config"), result.get("reason")), ""]
+    lines += render_table(term, ["AGENT", "PACKAGE", "VERSION", "SECRET_ENV", "HOME_FILES", "ENV"], rows, flex=5)
+    problems = result.get("problems") or []
+    if problems:
+        lines.append("")
+    for p in problems:
+        lines.append(term.paint(f"problem: {p.get('key')}: {p.get('what')}", Colour.YELLOW))
+        lines.append(_hint(term, f"fix: {p.get('fix')}"))
+    return lines
+
+
 # -- backend lifecycle -----------------------------------------------------------------------
 
 def up_lines(result: dict[str, Any], term: Term) -> list[str]:
