@@ -6,7 +6,8 @@ a task and session, a ``/slow 20`` turn, ``kill -9`` of the backend after a
 few chunks, a new backend, and then checks — through the ``kandev`` CLI only —
 that the same agent process (same pid, same start time) kept streaming, was
 re-tracked, and that the turn finished with all 20 chunks exactly once and in
-order. Exits non-zero if any of that is not true.
+order. Exits non-zero if any of that is not true. Then it stops everything it started (``kandev
+down --agents``) and removes the home it made (unless ``--keep``; a ``--home`` given stays).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -68,7 +70,7 @@ def say(msg: str) -> None:
     print(f"[demo] {msg}", flush=True)
 
 
-def run(home: Path, keep: bool) -> int:
+def run(home: Path, keep: bool, remove_home: bool = False) -> int:
     env = dict(os.environ, KANDEV_FEATURES_AGENT_SURVIVAL="true")
     ctl_pid = None
     try:
@@ -124,26 +126,39 @@ def run(home: Path, keep: bool) -> int:
         say(f"FAILED: {exc}")
         return 1
     finally:
-        if not keep:
-            try:
-                kandev(home, "down", env=env)
-            except DemoFailed:
-                pass
-            if ctl_pid:  # survival leaves the control server running: stop the one we started
-                try:
-                    os.kill(ctl_pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+        if keep:
+            say(f"kept running, its home is {home}: `kandev --home {home} down --agents` stops it")
+        else:
+            _stop(home, env, ctl_pid)
+            if remove_home:  # a home the demo made itself: nothing of it is left behind
+                shutil.rmtree(home, ignore_errors=True)
+                say(f"stopped; its home {home} is removed")
+
+
+def _stop(home: Path, env: dict[str, str], ctl_pid: int | None) -> None:
+    """The backend, the control server and its agents, stopped; the control server waited for."""
+    try:
+        kandev(home, "down", "--agents", env=env)
+    except DemoFailed:
+        pass
+    if ctl_pid:  # should `down --agents` have failed: stop the one we started
+        try:
+            server = psutil.Process(ctl_pid)
+            server.terminate()
+            server.wait(timeout=30)
+        except (psutil.NoSuchProcess, psutil.TimeoutExpired):
+            pass
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kandev-demo", description=__doc__.splitlines()[0])
-    p.add_argument("--home", help="Kandev home to use (default: a new directory under /var/tmp)")
+    p.add_argument("--home", help="Kandev home to use (default: a new directory under /var/tmp, removed at the"
+                   " end unless --keep)")
     p.add_argument("--keep", action="store_true", help="leave the backend and agents running")
     args = p.parse_args(argv)
     home = Path(args.home) if args.home else Path(tempfile.mkdtemp(prefix="kandev-demo-", dir="/var/tmp"))
     home.mkdir(parents=True, exist_ok=True)
-    return run(home, args.keep)
+    return run(home, args.keep, remove_home=args.home is None)
 
 
 if __name__ == "__main__":

@@ -173,23 +173,38 @@ def _build_command(action: _CommandAction, name: Any) -> None:
 class _Commands:
     """``add_subparsers`` whose every parser takes the global flags and says what it does: ``add``
     declares a command (its parser built when a command line names it), ``group`` one with commands
-    of its own."""
+    of its own, whose help ends with the names of its commands as they are added (``kandev task
+    --help`` lists what ``kandev task`` takes, never a command that is not there)."""
 
-    def __init__(self, parser: argparse.ArgumentParser, dest: str) -> None:
+    def __init__(self, parser: argparse.ArgumentParser, dest: str,
+                 about: tuple[str, argparse.Action] | None = None) -> None:
         action = parser.add_subparsers(dest=dest, required=True, parser_class=_Declared,  # type: ignore[type-var]
                                        metavar="COMMAND", action=_CommandAction)
         assert isinstance(action, _CommandAction)
         self._sub = action
+        self._parser = parser
+        self._about = about  # a group's: what it is about, and its line in its parent's help
+        self._names: list[str] = []
 
     def add(self, name: str, help: str, description: str | None = None) -> _Arguments:
         declared: Any = self._sub.add_parser(name, help=help, description=description or help)
         assert isinstance(declared, _Declared)
+        self._added(name)
         return declared.arguments
 
-    def group(self, name: str, help: str, dest: str) -> _Commands:
-        self._sub.add_parser(name, help=help, description=help)
+    def _added(self, name: str) -> None:
+        self._names.append(name)
+        if self._about is not None:
+            about, line = self._about
+            line.help = self._parser.description = f"{about}: {', '.join(self._names)}"
+
+    def group(self, name: str, about: str, dest: str) -> _Commands:
+        """A command with commands of its own; ``about``: what they are about (e.g. "tasks")."""
+        self._sub.add_parser(name, help=about, description=about)
+        line = self._sub._choices_actions[-1]  # the group's line in this parser's help
         _build_command(self._sub, name)
-        return _Commands(self._sub.choices[name], dest)
+        self._added(name)
+        return _Commands(self._sub.choices[name], dest, (about, line))
 
 
 def _complete(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -249,7 +264,7 @@ def _build_parser() -> argparse.ArgumentParser:
     store.add("vacuum", "give the store's free space (after transcript retention or task deletes) back to the"
               " filesystem; prints the size before and after")
 
-    task = sub.group("task", "tasks: create, list, show, finish, delete", "task_cmd")
+    task = sub.group("task", "tasks", "task_cmd")
     tc = task.add("create", "create a task")
     tc.add_argument("--title", required=True, help="what the task is about (shown on the board)")
     tc.add_argument("--workspace", metavar="DIR", help="the agents' working directory (default: a new directory"
@@ -276,7 +291,7 @@ def _build_parser() -> argparse.ArgumentParser:
     td.add_argument("--stop", action="store_true", help="stop the task's idle agents first (a running turn"
                     " is still refused: kandev cancel it)")
 
-    session = sub.group("session", "sessions: start, show, list, stop, configure", "session_cmd")
+    session = sub.group("session", "sessions", "session_cmd")
     ss = session.add("start", "start an agent session for a task")
     ss.add_argument("task_id", metavar="TASK", help="the task's id (any unique prefix of 4+ characters)")
     ss.add_argument("--agent", default="mock", help="a built-in agent (kandev agents lists them; default: mock)")
@@ -342,11 +357,13 @@ def _build_parser() -> argparse.ArgumentParser:
     bo.add_argument("--interval", type=_seconds, default=1.0, metavar="S", help="with --watch: seconds between looks")
     doc = sub.add("doctor", "check this installation (no backend needed); exit 1 if a check fails")
     doc.add_argument("--config", metavar="FILE",
-                     help="config file to check (default: $KANDEV_CONFIG, /etc/kandev/kandev.toml)")
+                     help="a config file to check instead of the running backend's (with none running:"
+                     " $KANDEV_CONFIG, /etc/kandev/kandev.toml)")
     ag = sub.add("agents", "the built-in agents with package and pinned version, and the names of the variables"
                  " each gets from [agents.NAME] (never a value)")
     ag.add_argument("--config", metavar="FILE",
-                    help="config file to read (default: $KANDEV_CONFIG, /etc/kandev/kandev.toml)")
+                    help="a config file to read instead of the running backend's (with none running:"
+                    " $KANDEV_CONFIG, /etc/kandev/kandev.toml)")
     runtime = sub.group("runtime", "managed npm runtimes of the built-in agents", "runtime_cmd")
     ru = runtime.add("update", "prepare the agent's pinned npm package, repair its own npx cache entry once if that"
                      " fails, then ACP-probe it (progress on stderr; exit 1 if the job fails)")

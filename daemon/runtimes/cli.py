@@ -74,7 +74,9 @@ def ensure_runtime(call: Call, agent: str, progress: TextIO, poll_wait: float = 
         raise
     if answer.get("prepared") or not answer.get("job"):
         return None
-    print(f"kandev: the runtime of {agent} is not prepared yet ({answer.get('reason')}); preparing it first",
+    # what is wrong, then what happens now: no instruction for the user, since nothing is left to them
+    print(f"kandev: the runtime of {agent} is not prepared yet: {answer.get('reason')}.\n"
+          f"kandev: preparing it now (as `kandev runtime update {agent}` does), then starting the session:",
           file=progress, flush=True)
     job = _follow(call, answer["job"], progress, poll_wait, f"preparing {agent}")
     if job["state"] != "succeeded":

@@ -37,7 +37,12 @@ CACHE_TIMEOUT_S = 30.0
 
 
 class RuntimeNotPrepared(Exception):
-    """The runtime's prepared tree is missing or unusable; the message says how to fix it."""
+    """The runtime's prepared tree is missing or unusable: ``what`` is wrong, and the message adds
+    how to fix it by hand (``fix``), for where nothing prepares it on its own."""
+
+    def __init__(self, what: str, fix: str | None = None) -> None:
+        super().__init__(f"{what}; {fix}" if fix else what)
+        self.what = what
 
 
 @dataclass(frozen=True)
@@ -93,14 +98,14 @@ def prepared_runtime(agent: BuiltinAgent, cache_root: Path) -> PreparedRuntime:
         doc = json.loads(manifest.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         raise RuntimeNotPrepared(f"the runtime {agent.npm_spec} is not prepared ({manifest} is missing or"
-                                 f" unreadable); {hint}") from None
+                                 " unreadable)", hint) from None
     if not isinstance(doc, dict) or doc.get("version") != agent.version:
-        raise RuntimeNotPrepared(f"{tree} does not hold {agent.npm_spec}; {hint}")
+        raise RuntimeNotPrepared(f"{tree} does not hold {agent.npm_spec}", hint)
     bin_dir = tree / "node_modules" / ".bin"
     entry = bin_dir / _bin_name(agent.package, doc)
     real = Path(os.path.realpath(entry))
     if not str(real).startswith(str(Path(os.path.realpath(tree))) + os.sep) or not os.access(real, os.X_OK):
-        raise RuntimeNotPrepared(f"{entry} is not an executable inside {tree}; {hint}")
+        raise RuntimeNotPrepared(f"{entry} is not an executable inside {tree}", hint)
     try:
         user = agent_user()
     except AgentUserMissing:

@@ -548,6 +548,17 @@ def last_of_kinds(db: Session, session_id: str, kinds: Iterable[str], limit: int
         .order_by(TranscriptEntry.cursor.desc()).limit(limit))]
 
 
+def last_of_kinds_at(db: Session, session_id: str, kinds: Iterable[str], limit: int) -> list[tuple[str, str, datetime]]:
+    """``last_of_kinds`` with the moment each entry was written."""
+    key = session_key(db, session_id)
+    if key is None:
+        return []
+    return [(k, t, at) for k, t, at in db.execute(
+        select(TranscriptEntry.kind, TranscriptEntry.text, TranscriptEntry.created_at)
+        .where(TranscriptEntry.session_key == key, TranscriptEntry.kind.in_(list(kinds)))
+        .order_by(TranscriptEntry.cursor.desc()).limit(limit))]
+
+
 def delete_older_than(db: Session, cutoff: datetime) -> int:
     """Retention: remove every entry written before ``cutoff``; returns how many chunks went.
     Cursors are not reused (``transcript_sessions.last_cursor`` stays)."""

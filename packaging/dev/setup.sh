@@ -18,6 +18,8 @@ die() { printf 'setup: ERROR: %s\n' "$*"; exit 1; }
 # ---- 1. system packages --------------------------------------------------------------------
 APT_PKGS=(python3 python3-venv python3-dev gcc pkg-config libsystemd-dev systemd-container
           util-linux iproute2)
+# `man kandev` after set-up (the pages go into the venv: step 4)
+APT_PKGS+=(man-db)
 # every agent runs in a bubblewrap sandbox (daemon/agentctl/sandbox/bubblewrap.py; the package depends on it)
 # under a system-call filter built with libseccomp's own Python bindings (sandbox/seccomp_filter.py)
 APT_PKGS+=(bubblewrap python3-seccomp)
@@ -179,5 +181,14 @@ done
 log "byte-compiling daemon ipc tests"
 (cd "$REPO" && umask 022 && "$VENV/bin/python" -m compileall -q -j 0 daemon ipc tests >/dev/null) ||
   log "compileall failed; each process compiles what it imports"
+
+# ---- 4. the man pages ------------------------------------------------------------------------
+# kandev(1), kandev-backend(8) and kandev-agentctl(8) into the venv's share/man: man(1) looks in
+# <dir>/../share/man for every <dir>/bin on the PATH, so `man kandev` works once .venv/bin is on the
+# PATH, as the README's quick start puts it (the Debian package installs them under /usr/share/man).
+for page in "$REPO"/packaging/man/*.[0-9]; do
+  section=${page##*.}
+  install -D -m 644 "$page" "$VENV/share/man/man$section/$(basename "$page")"
+done
 
 echo "$VENV" >&3

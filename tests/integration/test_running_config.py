@@ -49,10 +49,10 @@ def _checks(k: Kandev, *args: str) -> dict[str, dict[str, Any]]:
 
 
 def test_agents_and_doctor_read_the_running_backends_configuration(short_tmp: Path, kandev_factory: Any) -> None:
-    """Issue 46 Why 3: after ``kandev up --config FILE`` (the shell's $KANDEV_CONFIG names another,
-    empty, file), ``agents`` shows FILE's secret_env and ``doctor`` FILE's [agents.NAME] settings,
-    each naming FILE as the running backend's; ``--config`` reads the file it names; with the
-    backend down they read the file ``kandev up`` would use, and say so."""
+    """Issue 46 Why 3 (Issue 46 item 3): after ``kandev up --config FILE`` (the shell's $KANDEV_CONFIG names
+    another, empty, file), ``agents`` shows FILE's secret_env and ``doctor`` FILE's [agents.NAME] settings,
+    each naming FILE as the running backend's; ``--config`` reads the file it names; with the backend down
+    they read the file ``kandev up`` would use, and say so."""
     key = _key(short_tmp / "anthropic.key")
     k = kandev_factory()
     shell_config = k.env["KANDEV_CONFIG"]
@@ -101,9 +101,9 @@ def test_agents_and_doctor_read_the_running_backends_configuration(short_tmp: Pa
 ])
 def test_up_and_doctor_name_a_bad_key_file_with_its_key_and_fix(short_tmp: Path, kandev_factory: Any, problem: str,
                                                                what: str, fix: str) -> None:
-    """Issue 46 Why 4: an empty (or lone-newline), wrong-mode or missing key file stops ``kandev
-    up`` before anything starts, and ``kandev doctor`` fails a check named by its key; both say
-    what is wrong and the fix."""
+    """Issue 46 Why 4 (Issue 46 item 4): an empty (or lone-newline), wrong-mode or missing key file stops
+    ``kandev up`` before anything starts, and ``kandev doctor`` fails a check named by its key; both say what
+    is wrong and the fix."""
     key = short_tmp / "token"
     if problem != "missing":
         _key(key, {"empty": "", "newline": "\n"}.get(problem, VALUE), 0o644 if problem == "mode" else 0o600)
@@ -122,10 +122,10 @@ def test_up_and_doctor_name_a_bad_key_file_with_its_key_and_fix(short_tmp: Path,
 
 
 def test_a_key_file_emptied_under_a_running_backend(short_tmp: Path, kandev_factory: Any) -> None:
-    """Issue 46 Why 4: a key file emptied while the backend runs: ``doctor`` (asking the backend,
-    which checks it as its own user) fails its check with the fix, and a session start is refused
-    with an error that says what went wrong first, names the key and the fix, and no internal word
-    such as ``create_instance``."""
+    """Issue 46 Why 4 (Issue 46 item 4): a key file emptied while the backend runs: ``doctor`` (asking the
+    backend, which checks it as its own user) fails its check with the fix, and a session start is refused
+    with an error that says what went wrong first, names the key and the fix, and no internal word such as
+    ``create_instance``."""
     key = _key(short_tmp / "token")
     k = kandev_factory(config_text=f'[agents.mock]\nsecret_env = {{ MOCK_TOKEN = "{key}" }}\n')
     _up(k)

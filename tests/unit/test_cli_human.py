@@ -151,7 +151,7 @@ def test_session_list_hides_finished_sessions_unless_all() -> None:
              "retracked": False, "live": state == "RUNNING", "created_at": None, "last_turn": None}
             for c, state in (("1", "RUNNING"), ("2", "COMPLETED"), ("3", "FAILED"))]
     lines = session_list_lines({"sessions": rows}, Term(), show_all=False)
-    assert lines[0].split() == ["SESSION", "TASK", "AGENT", "STATE", "RETRACKED", "AGE", "LAST", "TURN"]
+    assert lines[0].split() == ["SESSION", "TASK", "TITLE", "AGENT", "STATE", "AGE", "LAST", "TURN"]
     assert [line.split()[0] for line in lines[1:3]] == ["11111111", "33333333"]
     assert "1 finished session not shown" in lines[-1]
     assert len(session_list_lines({"sessions": rows}, Term(), show_all=True)) == 4

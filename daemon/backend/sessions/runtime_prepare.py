@@ -34,11 +34,12 @@ PROGRESS_KEY = "runtime_prepare"
 
 
 def _check(agent: BuiltinAgent) -> str | None:
-    """None when the runtime is prepared, else why not (blocking)."""
+    """None when the runtime is prepared, else why not (blocking): what is wrong, without the fix
+    by hand (a runtime job is about to prepare it)."""
     try:
         find_prepared(agent)
     except RuntimeNotPrepared as exc:
-        return str(exc)
+        return exc.what
     return None
 
 

@@ -25,7 +25,7 @@ from daemon.backend.sessions import agent_launch
 from daemon.backend.sessions.launcher import LaunchPlan, LaunchProgress, LaunchStage, SessionLauncher
 from daemon.backend.state.agent_identity import AgentIdentity
 from daemon.backend.tasks.delete import refuse_while_deleting
-from daemon.backend.views.session_view import PageRequest, StoredSession, read_session
+from daemon.backend.views.session_view import PageRequest, StoredSession, permission_settled, read_session
 from daemon.core.journal import log_event
 from daemon.credentials import CredentialError
 from daemon.store import transcript, transitions
@@ -204,15 +204,34 @@ class SessionService:
         await client.cancel(ex.instance_id)
         return {"ok": True}
 
+    def _refuse_if_settled(self, session_id: str, request_id: Any) -> None:
+        """A request answered (or cancelled) before: say so, with the answer and how long ago
+        (Issue 46 Why 6), rather than that no such request is open."""
+        with self.backend.store.session() as db:
+            get_session(db, session_id)
+            settled = permission_settled(db, session_id, str(request_id))
+        if settled is None:
+            return
+        ago = max(0, round((datetime.now(UTC) - settled["at"]).total_seconds()))
+        what = (f"answered ({settled['answer'] or 'cancelled'}, {ago} s ago)" if settled["state"] == "answered"
+                else f"cancelled ({settled['reason'] or 'unanswered'}, {ago} s ago)")
+        raise IpcError(ErrorCode.CONFLICT, f"permission request {str(request_id)[:8]} of session {session_id[:8]} was"
+                       f" already {what}; nothing changed",
+                       details={"state": settled["state"], "answer": settled["answer"], "seconds_ago": ago})
+
     async def respond_permission(self, session_id: str, request_id: Any, option_id: Any) -> dict[str, Any]:
         b = self.backend
-        with b.store.session() as db:
-            get_session(db, session_id)
+        self._refuse_if_settled(session_id, request_id)
         ex = b.executions.executions.get(session_id)
         client = b.servers.client_for(ex) if ex is not None else None
         if ex is None or client is None:
             raise IpcError(ErrorCode.CONFLICT, f"session {session_id} has no running agent")
-        await client.respond_permission(ex.instance_id, request_id, option_id)
+        try:
+            await client.respond_permission(ex.instance_id, request_id, option_id)
+        except IpcError as exc:
+            if exc.code == ErrorCode.NOT_FOUND:  # answered meanwhile (by another caller), or cancelled
+                self._refuse_if_settled(session_id, request_id)
+            raise
         b.quiet.answered(session_id, str(request_id))  # the agent has the word again
         with b.store.session() as db:
             transcript.append(db, session_id, role="user", kind="permission_response",

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from datetime import UTC
 from typing import Any
 
 from sqlalchemy import func, select
@@ -158,6 +159,23 @@ def permissions(db: Session, session_id: str) -> list[dict[str, Any]]:
             requests[rid]["state"] = "answered"
             requests[rid]["answer"] = data.get("option_id")
     return list(requests.values())
+
+
+def permission_settled(db: Session, session_id: str, request_id: str) -> dict[str, Any] | None:
+    """How the session's permission request ``request_id`` was settled, if it was: ``{state:
+    answered|cancelled, answer: the option chosen (None: answered as cancelled), reason (of a
+    cancellation), at: when}``; None while it is open or unknown."""
+    settled = ("permission_response", "permission_cancelled")
+    for kind, text, at in transcript.last_of_kinds_at(db, session_id, settled, PERMISSION_MESSAGES):
+        try:
+            data = json.loads(text)
+        except ValueError:
+            continue
+        if isinstance(data, dict) and str(data.get("request_id")) == request_id:
+            return {"state": "answered" if kind == "permission_response" else "cancelled",
+                    "answer": data.get("option_id"), "reason": data.get("reason"),
+                    "at": at if at.tzinfo is not None else at.replace(tzinfo=UTC)}
+    return None
 
 
 def turns(db: Session, session_id: str) -> tuple[list[dict[str, Any]], int]:

@@ -80,6 +80,20 @@ def state_styles(state: str | None) -> tuple[Colour, ...]:
     return _STATE_COLOURS.get(state or "", ())
 
 
+NO_AGENT = "NO AGENT"
+"""A session's state as people see it when the store says it runs or waits for input but no agent is
+there to answer (stopped with ``session stop``, or lost in a backend restart): ``kandev resume``
+gives it one."""
+
+
+def session_state(state: str | None, live: bool | None) -> tuple[str, tuple[Colour, ...]]:
+    """A session's state as every view shows it (``session list``, the board): the stored state,
+    or ``NO_AGENT`` where it runs or waits for input without an agent (``live`` False)."""
+    if state in (SessionState.RUNNING, SessionState.WAITING_FOR_INPUT) and live is False:
+        return NO_AGENT, (Colour.YELLOW,)
+    return state or "-", state_styles(state)
+
+
 def yes_no(value: object) -> str:
     return "yes" if value else "no"
 

@@ -1,6 +1,7 @@
 """Aligned tables like ``docker ps`` and ``kubectl get``: an upper-case header, two spaces between
-columns, and on a terminal one flexible column (e.g. a title) cut so that a row fits the width;
-if it still does not fit, the row is cut at the terminal's edge (as ``systemctl`` does)."""
+columns, and on a terminal flexible columns (e.g. a title) cut, one after the other, so that a row
+fits the width; if it still does not fit, the row is cut at the terminal's edge (as ``systemctl``
+does)."""
 
 from __future__ import annotations
 
@@ -39,17 +40,20 @@ def cell(text: object, *styles: Colour) -> Cell:
 
 
 def render_table(term: Term, headers: Sequence[str], rows: Sequence[Sequence[Cell | str]],
-                 flex: int | None = None) -> list[str]:
-    """The lines of the table; column ``flex`` gives way when the terminal is too narrow."""
+                 flex: int | Sequence[int] | None = None) -> list[str]:
+    """The lines of the table; the ``flex`` columns give way when the terminal is too narrow, one
+    after the other in the order given, each down to ``MIN_FLEX`` (or its header's width)."""
     grid = [[c if isinstance(c, Cell) else cell(c) for c in row] for row in rows]
     widths = [len(h) for h in headers]
     for row in grid:
         for i, c in enumerate(row):
             widths[i] = max(widths[i], len(c.text))
-    if flex is not None and term.width is not None:
-        total = sum(widths) + len(GAP) * (len(widths) - 1)
-        if total > term.width:
-            widths[flex] = max(MIN_FLEX, len(headers[flex]), widths[flex] - (total - term.width))
+    width = term.width
+    for column in ([] if flex is None or width is None else [flex] if isinstance(flex, int) else flex):
+        over = sum(widths) + len(GAP) * (len(widths) - 1) - (width or 0)
+        if over <= 0:
+            break
+        widths[column] = max(MIN_FLEX, len(headers[column]), widths[column] - over)
     lines = [_join(term, [Cell(h, (Colour.BOLD,)) for h in headers], widths)]
     lines += [_join(term, row, widths) for row in grid]
     return lines

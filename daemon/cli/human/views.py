@@ -13,6 +13,7 @@ from daemon.cli.human.fmt import (
     out_of_space_line,
     quiet_hint,
     quiet_text,
+    session_state,
     short,
     state_styles,
     stop_reason_ok,
@@ -137,7 +138,7 @@ def task_proceed_lines(result: dict[str, Any], term: Term) -> list[str]:
         lines.append(f"  context reset: new provider session ({reset.get('path')})")
     prompt = result.get("prompt")
     if isinstance(prompt, dict):
-        lines.append(f"  prompt sent: turn {prompt.get('turn_id')}")
+        lines.append(f"  prompt sent: turn {short(prompt.get('turn_id'))}")
         if result.get("session_id"):
             lines.append(_hint(term, f"watch it: kandev follow {short(result['session_id'])}"))
     return lines
@@ -243,7 +244,9 @@ def board_lines(result: dict[str, Any], term: Term) -> list[str]:
             if quiet:  # a running turn whose agent has said nothing for agents.quiet_warning_s
                 detail = cell(quiet_text(quiet), Colour.YELLOW)
                 hints.append(_hint(term, f"{short(t['task_id'], n)}: {quiet_hint(quiet)}"))
-            row = [short(t["task_id"], n), t.get("title") or "-", agent, cell(state, *state_styles(state)),
+            # the state as session list shows it: NO AGENT where the session has none
+            shown_state, styles = session_state(state, session.get("live") if "live" in session else None)
+            row = [short(t["task_id"], n), t.get("title") or "-", agent, cell(shown_state, *styles),
                    short(session.get("session_id"))]
             if bucket == "needs_attention":
                 row.insert(0, cell(reason or "-", Colour.YELLOW))
@@ -274,7 +277,7 @@ def session_start_lines(result: dict[str, Any], term: Term, agent: str) -> list[
     sid = short(result.get("session_id"))
     lines = [f"Started session {term.bold(sid)} (agent {agent})"]
     if result.get("turn_id"):
-        lines.append(f"  prompt sent: turn {result['turn_id']}")
+        lines.append(f"  prompt sent: turn {short(result['turn_id'])}")
         lines.append(_hint(term, f"watch it: kandev follow {sid}"))
     else:
         lines.append(_hint(term, f"send a prompt: kandev prompt {sid} TEXT --follow"))
@@ -297,21 +300,22 @@ def session_list_lines(result: dict[str, Any], term: Term, show_all: bool) -> li
         lines = ["No sessions." if not sessions else "No running sessions."]
     else:
         n = unique_length(s["session_id"] for s in shown)
+        # RETRACKED only once a session was re-tracked (agent survival): a column of "no" says nothing
+        retracked = any(s.get("retracked") for s in shown)
         rows = []
         for s in shown:
-            state = s.get("state")
-            retracked = "yes" if s.get("retracked") else "no"
-            state_cell = cell(state, *state_styles(state))
-            if state in (SessionState.RUNNING, SessionState.WAITING_FOR_INPUT) and not s.get("live"):
-                state_cell = cell(f"{state} (no agent)", Colour.YELLOW)  # e.g. not re-tracked after a restart
+            shown_state, styles = session_state(s.get("state"), bool(s.get("live")))
             last_turn = _last_turn(s.get("last_turn"))
             if s.get("quiet"):  # its agent has said nothing for agents.quiet_warning_s
                 last_turn += f", no output for {s['quiet'].get('seconds')} s"
-            rows.append([short(s["session_id"], n), f"{short(s.get('task_id'))} {s.get('task_title') or ''}".rstrip(),
-                         s.get("agent") or "-", state_cell, retracked,
+            rows.append([short(s["session_id"], n), short(s.get("task_id")), s.get("task_title") or "-",
+                         s.get("agent") or "-", cell(shown_state, *styles),
+                         *([yes_no(s.get("retracked"))] if retracked else []),
                          age(s.get("created_at")), last_turn])
-        lines = render_table(term, ["SESSION", "TASK", "AGENT", "STATE", "RETRACKED", "AGE", "LAST TURN"], rows,
-                             flex=1)
+        headers = ["SESSION", "TASK", "TITLE", "AGENT", "STATE", *(["RETRACKED"] if retracked else []), "AGE",
+                   "LAST TURN"]
+        # The ids and the state stay whole: the last turn gives way first, then the title.
+        lines = render_table(term, headers, rows, flex=(len(headers) - 1, 2))
     if hidden:
         lines.append(term.dim(f"({hidden} finished session{'s' if hidden != 1 else ''} not shown; --all shows them)"))
     return lines
@@ -429,8 +433,8 @@ def prompt_lines(result: dict[str, Any], term: Term, session: str) -> list[str]:
     if "stop_reason" in result:
         reason = result.get("stop_reason")
         state = "finished" if reason not in (None, "agent_exited") else "abandoned"
-        return [f"Turn {result.get('turn_id')}: " + turn_end_line(term, {"state": state, "stop_reason": reason})]
-    return [f"Prompt sent: turn {result.get('turn_id')}", _hint(term, f"watch it: kandev follow {session}")]
+        return [f"Turn {short(result.get('turn_id'))}: " + turn_end_line(term, {"state": state, "stop_reason": reason})]
+    return [f"Prompt sent: turn {short(result.get('turn_id'))}", _hint(term, f"watch it: kandev follow {session}")]
 
 
 def cancel_lines(session: str) -> list[str]:
