@@ -135,7 +135,7 @@ def test_scenario_a_every_command_reads_as_text_with_8_char_ids(k: Kandev, sessi
     assert "Started session" in second
 
     listed = h("session", "list").stdout.splitlines()
-    assert listed[0].split() == ["SESSION", "TASK", "TITLE", "AGENT", "STATE", "RETRACKED", "AGE", "LAST", "TURN"]
+    assert listed[0].split() == ["SESSION", "TASK", "TITLE", "AGENT", "STATE", "AGE", "LAST", "TURN"]
     assert any(line.startswith(s8) and "Fix the login bug" in line for line in listed[1:])
     h("session", "list", "--all")
     board = h("board").stdout
