@@ -57,6 +57,6 @@ def read_config(socket: str | Path, config_path: str | None) -> dict[str, Any]:
     if config_path is None:
         view = backend_config(socket)
         if view is not None:
-            return described(view, BACKEND, f"the running backend's (pid {view.get('pid')}), as it read it at"
+            return described(view, BACKEND, f"the running backend's, pid {view.get('pid')}, as it read it at"
                              " its start")
     return local_view(config_path)
