@@ -1,4 +1,5 @@
-"""The small things a user notices at once (Issue 46 Why 6), each through the real CLI.
+"""The small things a user notices at once (Issue 46 Why 6), each through the real CLI; each test
+fails on the behaviour before the fix (Issue 46 scenario A).
 
 - help: every command group's help lists exactly the commands it takes (``task`` listed ``finish``,
   which does not exist), in the stored ``--help`` too;

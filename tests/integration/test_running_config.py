@@ -1,5 +1,6 @@
 """The inspection commands read the running backend's configuration, and key files are checked
-before any session starts (Issue 46 Why 3 and Issue 46 Why 4), through the real CLI and daemons.
+before any session starts (Issue 46 Why 3 and Issue 46 Why 4), through the real CLI and daemons;
+each test fails on the behaviour before the fix (Issue 46 scenario A).
 
 - ``kandev agents`` and ``kandev doctor`` describe the configuration the running backend was
   started with (``kandev up --config FILE``), asked over its socket, whatever file the shell's
