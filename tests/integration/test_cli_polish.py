@@ -95,6 +95,11 @@ def test_agents_is_a_table_with_a_header(kandev_factory: Any) -> None:
     listed = k.cli("agents")["agents"]
     assert [line.split()[0] for line in lines[header + 1:header + 1 + len(listed)]] == [a["name"] for a in listed]
     assert set(listed[0]) >= {"name", "package", "version", "runtime", "env", "secret_env", "home_files"}
+    # bash completion reads the agents' names from the table
+    completion = REPO_ROOT / "packaging" / "bash-completion" / "kandev"
+    names = subprocess.run(["bash", "-c", f"source {completion}; _kandev_agents"], capture_output=True, text=True,
+                           env={**k.env, "PATH": f"{Path(sys.executable).parent}:{k.env['PATH']}"}, timeout=60)
+    assert names.stdout.split() == [a["name"] for a in listed], names.stdout + names.stderr
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import pytest
 from daemon.agentctl import launch
 from daemon.agentctl.sandbox import agent_env
 from daemon.agentctl.sandbox.bubblewrap import SandboxRequest
+from daemon.agents.file_checks import file_problems
 from daemon.agents.settings import SecretKind, SecretRef, SettingsError, describe
 from daemon.agents.settings import agent_env as plain_env
 from daemon.config.keys import ConfigError
@@ -161,3 +162,21 @@ def test_settings_error_names_its_key() -> None:
     with pytest.raises(SettingsError) as err:
         SecretRef.parse(5, "agents.mock.secret_env.X")
     assert err.value.key == "agents.mock.secret_env.X"
+
+
+@pytest.mark.parametrize("text, empty", [("", True), ("\n", True), ("\r\n", True), ("k", False), ("k\n", False)])
+def test_an_empty_key_file_is_a_problem_named_with_its_fix(tmp_path: Path, text: str, empty: bool) -> None:
+    """Issue 46 Why 4: a key file holding nothing but a line break is refused at start, naming the
+    key and the fix; a one-character key is a key. A home_files source may be empty."""
+    key = tmp_path / "key"
+    key.write_text(text, newline="")
+    key.chmod(0o600)
+    cfg = load_config(str(_config(tmp_path, f'[agents.mock]\nsecret_env = {{ T = "{key}" }}\n'
+                                             f'home_files = {{ "a.json" = "{key}" }}\n')), env={})
+    problems = file_problems(cfg.agents.settings)
+    assert [p.key for p in problems] == (["agents.mock.secret_env.T"] if empty else [])
+    if empty:
+        assert problems[0].what == f"{key} is empty" and f"printf '%s' \"$T\" > {key}" in problems[0].fix
+        with pytest.raises(ConfigError, match="is empty; fix: write the key into it") as err:
+            validate_backend(cfg)
+        assert err.value.key == "agents.mock.secret_env.T"

@@ -45,6 +45,20 @@ def test_tables_align_and_give_way_on_narrow_terminals() -> None:
     assert all(len(line) <= 40 for line in narrow) and "\u2026" in narrow[1]
 
 
+def test_flexible_columns_give_way_in_the_order_given() -> None:
+    """Issue 46 Why 6: the first flexible column gives way down to its minimum, then the next; the
+    other columns (ids, a state) stay whole."""
+    rows = [["1a2b3c4d", "a title of some thirty characters", "WAITING_FOR_INPUT", "#12 end_turn 3m ago"]]
+    headers = ["TASK", "TITLE", "STATE", "LAST TURN"]
+    wide = render_table(Term(), headers, rows, flex=(3, 1))
+    full = len(wide[1])
+    lines = render_table(Term(width=full - 5), headers, rows, flex=(3, 1))
+    assert "a title of some thirty characters" in lines[1] and "#12 end_turn 3m ago" not in lines[1]
+    lines = render_table(Term(width=60), headers, rows, flex=(3, 1))
+    assert all(len(line) <= 60 for line in lines), lines
+    assert lines[1].split()[:1] == ["1a2b3c4d"] and "WAITING_FOR_INPUT" in lines[1] and "LAST TURN" in lines[0]
+
+
 def test_ids_are_shown_long_enough_to_tell_apart() -> None:
     assert unique_length(["1a2b3c4d00", "99"]) == 8
     assert unique_length(["1a2b3c4d00", "1a2b3c4d11"]) == 9
