@@ -3,7 +3,9 @@
 Works without a running backend. Every check is a ``daemon.config.platform.Check``
 (name, ok, detail, hint) and the result is the list of them, in this order:
 
-- ``config``: the configuration file and environment load and validate.
+- ``config``: which configuration the checks read (the running backend's, asked over its socket,
+  unless ``--config`` names a file or no backend answers) and, for a file, that it loads and
+  validates; ``agents`` and one check per refused key file (``daemon.cli.doctor_config``).
 - ``platform.*``: every condition of the platform check (``daemon.config.platform.run_checks``). When
   systemd runs ``kandev-backend.service``, they are evaluated as that unit sees the host (its
   environment, its cgroup, its user), not as this shell does.
@@ -41,13 +43,12 @@ from pathlib import Path
 from typing import Any
 
 from daemon.api.ops import LinkObserved, LinkState
-from daemon.cli.config_read import BACKEND, HERE, backend_config, described
-from daemon.cli.human.views import configuration_line
+from daemon.cli.config_read import backend_config
+from daemon.cli.doctor_config import agent_checks, configuration, database_url
 from daemon.config import platform
-from daemon.config.keys import ConfigError
 from daemon.config.platform import AGENTCTL_UNIT, Check, Probes
-from daemon.config.settings import Config, check_config, config_file, load_config
-from daemon.config.view import config_from_view, config_view, hidden
+from daemon.config.settings import Config
+from daemon.config.view import hidden
 from daemon.host.paths import SERVICE_GROUP, Paths
 
 BACKEND_UNIT = "kandev-backend.service"
@@ -83,15 +84,6 @@ def _backend_status(socket: Path) -> dict[str, Any] | None:
             status: dict[str, Any] = client.call("status", {}, timeout=3.0)
             return status
     except (IpcError, OSError):
-        return None
-
-
-def _database_url(file: str | None) -> str | None:
-    """``database.url`` as the running backend's file gives it, read here (None: not readable here,
-    or it came from the backend's environment)."""
-    try:
-        return load_config(file, {}).database.url if file else None
-    except (ConfigError, OSError):
         return None
 
 
@@ -161,30 +153,6 @@ class _Report:
 
 
 # ---------------------------------------------------------------- the checks
-
-
-def _config(r: _Report, paths: Paths, config_path: str | None, env: Mapping[str, str],
-            probes: DoctorProbes) -> tuple[Config | None, dict[str, Any] | None]:
-    """The running backend's configuration, asked over its socket, unless ``--config`` names a file
-    or no backend answers: then that file (or the one ``kandev up`` would use), checked here (Issue 46
-    Why 3). Returns it and its view (``daemon.config.view``); None, None when it is refused."""
-    view = probes.backend_config(paths.backend_socket) if config_path is None else None
-    if view is not None:
-        view = described(view, BACKEND, f"the running backend's, pid {view.get('pid')}, as it read it at its start;"
-                         " `kandev doctor --config FILE` checks another file")
-        r.add("config", True, configuration_line(view.get("file"), view["reason"]))
-        return config_from_view(view), view
-    reason = "--config" if config_path else "no backend answers for this home: the file `kandev up` would start one with"
-    try:
-        config = check_config(config_path, env, files=False)  # the agents' files: one check each, below
-    except (ConfigError, OSError) as exc:
-        r.add("config", False, f"configuration refused: {exc}",
-              f"fix the key named above in {config_file(config_path, env)} (or the KANDEV_* variable);"
-              " the packaged /etc/kandev/kandev.toml lists every key with its default and range")
-        return None, None
-    view = described(config_view(config), HERE, reason)
-    r.add("config", True, "configuration valid; " + configuration_line(config.source, reason))
-    return config, view
 
 
 def _units(r: _Report, probes: DoctorProbes) -> dict[str, dict[str, str]]:
@@ -423,7 +391,7 @@ def _store(r: _Report, config: Config | None, view: dict[str, Any] | None, paths
     head = probes.head_revision()
     url = config.database.url if config is not None else None
     if view is not None and hidden(view, "database.url"):  # the running backend's: never shown
-        url = _database_url(view.get("file"))
+        url = database_url(view.get("file"))
         if url is None:
             r.add("store", True, f"database.url (not shown): the running backend (pid {view.get('pid')}) has its"
                   " store open; `kandev doctor --config FILE` reads it from a file this user may read")
@@ -541,30 +509,6 @@ def _sandbox(r: _Report, config: Config | None, status: dict[str, Any] | None, p
               ' "required": every agent start fails with sandbox_unavailable', SANDBOX_HINT)
 
 
-def _agents(r: _Report, view: dict[str, Any] | None) -> None:
-    """Each configured agent's variable names (and where its secrets come from), never a value; then
-    one failing check per key file or ``home_files`` source that would refuse an agent's start (as
-    the running backend's user sees it, when it answered), named by its key, with the fix."""
-    if view is None:  # the configuration was refused: said by the config check
-        return
-    where = view.get("file") or "the configuration (no file)"
-    configured = view.get("configured") or []
-    if not configured:
-        r.add("agents", True, f"no [agents.NAME] settings in {where}: agents get no provider settings or keys"
-              " from kandev")
-    parts = []
-    for name in configured:
-        shown = view["agents"][name]
-        secret = ", ".join(f"{var} ({ref})" for var, ref in shown["secret_env"].items())
-        files = ", ".join(f"~/{dest} ({src})" for dest, src in shown["home_files"].items())
-        parts.append(f"{name}: env {', '.join(shown['env']) or '-'}; secret_env {secret or '-'}"
-                     + (f"; home_files {files}" if files else ""))
-    if parts:
-        r.add("agents", True, f"{where}: " + "; ".join(parts))
-    for problem in view.get("problems") or []:
-        r.add(problem["key"], False, problem["what"], problem["fix"])
-
-
 def _agent_limits(r: _Report, config: Config | None) -> None:
     """Which uid agents run as, the process cap and how the kernel enforces it, the OOM order, and
     whether agents get cgroups of their own (and why not)."""
@@ -602,7 +546,9 @@ def run_doctor(
     environ = os.environ if env is None else env
     p = probes or DoctorProbes()
     r = _Report()
-    config, view = _config(r, paths, config_path, environ, p)
+    config, view, checks = configuration(p.backend_config(paths.backend_socket) if config_path is None else None,
+                                         config_path, environ)
+    r.checks += checks
     states = _units(r, p)
     path = _platform(r, config, environ, p, states)
     status = _permissions(r, paths, p)
@@ -612,7 +558,7 @@ def run_doctor(
     _tools(r, path, p)
     _sandbox(r, config, status, path, environ, p)
     _agent_limits(r, config)
-    _agents(r, view)
+    r.checks += agent_checks(view)
     return r.checks
 
 
