@@ -68,7 +68,8 @@ def _agents(sock: str, config_path: str | None) -> dict[str, Any]:
             "config_error": f"the configuration is refused: {error}" if error else None,
             "problems": view.get("problems") or [],
             "agents": [{"name": a.name, "package": a.package, "version": a.version, "runtime": a.runtime,
-                        **view["agents"][a.name]}
+                        # a backend of another version may not know this agent: nothing configured
+                        **(view["agents"].get(a.name) or {"env": [], "secret_env": {}, "home_files": {}})}
                        for a in sorted(BUILTIN_AGENTS.values(), key=lambda a: a.name)]}
 
 

@@ -60,7 +60,7 @@ def agent_checks(view: dict[str, Any] | None) -> list[Check]:
                              " settings or keys from kandev"))
     parts = []
     for name in configured:
-        shown = view["agents"][name]
+        shown = view["agents"].get(name) or {"env": [], "secret_env": {}, "home_files": {}}
         secret = ", ".join(f"{var} ({ref})" for var, ref in shown["secret_env"].items())
         files = ", ".join(f"~/{dest} ({src})" for dest, src in shown["home_files"].items())
         parts.append(f"{name}: env {', '.join(shown['env']) or '-'}; secret_env {secret or '-'}"
