@@ -49,6 +49,10 @@ def hint_for(error: IpcError, command: str | None = None, session_id: str | None
         return f"`kandev resume {session_id}` gives the session an agent again"
     if code == ErrorCode.CONFLICT and "turn is in progress" in message and session_id:
         return f"wait for it (`kandev follow {session_id}`) or cancel it (`kandev cancel {session_id}`)"
+    key = str((error.details or {}).get("key") or "")
+    if code == "config_refused" and key.startswith("agents.") and (".secret_env." in key or ".home_files." in key):
+        return ("the file the setting names is what needs fixing (the fix is above); `kandev doctor --config FILE`"
+                " lists every such file")
     if code == ErrorCode.AGENT_ERROR and session_id:
         return f"`kandev session show {session_id}` shows the agent's last error"
     return _HINTS.get(code)
