@@ -1,9 +1,10 @@
-"""The launch's instances as a service: create one (secrets, sandbox, start), stop one or all,
+"""The launch's instances as a service: create one (secrets, sandbox, memory cgroup, start), stop one or all,
 and keep the agents' stderr files bounded.
 
 ``InstanceService`` owns the life of the table ``ServerContext.instances`` from outside an
 instance: what goes into a new instance's spec besides the request (its secret values, read off
-the loop by ``daemon.agentctl.sandbox.agent_env``; its sandboxed argv from ``SandboxHost``), the
+the loop by ``daemon.agentctl.sandbox.agent_env``; its sandboxed argv from ``SandboxHost``; its
+memory cgroup below the one ``SandboxHost.memory`` names, ``daemon.agentctl.instance.memory``), the
 ``agent_unsandboxed`` / ``instance_started`` journal entries, the clean-up of an instance that
 failed to start, and the bounds of ``daemon.agentctl.instance.logs``. What one instance does once
 created is ``daemon.agentctl.instance.instance``'s; reading the request off the wire is
@@ -21,7 +22,8 @@ from typing import Any
 
 from daemon.agentctl.instance import logs as agent_logs
 from daemon.agentctl.instance.instance import Instance
-from daemon.agentctl.instance.process import InstanceSpec
+from daemon.agentctl.instance.memory import AgentMemory
+from daemon.agentctl.instance.process import InstanceSpec, close_launch_fds
 from daemon.agentctl.sandbox import agent_env
 from daemon.agentctl.sandbox import bubblewrap as sandbox
 from daemon.agentctl.sandbox.bubblewrap import SandboxPolicy, SandboxRequest
@@ -42,9 +44,11 @@ class InstanceService:
         self.sandbox = sandbox_host
         self._stopping: asyncio.Future[list[str]] | None = None  # stop_all's one stop
 
-    async def create(self, spec: InstanceSpec, sandbox_wire: Any, secret_refs: Any) -> Instance:
+    async def create(self, spec: InstanceSpec, sandbox_wire: Any, secret_refs: Any,
+                     max_memory: int | None = None) -> Instance:
         """Start the agent ``spec`` asks for, in its sandbox unless the request's ``sandbox``
-        says off; the instance is in the table and running on return."""
+        says off, in a memory cgroup of its own bounded to ``max_memory`` bytes where this server
+        can make one; the instance is in the table and running on return."""
         server = self.server
         spec.secret_env = await self._agent_secrets(spec.agent, secret_refs)
         request = SandboxRequest.from_wire(sandbox_wire)
@@ -64,6 +68,7 @@ class InstanceService:
                 TASK_ID=spec.task_id,
                 AGENT=spec.agent,
             )
+        agent_memory = self._memory_cgroup(spec, max_memory)
         kwargs: dict[str, Any] = {}
         if server.handshake_timeout is not None:
             kwargs["handshake_timeout"] = server.handshake_timeout
@@ -75,6 +80,7 @@ class InstanceService:
             detached_event_limit=server.detached_event_limit,  # per instance, by its own stream (AC-EXECUTORS-SURVIVAL-001.9)
             **kwargs,
         )
+        inst.memory = agent_memory
         server.instances[spec.instance_id] = inst
         server.changed()
         try:
@@ -96,15 +102,35 @@ class InstanceService:
         log_event(
             "instance_started",
             f"instance {spec.instance_id} started: agent {spec.agent or spec.command[0]} pid {inst.pid}"
-            f" ({'sandboxed' if spec.sandboxed else 'NOT sandboxed'})",
+            f" ({'sandboxed' if spec.sandboxed else 'NOT sandboxed'}; memory "
+            + (f"bounded to {agent_memory.limit} bytes)" if agent_memory else f"UNBOUNDED: {self.sandbox.memory.reason})"),
             INSTANCE_ID=spec.instance_id,
             SESSION_ID=spec.session_id,
             TASK_ID=spec.task_id,
             PID=inst.pid,
             AGENT=spec.agent,
             SANDBOXED=int(spec.sandboxed),
+            MAX_MEMORY=agent_memory.limit if agent_memory else None,
+            MEMORY_CGROUP=agent_memory.path if agent_memory else None,
         )
         return inst
+
+    def _memory_cgroup(self, spec: InstanceSpec, max_memory: int | None) -> AgentMemory | None:
+        """The agent's memory cgroup with its bound, where this server can make one (None: it cannot,
+        and ``sandbox_status`` says why). A failure to make it refuses the launch: an agent never runs
+        unbounded on a host that bounds agents."""
+        host = self.sandbox.memory
+        if max_memory is None or not host.bounded:
+            return None
+        try:
+            made = AgentMemory.create(host, spec.instance_id, max_memory)
+        except (OSError, ValueError) as exc:
+            close_launch_fds(spec)
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise IpcError(ErrorCode.AGENT_ERROR, f"create_instance: cannot make the agent's memory cgroup below"
+                           f" {host.base}: {why}", retryable=False) from None
+        spec.max_memory, spec.memory_cgroup = max_memory, made.path
+        return made
 
     async def _agent_secrets(self, agent: Any, refs: Any) -> dict[str, str]:
         """The values of the agent's ``secret_env`` references, read off the loop (agent_env)."""

@@ -15,7 +15,8 @@ recovery in bulk; a backend meeting 1.1 reads them one by one) and ``attach``'s 
 field (the events of one write in one frame; a 1.1 server ignores it and sends a frame per
 event, which the client reads as well), and ``attach_many`` and ``detach`` (the event streams of
 many instances on one connection; capability ``attach_many.v1``: a backend meeting a server
-without it attaches each instance on a connection of its own). ``identify`` never grows: unauthenticated, it answers
+without it attaches each instance on a connection of its own), and ``create_instance``'s
+``max_memory`` (each agent's memory bound; capability ``agent_memory.v1``). ``identify`` never grows: unauthenticated, it answers
 the identity, the capability set and the unowned period (and the protocol
 version), nothing else (AC-EXECUTORS-CONTROL-OWNERSHIP-001.11).
 
@@ -73,8 +74,13 @@ uid 0 with their own IPC namespace, stderr through the server, and ``agent_exite
 kandev did not send (0.3.0). A server without it is sent no ``max_processes``."""
 ATTACH_MANY_CAPABILITY = "attach_many.v1"
 """The ``attach_many`` and ``detach`` ops: the event streams of many instances on one connection (0.3.0)."""
+AGENT_MEMORY_CAPABILITY = "agent_memory.v1"
+"""``create_instance``'s ``max_memory`` (the agent's memory bound, enforced with a memory cgroup of its
+own), ``sandbox_status``'s ``memory`` (whether this server can bound agents' memory, and why not), and
+``agent_exited``'s ``reason: "memory"`` for an agent the bound killed (0.3.0). A server without it is
+sent no ``max_memory``."""
 CAPABILITIES = (*REQUIRED_CAPABILITIES, RELOAD_CAPABILITY, SANDBOX_CAPABILITY, AGENT_SECRETS_CAPABILITY,
-                AGENT_LIMITS_CAPABILITY, ATTACH_MANY_CAPABILITY)
+                AGENT_LIMITS_CAPABILITY, ATTACH_MANY_CAPABILITY, AGENT_MEMORY_CAPABILITY)
 
 
 TURN_STATUSES_MAX = 1000
@@ -90,7 +96,9 @@ class EventKind:
     TURN_STARTED = "turn_started"  # {turn_id, text}
     TURN_ENDED = "turn_ended"  # {turn_id, stop_reason, error|None}
     PERMISSION_REQUEST = "permission_request"  # {request_id, turn_id, tool_call, options}
-    AGENT_EXITED = "agent_exited"  # {exit_code, stderr_tail, signal?: name when killed by a signal kandev did not send}
+    # {exit_code, stderr_tail, signal?: name when killed by a signal kandev did not send,
+    #  reason?: "memory" when its memory bound killed it (with max_memory, in bytes)}
+    AGENT_EXITED = "agent_exited"
     AGENT_ERROR = "agent_error"  # {message}
     # An open permission request the server answered "cancelled" itself (a ``cancel`` op, or the
     # agent exited); a backend's own respond_permission is not echoed. Added with the detached bound.
@@ -149,6 +157,9 @@ OPS = [
             # {VARIABLE: "/path" | "credential:NAME"}: the agent's secrets, by reference; the server
             # reads the values at spawn into this agent's environment only (daemon.agentctl.sandbox.agent_env)
             "secret_env": dict,
+            # the agent's memory bound in bytes (agents.max_memory): its own memory cgroup; absent:
+            # half the host's RAM (agent_memory.v1)
+            "max_memory": int,
         },
         doc="spawn the agent in its own process group (in its sandbox unless the policy is off; a"
         " required sandbox this server cannot make: sandbox_unavailable), ACP initialize +"
@@ -183,7 +194,7 @@ OPS = [
         "sandbox_status",
         optional={"refresh": bool},
         doc="whether this server can sandbox agents (daemon.agentctl.sandbox.bubblewrap), probed again with refresh"
-        " -> {available, reason|None, mechanism, bwrap, version}",
+        " -> {available, reason|None, mechanism, bwrap, version, memory: {bounded, hierarchy, cgroup, reason}}",
     ),
     Op("prompt", required={"instance_id": str, "text": str}, doc="start a turn -> {turn_id}"),
     Op("cancel", required={"instance_id": str}, doc="ACP session/cancel for the current turn -> {}"),

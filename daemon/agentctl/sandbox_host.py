@@ -1,22 +1,37 @@
-"""Whether agents can be sandboxed on this host, and the argv that runs one in its sandbox.
+"""Whether agents can be sandboxed and their memory bounded on this host, and the argv that runs
+one in its sandbox.
 
 ``SandboxHost`` owns the launch's ``SandboxSupport``: probed off the event loop at start, again
 before a launch while it says no, and after a sandboxed agent died of bwrap's own error; a
 re-exec hands it over (kept only until the new image's own probe replaces it). ``wrap`` turns an
 agent's command into its sandboxed argv (``daemon.agentctl.sandbox.bubblewrap.wrap_command``), hiding what
 of this server no agent may see. How a sandbox is built is ``daemon.agentctl.sandbox.bubblewrap``'s.
+
+It also owns the launch's ``MemoryHost`` (``daemon.agentctl.sandbox.memory_cgroups``): where this
+server makes its agents' memory cgroups, or why it cannot (then agents are unbounded and
+``sandbox_status`` says why). It is probed once per process image, at start (a re-exec's new
+image probes again: on cgroup v2 it finds itself in the leaf the first image moved it to), and
+at a fresh start the empty cgroups of agents a previous lifetime left (``prune_memory``) go.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import time
 
 from daemon.agentctl.sandbox import bubblewrap as sandbox
+from daemon.agentctl.sandbox import memory_cgroups
 from daemon.agentctl.sandbox.bubblewrap import SandboxRequest, SandboxSupport
+from daemon.agentctl.sandbox.memory_cgroups import MemoryHost
 from daemon.agentctl.server_context import ServerContext
 from daemon.core.journal import log_event
 from daemon.host.agent_user import AgentUserMissing
 from ipc.errors import ErrorCode, IpcError
+
+PRUNE_AFTER_S = 60.0
+"""How old an agent's empty memory cgroup must be before a fresh start removes it."""
 
 
 class SandboxHost:
@@ -25,7 +40,35 @@ class SandboxHost:
     def __init__(self, server: ServerContext) -> None:
         self.server = server
         self.support: SandboxSupport | None = None
+        self.memory: MemoryHost = MemoryHost(None, None, None, "not probed yet")
         self._lock = asyncio.Lock()
+
+    def probe_memory(self) -> MemoryHost:
+        """Where agents' memory cgroups go (see the module docstring); logged once."""
+        host = self.memory = memory_cgroups.probe()
+        log_event(
+            "memory_probe",
+            (f"agents' memory: bounded, each agent in a memory cgroup of its own below {host.base}"
+             f" (cgroup {host.hierarchy})") if host.bounded else f"agents' memory: UNBOUNDED: {host.reason}",
+            priority=6 if host.bounded else 4,
+            BOUNDED=int(host.bounded),
+            HIERARCHY=host.hierarchy,
+            CGROUP=host.base,
+            REASON=host.reason,
+        )
+        return host
+
+    def prune_memory(self, older_than: float = PRUNE_AFTER_S) -> list[str]:
+        """Remove the empty cgroups of agents below ours made more than ``older_than`` s ago: a
+        previous lifetime's, left by a crash (a cgroup in use, or just made by a server sharing
+        ours, is never removed: the kernel refuses a cgroup with processes, and a young one waits)."""
+        removed = []
+        for path in memory_cgroups.leftovers(self.memory):
+            with contextlib.suppress(OSError):
+                if time.time() - os.stat(path).st_mtime > older_than:
+                    os.rmdir(path)
+                    removed.append(path)
+        return removed
 
     async def probe(self) -> SandboxSupport:
         """Probe (off the event loop) whether an agent sandbox can be made here; log a change."""

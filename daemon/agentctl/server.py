@@ -173,6 +173,8 @@ class AgentctlServer:
 
     async def start(self) -> None:
         await self.sandbox.probe()
+        self.sandbox.probe_memory()
+        self.sandbox.prune_memory()
         await self.ipc.start()
         self.write_reload_status()
         self.context.spawn_background(self.run_unowned_timer())
@@ -266,9 +268,11 @@ class AgentctlServer:
         # IPC namespace) under the restrictions of the unit this process started with: kept only
         # until this image's own probe, started at once by start_handed_over, replaces it.
         server.sandbox.support = state.sandbox_support
+        memory = server.sandbox.probe_memory()  # this image's own: where the previous one put its agents
         for h in state.instances:
             inst = instance_handover.restore(h, agent_log_dir=Path(config.agent_log_dir), turn_ids=ctx.turn_ids,
                                              on_change=ctx.changed)
+            instance_handover.restore_memory(inst, memory)
             ctx.instances[inst.instance_id] = inst
         return server
 
@@ -282,6 +286,8 @@ class AgentctlServer:
                 log.exception("instance %s: cannot take its agent's pipes back", inst.instance_id)
                 inst.not_taken_over.append(f"the agent's pipes ({type(exc).__name__}: {exc}); the agent still"
                                            " runs and stop_instance ends it")
+            if inst.memory is not None and not inst.exited.is_set():
+                inst.memory.watch()  # v1: this image's own notification of the agent's cgroup running out
         identity = state.socket_identity
         await self.ipc.start_on(listener, (identity[0], identity[1]) if len(identity) == 2 else None)
         ctx.spawn_background(self.run_unowned_timer())

@@ -18,6 +18,8 @@
   ``create_instance``); the control server reads the value itself when it spawns that agent and
   puts it in that agent's environment only (``daemon.agentctl.sandbox.agent_env``). A value is never
   logged, stored, shown, nor in any argv.
+- ``max_memory``: that agent's memory bound (``daemon.agents.memory``: bytes or ``"2G"``, 64 MiB to
+  the host's RAM), instead of ``agents.max_memory``.
 - ``home_files``: a path relative to the session's HOME -> an absolute host file, copied into that
   HOME before every launch of the agent (``daemon.agents.home_files``): an agent's own
   configuration file (its provider's address, its update and telemetry switches). The file is
@@ -46,6 +48,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from daemon.agents import memory
 from daemon.agents.registry import BUILTIN_AGENTS
 
 CREDENTIAL_PREFIX = "credential:"
@@ -116,6 +119,8 @@ class AgentSettings:
     secret_env: Mapping[str, SecretRef] = field(default_factory=dict)
     # {path relative to the session's HOME: absolute host file} (``daemon.agents.home_files``)
     home_files: Mapping[str, str] = field(default_factory=dict)
+    # this agent's memory bound in bytes (``daemon.agents.memory``); None: ``agents.max_memory``
+    max_memory: int | None = None
 
     def secret_refs(self) -> dict[str, str]:
         """``{VAR: reference}``: what crosses to the control server (no value)."""
@@ -166,9 +171,10 @@ def parse_agent_table(name: str, table: Any, where: str = "") -> AgentSettings:
         raise SettingsError(base, f"unknown agent {name!r}{suffix}; built-in agents: {known}")
     if not isinstance(table, dict):
         raise SettingsError(base, f"must be a table ([{base}]){suffix}")
-    unknown = sorted(set(table) - {"env", "secret_env", "home_files"})
+    unknown = sorted(set(table) - {"env", "secret_env", "home_files", "max_memory"})
     if unknown:
-        raise SettingsError(f"{base}.{unknown[0]}", f"unknown setting{suffix}; known: env, secret_env, home_files")
+        raise SettingsError(f"{base}.{unknown[0]}",
+                            f"unknown setting{suffix}; known: env, secret_env, home_files, max_memory")
     env: dict[str, str] = {}
     secrets: dict[str, SecretRef] = {}
     for part in ("env", "secret_env"):
@@ -189,7 +195,22 @@ def parse_agent_table(name: str, table: Any, where: str = "") -> AgentSettings:
     both = sorted(set(env) & set(secrets))
     if both:
         raise SettingsError(f"{base}.secret_env.{both[0]}", "is also in env; a variable is either plain or secret")
-    return AgentSettings(name, env, secrets, _home_files(table.get("home_files", {}), base, suffix))
+    return AgentSettings(name, env, secrets, _home_files(table.get("home_files", {}), base, suffix),
+                         _max_memory(table.get("max_memory"), base, suffix))
+
+
+def _max_memory(value: Any, base: str, suffix: str) -> int | None:
+    """``[agents.NAME] max_memory``: a size from 64 MiB to the host's RAM (``daemon.agents.memory``)."""
+    if value is None:
+        return None
+    key = f"{base}.max_memory"
+    try:
+        bound = memory.parse_bytes(value)
+    except ValueError as exc:
+        raise SettingsError(key, f"{value!r:.80} {exc}{suffix}") from None
+    if not memory.in_range(bound):
+        raise SettingsError(key, f"{value!r:.80} is out of range{suffix}: accepted {memory.accepted()}")
+    return bound
 
 
 def agent_env(name: str, configured: Mapping[str, AgentSettings]) -> dict[str, str]:

@@ -24,6 +24,10 @@ Works without a running backend. Every check is a ``daemon.config.platform.Check
 - ``node``, ``npm``: present on the PATH the backend uses (npm-based agents need them).
 - ``sandbox``: whether agents are sandboxed (``agents.sandbox``) and, if they cannot be, why: as the
   running control server reports it through the backend, else probed by this command.
+- ``agent_user``, ``agent_limits``: the agents' uid, the process cap and the OOM order.
+- ``agent_memory``: whether each agent runs in a memory cgroup of its own bounded by
+  ``agents.max_memory``, and if not why (memory unbounded): as the running control server reports
+  it, else where this host's memory controller is.
 
 Each probe of the host is a field of ``DoctorProbes`` so tests inject them.
 """
@@ -510,10 +514,8 @@ def _sandbox(r: _Report, config: Config | None, status: dict[str, Any] | None, p
 
 
 def _agent_limits(r: _Report, config: Config | None) -> None:
-    """Which uid agents run as, the process cap and how the kernel enforces it, the OOM order, and
-    whether agents get cgroups of their own (and why not)."""
+    """Which uid agents run as, the process cap and how the kernel enforces it, the OOM order."""
     from daemon.agentctl.instance.process import AGENT_OOM_SCORE_ADJ
-    from daemon.config.platform import per_agent_cgroups
     from daemon.core.service import DAEMON_OOM_SCORE_ADJ
     from daemon.host.agent_user import AgentUserMissing, agent_user, describe
 
@@ -529,10 +531,36 @@ def _agent_limits(r: _Report, config: Config | None) -> None:
     enforced = ("not enforced: agents.sandbox = \"off\"" if cfg.agents.sandbox == "off" else
                 "RLIMIT_NPROC set in each agent's sandbox; the kernel counts it in that agent's own user"
                 " namespace, so one agent's fork bomb fails inside that agent only")
-    cgroups, why = per_agent_cgroups()
     r.add("agent_limits", True, f"agents.max_processes = {cfg.agents.max_processes} processes per agent ({enforced});"
           f" oom_score_adj {AGENT_OOM_SCORE_ADJ:+d} for agents, {DAEMON_OOM_SCORE_ADJ:+d} for the daemons (units,"
-          f" or run as root); per-agent cgroups: {'available' if cgroups else 'unavailable'}: {why}")
+          " or run as root)")
+
+
+def _agent_memory(r: _Report, config: Config | None, status: dict[str, Any] | None) -> None:
+    """Whether each agent runs in a memory cgroup of its own with its bound, and why not: as the
+    running control server reports it through the backend, else where this host's memory
+    controller is."""
+    from daemon.agentctl.sandbox.memory_cgroups import host_controller
+    from daemon.agents import memory
+
+    cfg = config or Config()
+    bound = cfg.agents.max_memory if cfg.agents.max_memory is not None else memory.default_bound()
+    setting = f"agents.max_memory = {memory.human_bytes(bound)}" + (" (half the host's RAM)" if cfg.agents.max_memory
+                                                                     is None else "")
+    hint = ("run the control server as kandev-agentctl.service (Delegate=yes) on cgroup v2, or as root where the"
+            " memory controller is on cgroup v1; see docs/operations.md")
+    reported = (status or {}).get("memory")
+    if isinstance(reported, dict) and (reported.get("bounded") or reported.get("hierarchy")):
+        if reported.get("bounded"):
+            r.add("agent_memory", True, f"{setting}: each agent runs in a memory cgroup of its own (cgroup"
+                  f" {reported.get('hierarchy')}, below {reported.get('cgroup')}), as the control server reports")
+        else:
+            r.add("agent_memory", False, f"agents' memory is UNBOUNDED ({setting} is not enforced):"
+                  f" {reported.get('reason')}", hint)
+        return
+    hierarchy, detail = host_controller()
+    r.add("agent_memory", hierarchy is not None, f"{setting}; {detail}" if hierarchy else
+          f"agents' memory is UNBOUNDED ({setting} is not enforced): {detail}", None if hierarchy else hint)
 
 
 def run_doctor(
@@ -558,6 +586,7 @@ def run_doctor(
     _tools(r, path, p)
     _sandbox(r, config, status, path, environ, p)
     _agent_limits(r, config)
+    _agent_memory(r, config, status)
     r.checks += agent_checks(view)
     return r.checks
 

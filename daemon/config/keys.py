@@ -19,6 +19,8 @@ from decimal import Decimal
 from enum import Enum
 from typing import Any
 
+from daemon.agents import memory
+
 MINUTE = 60.0
 HOUR = 3600.0
 DAY = 24 * HOUR
@@ -67,6 +69,7 @@ class Kind(Enum):
     STR = "str"  # a non-empty string
     STR_LIST = "str_list"  # a list of non-empty strings (from the environment: comma-separated)
     CHOICE = "choice"  # one of ``Setting.choices``
+    BYTES = "bytes"  # a size: bytes, or a number with K, M, G or T (``daemon.agents.memory``)
 
 
 @dataclass(frozen=True)
@@ -220,6 +223,13 @@ SETTINGS: tuple[Setting, ...] = (
             " with stop reason `timeout`; `0` (the default) never ends a turn for its silence;"
             " whole number 0..604800 (7 days)",
             low=0, high=TURN_TIMEOUT_MAX, note="0: off"),
+    Setting("agents.max_memory", Kind.BYTES, None,
+            "the memory one agent (with everything it starts) may use: bytes, or a number with `K`, `M`, `G`"
+            " or `T` (`\"8G\"`); unset: half the host's RAM; at least `64M`, at most the host's RAM. Each agent"
+            " runs in a memory cgroup of its own with this bound: the kernel kills the agent alone when it goes"
+            " over (`agent_killed`, reason `memory`); `[agents.NAME] max_memory` sets it for one agent",
+            accepted=("bytes, or a number with K, M, G or T (e.g. \"8G\"), from 64M to this host's RAM;"
+                      " unset: half the host's RAM")),
 )
 RULES: tuple[Rule, ...] = (
     Rule("(read budget)", "agentctl.recovery_read_retries",
@@ -247,6 +257,7 @@ TABLE_SETTINGS: tuple[TableSetting, ...] = (
     TableSetting("agents.NAME.env", "`{}`", 'that agent\'s plain settings (NAME: claude-code, codex, gemini, opencode, mock), e.g. `{ ANTHROPIC_BASE_URL = "...", ANTHROPIC_MODEL = "..." }`; at most 64 variables; not `HOME`, `PATH`, `USER`, `LOGNAME`, `PWD`, `SHELL`, `KANDEV_*`, `GIT_*`'),
     TableSetting("agents.NAME.secret_env", "`{}`", 'that agent\'s keys: `VARIABLE = "/absolute/path"` (a regular file, no symlink, mode 0600/0640/0400/0440, owner root or the service user, group root or the service group) or `VARIABLE = "credential:NAME"` (a systemd credential of `kandev-agentctl.service`: `LoadCredential=NAME:/path` in a drop-in)'),
     TableSetting("agents.NAME.home_files", "`{}`", 'files copied into each session\'s HOME before every launch of that agent (start, resume, restart): `"path/relative/to/HOME" = "/absolute/host/file"` (at most 32; the host file checked like a `secret_env` file; the copy mode 0600, never through a symlink in the HOME), e.g. `{ ".config/opencode/opencode.json" = "/etc/kandev/agents/opencode.json" }`'),
+    TableSetting("agents.NAME.max_memory", "`agents.max_memory`", "that agent's memory bound, written like `agents.max_memory` (e.g. `max_memory = \"2G\"`), from 64M to the host's RAM"),
 )
 
 
@@ -355,6 +366,13 @@ def convert(kind: Kind, value: Any, where: Where, *, text: bool) -> Any:
             except ValueError as e:
                 raise where.error(given, str(e)) from None
         raise where.error(given, 'is not a duration (write a string with a unit: ms, s, min or h, "30s")')
+    if kind is Kind.BYTES:
+        if isinstance(value, int | str) and not isinstance(value, bool):
+            try:
+                return memory.parse_bytes(value)
+            except ValueError as e:
+                raise where.error(given, str(e)) from None
+        raise where.error(given, 'is not a size (write bytes, or a number with K, M, G or T: "8G")')
     if kind is Kind.CHOICE:
         if isinstance(value, str) and value.strip() in SETTING[where.key].choices:
             return value.strip()

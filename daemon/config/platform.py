@@ -249,20 +249,3 @@ def run_checks(
 ) -> list[Check]:
     """Every check ``check_capability`` makes, for ``kandev doctor``."""
     return _evaluate(config, os.environ if env is None else env, probes or Probes())[1]
-
-
-CGROUP_ROOT = "/sys/fs/cgroup"
-
-
-def per_agent_cgroups(root: str = CGROUP_ROOT) -> tuple[bool, str]:
-    """Whether agents get cgroups of their own (memory and process limits by the kernel's cgroup
-    controllers), and why not. They never do in this release: it needs a cgroup v2 hierarchy
-    delegated to the control server (``Delegate=yes``), and kandev implements only limits it can
-    test, on hosts like the ones its tests run on (cgroup v1 or hybrid)."""
-    if not os.path.exists(os.path.join(root, "cgroup.controllers")):
-        return False, (f"this host has no unified cgroup v2 hierarchy at {root} (cgroup v1 or hybrid): per-agent"
-                       " memory and process limits need cgroup v2 with Delegate=yes; agents are bounded by"
-                       " agents.max_processes (RLIMIT_NPROC) and oom_score_adj instead")
-    return False, ("cgroup v2 is mounted, but kandev does not create per-agent cgroups (not implemented: it was"
-                   " not testable on the hosts kandev is tested on); agents are bounded by agents.max_processes"
-                   " (RLIMIT_NPROC) and oom_score_adj instead")

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from daemon.agents import memory
 from daemon.agents.file_checks import validate_settings
 from daemon.agents.settings import AgentSettings, SettingsError, parse_agent_table
 from daemon.config.agentctl import validate_agentctl
@@ -123,6 +124,7 @@ class AgentsConfig:
     # ended with reason timeout (0: never): daemon/backend/state/quiet_turns.py
     quiet_warning_s: int = _default("agents.quiet_warning_s")
     turn_timeout_s: int = _default("agents.turn_timeout_s")
+    max_memory: int | None = _default("agents.max_memory")  # bytes; None: half the host's RAM
     # ``[agents.NAME]`` tables: each agent's env and secret_env (daemon/agents/settings.py); a table
     # per agent rather than a declared key (see TABLE_FIELDS)
     settings: Mapping[str, AgentSettings] = field(default_factory=dict)
@@ -299,6 +301,19 @@ def validate_agents(config: Config, files: bool = True) -> None:
     _check_config_range(config, "agents.max_processes", config.agents.max_processes)
     _check_config_range(config, "agents.quiet_warning_s", config.agents.quiet_warning_s)
     _check_config_range(config, "agents.turn_timeout_s", config.agents.turn_timeout_s)
+    bound = config.agents.max_memory
+    if bound is not None and not memory.in_range(bound):
+        raise Where("agents.max_memory", config.origins.get("agents.max_memory")).error(
+            config.given.get("agents.max_memory", str(bound)), "is out of range", memory.accepted())
+
+
+def agent_memory_bound(config: Config, agent: str) -> int:
+    """The memory bound of agent ``agent`` in bytes: its ``[agents.NAME] max_memory``, else
+    ``agents.max_memory``, else half the host's RAM."""
+    settings = config.agents.settings.get(agent)
+    if settings is not None and settings.max_memory is not None:
+        return settings.max_memory
+    return config.agents.max_memory if config.agents.max_memory is not None else memory.default_bound()
 
 
 def validate_backend(config: Config, files: bool = True) -> None:

@@ -45,6 +45,9 @@ TIMEOUT_STOP = "timeout"
 # A turn ended by its agent's death stops counting once the session has a live agent again (it was
 # resumed: the user has seen the failure and the new agent waits for them).
 _DIED = "agent_exited"
+# How a session's last error starts when its agent's memory bound killed it (daemon.backend.state.events):
+# the typed kill (the journal's agent_killed) and its reason.
+MEMORY_KILLED = "agent_killed: memory"
 # How providers say a key is missing or refused (Claude Code: "Authentication required", "Invalid API key").
 _AUTH_FAILURE = re.compile(r"authenticat|invalid (x-)?api[ _-]?key|api key|unauthori[sz]ed|\b401\b|login",
                            re.IGNORECASE)
@@ -83,10 +86,14 @@ def placement(task_state: str, latest_session_state: str | None, *, live: bool |
 
 
 def attention_hint(reason: Attention | None, agent: str | None, last_error: str | None) -> str | None:
-    """A known provider authentication failure names the setting that gives the agent its key."""
+    """A known provider authentication failure names the setting that gives the agent its key; an
+    agent its memory bound killed, the setting that raises the bound."""
     if reason is Attention.TIMEOUT:
         return ("its agent sent nothing until agents.turn_timeout_s ended the turn: `kandev logs SESSION` shows"
                 " what it wrote; check its provider, then prompt it again")
+    if reason is Attention.FAILED and agent and last_error and last_error.startswith(MEMORY_KILLED):
+        return (f"{MEMORY_KILLED}: the agent went over its memory bound; raise agents.{agent}.max_memory (or"
+                " agents.max_memory), then `kandev resume` its session")
     if reason is Attention.FAILED and agent and last_error and _AUTH_FAILURE.search(last_error):
         return (f"the agent's provider refused its credentials: give it a key with agents.{agent}.secret_env"
                 " (`kandev agents` shows what it gets)")

@@ -18,6 +18,7 @@ from daemon.agentctl.instance.process import InstanceSpec
 from daemon.agentctl.instances import InstanceService
 from daemon.agentctl.sandbox_host import SandboxHost
 from daemon.agentctl.server_context import ServerContext
+from daemon.agents import memory
 from daemon.core import faults
 from daemon.core.journal import log_event
 from ipc.connection import ConnectionContext
@@ -76,13 +77,23 @@ def spec_from_request(args: dict[str, Any]) -> InstanceSpec:
     )
 
 
+def _max_memory(args: dict[str, Any]) -> int:
+    """``create_instance``'s ``max_memory`` (bytes): 64 MiB to this host's RAM; absent, half the RAM."""
+    value = args.get("max_memory")
+    if value is None:
+        return memory.default_bound()
+    if isinstance(value, bool) or not isinstance(value, int) or not memory.in_range(value):
+        raise _bad(f"create_instance: 'max_memory' = {value!r:.40} is out of range: accepted {memory.accepted()}")
+    return value
+
+
 def handlers(server: ServerContext, instances: InstanceService, sandbox_host: SandboxHost) -> dict[str, Handler]:
     """The instance ops' handlers."""
 
     async def create_instance(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         server.refuse_if_shutting_down("create_instance")
         spec = spec_from_request(args)
-        inst = await instances.create(spec, args.get("sandbox"), args.get("secret_env"))
+        inst = await instances.create(spec, args.get("sandbox"), args.get("secret_env"), _max_memory(args))
         return {
             "instance_id": spec.instance_id,
             "pid": inst.pid,
@@ -99,7 +110,7 @@ def handlers(server: ServerContext, instances: InstanceService, sandbox_host: Sa
         support = sandbox_host.support
         if support is None or args.get("refresh"):
             support = await sandbox_host.probe()
-        return support.to_wire()
+        return {**support.to_wire(), "memory": sandbox_host.memory.to_wire()}
 
     async def set_mode(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         return await server.get(args["instance_id"]).set_mode(_check_str("mode_id", args["mode_id"]))

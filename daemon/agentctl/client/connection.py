@@ -82,6 +82,7 @@ from daemon.agentctl.client.replies import (
 from daemon.agentctl.client.shared_streams import InstanceStream, SharedAttacher
 from daemon.agentctl.protocol import (
     AGENT_LIMITS_CAPABILITY,
+    AGENT_MEMORY_CAPABILITY,
     AGENT_SECRETS_CAPABILITY,
     ATTACH_MANY_CAPABILITY,
     RELOAD_CAPABILITY,
@@ -343,12 +344,14 @@ class AgentctlClient:
         workspace_roots: list[str] | None = None,
         sandbox: dict[str, Any] | None = None,
         secret_env: dict[str, str] | None = None,
+        max_memory: int | None = None,
         timeout: float = CREATE_TIMEOUT,
     ) -> CreatedInstance:
         """Spawn an agent -> ``{instance_id, pid, pid_start_time, pid_start_stamp, acp_session_id, modes,
         config_options, handshake_seq, sandboxed}`` (the last four from servers that know them). ``sandbox``: the
         wire form of ``daemon.agentctl.sandbox.bubblewrap.SandboxRequest``; ``secret_env``: the agent's secrets by
-        reference (``daemon.agents.settings``), read by the server."""
+        reference (``daemon.agents.settings``), read by the server; ``max_memory``: the agent's memory
+        bound in bytes (sent to a server with ``agent_memory.v1`` only)."""
         args: dict[str, Any] = {"session_id": session_id, "task_id": task_id, "command": command, "cwd": cwd}
         if env is not None:
             args["env"] = env
@@ -362,6 +365,8 @@ class AgentctlClient:
             if AGENT_LIMITS_CAPABILITY not in self.capabilities:  # an older server refuses the field
                 sandbox = {k: v for k, v in sandbox.items() if k != "max_processes"}
             args["sandbox"] = sandbox
+        if max_memory is not None and AGENT_MEMORY_CAPABILITY in self.capabilities:
+            args["max_memory"] = max_memory  # bytes; an older server has no memory bound to apply
         if secret_env:  # references only ({VAR: path | credential:NAME}); never sent to a server without them
             self.check_secret_env(secret_env)
             args["secret_env"] = secret_env

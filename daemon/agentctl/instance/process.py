@@ -12,7 +12,9 @@ re-exec).
 The agent's environment is built from a fixed allow-list (``agent_environment``: never the
 server's ``PATH`` or ``HOME``) plus the request's ``env``; its ``oom_score_adj`` is
 ``AGENT_OOM_SCORE_ADJ`` (the kernel's first choice under memory pressure, never a daemon), and
-``PR_SET_PDEATHSIG=SIGKILL`` means an agent never outlives its control server (``_child_setup``).
+``PR_SET_PDEATHSIG=SIGKILL`` means an agent never outlives its control server (``_child_setup``),
+which also puts the child in the agent's memory cgroup before it executes anything
+(``daemon.agentctl.instance.memory``).
 A sandboxed agent (``spec.launch_argv``, built by ``daemon.agentctl.sandbox.bubblewrap``) is spawned the same
 way: its sandbox's ``bwrap`` is the process that gets all of the above, and everything inside
 stays in its process group. The state of the instance this process belongs to is
@@ -74,6 +76,10 @@ class InstanceSpec:
     # The agent's secret values (``daemon.agentctl.sandbox.agent_env``), for its environment only: emptied
     # once the agent is spawned (it has them), so they never travel in a re-exec's hand-over.
     secret_env: dict[str, str] = field(default_factory=dict, repr=False)
+    # The agent's memory bound in bytes and the memory cgroup that enforces it (its directory; None:
+    # unbounded here), carried across a re-exec so the next image keeps the agent in it.
+    max_memory: int | None = None
+    memory_cgroup: str | None = None
     # Descriptors bwrap inherits (the user namespace of ``daemon.agentctl.sandbox.userns.make_userns``):
     # closed here once the agent is spawned (or stopped before it was).
     launch_fds: list[int] = field(default_factory=list, repr=False)
@@ -97,13 +103,18 @@ def _load_prctl() -> Any:
 _PRCTL = _load_prctl()  # resolved in the parent: the child only calls it
 
 
-def _child_setup(parent_pid: int, *, ignore_sigterm: bool = False) -> Callable[[], None]:
+def _child_setup(parent_pid: int, *, ignore_sigterm: bool = False,
+                 cgroup_procs: int | None = None) -> Callable[[], None]:
     """``preexec_fn``: die with the control server (SIGKILL), even if it died before this ran;
     the agent's ``oom_score_adj`` (raising it needs no privilege; everything inside inherits it).
     ``ignore_sigterm``: for a sandbox's bwrap, which must not end before the agent it runs does
-    (the agent gets the default action back: ``daemon.agentctl.sandbox.bubblewrap``)."""
+    (the agent gets the default action back: ``daemon.agentctl.sandbox.bubblewrap``).
+    ``cgroup_procs``: the ``cgroup.procs`` of the agent's memory cgroup, which the child joins
+    before it executes anything (a failure raises, and the spawn fails)."""
 
     def setup() -> None:
+        if cgroup_procs is not None:
+            os.write(cgroup_procs, str(os.getpid()).encode())
         if _PRCTL is not None:
             _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if ignore_sigterm:
@@ -189,9 +200,10 @@ class AgentProcess:
         self.sandbox_init: psutil.Process | None = None  # bwrap's init of a sandboxed agent
         self.stopped_by_us = False  # a signal we sent (stop) is not a kill to report
 
-    async def spawn(self, spec: InstanceSpec, agent_log_dir: Path) -> int:
-        """Start the agent in its own session and group; returns the read end of its stderr pipe.
-        The spec's secrets and launch descriptors are gone from this server once it returns."""
+    async def spawn(self, spec: InstanceSpec, agent_log_dir: Path, cgroup_procs: int | None = None) -> int:
+        """Start the agent in its own session and group (and in its memory cgroup: ``cgroup_procs``,
+        see ``_child_setup``); returns the read end of its stderr pipe. The spec's secrets and launch
+        descriptors are gone from this server once it returns."""
         agent_log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         stderr_read, stderr_write = os.pipe2(os.O_CLOEXEC)
         try:
@@ -203,7 +215,7 @@ class AgentProcess:
                 cwd=spec.cwd,
                 env=with_safe_directory(agent_environment({**spec.env, **spec.secret_env}), spec.cwd),
                 start_new_session=True,
-                preexec_fn=_child_setup(os.getpid(), ignore_sigterm=spec.sandboxed),
+                preexec_fn=_child_setup(os.getpid(), ignore_sigterm=spec.sandboxed, cgroup_procs=cgroup_procs),
                 pass_fds=tuple(spec.launch_fds),
                 limit=AGENT_STDOUT_LIMIT,
             )

@@ -9,7 +9,8 @@ change here):
 - ``blocker``: what still moves, until the instance can be captured as it is;
 - ``capture`` / ``fds``: the ``InstanceHandover`` and the descriptors it names;
 - ``restore`` / ``resume_pipes``: the instance of the previous process image, then its pipes,
-  requests in flight, open permission requests and open turn, exactly where it stopped.
+  requests in flight, open permission requests and open turn, exactly where it stopped;
+  ``restore_memory``: its memory cgroup, whose path the spec carries.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ from daemon.agentctl.handover import InstanceHandover, RequestHandover, from_fie
 from daemon.agentctl.instance import acp_internals, pipe_internals
 from daemon.agentctl.instance.conversation import Permission, rpc_key
 from daemon.agentctl.instance.instance import HANDSHAKE_TIMEOUT, Instance, InstanceState
+from daemon.agentctl.instance.memory import AgentMemory
 from daemon.agentctl.instance.pipe import AGENT_STDOUT_LIMIT
 from daemon.agentctl.instance.process import SPEC_NOT_HANDED_OVER, AdoptedProcess, InstanceSpec
+from daemon.agentctl.sandbox.memory_cgroups import MemoryHost
 
 log = logging.getLogger("kandev.agentctl.instance")
 
@@ -149,6 +152,19 @@ def capture(inst: Instance) -> InstanceHandover:
         not_taken_over=list(inst.not_taken_over),
         **inst.group.identity_handover(),
     )
+
+
+def restore_memory(inst: Instance, host: MemoryHost) -> None:
+    """Keep the restored agent's memory cgroup: the one the spec names, if it is where this image,
+    from its own cgroup and the instance id, finds it (``AgentMemory.adopt``)."""
+    path = inst.spec.memory_cgroup
+    if path is None:
+        return
+    inst.memory = AgentMemory.adopt(host, inst.instance_id, path, inst.spec.max_memory or 0)
+    if inst.memory is None:
+        where = f"below {host.base}" if host.base else f"nowhere ({host.reason})"
+        inst.not_taken_over.append(f"its memory cgroup {path} (this image makes agents' cgroups {where}): the"
+                                   " agent stays in it, but a kill by its bound is reported as a plain signal")
 
 
 def restore(

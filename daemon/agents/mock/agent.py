@@ -36,6 +36,9 @@ Prompt scripts (on the text of the prompt)::
                  chunk "silent: N s"; a cancel ends it at once, with no chunk
     /stderr N    writes N bytes (lines of "x") to the agent's own stderr, then one chunk
                  "stderr: wrote N" (a chatty or flooding agent)
+    /alloc N     the agent itself allocates N MiB and writes every page of it (a 1 MiB block at a
+                 time, kept until the process ends), then one chunk "alloc: N MiB"; an agent
+                 over its memory bound (agents.max_memory) is killed on the way
     /other       treated as plain text (echo)
 
 ``session/cancel`` stops /slow and /flood between chunks, and /silent; the prompt then
@@ -334,6 +337,10 @@ class MockAgent:
         if command == "/git-credential" and not args:
             await self._say(rec, await _git_credential(rec.cwd))
             return "end_turn"
+        if command == "/alloc" and number is not None and number >= 0:
+            await asyncio.to_thread(_allocate, number)
+            await self._say(rec, f"alloc: {number} MiB")
+            return "end_turn"
         if command == "/stderr" and number is not None and number >= 0:
             await asyncio.to_thread(_write_stderr, number)
             await self._say(rec, f"stderr: wrote {number}")
@@ -420,6 +427,18 @@ SH_KILL_GRACE = 2.0
 """Seconds a cancelled /sh command's group has to end after SIGTERM (then SIGKILL), and after SIGKILL."""
 SH_READ_GRACE = 0.2
 """Seconds the output is still read once the group is gone."""
+
+
+_HELD: list[bytearray] = []  # what /alloc allocated: kept for the life of the process
+
+
+def _allocate(mib: int) -> None:
+    """Allocate ``mib`` MiB and touch every page of it, so the memory is really used."""
+    for _ in range(mib):
+        block = bytearray(1 << 20)
+        for offset in range(0, len(block), 4096):
+            block[offset] = 1
+        _HELD.append(block)
 
 
 def _write_stderr(total: int) -> None:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from daemon.agentctl.sandbox.bubblewrap import SANDBOX_UNAVAILABLE, SandboxPolicy, SandboxRequest
-from daemon.agents import home_files
+from daemon.agents import home_files, memory
 from daemon.agents.mock.state import STATE_DIR_ENV
 from daemon.agents.registry import BuiltinAgent
 from daemon.agents.settings import AGENT_PATH, agent_env, secret_paths
@@ -188,6 +188,26 @@ async def prepare_relaunch(backend: Backend, session_id: str, agent: BuiltinAgen
     return LaunchPrep(command.argv, env, request.to_wire(), secret_env=dict(command.secret_env))
 
 
+def memory_status(backend: Backend, reported: Any) -> dict[str, Any]:
+    """``kandev status``'s ``memory``: whether agents started now get a memory cgroup with their bound
+    (as the control server in use reports it, ``reported``), where, and why not; the bound itself."""
+    config = backend.config.agents
+    out: dict[str, Any] = {
+        "bounded": False, "hierarchy": None, "cgroup": None, "reason": None,
+        "max_memory": memory.default_bound() if config.max_memory is None else config.max_memory,
+        "per_agent": {name: s.max_memory for name, s in sorted(config.settings.items()) if s.max_memory is not None},
+    }
+    if isinstance(reported, dict):
+        out.update(bounded=bool(reported.get("bounded")), hierarchy=reported.get("hierarchy"),
+                   cgroup=reported.get("cgroup"), reason=reported.get("reason"))
+    elif backend.client is None or not backend.client.usable:
+        out["reason"] = "no control server yet"
+    else:
+        out["reason"] = ("the control server predates per-agent memory bounds (the backend replaces it with the"
+                         " installed version once it runs no instance)")
+    return out
+
+
 async def sandbox_status(backend: Backend) -> dict[str, Any]:
     """``kandev status``'s ``sandbox``: the policy, and whether agents started now are sandboxed
     (as the control server in use reports it) and why not."""
@@ -199,7 +219,8 @@ async def sandbox_status(backend: Backend) -> dict[str, Any]:
         try:
             support = await client.call("sandbox_status", {}, timeout=STATUS_TIMEOUT_S)
             out.update(available=bool(support.get("available")), reason=support.get("reason"),
-                       version=support.get("version"), seccomp=support.get("seccomp"))
+                       version=support.get("version"), seccomp=support.get("seccomp"),
+                       memory=support.get("memory"))
         except IpcError as exc:
             if exc.code == ErrorCode.UNKNOWN_OP:
                 out["available"] = False  # it cannot: a launch there is refused (AgentctlClient.check_sandbox)

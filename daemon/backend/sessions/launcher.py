@@ -38,6 +38,7 @@ from daemon.agents.registry import BuiltinAgent
 from daemon.backend.sessions import agent_launch, runtime_prepare
 from daemon.backend.state.agent_identity import AgentIdentity
 from daemon.backend.state.executions import Execution
+from daemon.config.settings import agent_memory_bound
 from daemon.credentials import GitCredentials
 from daemon.host.agent_user import check_workspace
 from daemon.store import transitions
@@ -147,7 +148,7 @@ class SessionLauncher:
             info = await client.create_instance(
                 session_id=plan.session_id, task_id=plan.task_id, command=prep.command, cwd=plan.workspace,
                 env=prep.env, agent=plan.agent_name, resume_session_id=plan.resume_token, sandbox=prep.sandbox,
-                secret_env=prep.secret_env,
+                secret_env=prep.secret_env, max_memory=agent_memory_bound(b.config, plan.agent_name),
             )
         endpoint = handle.endpoint if handle is not None else ""
         return Launched(plan, info, endpoint, prep.credentials)

@@ -23,7 +23,9 @@ from sqlalchemy import Integer, Table, bindparam, case, func, select, update
 from sqlalchemy.orm import Session as DbSession
 
 from daemon.agentctl.protocol import EventKind
+from daemon.agents.memory import human_bytes
 from daemon.store import transcript, transitions
+from daemon.store.board import MEMORY_KILLED
 from daemon.store.models import ExecutorRunning, TaskSession, Turn
 from daemon.store.session_metadata import SessionMetadata
 from daemon.store.states import InventoryStatus, SessionState, TaskState, TurnState
@@ -206,8 +208,12 @@ def apply_events(db: DbSession, session_id: str, instance_id: str, events: list[
             code = data.get("exit_code")
             # A signal nobody in kandev sent (the OOM killer, a stray kill): said as such.
             sig = data.get("signal")
-            how = f"agent killed by {sig} (exit code {code})" if sig else f"agent exited with code {code}"
-            write(ev, "system", "agent_exited", how, None)
+            if data.get("reason") == "memory":  # its memory bound (its memory cgroup) ended it
+                how = killed_by_memory(data.get("max_memory"), sig, code)
+                write(ev, "system", "agent_killed", how, None)
+            else:
+                how = f"agent killed by {sig} (exit code {code})" if sig else f"agent exited with code {code}"
+                write(ev, "system", "agent_exited", how, None)
             mark_agent_gone(db, session_id, how)
         else:  # permission_request, agent_error and kinds added later: kept verbatim
             write(ev, "system", str(ev.kind), json.dumps(data, sort_keys=True, default=str), turn_id)
@@ -217,6 +223,13 @@ def apply_events(db: DbSession, session_id: str, instance_id: str, events: list[
         db.execute(_ADVANCE_SEQ, {"sid": session_id, "iid": instance_id, "top": max(ev.seq for ev in events),
                                   "now": now})
     return result
+
+
+def killed_by_memory(max_memory: Any, sig: Any, code: Any) -> str:
+    """What the session says of an agent its memory bound ended (its last error, its transcript)."""
+    bound = f" of {human_bytes(max_memory)}" if isinstance(max_memory, int) and not isinstance(max_memory, bool) else ""
+    return (f"{MEMORY_KILLED}: the agent used more than its memory bound{bound} (max_memory) and was killed"
+            f" ({sig or 'killed'}, exit code {code}); nothing else was touched")
 
 
 def mark_running(db: DbSession, session: TaskSession, reason: str) -> None:

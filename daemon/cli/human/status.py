@@ -98,6 +98,9 @@ def warnings(status: dict[str, Any]) -> list[str]:
     sandbox = status.get("sandbox") or {}
     if sandbox.get("sandboxed") is False:
         out.append(f"agents are not sandboxed: {sandbox.get('reason') or 'unknown'}")
+    memory = status.get("memory") or {}
+    if memory.get("bounded") is False:
+        out.append(f"agents' memory is unbounded (agents.max_memory is not enforced): {memory.get('reason') or 'unknown'}")
     return out
 
 

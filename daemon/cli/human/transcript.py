@@ -123,7 +123,7 @@ class ConversationWriter:
                                 f"{'answered: ' + str(answer) if answer else 'cancelled'}]"))
         elif kind == "agent_error":
             self.line(t.red(f"[agent error] {_json(text).get('message') or text}"))
-        elif kind == "agent_exited":
+        elif kind in ("agent_exited", "agent_killed"):
             self.line(t.red(f"[{text}]"))
         elif kind == "turn_timeout":  # the backend ended the turn for its agent's silence
             self.line(t.red(f"[timeout: {text}]"))
