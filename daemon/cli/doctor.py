@@ -24,10 +24,7 @@ Works without a running backend. Every check is a ``daemon.config.platform.Check
 - ``node``, ``npm``: present on the PATH the backend uses (npm-based agents need them).
 - ``sandbox``: whether agents are sandboxed (``agents.sandbox``) and, if they cannot be, why: as the
   running control server reports it through the backend, else probed by this command.
-- ``agent_user``, ``agent_limits``: the agents' uid, the process cap and the OOM order.
-- ``agent_memory``: whether each agent runs in a memory cgroup of its own bounded by
-  ``agents.max_memory``, and if not why (memory unbounded): as the running control server reports
-  it, else where this host's memory controller is.
+- ``agent_memory``: whether agents' memory is bounded, and why not (``daemon.cli.doctor_memory``).
 
 Each probe of the host is a field of ``DoctorProbes`` so tests inject them.
 """
@@ -47,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.api.ops import LinkObserved, LinkState
+from daemon.cli import doctor_memory
 from daemon.cli.config_read import backend_config
 from daemon.cli.doctor_config import agent_checks, configuration, database_url
 from daemon.config import platform
@@ -131,6 +129,7 @@ class DoctorProbes:
     user_ids: Callable[[str], tuple[int, int] | None] = _user_ids
     head_revision: Callable[[], str | None] = lambda: _head_revision()
     sandbox_probe: Callable[[Mapping[str, str]], Any] = lambda env: _sandbox_probe(env)
+    memory_controller: Callable[[], tuple[str | None, str]] = lambda: doctor_memory.host_controller()
 
 
 def _sandbox_probe(env: Mapping[str, str]) -> Any:
@@ -536,33 +535,6 @@ def _agent_limits(r: _Report, config: Config | None) -> None:
           " or run as root)")
 
 
-def _agent_memory(r: _Report, config: Config | None, status: dict[str, Any] | None) -> None:
-    """Whether each agent runs in a memory cgroup of its own with its bound, and why not: as the
-    running control server reports it through the backend, else where this host's memory
-    controller is."""
-    from daemon.agentctl.sandbox.memory_cgroups import host_controller
-    from daemon.agents import memory
-
-    cfg = config or Config()
-    bound = cfg.agents.max_memory if cfg.agents.max_memory is not None else memory.default_bound()
-    setting = f"agents.max_memory = {memory.human_bytes(bound)}" + (" (half the host's RAM)" if cfg.agents.max_memory
-                                                                     is None else "")
-    hint = ("run the control server as kandev-agentctl.service (Delegate=yes) on cgroup v2, or as root where the"
-            " memory controller is on cgroup v1; see docs/operations.md")
-    reported = (status or {}).get("memory")
-    if isinstance(reported, dict) and (reported.get("bounded") or reported.get("hierarchy")):
-        if reported.get("bounded"):
-            r.add("agent_memory", True, f"{setting}: each agent runs in a memory cgroup of its own (cgroup"
-                  f" {reported.get('hierarchy')}, below {reported.get('cgroup')}), as the control server reports")
-        else:
-            r.add("agent_memory", False, f"agents' memory is UNBOUNDED ({setting} is not enforced):"
-                  f" {reported.get('reason')}", hint)
-        return
-    hierarchy, detail = host_controller()
-    r.add("agent_memory", hierarchy is not None, f"{setting}; {detail}" if hierarchy else
-          f"agents' memory is UNBOUNDED ({setting} is not enforced): {detail}", None if hierarchy else hint)
-
-
 def run_doctor(
     paths: Paths,
     *,
@@ -586,7 +558,7 @@ def run_doctor(
     _tools(r, path, p)
     _sandbox(r, config, status, path, environ, p)
     _agent_limits(r, config)
-    _agent_memory(r, config, status)
+    r.checks.append(doctor_memory.agent_memory(config or Config(), (status or {}).get("memory"), p.memory_controller))
     r.checks += agent_checks(view)
     return r.checks
 

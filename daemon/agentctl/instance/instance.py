@@ -26,10 +26,8 @@ calls synchronously in arrival order (``session/update`` notifications and
 JSON-RPC message), prompts and cancels, runtime configuration (the RESETCFG rules: ``set_mode``,
 ``set_config_option`` and ``reset_context`` answer ``last_seq``, every update the agent sent
 before answering being numbered by then), and the exit and stop sequences. An agent killed by a
-signal nobody here sent (the OOM killer, a stray ``kill``) is reported as such: ``agent_exited``
-carries the ``signal`` and the journal says ``agent_killed``; one its memory bound ended (its
-memory cgroup, ``memory.AgentMemory``) carries ``reason: "memory"`` and its ``max_memory`` too.
-``stop()`` never blocks for ever.
+signal nobody here sent (the OOM killer, a stray ``kill``) or by its memory bound is reported as
+such (``exit_report``). ``stop()`` never blocks for ever.
 
 Turns: ``prompt`` opens a turn with a server-wide unique id and appends ``turn_started``; when the
 agent answers, ``turn_ended`` is appended after every ``session_update`` it sent before its answer
@@ -67,6 +65,7 @@ from daemon.agentctl.instance import conversation, stderr_drain, tool_processes
 from daemon.agentctl.instance import logs as agent_logs
 from daemon.agentctl.instance.conversation import Permissions, Turns, rpc_error_text, rpc_key
 from daemon.agentctl.instance.events import EventLog, Subscription
+from daemon.agentctl.instance.exit_report import AgentEnd
 from daemon.agentctl.instance.memory import AgentMemory
 from daemon.agentctl.instance.pipe import AgentPipeTransport, drain, wait_any
 from daemon.agentctl.instance.process import (
@@ -243,9 +242,8 @@ class Instance:
             # What a re-exec of the control server could not carry over for this instance (empty
             # unless a reload reported something; Issue 15).
             "not_taken_over": list(self.not_taken_over),
-            # The agent's memory bound (bytes) and the cgroup enforcing it (None: unbounded here).
-            "max_memory": self.spec.max_memory if self.memory is not None else None,
-            "memory_cgroup": self.memory.path if self.memory is not None else None,
+            # The agent's memory bound (bytes) and the cgroup enforcing it (both None: unbounded here).
+            **(self.memory.describe() if self.memory is not None else {"max_memory": None, "memory_cgroup": None}),
         }
 
     @property
@@ -271,17 +269,8 @@ class Instance:
     # -- start ---------------------------------------------------------------
 
     async def spawn(self) -> None:
-        """Start the agent's process (``AgentProcess.spawn``), in its memory cgroup when it has one,
-        and its stderr sink."""
-        procs = self.memory.procs_fd() if self.memory is not None else None
-        try:
-            stderr_read = await self.group.spawn(self.spec, self._agent_log_dir, cgroup_procs=procs)
-        finally:
-            if procs is not None:
-                os.close(procs)
-        if self.memory is not None:
-            self.memory.watch()
-        self.start_stderr_sink(stderr_read)
+        """Start the agent's process (``AgentProcess.spawn``, in its memory cgroup) and its stderr sink."""
+        self.start_stderr_sink(await self.group.spawn(self.spec, self._agent_log_dir, self.memory))
 
     def start_stderr_sink(self, read_fd: int) -> None:
         self.stderr_handover_fd = None
@@ -539,35 +528,14 @@ class Instance:
         self.exit_code = code
         self.exited.set()
         if self.state in (InstanceState.STARTING, InstanceState.RUNNING):
-            sig = None if self.group.stopped_by_us else killed_by(code, self.spec.sandboxed)
-            by_memory = self.memory is not None and self.memory.killed_by_bound()
-            data: dict[str, Any] = {"exit_code": code, "stderr_tail": self.stderr_tail()}
-            if sig is not None:
-                data["signal"] = sig.name
-            if by_memory:
-                assert self.memory is not None
-                data.update(reason="memory", max_memory=self.memory.limit)
-            self.log.append(EventKind.AGENT_EXITED, data)
-            how = (f"was killed by {sig.name}" if sig is not None else f"exited with code {code}") + (
-                f" (its memory bound, max_memory {self.memory.limit} bytes)" if by_memory and self.memory else "")
+            end = AgentEnd.read(code, None if self.group.stopped_by_us else killed_by(code, self.spec.sandboxed),
+                                self.memory)
+            self.log.append(EventKind.AGENT_EXITED, end.event_data(self.stderr_tail()))
             if self.current_turn_id is not None:
-                self.end_turn(self.current_turn_id, "agent_exited", f"the agent {how}")
+                self.end_turn(self.current_turn_id, "agent_exited", f"the agent {end.how()}")
             self.permissions.cancel_all("agent_exited")
             self._set_state(InstanceState.EXITED)
-            fields: dict[str, Any] = {"INSTANCE_ID": self.instance_id, "SESSION_ID": self.spec.session_id,
-                                      "TASK_ID": self.spec.task_id, "PID": self.pid, "EXIT_CODE": code}
-            if by_memory and self.memory is not None:
-                log_event("agent_killed", f"agent of instance {self.instance_id} was killed by its memory bound: it"
-                          f" used more than max_memory {self.memory.limit} bytes (cgroup {self.memory.path});"
-                          " nothing else was touched", priority=4, SIGNAL=sig.name if sig else None,
-                          REASON="memory", MAX_MEMORY=self.memory.limit, CGROUP=self.memory.path, **fields)
-            elif sig is not None:
-                log_event("agent_killed", f"agent of instance {self.instance_id} was killed by {sig.name}, a signal"
-                          " kandev did not send (the kernel's OOM killer, or someone's kill)", priority=4,
-                          SIGNAL=sig.name, REASON="signal", **fields)
-            else:
-                log_event("agent_exited", f"agent of instance {self.instance_id} exited with code {code}",
-                          priority=5, **fields)
+            end.log(self.spec, self.pid)
         if self.memory is not None and not self.gone:
             await self.memory.release(STDOUT_DRAIN_GRACE, session_id=self.spec.session_id, quiet=True)
 
@@ -598,8 +566,8 @@ class Instance:
         if self.prompt_task is not None and not self.prompt_task.done():
             self.prompt_task.cancel()
         ended_by = await tool_processes.kill_group_and_tools(self.group)
-        if self.memory is not None:
-            self.memory.end_all()  # what left the process group (setsid, unsandboxed) is still in the agent's cgroup
+        if self.memory is not None:  # what left the group (setsid, unsandboxed) is still in the agent's cgroup
+            await self.memory.end(REAP_TIMEOUT, session_id=self.spec.session_id)
         if self.conn is not None:
             with contextlib.suppress(Exception):
                 await within(self.conn.close(), 2.0)
@@ -613,8 +581,6 @@ class Instance:
         if self.stderr_sink is not None:
             await self._stderr_settled(1.0)  # the group is gone: the pipe ends once drained
             await asyncio.to_thread(self.stderr_sink.close)
-        if self.memory is not None:
-            await self.memory.release(REAP_TIMEOUT, session_id=self.spec.session_id)
         self._set_state(InstanceState.STOPPED)
         log_event(
             "instance_stopped",

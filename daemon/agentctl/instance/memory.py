@@ -19,6 +19,7 @@ import contextlib
 import logging
 import os
 import time
+from typing import Any
 
 from daemon.agentctl.sandbox import memory_cgroups
 from daemon.agentctl.sandbox.memory_cgroups import AgentCgroup, MemoryHost
@@ -98,9 +99,14 @@ class AgentMemory:
         """Whether the memory bound ended the agent (call once it exited)."""
         return self.out_of_memory or memory_cgroups.oom_kills(self.cgroup) > 0
 
-    def end_all(self) -> int:
-        """SIGKILL whatever is still in the cgroup (the agent is being stopped)."""
-        return memory_cgroups.kill_all(self.cgroup)
+    def describe(self) -> dict[str, Any]:
+        """What ``list_instances`` says of the agent's memory."""
+        return {"max_memory": self.cgroup.limit, "memory_cgroup": self.cgroup.path}
+
+    async def end(self, timeout: float, *, session_id: str | None = None) -> bool:
+        """The agent is being stopped: SIGKILL whatever is still in the cgroup, then remove it."""
+        memory_cgroups.kill_all(self.cgroup)
+        return await self.release(timeout, session_id=session_id)
 
     def close(self) -> None:
         """Stop watching (the cgroup stays until ``release``)."""

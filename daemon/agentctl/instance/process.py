@@ -37,6 +37,7 @@ from typing import Any
 
 import psutil
 
+from daemon.agentctl.instance.memory import AgentMemory
 from daemon.agentctl.instance.pipe import AGENT_STDOUT_LIMIT
 from daemon.agents.settings import AGENT_PATH
 from daemon.host import process_start
@@ -200,10 +201,11 @@ class AgentProcess:
         self.sandbox_init: psutil.Process | None = None  # bwrap's init of a sandboxed agent
         self.stopped_by_us = False  # a signal we sent (stop) is not a kill to report
 
-    async def spawn(self, spec: InstanceSpec, agent_log_dir: Path, cgroup_procs: int | None = None) -> int:
-        """Start the agent in its own session and group (and in its memory cgroup: ``cgroup_procs``,
-        see ``_child_setup``); returns the read end of its stderr pipe. The spec's secrets and launch
-        descriptors are gone from this server once it returns."""
+    async def spawn(self, spec: InstanceSpec, agent_log_dir: Path, memory: AgentMemory | None = None) -> int:
+        """Start the agent in its own session and group (and in its memory cgroup, ``memory``, then
+        watched: see ``_child_setup``); returns the read end of its stderr pipe. The spec's secrets
+        and launch descriptors are gone from this server once it returns."""
+        cgroup_procs = memory.procs_fd() if memory is not None else None
         agent_log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         stderr_read, stderr_write = os.pipe2(os.O_CLOEXEC)
         try:
@@ -226,8 +228,12 @@ class AgentProcess:
             ) from None
         finally:
             os.close(stderr_write)
+            if cgroup_procs is not None:
+                os.close(cgroup_procs)
             close_launch_fds(spec)
             spec.secret_env = {}  # the agent has them now; nothing of this server keeps them
+        if memory is not None:
+            memory.watch()
         self.pid = self.proc.pid
         try:
             self.psproc = psutil.Process(self.pid)

@@ -100,7 +100,8 @@ def _read(path: str) -> str:
 
 
 def _write(path: str, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    """Write one control file as ``echo TEXT > FILE`` does (a plain file in a test's fake tree)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
         os.write(fd, text.encode("ascii"))
     finally:

@@ -95,7 +95,7 @@ def handlers(backend: BackendContext, upgrade: ServerUpgrade) -> dict[str, Handl
             "adoption": {"outcome": report.adoption.outcome, "reason": report.adoption.reason},
             "sandbox": sandbox,
             # whether each agent runs in a memory cgroup of its own, bounded (agents.max_memory), and why not
-            "memory": agent_launch.memory_status(b, sandbox.pop("memory", None)),
+            "memory": agent_launch.memory_status(b.config, sandbox.pop("memory", None)),
             "store": store,
         }
 

@@ -188,23 +188,20 @@ async def prepare_relaunch(backend: Backend, session_id: str, agent: BuiltinAgen
     return LaunchPrep(command.argv, env, request.to_wire(), secret_env=dict(command.secret_env))
 
 
-def memory_status(backend: Backend, reported: Any) -> dict[str, Any]:
-    """``kandev status``'s ``memory``: whether agents started now get a memory cgroup with their bound
-    (as the control server in use reports it, ``reported``), where, and why not; the bound itself."""
-    config = backend.config.agents
+def memory_status(config: Config, reported: Any) -> dict[str, Any]:
+    """``kandev status``'s ``memory``: the bound (``agents.max_memory``, per agent where set) and whether
+    agents started now get a memory cgroup with it, where, and why not, as the control server in use
+    reports it (``reported``: ``sandbox_status``'s ``memory``; None when it did not say)."""
+    agents = config.agents
     out: dict[str, Any] = {
-        "bounded": False, "hierarchy": None, "cgroup": None, "reason": None,
-        "max_memory": memory.default_bound() if config.max_memory is None else config.max_memory,
-        "per_agent": {name: s.max_memory for name, s in sorted(config.settings.items()) if s.max_memory is not None},
+        "bounded": False, "hierarchy": None, "cgroup": None,
+        "reason": "the control server did not say (none runs yet, or it predates per-agent memory bounds)",
+        "max_memory": memory.default_bound() if agents.max_memory is None else agents.max_memory,
+        "per_agent": {name: s.max_memory for name, s in sorted(agents.settings.items()) if s.max_memory is not None},
     }
     if isinstance(reported, dict):
         out.update(bounded=bool(reported.get("bounded")), hierarchy=reported.get("hierarchy"),
                    cgroup=reported.get("cgroup"), reason=reported.get("reason"))
-    elif backend.client is None or not backend.client.usable:
-        out["reason"] = "no control server yet"
-    else:
-        out["reason"] = ("the control server predates per-agent memory bounds (the backend replaces it with the"
-                         " installed version once it runs no instance)")
     return out
 
 
