@@ -150,3 +150,22 @@ def test_issue_45_scenario_b_a_reload_keeps_each_agent_in_its_cgroup(kandev_fact
     assert (k.show(a).get("last_error") or "").startswith("agent_killed: memory"), k.show(a)
     assert int(k.status()["control_server"]["pid"]) == server_pid
     wait_until(lambda: not cgroup_dir(before).exists(), timeout=30, message=f"{before} was not removed")
+
+
+def test_issue_45_scenario_b_a_tool_past_the_bound_ends_its_whole_agent(kandev_factory: Any, short_tmp: Path) -> None:
+    """Issue 45 scenario B (the agent's tools count too): a process the agent starts (its ``/sh``) that
+    allocates past the bound is killed and its agent with it, as ``memory.oom.group`` does on cgroup
+    v2 (on v1 the control server ends the rest of the cgroup when the kernel says it ran out); the
+    session says ``agent_killed: memory``; nothing of the agent is left."""
+    k, status = bounded_home(kandev_factory, f'[agents]\nmax_memory = "{BOUND}"\n')
+    _, a = new_session(k, short_tmp, "a")
+    path = agent_cgroup_of(k, a, int(status["control_server"]["pid"]))
+    leader = int(k.show(a)["agent_pid"])
+    members = [leader, *(p.pid for p in psutil.Process(leader).children(recursive=True))]
+    hog = "python3 -c 'b = bytearray(1 << 30); b[::4096] = bytes(len(b) // 4096); print(\"survived\")'"
+    k.run("prompt", a, "/sh " + hog, "--wait", timeout=120)
+    wait_until(lambda: k.show(a)["state"] == "FAILED", timeout=60, message="the agent was not ended")
+    assert (k.show(a).get("last_error") or "").startswith("agent_killed: memory"), k.show(a)
+    assert "survived" not in text_of(k, a)
+    wait_until(lambda: not any(psutil.pid_exists(pid) for pid in members), timeout=30, message="agent processes left")
+    wait_until(lambda: not cgroup_dir(path).exists(), timeout=30, message=f"{path} was not removed")
