@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -169,3 +170,26 @@ def test_issue_45_scenario_b_a_tool_past_the_bound_ends_its_whole_agent(kandev_f
     assert "survived" not in text_of(k, a)
     wait_until(lambda: not any(psutil.pid_exists(pid) for pid in members), timeout=30, message="agent processes left")
     wait_until(lambda: not cgroup_dir(path).exists(), timeout=30, message=f"{path} was not removed")
+
+
+def test_issue_45_scenario_b_survival_and_re_tracking_keep_the_agent_in_its_cgroup(kandev_factory: Any,
+                                                                                   short_tmp: Path) -> None:
+    """Issue 45 scenario B (survival, re-tracking): with survival on, the backend SIGKILLed and started
+    again re-tracks the agent, which is still in its own cgroup with its bound; going past it is still
+    reported ``agent_killed`` / ``memory`` by the control server that survived."""
+    k, status = bounded_home(kandev_factory, f'[features]\nagent_survival = true\n[agents]\nmax_memory = "{BOUND}"\n')
+    server_pid = int(status["control_server"]["pid"])
+    _, a = new_session(k, short_tmp, "a")
+    before = agent_cgroup_of(k, a, server_pid)
+    backend = int(status["backend"]["pid"])
+    os.kill(backend, signal.SIGKILL)
+    wait_until(lambda: not psutil.pid_exists(backend) or psutil.Process(backend).status() == psutil.STATUS_ZOMBIE,
+               timeout=10)
+    again = k.up()
+    assert again["recovery"]["retracked"] == 1 and int(again["control_server"]["pid"]) == server_pid
+    assert k.show(a)["retracked"]
+    assert agent_cgroup_of(k, a, server_pid) == before and limit_of(before) == BOUND_BYTES
+    k.run("prompt", a, "/alloc 1024", "--wait", timeout=120)
+    wait_until(lambda: k.show(a)["state"] == "FAILED", timeout=60, message="the agent was not failed")
+    assert (k.show(a).get("last_error") or "").startswith("agent_killed: memory"), k.show(a)
+    wait_until(lambda: not cgroup_dir(before).exists(), timeout=30, message=f"{before} was not removed")
