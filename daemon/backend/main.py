@@ -20,6 +20,7 @@ import grp
 import logging
 import os
 
+from daemon.agentctl.sandbox import memory_cgroups
 from daemon.api import ops as api
 from daemon.backend.app import Backend
 from daemon.backend.lifetime.cli_listener import CliListener
@@ -156,6 +157,9 @@ def _main(argv: list[str] | None) -> int:
         except ConfigError as exc:
             say(PROGRAM, f"invalid configuration: {exc}")
             return ExitCode.REFUSED
+        # cgroup v2, our unit delegated: room for the agents' memory cgroups of a control server that
+        # is our child (survival off, passthrough); where there is none, that server says why
+        memory_cgroups.make_room()
         url = config.database.url or sqlite_url(paths.db_path)
         store_lock = StoreLock(url)
         try:

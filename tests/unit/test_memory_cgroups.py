@@ -76,6 +76,34 @@ def test_v2_after_a_re_exec_the_leaf_says_the_set_up_is_done(tmp_path: Path) -> 
     assert not (own / "agentctl" / "cgroup.procs").exists()
 
 
+def test_v2_a_child_of_the_backend_settles_beside_the_backends_leaf(tmp_path: Path) -> None:
+    """Issue 45 scenario B (survival off, cgroup v2): the backend, alone in its delegated cgroup, moves
+    into ``backend`` and gives the cgroup the memory controller; its child control server, in that leaf
+    with the backend, settles in ``agentctl`` beside it and makes its agents' cgroups there."""
+    unit = "/system.slice/kandev-backend.service"
+    (tmp_path / "cgroup.controllers").write_text("cpu io memory pids\n")
+    own = tmp_path / unit.lstrip("/")
+    own.mkdir(parents=True)
+    (own / "cgroup.controllers").write_text("memory pids\n")
+    (own / "cgroup.procs").write_text(f"{PID}\n")
+    (own / "cgroup.subtree_control").write_text("")
+    assert mc.make_room(str(tmp_path), f"0::{unit}\n", PID) is None
+    assert (own / "backend" / "cgroup.procs").read_text() == str(PID)
+    assert (own / "cgroup.subtree_control").read_text() == "+memory"
+    (own / "cgroup.subtree_control").write_text("memory\n")  # as the kernel shows it
+    (own / "backend" / "cgroup.procs").write_text(f"{PID}\n{PID + 1}\n")
+    assert mc.make_room(str(tmp_path), f"0::{unit}/backend\n", PID) is None  # done already
+    host = mc.probe(str(tmp_path), f"0::{unit}/backend\n", PID + 1)
+    assert host.base == str(own / "agentctl") and host.reason is None, host
+    assert (own / "agentctl" / "agentctl" / "cgroup.procs").read_text() == str(PID + 1)
+    assert (own / "agentctl" / "cgroup.subtree_control").read_text() == "+memory"
+    assert mc.agent_path(host, ID) == str(own / "agentctl" / f"agent-{ID}")
+    shared = tmp_path / "shared"
+    v2_tree(shared, procs=f"{PID}\n17\n")
+    assert "holds other processes" in (mc.make_room(str(shared), f"0::{UNIT}\n", PID) or "")
+    assert mc.make_room(str(tmp_path / "v1-host"), "4:memory:/\n0::/\n", PID) == "not cgroup v2"
+
+
 @pytest.mark.parametrize(("controllers", "procs", "why"), [
     ("pids", f"{PID}\n", "memory controller is not available"),
     ("memory pids", f"{PID}\n17\n", "holds other processes too"),

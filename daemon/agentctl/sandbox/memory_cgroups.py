@@ -11,7 +11,10 @@ why agents are unbounded here.
   ``Delegate=yes`` on its unit gives. A cgroup with processes cannot give its children
   controllers, so the server first moves itself into a leaf of its own, ``agentctl``, then writes
   ``+memory`` to the cgroup's ``cgroup.subtree_control``; that leaf is how a later image (after a
-  re-exec) knows the set-up is done. Each agent's cgroup gets ``memory.max`` and
+  re-exec) knows the set-up is done. A control server the backend runs as its child (survival
+  off, passthrough) shares the backend's cgroup; the backend, delegated too, has moved itself into
+  its own leaf ``backend`` and given its cgroup the memory controller (``make_room``), so the
+  child makes ``agentctl`` beside that leaf and settles there the same way. Each agent's cgroup gets ``memory.max`` and
   ``memory.oom.group = 1`` (the kernel's OOM killer ends the whole agent at once) and
   ``memory.swap.max = 0`` where swap is accounted.
 - **cgroup v1** (the memory controller on its own hierarchy, ``<root>/memory``; hybrid hosts): the
@@ -40,6 +43,8 @@ from typing import Any, Literal
 CGROUP_ROOT = "/sys/fs/cgroup"
 SERVER_LEAF = "agentctl"
 """On v2, the leaf of the server's cgroup the server moves itself into."""
+BACKEND_LEAF = "backend"
+"""On v2, the leaf of the backend's delegated cgroup the backend moves itself into (``make_room``)."""
 AGENT_PREFIX = "agent-"
 _INSTANCE_ID = re.compile(r"^[0-9a-f]{32}$")  # what instances_api generates: uuid4().hex
 
@@ -151,33 +156,79 @@ def _probe_v2(root: str, path: str | None, pid: int) -> MemoryHost:
     own = _below(root, path)
     if own is None:
         return MemoryHost("v2", None, path, f"the control server's cgroup {path!r} is not below {root}")
-    if os.path.basename(own) == SERVER_LEAF and own != root:
-        base = os.path.dirname(own)  # set up by an earlier image of this server (before a re-exec)
-        if _has_memory(base, "cgroup.subtree_control"):
-            return MemoryHost("v2", base, path, None)
+    parent = os.path.dirname(own)
+    if os.path.basename(own) == SERVER_LEAF and own != root and _has_memory(parent, "cgroup.subtree_control"):
+        return MemoryHost("v2", parent, path, None)  # set up by an earlier image of this server (before a re-exec)
     where = f"the control server's cgroup {path}"
+    if os.path.basename(own) == BACKEND_LEAF and _has_memory(parent, "cgroup.subtree_control"):
+        # the backend's child (survival off, passthrough): agents' cgroups beside the backend's leaf
+        return _settle(os.path.join(parent, SERVER_LEAF), path, pid, where)
     if not _has_memory(own, "cgroup.controllers"):
         return MemoryHost("v2", None, path, f"the memory controller is not available in {where} (its unit needs"
                           " Delegate=yes)")
-    if not (os.access(own, os.W_OK) and os.access(os.path.join(own, "cgroup.subtree_control"), os.W_OK)):
-        return MemoryHost("v2", None, path, f"{where} is not delegated to it (not writable by uid {os.geteuid()};"
-                          " its unit needs Delegate=yes)")
+    problem = _not_ours(own, pid, where)
+    if problem:
+        return MemoryHost("v2", None, path, problem + ": run the control server in a unit with Delegate=yes")
+    return _settle(own, path, pid, where)
+
+
+def _not_ours(cgroup: str, pid: int, where: str) -> str | None:
+    """Why ``cgroup`` cannot be given children with controllers by us: not writable, or other processes."""
+    if not (os.access(cgroup, os.W_OK) and os.access(os.path.join(cgroup, "cgroup.subtree_control"), os.W_OK)):
+        return f"{where} is not delegated to it (not writable by uid {os.geteuid()})"
     try:
-        others = [p for p in _read(os.path.join(own, "cgroup.procs")).split() if p != str(pid)]
+        others = [p for p in _read(os.path.join(cgroup, "cgroup.procs")).split() if p != str(pid)]
     except OSError as exc:
-        return MemoryHost("v2", None, path, f"cannot read {where}'s processes: {_why(exc)}")
-    if others:
-        return MemoryHost("v2", None, path, f"{where} holds other processes too ({len(others)}), so it cannot hold"
-                          " agents' cgroups: run the control server in a unit of its own with Delegate=yes")
-    leaf = os.path.join(own, SERVER_LEAF)
+        return f"cannot read {where}'s processes: {_why(exc)}"
+    return f"{where} holds other processes too ({len(others)})" if others else None
+
+
+def _settle(base: str, path: str | None, pid: int, where: str) -> MemoryHost:
+    """Make ``base`` the parent of agents' cgroups: the server moves into ``base/agentctl``, then
+    ``base`` gives its children the memory controller."""
+    leaf = os.path.join(base, SERVER_LEAF)
+    try:
+        for directory in (base, leaf):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(directory, 0o755)
+        _write(os.path.join(leaf, "cgroup.procs"), str(pid))
+        _write(os.path.join(base, "cgroup.subtree_control"), "+memory")
+    except OSError as exc:
+        return MemoryHost("v2", None, path, f"cannot enable the memory controller below {where}: {_why(exc)}")
+    return MemoryHost("v2", base, path, None)
+
+
+def make_room(root: str = CGROUP_ROOT, self_cgroup: str | None = None, pid: int | None = None) -> str | None:
+    """The backend's part, on cgroup v2 in a delegated cgroup of its own (its unit's ``Delegate=yes``):
+    it moves itself into ``<cgroup>/backend`` and gives its cgroup the memory controller, so that a
+    control server it runs as its child (survival off, passthrough) can make its agents' cgroups in
+    ``<cgroup>/agentctl``, beside it. Returns why it did nothing (None: done); never raises."""
+    pid = os.getpid() if pid is None else pid
+    try:
+        text = _read("/proc/self/cgroup") if self_cgroup is None else self_cgroup
+    except OSError as exc:
+        return f"cannot read /proc/self/cgroup: {_why(exc)}"
+    if not os.path.exists(os.path.join(root, "cgroup.controllers")):
+        return "not cgroup v2"
+    path = own_cgroups(text)[0]
+    own = _below(root, path)
+    if own is None or own == root or os.path.basename(own) == BACKEND_LEAF:
+        return None if own is not None and own != root else f"the backend's cgroup {path!r} is not one of its own"
+    where = f"the backend's cgroup {path}"
+    if not _has_memory(own, "cgroup.controllers"):
+        return f"the memory controller is not available in {where}"
+    problem = _not_ours(own, pid, where)
+    if problem:
+        return problem
+    leaf = os.path.join(own, BACKEND_LEAF)
     try:
         with contextlib.suppress(FileExistsError):
             os.mkdir(leaf, 0o755)
         _write(os.path.join(leaf, "cgroup.procs"), str(pid))
         _write(os.path.join(own, "cgroup.subtree_control"), "+memory")
     except OSError as exc:
-        return MemoryHost("v2", None, path, f"cannot enable the memory controller below {where}: {_why(exc)}")
-    return MemoryHost("v2", own, path, None)
+        return f"cannot enable the memory controller below {where}: {_why(exc)}"
+    return None
 
 
 def _has_memory(cgroup: str, name: str) -> bool:
