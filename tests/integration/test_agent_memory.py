@@ -113,6 +113,8 @@ def test_issue_45_scenario_b_an_agent_past_its_memory_bound_is_killed_alone(kand
     killed = [m for m in k.transcript(a) if m["kind"] == "agent_killed"]
     assert len(killed) == 1 and "memory bound" in killed[0]["text"], killed
     assert "alloc: 1024 MiB" not in text_of(k, a)
+    human = k.human("session", "show", a).stdout
+    assert "Last error" in human and human.count("agent_killed: memory") == 2, human  # header and transcript
 
     assert streaming.wait(timeout=120) == 0
     assert text_of(k, b) == "".join(f"{i}/12 " for i in range(1, 13))
