@@ -75,7 +75,7 @@ def default_bound(host: int | None = None) -> int:
 def accepted(host: int | None = None) -> str:
     """What a refusal quotes as accepted."""
     ram = host_memory() if host is None else host
-    return (f"{format_bytes(MEMORY_MIN)}..{format_bytes(ram)} (bytes, or a number with K, M, G or T, e.g. \"8G\";"
+    return (f"{format_bytes(MEMORY_MIN)}..{ram // MiB}M (bytes, or a number with K, M, G or T, e.g. \"8G\";"
             f" at least 64 MiB, at most this host's RAM, {human_bytes(ram)})")
 
 

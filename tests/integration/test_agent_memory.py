@@ -195,3 +195,19 @@ def test_issue_45_scenario_b_survival_and_re_tracking_keep_the_agent_in_its_cgro
     wait_until(lambda: k.show(a)["state"] == "FAILED", timeout=60, message="the agent was not failed")
     assert (k.show(a).get("last_error") or "").startswith("agent_killed: memory"), k.show(a)
     wait_until(lambda: not cgroup_dir(before).exists(), timeout=30, message=f"{before} was not removed")
+
+
+@pytest.mark.parametrize(("config", "key", "value"), [
+    ('[agents]\nmax_memory = "10M"\n', "agents.max_memory", '"10M"'),
+    ('[agents]\nmax_memory = "100000T"\n', "agents.max_memory", '"100000T"'),
+    ('[agents.mock]\nmax_memory = "1K"\n', "agents.mock.max_memory", "'1K'"),
+])
+def test_issue_45_scenario_b_an_out_of_range_bound_stops_kandev_up(kandev_factory: Any, config: str, key: str,
+                                                                   value: str) -> None:
+    """Issue 45 scenario B: a bound below 64 MiB or above the host's RAM refuses ``kandev up`` before
+    anything starts, naming the key, the value and the range."""
+    k = kandev_factory(config_text=config)
+    done = k.run("up", timeout=120)
+    said = done.stdout + done.stderr
+    assert done.returncode != 0 and key in said and value in said and "64M.." in said, said
+    assert not (k.home / "run" / "backend.sock").exists()
