@@ -110,6 +110,7 @@ MODULES = (
 OPTIONAL_MODULES = (
     "systemd.journal",  # daemon.core.journal sends through it when a journal is present
     "sdnotify",  # main's notifier, under systemd
+    "seccomp",  # libseccomp's bindings: the agents' system-call filter (sandbox.seccomp_filter) imports them lazily
 )
 
 _EVENT = "agentctl_late_import"
