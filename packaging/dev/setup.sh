@@ -7,7 +7,8 @@
 #   VENV=$(bash packaging/dev/setup.sh | tail -n 1)
 # Venv location: $KANDEV_VENV if set, else <repo>/.venv, except for a checkout under /tmp:
 # /var/tmp/kandev-venv-<hash of repo path> (the sdbox test container hides the host's /tmp,
-# and the venv must be visible inside it).
+# and the venv must be visible inside it), with <repo>/.venv made a symbolic link to it, so the
+# README's `export PATH="$PWD/.venv/bin:$PATH"` works from any clone.
 set -euo pipefail
 exec 3>&1 1>&2   # keep stdout for the venv path alone
 
@@ -92,6 +93,23 @@ else
 fi
 [[ "$VENV" == /* ]] || VENV=$PWD/$VENV
 [[ "$VENV/" == /tmp/* ]] && log "WARNING: $VENV is under /tmp, which the sdbox systemd tests cannot see"
+
+# A checkout under /tmp: <repo>/.venv is a link to the venv in /var/tmp (the README's quick start
+# puts <repo>/.venv/bin on the PATH). Made before the venv, so a set-up that fails later still
+# leaves it pointing at the right place.
+link_venv() {
+  local link=$REPO/.venv
+  if [ -L "$link" ]; then
+    [ "$(readlink "$link")" = "$VENV" ] && return 0
+    rm -f "$link"
+  elif [ -e "$link" ]; then
+    die "$link exists and is not a link to $VENV (a checkout under /tmp keeps its venv in /var/tmp, which the" \
+        "sdbox tests can see); remove $link, or set KANDEV_VENV=$link to use it"
+  fi
+  ln -s "$VENV" "$link"
+  log "$link -> $VENV"
+}
+if [ -z "${KANDEV_VENV:-}" ] && [ "$VENV" != "$REPO/.venv" ]; then link_venv; fi
 
 # one set-up per venv at a time (test.sh, bench.sh and demo.sh may be started side by side)
 LOCK=/var/tmp/kandev-setup-$(printf '%s' "$VENV" | sha256sum | cut -c1-12).lock

@@ -23,7 +23,8 @@ def default_venv_dir(repo: Path = REPO_ROOT) -> Path:
 
 def venv_python_path() -> Path:
     """The dev venv's python: the running interpreter when it is a venv (as under test.sh),
-    else the venv setup.sh creates."""
+    else the venv setup.sh creates. Named by its real path: a /tmp checkout's ``.venv`` is a link to
+    the venv in /var/tmp, and only the latter is visible in a systemd test box."""
     if sys.prefix != sys.base_prefix:
-        return Path(sys.prefix) / "bin" / "python"
+        return Path(sys.prefix).resolve() / "bin" / "python"
     return default_venv_dir() / "bin" / "python"
