@@ -180,6 +180,7 @@ class Backend:
         re-track for them (information, not a warning)."""
         ctx = self.context
         ctx.state = BackendState.STOPPING
+        stopping = lifecycle.stopping_with_backend(ctx)  # before the executions are dropped
         await self.upgrade.stop()  # no replacement of an old server starts or goes on now
         await self.turn_watch.stop()  # no silent turn is cancelled now
         await ctx.servers.close()  # what follows is no loss; no claim renewed
@@ -191,7 +192,9 @@ class Backend:
         await ctx.servers.disconnect()
         await ctx.store_care.stop()
         await ctx.endpoints.close_all()
-        stopped = [ex.session_id for ex in tracked if ex.passthrough or not detach]
+        stopped = {ex.session_id: stopping.get(ex.session_id) or lifecycle.clean_stop_why(
+            survival=ctx.capability.state, survival_reason=ctx.capability.reason, passthrough=ex.passthrough,
+            agents_asked=ctx.stop_agents_at_shutdown) for ex in tracked if ex.passthrough or not detach}
         await asyncio.to_thread(lifecycle.record_clean_stop, ctx.store, stopped)
         log_event(
             "backend_stopped",

@@ -87,6 +87,23 @@ def _same_config(status: dict[str, Any], config_path: str | None) -> None:
                    details={"running": running, "given": config_path})
 
 
+SURVIVAL_ENV = "KANDEV_FEATURES_AGENT_SURVIVAL"
+
+
+def _same_survival(status: dict[str, Any], survival: bool) -> None:
+    """``up --survival`` against a backend that runs without it: say so (it takes effect at a start)."""
+    cap = status.get("capability") or {}
+    if not survival or cap.get("state") in ("enabled", None):
+        return
+    pid = (status.get("backend") or {}).get("pid")
+    if cap.get("state") == "unavailable":
+        raise IpcError("survival_unavailable", f"a backend already runs (pid {pid}) and agent survival is unavailable"
+                       f" here ({cap.get('reason')}): {cap.get('detail')}", details={"capability": cap})
+    raise IpcError("survival_mismatch", f"a backend already runs (pid {pid}) with agent survival off; --survival"
+                   " was not applied: kandev down, then kandev up --survival (the running agents stop with it)",
+                   details={"capability": cap})
+
+
 def _this_start(log_path: Path, offset: int) -> list[str]:
     """The lines the backend wrote to its log since ``offset``: this start's, not earlier runs'."""
     with open(log_path, "rb") as f:
@@ -99,8 +116,10 @@ def cmd_up(paths: Paths, args: argparse.Namespace) -> dict[str, Any]:
     status = _reachable(paths.backend_socket)
     if status is not None and status["backend"]["state"] == BackendState.OUT_OF_SPACE:
         return {"started": False, "pid": status["backend"]["pid"], "status": status}
+    survival = bool(getattr(args, "survival", False))
     if status is not None and status["backend"]["state"] == BackendState.READY:
         _same_config(status, args.config)
+        _same_survival(status, survival)
         if _gave_up(status):
             return _retry_control_server(paths, status)
         return {"started": False, "pid": status["backend"]["pid"], "status": status}
@@ -109,6 +128,8 @@ def cmd_up(paths: Paths, args: argparse.Namespace) -> dict[str, Any]:
     if status is None:
         import subprocess
 
+        if survival:  # the backend reads it as it reads features.agent_survival, over the file
+            os.environ[SURVIVAL_ENV] = "true"
         _check_config(args.config)
         paths.ensure()
         argv = [sys.executable, "-m", "daemon.backend.main", "--home", str(paths.home)]
@@ -130,6 +151,7 @@ def cmd_up(paths: Paths, args: argparse.Namespace) -> dict[str, Any]:
             )
     else:
         _same_config(status, args.config)
+        _same_survival(status, survival)
         proc = None
     deadline = time.monotonic() + UP_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -207,7 +229,7 @@ def cmd_down(paths: Paths, args: argparse.Namespace) -> dict[str, Any]:
         # then stops it with its agents.
         print("kandev: no backend runs, but a detached control server does: starting the backend to stop it"
               " and its agents", file=sys.stderr, flush=True)
-        status = cmd_up(paths, argparse.Namespace(config=None))["status"]
+        status = cmd_up(paths, argparse.Namespace(config=None, survival=False))["status"]
     pid = int(status["backend"]["pid"])
     result = call(paths.backend_socket, "shutdown", {"agents": True} if args.agents else {}, timeout=10.0)
     agents = result.get("agents")
@@ -217,5 +239,5 @@ def cmd_down(paths: Paths, args: argparse.Namespace) -> dict[str, Any]:
               file=sys.stderr, flush=True)
     if _wait_exit(pid, DOWN_TIMEOUT_S):
         return {"stopped": True, "running": True, "pid": pid, "detached": bool(result.get("detach")),
-                "agents": agents}
+                "agents": agents, "turns": result.get("turns"), "survival": result.get("survival")}
     raise IpcError(ErrorCode.TIMEOUT, f"backend pid {pid} did not exit within {DOWN_TIMEOUT_S:.0f}s")

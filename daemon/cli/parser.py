@@ -252,6 +252,8 @@ def _build_parser() -> argparse.ArgumentParser:
                  " restarting a control server that kept dying, make it try again")
     up.add_argument("--config", metavar="FILE", help="the configuration file for the backend (checked first;"
                     " default: $KANDEV_CONFIG, /etc/kandev/kandev.toml)")
+    up.add_argument("--survival", action="store_true", help="agent survival on for this backend: its agents and"
+                    " their turns keep running when it stops or restarts (as features.agent_survival = true)")
     down = sub.add("down", "stop the backend gracefully (nothing to do when none runs)")
     down.add_argument("--agents", action="store_true", help="also stop a detached control server and every agent"
                       " (with survival on they otherwise keep running for the next backend)")

@@ -161,8 +161,9 @@ SANDBOX_POLICIES = ("required", "off")
 SETTINGS: tuple[Setting, ...] = (
     Setting("features.agent_survival", Kind.BOOL, False,
             "`true`/`false`; takes effect at the next backend start", accepted="true or false"),
-    Setting("features.auto_resume", Kind.BOOL, False,
-            "`true`/`false`; at start, after recovery, resume the sessions the restart interrupted",
+    Setting("features.auto_resume", Kind.BOOL, True,
+            "`true`/`false`; at start, after recovery, resume the sessions the restart interrupted"
+            " (their agents did not survive it); sessions that had no agent are left as they are",
             accepted="true or false"),
     Setting("agentctl.detached_event_limit", Kind.INT, 100, "",
             low=EVENT_LIMIT_MIN, high=EVENT_LIMIT_MAX),

@@ -227,7 +227,8 @@ def _evaluate(config: Config, env: Mapping[str, str], probes: Probes) -> tuple[C
         status = CapabilityStatus("unavailable", f.reason, f.detail, f.supervisor, f.user_manager)
     elif not switch:
         status = CapabilityStatus("disabled", "operator_disabled",
-                                  "Agent survival is switched off (features.agent_survival = false).",
+                                  "Agent survival is off: a backend stop ends the agents' running turns"
+                                  " (kandev up --survival, or features.agent_survival = true, keeps them).",
                                   f.supervisor, f.user_manager)
     else:
         how = f"through {AGENTCTL_UNIT}" if f.supervisor == "systemd" else "as a detached process"

@@ -344,6 +344,9 @@ def test_the_readmes_first_session_runs_as_written_within_its_first_80_lines(kan
         if m := re.search(r"Started session (\w{8})", p.stdout):
             ids["ec47"] = m.group(1)
         if command.startswith("kandev up"):
-            k.backend_pids.add(k.backend_pid)
+            st = k.status()
+            k.backend_pids.add(int(st["backend"]["pid"]))
+            if st["control_server"]["pid"]:  # `up --survival`: a detached server outlives `down`
+                k.server_pids.add(int(st["control_server"]["pid"]))
     followed = "\n".join(out for command, out in outputs if "--follow" in command)
     assert "echo: hello" in followed and "3/3" in followed and "[turn ended: end_turn]" in followed

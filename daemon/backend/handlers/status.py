@@ -12,7 +12,7 @@ from daemon.api.ops import BackendState, LinkObserved, LinkState
 from daemon.backend.control.launcher import ControlServerHandle
 from daemon.backend.lifetime.context import BackendContext
 from daemon.backend.lifetime.server_upgrade import ServerUpgrade
-from daemon.backend.sessions import agent_launch
+from daemon.backend.sessions import agent_launch, lifecycle
 from daemon.config.view import config_view
 from daemon.core.version import VERSION
 from ipc.errors import ErrorCode, IpcError
@@ -120,10 +120,16 @@ def handlers(backend: BackendContext, upgrade: ServerUpgrade) -> dict[str, Handl
         return result
 
     async def op_shutdown(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        """Stop gracefully; say how many agents and running turns the stop ends (``turns``), and the
+        survival switch (``survival``: enabled, disabled, unavailable), so the CLI can say how to
+        keep them next time."""
         agents = len(b.executions.executions)
         b.stop_agents_at_shutdown = bool(args.get("agents", False))
+        stopping = lifecycle.stopping_with_backend(b)
+        turns = await asyncio.to_thread(lifecycle.open_turns, b.store, list(stopping))
         b.shutdown_requested.set()
-        return {"ok": True, "detach": b.enabled and not b.stop_agents_at_shutdown, "agents": agents}
+        return {"ok": True, "detach": b.enabled and not b.stop_agents_at_shutdown, "agents": agents,
+                "turns": turns, "survival": b.capability.state}
 
     async def op_control_server_retry(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         """``kandev up`` with a backend that runs: try again where it gave up restarting a server."""

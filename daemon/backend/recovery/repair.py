@@ -36,11 +36,14 @@ def repair_interrupted(
     *,
     reason: str = "interrupted by backend restart",
     interruption: dict[str, Any] | None = None,
+    turn_error: str | None = None,
 ) -> None:
     """The stale-execution repair path: the row no longer claims a live process (resume token
     and worktree kept), open turns are abandoned, an active session waits for input and its
     task goes to review marked interrupted. ``interruption`` (why and when) is kept on the row
-    until the session gets an agent again; ``session show`` reports it."""
+    until the session gets an agent again; ``session show`` reports it. ``turn_error``: why, in
+    words, on each abandoned turn (follow, the transcript and the board show it after
+    ``interrupted``)."""
     row = db.get(ExecutorRunning, session_id)
     if row is not None and row.status == InventoryStatus.LIVE:
         row.status = InventoryStatus.STALE
@@ -53,6 +56,7 @@ def repair_interrupted(
     for turn in db.scalars(select(Turn).where(Turn.session_id == session_id, Turn.state == TurnState.OPEN)):
         turn.state = TurnState.ABANDONED
         turn.stop_reason = "interrupted"
+        turn.error = turn_error
         turn.ended_at = now
     transitions.transition_session(
         db, session_id, SessionState.WAITING_FOR_INPUT, expected_from={session.state}, reason=reason,

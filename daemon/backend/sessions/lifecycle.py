@@ -19,7 +19,8 @@ opened without following a symlink and read in bounded pieces; the client decide
 A graceful stop of the backend that stops agents (survival off, ``kandev down --agents``, and the
 passthrough sessions always) records each of their sessions as stopped cleanly
 (``record_clean_stop``): the inventory row no longer claims a live agent, an open turn ends
-interrupted, the session waits for input. The next backend then has nothing to re-track for them
+interrupted with why (``clean_stop_why``: e.g. ``the backend stopped and survival is off``), the
+session waits for input. The next backend then has nothing to re-track for them
 and reports how many there were as information (``take_clean_stops``), not as sessions it could
 not re-track.
 """
@@ -35,7 +36,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from daemon.backend.recovery.repair import repair_interrupted
 from daemon.backend.sessions.sessions import get_session
@@ -164,16 +165,48 @@ async def session_logs(backend: Backend, session_id: str, tail: int, offset: int
 
 
 CLEAN_STOP = "backend_stopped"
+SURVIVAL_OFF = "the backend stopped and survival is off"
 
 
-def record_clean_stop(store: Store, session_ids: list[str]) -> None:
-    """The backend stops gracefully and these sessions' agents stop with it."""
+def clean_stop_why(*, survival: str, survival_reason: str | None, passthrough: bool, agents_asked: bool) -> str:
+    """Why an agent stops with the backend, in words (its interrupted turn says it): ``survival``
+    is the capability's state (enabled, disabled, unavailable)."""
+    if passthrough and survival == "enabled":
+        return "the backend stopped (a passthrough session's agent always stops with it)"
+    if survival == "enabled" or agents_asked:
+        return "the backend stopped with its agents (kandev down --agents)"
+    if survival == "unavailable":
+        return f"the backend stopped and survival is unavailable here ({survival_reason or 'unknown reason'})"
+    return SURVIVAL_OFF
+
+
+def stopping_with_backend(backend: Backend) -> dict[str, str]:
+    """The sessions whose agents a graceful stop of the backend now stops, each with why."""
+    cap = backend.capability
+    detach = backend.enabled and not backend.stop_agents_at_shutdown
+    return {ex.session_id: clean_stop_why(survival=cap.state, survival_reason=cap.reason,
+                                          passthrough=ex.passthrough, agents_asked=backend.stop_agents_at_shutdown)
+            for ex in backend.executions.executions.values() if ex.passthrough or not detach}
+
+
+def open_turns(store: Store, session_ids: list[str]) -> int:
+    """How many of these sessions' turns are running (a stop now ends them)."""
+    if not session_ids:
+        return 0
+    with store.session() as db:
+        return int(db.scalar(select(func.count()).select_from(Turn).where(
+            Turn.session_id.in_(session_ids), Turn.state == TurnState.OPEN)) or 0)
+
+
+def record_clean_stop(store: Store, stopped: dict[str, str]) -> None:
+    """The backend stops gracefully and these sessions' agents stop with it (session -> why)."""
     now = datetime.now(UTC)
     at = now.isoformat().replace("+00:00", "Z")
     with store.session() as db:
-        for sid in session_ids:
-            repair_interrupted(db, sid, now, reason="agent stopped with the backend (kandev down)",
-                               interruption={"cause": CLEAN_STOP, "at": at, "reported": False})
+        for sid, why in stopped.items():
+            repair_interrupted(db, sid, now, reason=f"agent stopped with the backend (kandev down): {why}",
+                               interruption={"cause": CLEAN_STOP, "at": at, "reported": False, "why": why},
+                               turn_error=why)
 
 
 def take_clean_stops(store: Store) -> list[str]:

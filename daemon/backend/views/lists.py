@@ -51,17 +51,29 @@ def _latest_sessions(db: Session, task_ids: list[str] | None = None) -> dict[str
     return {s.task_id: s for s in latest}
 
 
-def _last_stop_reasons(db: Session, session_ids: list[str]) -> dict[str, str | None]:
-    """Each given session's last ended turn's stop reason (None: it ended without one); sessions
-    with no ended turn are absent. One query per ``_IDS_PER_QUERY`` sessions, not one per task."""
-    reasons: dict[str, str | None] = {}
+LastStop = tuple[str | None, str | None]  # the last ended turn's (stop reason, error)
+
+
+def _last_stop_reasons(db: Session, session_ids: list[str]) -> dict[str, LastStop]:
+    """Each given session's last ended turn's stop reason (None: it ended without one) and error;
+    sessions with no ended turn are absent. One query per ``_IDS_PER_QUERY`` sessions, not one per task."""
+    reasons: dict[str, LastStop] = {}
     for start in range(0, len(session_ids), _IDS_PER_QUERY):
         ranked = select(
-            Turn.session_id, Turn.stop_reason,
+            Turn.session_id, Turn.stop_reason, Turn.error,
             func.row_number().over(partition_by=Turn.session_id, order_by=Turn.ordinal.desc()).label("rank"),
         ).where(Turn.session_id.in_(session_ids[start:start + _IDS_PER_QUERY]), Turn.state != TurnState.OPEN).subquery()
-        reasons.update(db.execute(select(ranked.c.session_id, ranked.c.stop_reason).where(ranked.c.rank == 1)).all())
+        reasons.update((sid, (reason, error)) for sid, reason, error in db.execute(
+            select(ranked.c.session_id, ranked.c.stop_reason, ranked.c.error).where(ranked.c.rank == 1)).all())
     return reasons
+
+
+def _interrupted(last: LastStop | None) -> str | None:
+    """``interrupted: WHY`` when the last turn was interrupted (WHY: e.g. the backend stopped and
+    survival is off), else None."""
+    if last is None or last[0] != "interrupted":
+        return None
+    return f"interrupted: {last[1]}" if last[1] else "interrupted"
 
 
 def _workflow_summary(steps: list[WorkflowStep]) -> dict[str, Any] | None:
@@ -106,12 +118,12 @@ class Views:
 
     @staticmethod
     def _placement(db: Session, task: Task, latest: TaskSession | None, tracked: dict[str, bool],
-                   last_stops: dict[str, str | None]) -> tuple[str, dict[str, Any] | None]:
+                   last_stops: dict[str, LastStop]) -> tuple[str, dict[str, Any] | None]:
         """The task's bucket and, in needs_attention, {reason, hint}; ``last_stops`` from
         ``_last_stop_reasons`` for the latest session."""
         if latest is None:
             return placement(task.state, None, live=None)[0], None
-        last_stop = last_stops.get(latest.id)
+        last_stop = (last_stops.get(latest.id) or (None, None))[0]
         open_permission = latest.state == SessionState.RUNNING and any(
             p["state"] == "open" for p in permissions(db, latest.id))
         live = None if latest.id in tracked and tracked[latest.id] is None else latest.id in tracked
@@ -123,7 +135,7 @@ class Views:
 
     def _task_row(self, db: Session, task: Task, latest: TaskSession | None, sessions: int,
                   steps: list[WorkflowStep], tracked: dict[str, bool],
-                  last_stops: dict[str, str | None]) -> dict[str, Any]:
+                  last_stops: dict[str, LastStop]) -> dict[str, Any]:
         bucket, attention = self._placement(db, task, latest, tracked, last_stops)
         return {
             "task_id": task.id,
@@ -133,6 +145,8 @@ class Views:
             "state": task.state,
             "bucket": bucket,
             "attention": attention,
+            # the latest session's last turn, when a stop interrupted it: why (the board shows it)
+            "interrupted": _interrupted(last_stops.get(latest.id)) if latest is not None else None,
             "created_at": _iso(task.created_at),
             "sessions": sessions,
             "latest_session": self._session_summary(latest, tracked) if latest is not None else None,

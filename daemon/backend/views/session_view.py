@@ -189,6 +189,8 @@ def turns(db: Session, session_id: str) -> tuple[list[dict[str, Any]], int]:
         turn: dict[str, Any] = {"turn_id": t.id, "state": t.state, "stop_reason": t.stop_reason, "prompt": prompt}
         if cut:
             turn["prompt_truncated"] = True
+        if t.error:  # why it failed or was interrupted (e.g. the backend stopped and survival is off)
+            turn["error"] = t.error
         shown.append(turn)
     total = db.execute(select(func.count()).select_from(Turn).where(Turn.session_id == session_id)).scalar()
     return shown, int(total or 0)

@@ -50,6 +50,8 @@ def turn_end_line(term: Term, outcome: dict[str, Any]) -> str:
     if reason == "stopped":  # kandev session stop ended it with the agent
         return term.yellow("[turn stopped]")
     verb = "failed" if state == TurnState.ABANDONED or error else "ended"
+    if reason == "interrupted" and error:  # why, e.g. "the backend stopped and survival is off"
+        return term.red(f"[turn {verb}: interrupted: {error}]")
     text = f"[turn {verb}: {reason or state or 'unknown'}]"
     if error:
         text += f" {error}"

@@ -98,7 +98,19 @@ def down_lines(result: dict[str, Any], term: Term) -> list[str]:
     tail = (f"its {counted} {'keeps' if one else 'keep'} running and the next backend re-tracks"
             f" {'it' if one else 'them'}" if result.get("detached")
             else f"its {counted} {'was' if one else 'were'} stopped")
-    return [f"Backend stopped (pid {result.get('pid')}); {tail}."]
+    turns = int(result.get("turns") or 0)
+    if turns:
+        tail += f", ending {turns} running turn{'' if turns == 1 else 's'}"
+    lines = [f"Backend stopped (pid {result.get('pid')}); {tail}."]
+    survival = result.get("survival")
+    if turns and survival == "disabled":
+        lines.append(_hint(term, f"survival is off, so {'that turn was' if turns == 1 else 'those turns were'}"
+                           " interrupted; to keep agents and their turns running across a restart next time:"
+                           " kandev up --survival (or features.agent_survival = true)"))
+    elif turns and survival == "unavailable":
+        lines.append(_hint(term, "agent survival is unavailable here, so agents stop with the backend;"
+                           " kandev doctor says why"))
+    return lines
 
 
 def agentctl_reload_lines(result: dict[str, Any], term: Term) -> list[str]:
@@ -239,7 +251,8 @@ def board_lines(result: dict[str, Any], term: Term) -> list[str]:
             attention = t.get("attention") or {}
             reason = attention.get("reason")
             failed = reason in (Attention.FAILED, Attention.TIMEOUT) or state == SessionState.FAILED
-            detail = Cell(str(session.get("last_error") or "") if failed else "")
+            # e.g. interrupted: the backend stopped and survival is off
+            detail = Cell(str((session.get("last_error") if failed else None) or t.get("interrupted") or ""))
             quiet = session.get("quiet")
             if quiet:  # a running turn whose agent has said nothing for agents.quiet_warning_s
                 detail = cell(quiet_text(quiet), Colour.YELLOW)
