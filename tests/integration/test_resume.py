@@ -162,7 +162,7 @@ def test_resume_refusals(kandev_factory):
 def test_scenario_b_fresh_replaces_the_token(kandev_factory):
     """RESUME-2, RESUME-3: --fresh wipes the token; the new provider session's id replaces both
     identities once the agent created it. The stored transcript is kept."""
-    k = kandev_factory()
+    k = kandev_factory(KANDEV_FEATURES_AUTO_RESUME="false")  # resumed by hand, not automatically
     k.up()
     task, ws = new_task(k, "b")
     sid = start(k, task)
@@ -214,7 +214,8 @@ def test_scenario_d_failure_after_starting_restores_prior_state(kandev_factory, 
     token_file = short_tmp / "github-token"
     token_file.write_text("ghp_resumeTESTupstream0123456789abcdefgh\n")
     token_file.chmod(0o600)
-    k = kandev_factory("home", f'[credentials]\ngithub_token_file = "{token_file}"\n')
+    k = kandev_factory("home", f'[credentials]\ngithub_token_file = "{token_file}"\n',
+                       KANDEV_FEATURES_AUTO_RESUME="false")  # the restart's session is resumed by hand
     k.up()
     repo = _github_repo(short_tmp)
     task, ws = new_task(k, "d", "--workspace", str(repo))
@@ -269,7 +270,8 @@ def test_resume_refused_while_recovery_guards_the_session(kandev_factory):
     recovery stopped the survivor and repaired the row, the same resume loads the same session."""
     deadline = {"KANDEV_AGENTCTL_RECOVERY_DEADLINE": "5s", "KANDEV_AGENTCTL_RECOVERY_READ_TIMEOUT": "500ms",
                 "KANDEV_AGENTCTL_RECOVERY_READ_RETRIES": "1"}
-    k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="true", KANDEV_FAULT="agentctl_slow_rotate:8", **deadline)
+    k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="true", KANDEV_FAULT="agentctl_slow_rotate:8",
+                       KANDEV_FEATURES_AUTO_RESUME="false", **deadline)  # resumed by hand
     st = k.up()
     task, ws = new_task(k, "guarded")
     sid = start(k, task)
