@@ -264,7 +264,7 @@ def test_a_clean_down_is_information_and_a_lost_agent_warning_clears_once_resume
     """Issue 23 item 3 (Why 9): after `kandev down` with survival off the next start warns of
     nothing (it reports the stopped agents as information); after a backend SIGKILL the warning
     names the session until it is resumed."""
-    k = kandev_factory("clean")
+    k = kandev_factory("clean", KANDEV_FEATURES_AUTO_RESUME="false")  # resumed by hand, not automatically
     k.up()
     _, sid = _session(k, "clean stop")
     down = k.human("down")

@@ -121,7 +121,7 @@ def test_scenario_f_reset_keeps_model_mode_option_and_survives_restarts(kandev_f
     assert provider_state(k, newest) == CHOSEN
 
     # backend restart, survival off: the agent is gone; resume loads the provider session
-    restart(k, KANDEV_FEATURES_AGENT_SURVIVAL="false")
+    restart(k, KANDEV_FEATURES_AGENT_SURVIVAL="false", KANDEV_FEATURES_AUTO_RESUME="false")  # resumed by hand
     show = k.show(sid)
     assert not show["live"] and show["state"] == "WAITING_FOR_INPUT"
     resumed = k.cli("resume", sid)

@@ -166,6 +166,7 @@ async def session_logs(backend: Backend, session_id: str, tail: int, offset: int
 
 CLEAN_STOP = "backend_stopped"
 SURVIVAL_OFF = "the backend stopped and survival is off"
+AGENTS_ASKED = "the backend stopped with its agents (kandev down --agents)"
 
 
 def clean_stop_why(*, survival: str, survival_reason: str | None, passthrough: bool, agents_asked: bool) -> str:
@@ -174,7 +175,7 @@ def clean_stop_why(*, survival: str, survival_reason: str | None, passthrough: b
     if passthrough and survival == "enabled":
         return "the backend stopped (a passthrough session's agent always stops with it)"
     if survival == "enabled" or agents_asked:
-        return "the backend stopped with its agents (kandev down --agents)"
+        return AGENTS_ASKED
     if survival == "unavailable":
         return f"the backend stopped and survival is unavailable here ({survival_reason or 'unknown reason'})"
     return SURVIVAL_OFF
@@ -199,13 +200,16 @@ def open_turns(store: Store, session_ids: list[str]) -> int:
 
 
 def record_clean_stop(store: Store, stopped: dict[str, str]) -> None:
-    """The backend stops gracefully and these sessions' agents stop with it (session -> why)."""
+    """The backend stops gracefully and these sessions' agents stop with it (session -> why).
+    ``asked``: the user asked for the agents to stop (``kandev down --agents``), so the next start
+    does not resume them by itself."""
     now = datetime.now(UTC)
     at = now.isoformat().replace("+00:00", "Z")
     with store.session() as db:
         for sid, why in stopped.items():
             repair_interrupted(db, sid, now, reason=f"agent stopped with the backend (kandev down): {why}",
-                               interruption={"cause": CLEAN_STOP, "at": at, "reported": False, "why": why},
+                               interruption={"cause": CLEAN_STOP, "at": at, "reported": False, "why": why,
+                                             "asked": why == AGENTS_ASKED},
                                turn_error=why)
 
 

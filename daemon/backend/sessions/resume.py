@@ -25,11 +25,12 @@ the token and starts a new one (``session/new``). Never a silent fallback to a f
    (``metadata.acp.session_id``, ``executors_running.resume_token``) are never touched by a failure:
    only ``--fresh`` wipes them and only a new provider session replaces them (RESUME-1, RESUME-2, RESUME-3, RESUME-4).
 
-**Automatic resume** (RESUME-10), switched on by ``features.auto_resume``: once startup recovery
+**Automatic resume** (RESUME-10), switched on by ``features.auto_resume`` (the default): once startup recovery
 and reconciliation are done (backend ``ready``), every session that this start's reconciliation
 repaired (interrupted by the restart: WAITING_FOR_INPUT, no live agent, a stale inventory row with
 a token; re-tracked sessions and rows of unknown liveness are never touched), and every session
-whose agent the previous backend stopped with itself at a graceful stop (survival off), is resumed
+whose agent the previous backend stopped with itself at a graceful stop (survival off; not those
+``kandev down --agents`` stopped on request), is resumed
 in the background through the same path; meanwhile the board does not call them "no agent". So are the sessions a control server that died under the
 running backend interrupted, once its replacement runs (``resume_interrupted``). While it runs the session is STARTING, so its task keeps the
 bucket of its own state (review: ``turn_finished``); it never shows in backlog or running.
@@ -334,6 +335,8 @@ class ResumeService:
                     continue
                 if row.status != InventoryStatus.STALE or not row.resume_token:
                     continue
+                if ((row.metadata_json or {}).get("interruption") or {}).get("asked"):
+                    continue  # kandev down --agents: its user stopped that agent on purpose
                 if sid in b.executions.executions or sid in b.executions.guards:
                     continue
                 out.append(sid)
