@@ -9,7 +9,8 @@ D: a control server that dies at start every time (the ``agentctl_dies_at_start`
    ``$KANDEV_FAULT_FILE``): after the crash-loop limit the backend stays up and answers, ``kandev
    status`` and ``kandev doctor`` say ``gave_up`` and why, its CPU stays near idle; once the fault
    file is gone, ``kandev up`` brings a server back.
-With ``features.auto_resume`` the interrupted sessions are resumed once the new server runs.
+With ``features.auto_resume`` (on by default since Issue 46; A, C and D switch it off to resume by
+hand) the interrupted sessions are resumed once the new server runs.
 
 Issue 11 scenario B (real systemd) is tests/systemd/test_control_server_loss_systemd.py; the interleaved
 control-server and backend SIGKILLs (item 5) are tests/integration/test_chaos_kills.py.
@@ -77,7 +78,7 @@ def test_scenarios_a_and_c_killed_control_server_is_replaced_and_sessions_are_tr
         kandev_factory, survival, mode):
     """Issue 11 scenario A (survival on, no service manager) and Issue 11 scenario C (survival off,
     child control server)."""
-    k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL=survival)
+    k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL=survival, KANDEV_FEATURES_AUTO_RESUME="false")  # by hand
     st = k.up()
     assert st["control_server"]["mode"] == mode and st["control_server"]["state"] == "running"
     backend = st["backend"]["pid"]
@@ -169,7 +170,8 @@ def test_scenario_d_server_dying_at_start_gives_up_then_kandev_up_brings_one_bac
     say gave_up and why, its CPU stays near idle; once the fault is removed, kandev up brings a
     server back."""
     faults = short_tmp / "faults"
-    k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="true", KANDEV_FAULT_FILE=str(faults))
+    k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="true", KANDEV_FAULT_FILE=str(faults),
+                       KANDEV_FEATURES_AUTO_RESUME="false")  # resumed by hand
     st = k.up()
     backend = st["backend"]["pid"]
     task, sid = k.start_session("dies at start")
@@ -231,7 +233,7 @@ def test_passthrough_server_loss_is_handled_likewise_and_leaves_the_other_server
     """Issue 11 item 3 ("the passthrough server likewise"): the backend's own child server of
     passthrough sessions is watched, its sessions made truthful and it is restarted; the survival
     server and its session are untouched."""
-    k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="true")
+    k = kandev_factory(KANDEV_FEATURES_AGENT_SURVIVAL="true", KANDEV_FEATURES_AUTO_RESUME="false")  # by hand
     st = k.up()
     _, pt_sid = k.start_session("passthrough", "--passthrough")
     k.cli("prompt", pt_sid, f"/slow {N}")

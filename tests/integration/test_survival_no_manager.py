@@ -93,7 +93,9 @@ def test_scenario_b_graceful_down_sends_no_stop(kandev_factory):
 
 def test_scenario_c_disabled_agent_dies_with_backend(kandev_factory):
     """AC-EXECUTORS-SURVIVAL-005.1, AC-EXECUTORS-SURVIVAL-005.2: disabled by default; the agent dies with the backend."""
-    k = kandev_factory()  # nothing set: the capability is off by default
+    # nothing set but automatic resume (on by default): the capability is off by default, and the
+    # session is looked at as the restart left it
+    k = kandev_factory(KANDEV_FEATURES_AUTO_RESUME="false")
     st = k.up()
     assert st["capability"]["state"] == "disabled"
     assert st["control_server"]["mode"] == "child"

@@ -35,7 +35,8 @@ def _chunks(show: dict[str, Any]) -> int:
 @pytest.fixture(scope="module")
 def booted(sdbox: SdBox) -> SdBox:
     sdbox.install_units()
-    sdbox.write_file("/etc/kandev/kandev.toml", "[features]\nagent_survival = true\n")
+    # automatic resume off (it is on by default): the interrupted sessions are looked at, then resumed by hand
+    sdbox.write_file("/etc/kandev/kandev.toml", "[features]\nagent_survival = true\nauto_resume = false\n")
     sdbox.systemctl("start", BACKEND)  # Type=notify: returns once READY=1
     return sdbox
 

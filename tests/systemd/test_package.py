@@ -486,8 +486,8 @@ def test_issue19_b_a_planted_commondir_never_decides_what_a_new_agent_sees(pkg: 
     and works in its own workspace. The configuration is put back afterwards."""
     b = pkg
     conf = b.box.read_file("/etc/kandev/kandev.toml")
-    assert "\n#auto_resume = false\n" in conf
-    b.box.write_file("/etc/kandev/kandev.toml", conf.replace("\n#auto_resume = false\n", "\nauto_resume = true\n"))
+    assert "\n#auto_resume = true\n" in conf  # on by default (Issue 46 item 2); written out all the same
+    b.box.write_file("/etc/kandev/kandev.toml", conf.replace("\n#auto_resume = true\n", "\nauto_resume = true\n"))
     b.box.systemctl("restart", BACKEND)
     try:
         repo = _hostile_repository(b, "b-repo")
