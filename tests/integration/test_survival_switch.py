@@ -87,6 +87,7 @@ def test_survival_is_one_switch_of_up_shown_by_status(kandev_factory) -> None:
     k.up()
     status = k.human("status").stdout
     assert re.search(r"Survival: disabled", status) and "kandev up --survival" in status, status
+    assert "Automatic resume is on" in status, status
     refused = k.human("up", "--survival")
     assert refused.returncode == 1 and "with agent survival off; --survival was not applied" in refused.stderr, (
         refused.stdout, refused.stderr)

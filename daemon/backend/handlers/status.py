@@ -69,6 +69,8 @@ def handlers(backend: BackendContext, upgrade: ServerUpgrade) -> dict[str, Handl
                 "reason": b.capability.reason,
                 "detail": b.capability.detail,
                 "supervisor": b.capability.supervisor,
+                # features.auto_resume: the sessions a restart interrupted get their agent back by themselves
+                "auto_resume": b.config.features.auto_resume,
             },
             "control_server": {
                 **link,

@@ -21,7 +21,7 @@ LABEL = 15  # label column width (right-aligned, as systemctl does)
 
 _KNOWN = {
     "backend": {"pid", "version", "socket", "home", "state", "config"},
-    "capability": {"state", "reason", "detail", "supervisor"},
+    "capability": {"state", "reason", "detail", "supervisor", "auto_resume"},
     "control_server": {"state", "pid", "version", "server_identity", "endpoint", "mode", "log_path",
                        # versions and re-execution in place (Issue 15): shown by _version_lines
                        "installed_version", "protocol_version", "can_reload", "reexec_count", "last_reexec_at",
@@ -204,6 +204,10 @@ def _capability_lines(term: Term, cap: dict[str, Any]) -> list[str]:
     lines = [head]
     if cap.get("detail"):
         lines.append(str(cap["detail"]))
+    if "auto_resume" in cap:
+        lines.append("Automatic resume is " + ("on: a session a restart interrupted gets its agent back by itself"
+                     if cap["auto_resume"] else "off (features.auto_resume = false): kandev resume SESSION")
+                     + ".")
     return lines + _extras(cap, _KNOWN["capability"])
 
 
