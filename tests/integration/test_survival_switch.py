@@ -68,6 +68,8 @@ def test_down_says_which_turns_it_ends_and_the_restart_resumes_the_interrupted_s
                       message="the interrupted session was not resumed by itself")
     resumed = [json.loads(e["text"]) for e in show["transcript"] if e.get("kind") == "session_resumed"]
     assert resumed and resumed[-1]["automatic"] is True and resumed[-1]["loaded"] is True, resumed
+    assert "1 session had its agent stopped with the previous backend (kandev down): nothing to re-track;" \
+        " each has an agent again" in k.human("status").stdout
     board = wait_until(lambda: b if task in (b := k.cli("board"))["turn_finished"] else None, timeout=30)
     assert idle_task in board["needs_attention"]  # the idle session: no agent, as before the restart
     assert not k.show(idle)["live"]

@@ -90,6 +90,9 @@ def handlers(backend: BackendContext, upgrade: ServerUpgrade) -> dict[str, Handl
                 # of those, the ones still without an agent (resumed ones no longer count)
                 "without_agent": sum(1 for sid in report.not_retracked if sid not in b.executions.executions),
                 "stopped_with_backend": len(report.stopped_with_backend),
+                # of those, the ones neither resumed (by hand or automatically) nor being resumed
+                "stopped_without_agent": sum(1 for sid in report.stopped_with_backend
+                                             if sid not in b.executions.executions and sid not in b.auto_resume_pending),
                 "reasons": dict(report.not_retracked),
                 "stopped_orphans": len(report.stopped_orphans),
                 "duration_ms": round(report.duration_ms, 1),

@@ -30,7 +30,7 @@ _KNOWN = {
                        "last_loss", "losses_in_window", "crash_loop", "gave_up", "restarts", "replacements",
                        "passthrough"},
     "recovery": {"retracked", "not_retracked", "reasons", "stopped_orphans", "duration_ms", "without_agent",
-                 "stopped_with_backend"},
+                 "stopped_with_backend", "stopped_without_agent"},
     "adoption": {"outcome", "reason"},
 }
 _ORDER = ("backend", "capability", "control_server", "adoption", "recovery")
@@ -239,9 +239,11 @@ def _recovery_lines(term: Term, recovery: dict[str, Any]) -> list[str]:
     lines = [head]
     clean = int(recovery.get("stopped_with_backend") or 0)
     if clean:
+        left = int(recovery.get("stopped_without_agent", clean) or 0)  # a backend too old to say: all of them
+        then = (f"{left} still without one: `kandev resume SESSION` gives one an agent again" if left
+                else "each has an agent again")
         lines.append(f"{clean} session{'s' if clean != 1 else ''} had {'their agents' if clean != 1 else 'its agent'}"
-                     " stopped with the previous backend (kandev down): nothing to re-track; `kandev resume"
-                     " SESSION` gives one an agent again")
+                     f" stopped with the previous backend (kandev down): nothing to re-track; {then}")
     reasons = recovery.get("reasons") or {}
     if isinstance(reasons, dict):
         for sid, reason in sorted(reasons.items()):
