@@ -28,7 +28,8 @@ def _backend() -> SimpleNamespace:
         state=BackendState.STARTING, handle=None, link=link, passthrough_link=link, passthrough_handle=None,
         servers=SimpleNamespace(server_identity="s"), launcher=SimpleNamespace(mode="detached"),
         report=report, executions=SimpleNamespace(executions={}), socket_path="/x",
-        paths=SimpleNamespace(home="/h"), config=SimpleNamespace(source=None, agents=SimpleNamespace(max_memory=None, settings={})),
+        paths=SimpleNamespace(home="/h"), config=SimpleNamespace(source=None, agents=SimpleNamespace(max_memory=None, settings={}),
+                              features=SimpleNamespace(auto_resume=True)),
         capability=SimpleNamespace(state="enabled", reason=None, detail=None, supervisor=None))
 
     async def store_status() -> dict[str, Any]:
