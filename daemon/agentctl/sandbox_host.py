@@ -13,6 +13,7 @@ import asyncio
 
 from daemon.agentctl.sandbox import bubblewrap as sandbox
 from daemon.agentctl.sandbox.bubblewrap import SandboxRequest, SandboxSupport
+from daemon.agentctl.sandbox.network import SandboxNet
 from daemon.agentctl.server_context import ServerContext
 from daemon.core.journal import log_event
 from daemon.host.agent_user import AgentUserMissing
@@ -50,9 +51,10 @@ class SandboxHost:
         socket directory, the logs (agents' stderr included), the credential and its directory."""
         return self.server.config.own_paths()
 
-    async def wrap(self, request: SandboxRequest, command: list[str], cwd: str) -> sandbox.Launch:
-        """The agent's argv inside its sandbox (and the descriptors bwrap inherits);
-        ``sandbox_unavailable`` when none can be made."""
+    async def wrap(self, request: SandboxRequest, command: list[str], cwd: str,
+                   net: SandboxNet | None = None) -> sandbox.Launch:
+        """The agent's argv inside its sandbox (and the descriptors bwrap inherits), in its own
+        network namespace (``net``); ``sandbox_unavailable`` when none can be made."""
         support = self.support
         if support is None or not support.available:
             support = await self.probe()  # the host may have been fixed meanwhile
@@ -61,7 +63,7 @@ class SandboxHost:
         sandbox.hidden_ok(request, cwd, self.own_paths())
         try:
             return await asyncio.to_thread(sandbox.wrap_command, request, command, cwd, bwrap=support.bwrap,
-                                           extra_hidden=self.own_paths(), own_ipc=support.ipc_namespace)
+                                           extra_hidden=self.own_paths(), own_ipc=support.ipc_namespace, net=net)
         except AgentUserMissing as exc:
             raise sandbox.unavailable(str(exc)) from None
         except ValueError as exc:

@@ -36,6 +36,7 @@ import daemon.agentctl.api.instances as instances_api
 import daemon.agentctl.api.ownership as ownership_api
 import daemon.agentctl.api.reload as reload_api
 from daemon.agentctl.connection_auth import ConnectionAuth, authenticated
+from daemon.agentctl.egress.host import EgressHost
 from daemon.agentctl.handover import HANDOVER_FORMAT, ReloadHistory, ServerHandover, to_plain
 from daemon.agentctl.instance.conversation import TurnIds
 from daemon.agentctl.instance.instance import Instance
@@ -74,7 +75,8 @@ class AgentctlServer:
                                            handshake_timeout=handshake_timeout)
         self.auth = ConnectionAuth(ctx)
         self.sandbox = SandboxHost(ctx)
-        self.instance_service = InstanceService(ctx, self.sandbox)
+        self.egress = EgressHost(os.path.dirname(config.socket_path))
+        self.instance_service = InstanceService(ctx, self.sandbox, self.egress)
         handlers = {name: self._logged(name, handler) for name, handler in self.handlers().items()}
         self.ipc = ctx.ipc = IpcServer(
             config.socket_path, TABLE, handlers, authorize=self.auth.authorize, max_connections=connection_limit(),
@@ -88,7 +90,7 @@ class AgentctlServer:
         ctx = self.context
         return {
             **ownership_api.handlers(ctx, self.auth, self.instance_service),
-            **instances_api.handlers(ctx, self.instance_service, self.sandbox),
+            **instances_api.handlers(ctx, self.instance_service, self.sandbox, self.egress),
             **events_api.handlers(ctx),
             **reload_api.handlers(ctx),
         }
@@ -173,6 +175,7 @@ class AgentctlServer:
 
     async def start(self) -> None:
         await self.sandbox.probe()
+        await asyncio.to_thread(self.egress.prune, set())
         await self.ipc.start()
         self.write_reload_status()
         self.context.spawn_background(self.run_unowned_timer())
@@ -211,6 +214,7 @@ class AgentctlServer:
         while ctx.shutdown_calls and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         await self.ipc.close()
+        await self.egress.close_all()
         with contextlib.suppress(OSError):
             reload_status.status_path(ctx).unlink()
         ctx.cancel_background()
@@ -223,6 +227,8 @@ class AgentctlServer:
         ctx = self.context
         identity = self.ipc.identity
         history = ReloadHistory(**to_plain(ctx.reload_history))
+        for inst in ctx.instances.values():  # the refusals so far travel in each spec
+            self.egress.sync(inst.instance_id, inst.spec.network)
         history.last_attempt = attempt
         return ServerHandover(
             format=HANDOVER_FORMAT,
@@ -282,6 +288,8 @@ class AgentctlServer:
                 log.exception("instance %s: cannot take its agent's pipes back", inst.instance_id)
                 inst.not_taken_over.append(f"the agent's pipes ({type(exc).__name__}: {exc}); the agent still"
                                            " runs and stop_instance ends it")
+        for inst in list(ctx.instances.values()):  # each agent's way out, at the path its sandbox binds
+            await self.egress.restore(inst.instance_id, inst.spec.session_id, inst.spec.agent, inst.spec.network)
         identity = state.socket_identity
         await self.ipc.start_on(listener, (identity[0], identity[1]) if len(identity) == 2 else None)
         ctx.spawn_background(self.run_unowned_timer())

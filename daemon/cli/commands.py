@@ -58,10 +58,11 @@ def _ensure_runtime(sock: str, agent: Any) -> None:
 
 def _agents(config_path: str | None) -> dict[str, Any]:
     """The built-in agents, each with the variable names its configuration gives it (no value)."""
+    from daemon.agents.network import describe as network_of
     from daemon.agents.registry import BUILTIN_AGENTS
     from daemon.agents.settings import describe
     from daemon.config.keys import ConfigError
-    from daemon.config.settings import Config, load_config
+    from daemon.config.settings import Config, agent_network, load_config
 
     error = None
     try:
@@ -70,7 +71,7 @@ def _agents(config_path: str | None) -> dict[str, Any]:
         config, error = Config(), f"the configuration is refused: {exc}"
     return {"config": config.source, "config_error": error, "agents": [
         {"name": a.name, "package": a.package, "version": a.version, "runtime": a.runtime,
-         **describe(config.agents.settings, a.name)}
+         **describe(config.agents.settings, a.name), "network": network_of(agent_network(config, a.name))}
         for a in sorted(BUILTIN_AGENTS.values(), key=lambda a: a.name)]}
 
 
@@ -280,8 +281,11 @@ def run_command_line(argv: list[str]) -> int:
         for a in result["agents"]:
             secret = ", ".join(f"{var} <- {ref}" for var, ref in a["secret_env"].items())
             files = ", ".join(f"~/{dest} <- {src}" for dest, src in a.get("home_files", {}).items())
+            net = a.get("network") or {}
+            hosts = ", ".join(net.get("allow_hosts") or []) if net.get("mode") == "allow-list" else ""
             print(f"{a['name']}\t{a['package']}\t{a['version']}\tenv: {', '.join(a['env']) or '-'}"
-                  f"\tsecret_env: {secret or '-'}\thome_files: {files or '-'}")
+                  f"\tsecret_env: {secret or '-'}\thome_files: {files or '-'}"
+                  f"\tnetwork: {net.get('mode', '?')}{f' ({hosts})' if hosts else ''}")
     if args.command == "agents" and result.get("config_error"):
         if args.json:
             _print(result)

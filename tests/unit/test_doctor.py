@@ -254,7 +254,8 @@ def test_cli_agents_lists_builtin_agents(capsys: pytest.CaptureFixture[str]) -> 
     assert cli.main(["agents"]) == 0
     lines = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
     assert [line[:3] for line in lines] == [[a["name"], a["package"], a["version"]] for a in agents]  # same order
-    assert ["mock", "daemon.agents.mock", VERSION, "env: -", "secret_env: -", "home_files: -"] in lines
+    assert ["mock", "daemon.agents.mock", VERSION, "env: -", "secret_env: -", "home_files: -",
+            "network: allow-list"] in lines
 
 
 def _with_server(**server: Any) -> Any:

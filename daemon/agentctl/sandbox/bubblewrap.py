@@ -2,8 +2,9 @@
 
 An agent runs arbitrary tool calls, so it is a guest: it sees the files it works on and nothing of
 kandev's. The control server wraps the agent's argv in ``bwrap`` (Debian ``bubblewrap``, the
-sandbox of Flatpak and of Claude Code on Linux) with a new user and pid namespace (and the mount
-namespace bwrap always makes); the network is shared. The view (``build_argv``):
+sandbox of Flatpak and of Claude Code on Linux) with a new user, pid and network namespace (and the
+mount namespace bwrap always makes; the network namespace and the agent's one way out, its egress
+proxy, are ``daemon.agentctl.sandbox.network``'s). The view (``build_argv``):
 
 - a fresh root (tmpfs), read-only once built, where every directory exists only because something
   was bound into it; those directories are traverse-only (the agent reaches its own session
@@ -69,6 +70,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from daemon.agentctl.sandbox import network
+from daemon.agentctl.sandbox.network import SandboxNet
 from daemon.agentctl.sandbox.userns import make_userns
 from daemon.host.agent_user import AgentUser, AgentUserMissing, agent_user
 from ipc.errors import ErrorCode, IpcError
@@ -179,10 +182,14 @@ class SandboxSupport:
     """Whether each agent gets its own IPC namespace. False only where this process may not make
     one (a control server reloaded in place under an older unit whose ``RestrictNamespaces=`` has
     no ``ipc``): agents are still sandboxed, and ``reason`` says what is missing and the fix."""
+    network_namespace: bool = True
+    """Whether each agent can get a network namespace of its own (``daemon.agentctl.sandbox.network``);
+    without one no agent is started (``available`` is False and ``reason`` says why)."""
 
     def to_wire(self) -> dict[str, Any]:
         return {"available": self.available, "reason": self.reason, "mechanism": self.mechanism,
-                "bwrap": self.bwrap, "version": self.version, "ipc_namespace": self.ipc_namespace}
+                "bwrap": self.bwrap, "version": self.version, "ipc_namespace": self.ipc_namespace,
+                "network_namespace": self.network_namespace}
 
 
 def find_bwrap(env: Mapping[str, str] | None = None) -> str | None:
@@ -217,10 +224,16 @@ def probe(env: Mapping[str, str] | None = None) -> SandboxSupport:
     except AgentUserMissing as exc:
         return SandboxSupport(False, str(exc), bwrap, version)
     view = SandboxView(bwrap=bwrap, uid=user.uid, gid=user.gid, binds=system_binds(), cwd="/", env_tool=env_tool,
-                       links=system_links(), own_userns=user.dedicated)
+                       links=system_links(), own_userns=user.dedicated, net=SandboxNet())
     support = _trial(view, user, bwrap, version)
     if support.available:
         return support
+    if _trial(dataclasses.replace(view, net=None), user, bwrap, version).available:
+        return dataclasses.replace(
+            support, network_namespace=False,
+            reason=f"agents cannot get a network namespace of their own ({support.reason}): this process may not"
+                   " create one, e.g. a unit whose RestrictNamespaces= has no net (a control server reloaded in"
+                   " place under an older unit: restart kandev-agentctl once its agents are done)")
     # A server reloaded in place keeps the namespace restrictions its unit had when it started: an
     # older unit admits no IPC namespace. Sandboxed agents without one beat no agents at all; the
     # reason says so until the server is restarted under the current unit.
@@ -304,6 +317,7 @@ class SandboxView:
     own_userns: bool = False  # the server (root) makes the user namespace: ``make_userns``, then setpriv
     max_processes: int = MAX_PROCESSES_DEFAULT
     own_ipc: bool = True  # ``--unshare-ipc`` (see ``SandboxSupport.ipc_namespace``)
+    net: SandboxNet | None = None  # the agent's own network namespace and its way out (``network``)
 
 
 def sandbox_ids() -> tuple[int, int]:
@@ -474,6 +488,7 @@ def build_argv(view: SandboxView, command: Sequence[str], userns: tuple[int, int
     if "=" in command[0]:
         raise ValueError(f"the agent's command {command[0]!r} contains '=' (env would take it for a variable)")
     ipc = ["--unshare-ipc"] if view.own_ipc else []
+    ipc += network.bwrap_args(view.net)
     if view.own_userns:
         if userns is None:
             raise ValueError("a view with its own user namespace needs the namespaces' descriptors")
@@ -525,10 +540,11 @@ def build_argv(view: SandboxView, command: Sequence[str], userns: tuple[int, int
         # the namespaces' descriptors bwrap inherited are closed before the agent runs
         close = [os.path.realpath(sys.executable), "-I", "-S", "-c", "import os, sys; os.closerange(3, 1 << 20);"
                  " os.execv(sys.argv[1], sys.argv[1:])"]
-        argv += ["--chdir", "/", "--", *become, *cap, *close, view.env_tool, f"--chdir={view.cwd}",
-                 "--default-signal=TERM", *command]
+        argv += ["--chdir", "/", "--", *become, *cap, *close, *network.command_prefix(view.net), view.env_tool,
+                 f"--chdir={view.cwd}", "--default-signal=TERM", *command]
     else:
-        argv += ["--chdir", view.cwd, "--", *cap, view.env_tool, "--default-signal=TERM", *command]
+        argv += ["--chdir", view.cwd, "--", *cap, *network.command_prefix(view.net), view.env_tool,
+                 "--default-signal=TERM", *command]
     return argv
 
 
@@ -549,14 +565,16 @@ def wrap_command(
     extra_hidden: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
     own_ipc: bool = True,
+    net: SandboxNet | None = None,
 ) -> Launch:
     """``build_argv(host_view(...), command)`` with the user namespace it needs (the caller passes
     ``fds`` to bwrap and closes them). Blocking: call it off the event loop. ``own_ipc``: the
-    probe's ``SandboxSupport.ipc_namespace``."""
+    probe's ``SandboxSupport.ipc_namespace``; ``net``: the agent's network namespace and its way out
+    (every agent the control server starts has one; None shares the host's network, for the
+    backend's checkout sandbox only)."""
     hidden_ok(request, cwd, extra_hidden)
     view = host_view(request, cwd, bwrap=bwrap, extra_hidden=extra_hidden, env=env)
-    if not own_ipc:
-        view = dataclasses.replace(view, own_ipc=False)
+    view = dataclasses.replace(view, own_ipc=own_ipc, net=net)
     if not view.own_userns:
         return Launch(build_argv(view, command))
     fds = make_userns(AgentUser(view.uid, view.gid, "", True))

@@ -8,6 +8,10 @@ from datetime import UTC, datetime
 from daemon.cli.human.term import Colour
 from daemon.store.states import SessionState, TurnState
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (the CLI's import budget)
+if TYPE_CHECKING:
+    from typing import Any
+
 SHORT = 8
 """Characters of an id shown to people (any unique prefix of 4 or more is accepted back)."""
 
@@ -83,3 +87,22 @@ def yes_no(value: object) -> str:
 def stop_reason_ok(state: str | None, stop_reason: str | None, error: str | None = None) -> bool:
     """Whether a turn ended normally (``end_turn``, no error)."""
     return state == TurnState.FINISHED and stop_reason == "end_turn" and not error
+
+
+def network_refusals(net: dict[str, Any] | None) -> str | None:
+    """An agent's (or every agent's) network refusals in one line: the mode, how many requests its
+    egress proxy refused and the last few destinations (the agent named them: escaped)."""
+    if not net:
+        return None
+    from daemon.cli.human.visible import visible
+
+    count = int(net.get("refused") or 0)
+    mode = f"{net['mode']}; " if net.get("mode") else ""
+    recent = net.get("recent_refused") or []
+    last = ", ".join(visible(f"{_host_port(r)} ({r.get('reason')})") for r in recent[::-1])
+    return f"{mode}{count} request{'' if count == 1 else 's'} refused" + (f", last: {last}" if last else "")
+
+
+def _host_port(refused: dict[str, Any]) -> str:
+    host = str(refused.get("host"))
+    return f"[{host}]:{refused.get('port')}" if ":" in host else f"{host}:{refused.get('port')}"

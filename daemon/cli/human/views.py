@@ -7,7 +7,16 @@ long (longer only where two shown ids would otherwise look the same).
 
 from __future__ import annotations
 
-from daemon.cli.human.fmt import age, duration_ms, short, state_styles, stop_reason_ok, unique_length, yes_no
+from daemon.cli.human.fmt import (
+    age,
+    duration_ms,
+    network_refusals,
+    short,
+    state_styles,
+    stop_reason_ok,
+    unique_length,
+    yes_no,
+)
 from daemon.cli.human.status import warnings
 from daemon.cli.human.table import Cell, cell, render_table
 from daemon.cli.human.term import Colour, Term
@@ -297,6 +306,9 @@ def session_header_lines(show: dict[str, Any], term: Term, task_title: str | Non
     if prep and (state == SessionState.STARTING or prep.get("state") != "succeeded"):
         field("Runtime", f"{'preparing ' if state == SessionState.STARTING else ''}{prep.get('spec')}"
               f" (job {short(prep.get('job_id'))}): [{prep.get('state')}] {prep.get('message') or ''}".rstrip())
+    net = network_refusals(show.get("network"))
+    if net is not None:
+        field("Network", term.yellow(net) if (show.get("network") or {}).get("refused") else net)
     if show.get("guard"):
         field("Guard", term.yellow(str(show["guard"])))
     if show.get("not_retracked_reason"):
