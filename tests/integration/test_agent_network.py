@@ -7,8 +7,10 @@ socket, a small HTTP server (the stand-in of a local model server or of a provid
 from __future__ import annotations
 
 import http.server
+import os
 import re
 import secrets
+import signal
 import socket
 import socketserver
 import threading
@@ -20,6 +22,7 @@ from typing import Any
 import pytest
 
 from tests.support.kandev import CliError, Kandev
+from tests.support.processes import alive
 from tests.support.waiting import wait_until
 from tests.support.workspaces import for_agent
 
@@ -193,6 +196,42 @@ def test_issue_44_scenario_b_mode_none_gives_no_network_and_no_proxy_variable(
     assert said.splitlines()[1] == "0", said
     assert "hello from" not in said, said
     assert said.count("rc=7") == 2, said  # curl: could not connect, both times
+
+
+def stream_lines(path: Path) -> int:
+    return path.read_text(errors="replace").count("line ") if path.exists() else 0
+
+
+def test_issue_44_scenario_c_the_proxy_serves_through_a_backend_sigkill_and_a_reload(
+        kandev_factory: Any, short_tmp: Path, http_servers: list[_Server]) -> None:
+    """Issue 44 scenario C: a ``curl`` streaming through the proxy from a listed server keeps
+    receiving while the backend is SIGKILLed and started again (the proxy is the control server's);
+    after ``kandev agentctl reload`` (a new process image) a new request through the proxy works
+    at once."""
+    port = port_of(http_servers[0])
+    k = kandev_factory(config_text=f'[network]\nhost_ports = ["127.0.0.1:{port}"]\n',
+                       KANDEV_FEATURES_AGENT_SURVIVAL="true")
+    st = k.up()
+    assert st["control_server"]["mode"] == "detached"
+    sid = start(k, short_tmp, "c")
+    out = short_tmp / "ws-c" / "stream.out"
+    said = sh(k, sid, f"nohup curl -sSN http://127.0.0.1:{port}/stream > stream.out 2>&1 < /dev/null & echo started")
+    assert "started" in said, said
+    wait_until(lambda: stream_lines(out) >= 3, timeout=30)
+    backend = int(st["backend"]["pid"])
+    os.kill(backend, signal.SIGKILL)
+    wait_until(lambda: not alive(backend), timeout=10)
+    seen = stream_lines(out)
+    wait_until(lambda: stream_lines(out) >= seen + 5, timeout=30)  # still streaming, no backend at all
+    st2 = k.up()
+    assert st2["adoption"]["outcome"] == "adopted" and st2["recovery"]["retracked"] == 1
+    seen = stream_lines(out)
+    wait_until(lambda: stream_lines(out) >= seen + 3, timeout=30)
+    assert "kandev:" not in out.read_text(errors="replace")
+    reload = k.cli("agentctl", "reload", timeout=200)
+    assert reload["outcome"] == "reexecuted", reload
+    said = sh(k, sid, f"curl -sS -m 10 http://127.0.0.1:{port}/")
+    assert f"hello from {port}" in said, said
 
 
 @pytest.mark.parametrize(("config", "key", "value"), [

@@ -28,6 +28,7 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
 import shutil
@@ -65,8 +66,6 @@ class RefusedDestination:
 async def test_resolve(host: str, port: int) -> list[proxy.Address]:
     """The resolver under the ``egress_test_resolver`` fault: names ending in ``.test`` (a name
     reserved for testing, RFC 6761) are 127.0.0.1; the rest as the system says."""
-    import ipaddress
-
     if host.lower().rstrip(".").endswith(".test"):
         return [ipaddress.IPv4Address("127.0.0.1")]
     return await proxy.system_resolve(host, port)
