@@ -490,6 +490,7 @@ def _sandbox(r: _Report, config: Config | None, status: dict[str, Any] | None, p
         r.add("sandbox", True, 'agents.sandbox = "off": agents run WITHOUT a sandbox; they can reach everything'
               " the service user can (a warning is logged at every agent start)")
         return
+    mode = (config or Config()).network.mode
     reported = (status or {}).get("sandbox")
     if isinstance(reported, dict) and reported.get("available") is not None:
         if reported.get("sandboxed"):
@@ -497,6 +498,8 @@ def _sandbox(r: _Report, config: Config | None, status: dict[str, Any] | None, p
                   " running control server reports")
         else:
             r.add("sandbox", False, f"agents cannot be sandboxed: {reported.get('reason')}", SANDBOX_HINT)
+        _network(r, mode, reported.get("network_namespace"), "as the running control server reports",
+                 reported.get("reason"))
         return
     support = probes.sandbox_probe({**env, "PATH": path or env.get("PATH", "")})
     where = "probed by this command, not inside the units (no backend answered)"
@@ -506,6 +509,25 @@ def _sandbox(r: _Report, config: Config | None, status: dict[str, Any] | None, p
     else:
         r.add("sandbox", False, f"agents cannot be sandboxed: {support.reason} ({where}); agents.sandbox ="
               ' "required": every agent start fails with sandbox_unavailable', SANDBOX_HINT)
+    own = getattr(support, "network_namespace", True)  # (a probe of a release before Issue 44 has none)
+    _network(r, mode, own if support.available or not own else None, where, support.reason)
+
+
+NETWORK_HINT = ("under systemd keep net in the units' RestrictNamespaces= (and AF_NETLINK in"
+                " RestrictAddressFamilies=, for the namespace's loopback); restart kandev-agentctl after an upgrade")
+
+
+def _network(r: _Report, mode: str, own_namespace: Any, where: str, reason: str | None) -> None:
+    """Issue 44 item 7: the network mode and whether each agent can get a network namespace of its own."""
+    if own_namespace is None:
+        r.add("network", True, f"network.mode = {mode!r}; whether agents get a network namespace of their own is"
+              " not known: no sandbox can be made here (see sandbox)")
+    elif own_namespace:
+        r.add("network", True, f"network.mode = {mode!r}; every agent runs in a network namespace of its own and"
+              f" reaches out only through its egress proxy ({where})")
+    else:
+        r.add("network", False, f"network.mode = {mode!r}; agents cannot get a network namespace of their own"
+              f" ({where}): {reason}", NETWORK_HINT)
 
 
 def _agents(r: _Report, config: Config | None) -> None:

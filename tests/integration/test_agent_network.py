@@ -7,6 +7,7 @@ socket, a small HTTP server (the stand-in of a local model server or of a provid
 from __future__ import annotations
 
 import http.server
+import json
 import os
 import re
 import secrets
@@ -149,6 +150,14 @@ def test_issue_44_scenario_a_nothing_of_the_host_network_nor_of_another_agent_is
         assert "agent=mock" in events[0], events[0]
         human = k.human("session", "show", a).stdout
         assert "169.254.169.254:80" in human, human
+        status = k.status()["sandbox"]
+        assert status["network_mode"] == "allow-list" and status["network_namespace"] is True, status
+        assert status["network"]["refused"] == 1 and status["network"]["recent_refused"][-1]["session_id"] == a
+        human = k.human("status").stdout
+        assert "mode allow-list; every agent in a network namespace of its own" in human, human
+        assert "1 request refused, last: 169.254.169.254:80 (private_address)" in human, human
+        checks = {c["name"]: c for c in json.loads(k.run("doctor").stdout)["checks"]}
+        assert checks["network"]["ok"] and "network.mode = 'allow-list'" in checks["network"]["detail"], checks
     finally:
         listener.close()
         abstract.close()
