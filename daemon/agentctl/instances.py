@@ -96,6 +96,7 @@ class InstanceService:
             **kwargs,
         )
         server.instances[spec.instance_id] = inst
+        self.egress.log_to(spec.instance_id, inst.note)
         server.changed()
         try:
             await inst.start()

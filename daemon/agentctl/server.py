@@ -290,6 +290,7 @@ class AgentctlServer:
                                            " runs and stop_instance ends it")
         for inst in list(ctx.instances.values()):  # each agent's way out, at the path its sandbox binds
             await self.egress.restore(inst.instance_id, inst.spec.session_id, inst.spec.agent, inst.spec.network)
+            self.egress.log_to(inst.instance_id, inst.note)
         identity = state.socket_identity
         await self.ipc.start_on(listener, (identity[0], identity[1]) if len(identity) == 2 else None)
         ctx.spawn_background(self.run_unowned_timer())

@@ -105,7 +105,7 @@ def test_issue_44_scenario_a_nothing_of_the_host_network_nor_of_another_agent_is
     listens on fails; a connect to a host abstract Unix socket the test binds fails; a second agent's
     abstract socket is unreachable from the first (while it answers inside its own sandbox);
     ``curl http://169.254.169.254/`` through the proxy gets 403; each refusal is a
-    ``network_refused`` event and shows in ``session show``."""
+    ``network_refused`` event and shows in ``session show``, ``kandev logs`` and ``kandev status``."""
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
     listener.listen(8)
@@ -150,6 +150,9 @@ def test_issue_44_scenario_a_nothing_of_the_host_network_nor_of_another_agent_is
         assert "agent=mock" in events[0], events[0]
         human = k.human("session", "show", a).stdout
         assert "169.254.169.254:80" in human, human
+        logs = wait_until(lambda: t if "kandev: refused 169.254.169.254:80" in (t := k.human("logs", a).stdout)
+                          else None, timeout=10)
+        assert "to allow it: [network] host_ports" in logs, logs  # kandev logs: among the agent's lines
         status = k.status()["sandbox"]
         assert status["network_mode"] == "allow-list" and status["network_namespace"] is True, status
         assert status["network"]["refused"] == 1 and status["network"]["recent_refused"][-1]["session_id"] == a

@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import socket
+from collections.abc import Callable
 from typing import Any
 
 from daemon.agentctl.egress.listener import SOCKET_NAME, SessionEgress
@@ -107,6 +108,12 @@ class EgressHost:
             return
         egress.start()
         self.sessions[instance_id] = egress
+
+    def log_to(self, instance_id: str, note: Callable[[str], None]) -> None:
+        """Where the instance's refusals are also written: a line among its agent's stderr."""
+        egress = self.sessions.get(instance_id)
+        if egress is not None:
+            egress.note = note
 
     async def close(self, instance_id: str) -> None:
         egress = self.sessions.pop(instance_id, None)

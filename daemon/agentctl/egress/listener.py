@@ -35,6 +35,7 @@ import shutil
 import socket
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +86,7 @@ class SessionEgress:
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._connections: set[asyncio.Task[None]] = set()
+        self.note: Callable[[str], None] | None = None  # a line among the agent's stderr (``kandev logs``)
 
     # -- what the proxy reports ---------------------------------------------------------
 
@@ -102,6 +104,8 @@ class SessionEgress:
             PORT=port,
             REASON=refusal.reason,
         )
+        if self.note is not None:
+            self.note(f"kandev: {proxy.refusal_body(host, port, refusal).removeprefix('kandev: ')}")
 
     def stats(self) -> dict[str, Any]:
         return {"mode": self.policy.mode, "refused": self.refused_count,
