@@ -22,6 +22,7 @@ from typing import Any
 
 from daemon.agentctl.egress.host import EgressHost
 from daemon.agentctl.instance import logs as agent_logs
+from daemon.agentctl.instance import stderr_drain
 from daemon.agentctl.instance.instance import Instance
 from daemon.agentctl.instance.process import InstanceSpec
 from daemon.agentctl.sandbox import agent_env, network
@@ -96,7 +97,7 @@ class InstanceService:
             **kwargs,
         )
         server.instances[spec.instance_id] = inst
-        self.egress.log_to(spec.instance_id, inst.note)
+        self.egress.log_to(spec.instance_id, lambda line: stderr_drain.note_line(inst.stderr_sink, line))
         server.changed()
         try:
             await inst.start()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import logging
 import os
@@ -38,6 +39,7 @@ import daemon.agentctl.api.reload as reload_api
 from daemon.agentctl.connection_auth import ConnectionAuth, authenticated
 from daemon.agentctl.egress.host import EgressHost
 from daemon.agentctl.handover import HANDOVER_FORMAT, ReloadHistory, ServerHandover, to_plain
+from daemon.agentctl.instance import stderr_drain
 from daemon.agentctl.instance.conversation import TurnIds
 from daemon.agentctl.instance.instance import Instance
 from daemon.agentctl.instances import InstanceService
@@ -290,10 +292,15 @@ class AgentctlServer:
                                            " runs and stop_instance ends it")
         for inst in list(ctx.instances.values()):  # each agent's way out, at the path its sandbox binds
             await self.egress.restore(inst.instance_id, inst.spec.session_id, inst.spec.agent, inst.spec.network)
-            self.egress.log_to(inst.instance_id, inst.note)
+            self.egress.log_to(inst.instance_id, functools.partial(_note, inst))
         identity = state.socket_identity
         await self.ipc.start_on(listener, (identity[0], identity[1]) if len(identity) == 2 else None)
         ctx.spawn_background(self.run_unowned_timer())
         ctx.spawn_background(self.instance_service.run_agent_log_bounds())
         ctx.spawn_background(self.sandbox.probe())  # what this code's sandbox needs, under this unit
         ctx.changed()
+
+
+def _note(inst: Instance, line: str) -> None:
+    """A line of kandev's own among ``inst``'s agent's stderr (its refusals, ``kandev logs``)."""
+    stderr_drain.note_line(inst.stderr_sink, line)

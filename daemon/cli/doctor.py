@@ -21,7 +21,9 @@ Works without a running backend. Every check is a ``daemon.config.platform.Check
   filesystem; and how big the store is.
 - ``node``, ``npm``: present on the PATH the backend uses (npm-based agents need them).
 - ``sandbox``: whether agents are sandboxed (``agents.sandbox``) and, if they cannot be, why: as the
-  running control server reports it through the backend, else probed by this command.
+  running control server reports it through the backend, else probed by this command;
+  ``network``: the network mode and whether agents get network namespaces of their own
+  (``daemon.cli.doctor_sandbox``).
 
 Each probe of the host is a field of ``DoctorProbes`` so tests inject them.
 """
@@ -42,6 +44,7 @@ from typing import Any
 
 from daemon.agents.settings import describe as describe_agent
 from daemon.api.ops import LinkObserved, LinkState
+from daemon.cli.doctor_sandbox import sandbox_checks
 from daemon.config import platform
 from daemon.config.keys import ConfigError
 from daemon.config.platform import AGENTCTL_UNIT, Check, Probes
@@ -478,56 +481,11 @@ def _tools(r: _Report, path: str | None, probes: DoctorProbes) -> None:
             r.add(tool, True, f"{exe} {probes.version(exe) or '(version unknown)'}")
 
 
-SANDBOX_HINT = ("apt-get install bubblewrap; allow unprivileged user namespaces (sysctl"
-                " user.max_user_namespaces > 0); under systemd keep the units' RestrictNamespaces=user mnt pid"
-                " and SystemCallFilter=@mount; or set agents.sandbox = \"off\" to run agents unsandboxed")
-
-
 def _sandbox(r: _Report, config: Config | None, status: dict[str, Any] | None, path: str | None,
              env: Mapping[str, str], probes: DoctorProbes) -> None:
-    policy = (config or Config()).agents.sandbox
-    if policy == "off":
-        r.add("sandbox", True, 'agents.sandbox = "off": agents run WITHOUT a sandbox; they can reach everything'
-              " the service user can (a warning is logged at every agent start)")
-        return
-    mode = (config or Config()).network.mode
-    reported = (status or {}).get("sandbox")
-    if isinstance(reported, dict) and reported.get("available") is not None:
-        if reported.get("sandboxed"):
-            r.add("sandbox", True, f"agents are sandboxed (bubblewrap {reported.get('version') or '?'}), as the"
-                  " running control server reports")
-        else:
-            r.add("sandbox", False, f"agents cannot be sandboxed: {reported.get('reason')}", SANDBOX_HINT)
-        _network(r, mode, reported.get("network_namespace"), "as the running control server reports",
-                 reported.get("reason"))
-        return
-    support = probes.sandbox_probe({**env, "PATH": path or env.get("PATH", "")})
-    where = "probed by this command, not inside the units (no backend answered)"
-    if support.available:
-        r.add("sandbox", True, f"agents can be sandboxed (bubblewrap {support.version or '?'} at {support.bwrap};"
-              f" {where})")
-    else:
-        r.add("sandbox", False, f"agents cannot be sandboxed: {support.reason} ({where}); agents.sandbox ="
-              ' "required": every agent start fails with sandbox_unavailable', SANDBOX_HINT)
-    own = getattr(support, "network_namespace", True)  # (a probe of a release before Issue 44 has none)
-    _network(r, mode, own if support.available or not own else None, where, support.reason)
-
-
-NETWORK_HINT = ("under systemd keep net in the units' RestrictNamespaces= (and AF_NETLINK in"
-                " RestrictAddressFamilies=, for the namespace's loopback); restart kandev-agentctl after an upgrade")
-
-
-def _network(r: _Report, mode: str, own_namespace: Any, where: str, reason: str | None) -> None:
-    """Issue 44 item 7: the network mode and whether each agent can get a network namespace of its own."""
-    if own_namespace is None:
-        r.add("network", True, f"network.mode = {mode!r}; whether agents get a network namespace of their own is"
-              " not known: no sandbox can be made here (see sandbox)")
-    elif own_namespace:
-        r.add("network", True, f"network.mode = {mode!r}; every agent runs in a network namespace of its own and"
-              f" reaches out only through its egress proxy ({where})")
-    else:
-        r.add("network", False, f"network.mode = {mode!r}; agents cannot get a network namespace of their own"
-              f" ({where}): {reason}", NETWORK_HINT)
+    cfg = config or Config()
+    probe = lambda: probes.sandbox_probe({**env, "PATH": path or env.get("PATH", "")})  # noqa: E731
+    r.checks.extend(sandbox_checks(cfg.agents.sandbox, cfg.network.mode, (status or {}).get("sandbox"), probe))
 
 
 def _agents(r: _Report, config: Config | None) -> None:

@@ -267,11 +267,6 @@ class Instance:
         stderr_read = await self.group.spawn(self.spec, self._agent_log_dir)
         self.start_stderr_sink(stderr_read)
 
-    def note(self, line: str) -> None:
-        """A line of kandev's own among the agent's stderr (what ``kandev logs`` shows)."""
-        if self.stderr_sink is not None:
-            stderr_drain.StderrDrain.shared().note(self.stderr_sink, line if line.endswith("\n") else line + "\n")
-
     def start_stderr_sink(self, read_fd: int) -> None:
         self.stderr_handover_fd = None
         self.stderr_sink = stderr_drain.StderrSink(read_fd, self.stderr_path).start()

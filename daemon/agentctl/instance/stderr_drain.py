@@ -236,3 +236,10 @@ class StderrDrain:
         if sink.dropped:
             log.warning("agent stderr %s: written again; %d bytes were dropped", sink.path, sink.dropped)
             sink.dropped = 0
+
+
+def note_line(sink: StderrSink | None, line: str) -> None:
+    """A line of kandev's own among an agent's stderr (what ``kandev logs`` shows); nothing without a
+    sink (an agent of an older image writing its file itself)."""
+    if sink is not None:
+        StderrDrain.shared().note(sink, line if line.endswith("\n") else line + "\n")
