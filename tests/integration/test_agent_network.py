@@ -172,7 +172,8 @@ def test_issue_44_scenario_b_host_ports_allow_exactly_what_they_list(
     through the proxy with the agent's own environment (plain ``curl``, no flag), one not listed is
     refused (403 naming the key that would allow it); an allow-listed name that resolves to
     127.0.0.1 (the proxy's test resolver: ``*.test`` is 127.0.0.1) is refused while its address is
-    not in ``host_ports`` and reached once it is."""
+    not in ``host_ports`` and reached once it is. A loopback destination not listed is the agent's
+    own loopback: a server the agent runs there answers it through the proxy, the host's never."""
     listed, unlisted = (port_of(s) for s in http_servers)
     k = kandev_factory(config_text=f'[network]\nhost_ports = ["127.0.0.1:{listed}"]\n'
                                    f'allow_hosts = ["model.test:{listed}", "other.test:{unlisted}"]\n',
@@ -193,6 +194,14 @@ def test_issue_44_scenario_b_host_ports_allow_exactly_what_they_list(
     assert f"refused other.test:{unlisted}: it resolves to 127.0.0.1, a private address" in said, said
     show = k.show(sid)
     assert show["network"]["refused"] == 2, show["network"]
+    # The agent's own loopback is its own: a server it runs on the unlisted port answers it through the
+    # proxy (as OpenCode's own server must), and the host's server on that port is still not reached.
+    said = sh(k, sid, f"python3 -m http.server --bind 127.0.0.1 {unlisted} >/dev/null 2>&1 & "
+                      f"for i in $(seq 100); do {CURL} -f -o /dev/null http://127.0.0.1:{unlisted}/ 2>/dev/null && break;"
+                      f" sleep 0.1; done; echo own > own.txt; {CURL} http://127.0.0.1:{unlisted}/own.txt;"
+                      f" {CURL} http://localhost:{unlisted}/own.txt")
+    assert said.splitlines()[-2:] == ["own", "own"], said
+    assert f"hello from {unlisted}" not in said, said
 
 
 def test_issue_44_scenario_b_mode_none_gives_no_network_and_no_proxy_variable(

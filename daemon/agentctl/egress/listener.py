@@ -167,19 +167,30 @@ class SessionEgress:
             task.add_done_callback(self._connections.discard)
 
     async def _one(self, conn: socket.socket, resolve: proxy.Resolve) -> None:
-        """Receive the agent's socket from the relay's connection, then proxy it."""
+        """Receive the agent's socket from the relay's connection, then proxy it; the relay's
+        connection stays open until the request is judged, for a connection to the agent's own
+        loopback (``proxy.OwnLoopback``)."""
+        loop = asyncio.get_running_loop()
+
+        async def own(ip: proxy.Address, port: int) -> socket.socket | None:
+            try:
+                await loop.sock_sendall(conn, f"L {ip} {port}\n".encode("ascii"))
+                return await within(_receive_socket(conn), proxy.CONNECT_TIMEOUT_S)
+            except (OSError, TimeoutError, ValueError):
+                return None
+
         try:
             agent_sock = await within(_receive_socket(conn), 10.0)
+            if agent_sock is None:
+                return
+            if len(self._connections) > MAX_CONNECTIONS:
+                agent_sock.close()
+                return
+            await proxy.serve(agent_sock, self, resolve, own, conn.close)
         except (OSError, TimeoutError, ValueError):
             return
         finally:
             conn.close()
-        if agent_sock is None:
-            return
-        if len(self._connections) > MAX_CONNECTIONS:
-            agent_sock.close()
-            return
-        await proxy.serve(agent_sock, self, resolve)
 
     async def close(self, *, remove: bool = True) -> None:
         """Stop accepting and end this instance's connections; ``remove``: its directory too."""

@@ -13,6 +13,13 @@
 4. answers ``200 Connection established`` to a CONNECT, or sends the rewritten head of a plain
    HTTP request, and copies bytes both ways until both sides are done.
 
+A loopback destination (``127.0.0.1:PORT``, ``localhost``) that ``host_ports`` does not list is
+the agent's own loopback, not the host's: a client that honours the proxy variables for every
+host (``NO_PROXY`` is empty) asks the proxy even for a server the agent runs itself (OpenCode's own
+on 127.0.0.1:4096). The proxy cannot reach into the agent's namespace, so it asks the relay for a
+connection there (``OwnLoopback``); where nothing listens, the request is refused as any other
+private destination. The host's loopback is reached only through ``host_ports``.
+
 A refusal is a ``403`` whose one-line body names the destination and the key that would allow
 it, reported to the session (``EgressSession.refused``: the ``network_refused`` journal entry and
 the counts ``session show`` and ``status`` give); a destination that cannot be resolved or reached
@@ -36,7 +43,7 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from daemon.agentctl.egress import request as http
-from daemon.agents.network import NetworkPolicy, Refusal, parse_ip
+from daemon.agents.network import NetworkPolicy, Refusal, normalise_host, parse_ip
 from ipc.aio import within
 
 HEAD_TIMEOUT_S = 30.0
@@ -46,6 +53,10 @@ STREAM_LIMIT = 1024 * 1024
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 Resolve = Callable[[str, int], Awaitable[list[Address]]]
+OwnLoopback = Callable[[Address, int], Awaitable[socket.socket | None]]
+"""A connection to the agent's own loopback, made inside its namespace by its relay (None: nothing
+listens there)."""
+LOCALHOST = (ipaddress.IPv4Address("127.0.0.1"), ipaddress.IPv6Address("::1"))
 
 
 class EgressSession(Protocol):
@@ -144,8 +155,29 @@ async def _admitted(session: EgressSession, req: http.Request, resolve: Resolve)
     return found
 
 
-async def serve(sock: socket.socket, session: EgressSession, resolve: Resolve = system_resolve) -> None:
-    """Proxy one agent connection (see the module docstring); never raises."""
+def own_loopback_targets(host: str) -> tuple[Address, ...]:
+    """Where on the agent's own loopback ``host`` is: a loopback address, or ``localhost``."""
+    ip = parse_ip(host)
+    if ip is not None:
+        return (ip,) if ip.is_loopback else ()
+    name = normalise_host(host)
+    return LOCALHOST if name == "localhost" or name.endswith(".localhost") else ()
+
+
+async def _own_loopback(req: http.Request, own: OwnLoopback | None) -> socket.socket | None:
+    for ip in own_loopback_targets(req.host) if own is not None else ():
+        assert own is not None
+        local = await own(ip, req.port)
+        if local is not None:
+            return local
+    return None
+
+
+async def serve(sock: socket.socket, session: EgressSession, resolve: Resolve = system_resolve,
+                own: OwnLoopback | None = None, judged: Callable[[], None] = lambda: None) -> None:
+    """Proxy one agent connection (see the module docstring); never raises. ``own``: a connection
+    to the agent's own loopback, for a loopback destination ``host_ports`` does not list (the agent's
+    own server, e.g. OpenCode's; nothing of the host's); ``judged`` runs once that is decided."""
     try:
         reader, writer = await asyncio.open_connection(sock=sock, limit=STREAM_LIMIT)
     except OSError:
@@ -162,18 +194,23 @@ async def serve(sock: socket.socket, session: EgressSession, resolve: Resolve = 
         except (TimeoutError, ConnectionError, OSError):
             return
         verdict = await _admitted(session, req, resolve)
-        if isinstance(verdict, Refusal):
+        local = await _own_loopback(req, own) if isinstance(verdict, Refusal) else None
+        judged()
+        if local is not None:
+            up_reader, upstream = await asyncio.open_connection(sock=local, limit=STREAM_LIMIT)
+        elif isinstance(verdict, Refusal):
             if verdict.reason == "unresolvable":
                 writer.write(_answer("502 Bad Gateway", f"kandev: {verdict.message}"))
                 return
             session.refused(req.host, req.port, verdict)
             writer.write(_answer("403 Forbidden", refusal_body(req.host, req.port, verdict)))
             return
-        try:
-            up_reader, upstream = await _connect(verdict, req.port)
-        except ConnectionError as exc:
-            writer.write(_answer("502 Bad Gateway", f"kandev: {req.host}:{req.port}: {exc}"))
-            return
+        else:
+            try:
+                up_reader, upstream = await _connect(verdict, req.port)
+            except ConnectionError as exc:
+                writer.write(_answer("502 Bad Gateway", f"kandev: {req.host}:{req.port}: {exc}"))
+                return
         if req.connect:
             writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
         else:
