@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import logging
 import socket
 from collections.abc import Awaitable, Callable
 from typing import Protocol
@@ -45,6 +46,8 @@ from typing import Protocol
 from daemon.agentctl.egress import request as http
 from daemon.agents.network import NetworkPolicy, Refusal, normalise_host, parse_ip
 from ipc.aio import within
+
+log = logging.getLogger("kandev.agentctl.egress")
 
 HEAD_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 15.0
@@ -119,6 +122,17 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
             writer.write_eof()
     except (ConnectionError, OSError):
         writer.transport.abort()
+
+
+async def _answer_once(up_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Copy the destination's answer to a plain HTTP request, its head with ``Connection: close``."""
+    try:
+        head, rest = await within(_read_head(up_reader), HEAD_TIMEOUT_S * 4)
+    except (http.BadRequest, TimeoutError, ConnectionError, OSError):
+        return
+    writer.write(http.close_connection(head) + rest)
+    await writer.drain()
+    await _pipe(up_reader, writer)
 
 
 async def _connect(addresses: list[Address], port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -196,6 +210,8 @@ async def serve(sock: socket.socket, session: EgressSession, resolve: Resolve = 
         verdict = await _admitted(session, req, resolve)
         local = await _own_loopback(req, own) if isinstance(verdict, Refusal) else None
         judged()
+        log.debug("egress %s %s:%d: %s", "CONNECT" if req.connect else "http", req.host, req.port,
+                  "own loopback" if local is not None else verdict.reason if isinstance(verdict, Refusal) else "out")
         if local is not None:
             up_reader, upstream = await asyncio.open_connection(sock=local, limit=STREAM_LIMIT)
         elif isinstance(verdict, Refusal):
@@ -217,7 +233,18 @@ async def serve(sock: socket.socket, session: EgressSession, resolve: Resolve = 
             upstream.write(req.head)
         if rest:
             upstream.write(rest)
-        await asyncio.gather(_pipe(reader, upstream), _pipe(up_reader, writer))
+        if req.connect:
+            await asyncio.gather(_pipe(reader, upstream), _pipe(up_reader, writer))
+            return
+        # Plain HTTP: one request per connection. The answer's head says so (a client that kept the
+        # connection for its next request would send it to this destination unjudged, or wait), and
+        # the client's side is closed once the answer has ended.
+        sending = asyncio.ensure_future(_pipe(reader, upstream))
+        try:
+            await _answer_once(up_reader, writer)
+        finally:
+            sending.cancel()
+            await asyncio.gather(sending, return_exceptions=True)
     except asyncio.CancelledError:
         raise
     except Exception:  # one connection never costs the server anything

@@ -92,3 +92,10 @@ def parse(head: bytes) -> Request:
             out.append(line)
     out.append(b"Connection: close")
     return Request(False, host, port, b"\r\n".join(out) + b"\r\n\r\n")
+
+
+def close_connection(head: bytes) -> bytes:
+    """An answer's head with ``Connection: close`` in place of the hop-by-hop headers."""
+    lines = [line for line in head.split(b"\r\n") if line]
+    kept = [lines[0], *(line for line in lines[1:] if line.partition(b":")[0].strip().lower() not in _HOP_HEADERS)]
+    return b"\r\n".join([*kept, b"Connection: close"]) + b"\r\n\r\n"
