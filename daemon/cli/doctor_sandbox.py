@@ -1,4 +1,4 @@
-"""``kandev doctor``'s checks of the agent sandbox and of agents' network (Issue 10, Issue 44 item 7).
+"""``kandev doctor``'s checks of the agent sandbox and of agents' network (Issue 10, Issue 44).
 
 ``sandbox``: whether agents are sandboxed (``agents.sandbox``) and, if they cannot be, why: as the
 running control server reports (``status``'s ``sandbox``), else as a probe by this command says.
