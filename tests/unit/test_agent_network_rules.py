@@ -1,5 +1,5 @@
 """The rules of an agent's network (daemon.agents.network) and the request heads its egress proxy
-accepts (daemon.agentctl.egress.request): Issue 44 scenarios A, B and F, without a process."""
+accepts (daemon.agentctl.egress.request): Issue 44 scenario A, Issue 44 scenario B and Issue 44 scenario F, without a process."""
 
 from __future__ import annotations
 
