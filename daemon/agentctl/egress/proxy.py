@@ -36,7 +36,9 @@ module, on asyncio streams.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import functools
 import ipaddress
 import logging
 import socket
@@ -50,6 +52,8 @@ from ipc.aio import within
 log = logging.getLogger("kandev.agentctl.egress")
 
 HEAD_TIMEOUT_S = 30.0
+RESOLVE_TIMEOUT_S = 20.0
+RESOLVER_THREADS = 8
 CONNECT_TIMEOUT_S = 15.0
 COPY_CHUNK = 256 * 1024
 STREAM_LIMIT = 1024 * 1024
@@ -70,10 +74,15 @@ class EgressSession(Protocol):
     def refused(self, host: str, port: int, refusal: Refusal) -> None: ...
 
 
+_RESOLVERS = concurrent.futures.ThreadPoolExecutor(RESOLVER_THREADS, thread_name_prefix="egress-resolve")
+
+
 async def system_resolve(host: str, port: int) -> list[Address]:
-    """The addresses ``host`` resolves to here (the control server's resolver)."""
+    """The addresses ``host`` resolves to here (the control server's resolver), on threads of the
+    proxies' own: agents asking for slow names never hold up the server's other work in threads."""
     loop = asyncio.get_running_loop()
-    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    infos = await within(loop.run_in_executor(_RESOLVERS, functools.partial(
+        socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)), RESOLVE_TIMEOUT_S)
     out: list[Address] = []
     for _family, _type, _proto, _name, sockaddr in infos:
         ip = ipaddress.ip_address(sockaddr[0])
@@ -155,8 +164,8 @@ async def _admitted(session: EgressSession, req: http.Request, resolve: Resolve)
     literal = parse_ip(req.host)
     try:
         addresses = [literal] if literal is not None else await resolve(req.host, req.port)
-    except (OSError, UnicodeError) as exc:
-        return Refusal("unresolvable", f"cannot resolve {req.host}: {exc}")
+    except (OSError, UnicodeError, TimeoutError) as exc:
+        return Refusal("unresolvable", f"cannot resolve {req.host}: {exc or 'no answer in time'}")
     admitted = [ip for ip in addresses if policy.check_address(ip, req.port) is None]
     if admitted:
         return admitted

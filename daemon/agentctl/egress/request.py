@@ -15,10 +15,13 @@ bytes, a malformed line) is a ``BadRequest``.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 MAX_HEAD = 16 * 1024
+_HOST = re.compile(r"^[A-Za-z0-9._-]{1,253}$")
+_IPV6 = re.compile(r"^[0-9A-Fa-f:.]{2,45}$")
 _HOP_HEADERS = frozenset({b"proxy-connection", b"proxy-authorization", b"connection", b"keep-alive"})
 
 
@@ -36,6 +39,13 @@ class Request:
     head: bytes = b""  # plain HTTP: the rewritten head, ending with the blank line
 
 
+def _checked_host(host: str) -> str:
+    """A host name (letters, digits, ``.``, ``-``, ``_``) or an IP address; BadRequest otherwise."""
+    if _HOST.match(host) or (":" in host and _IPV6.match(host)):
+        return host
+    raise BadRequest(f"bad host {host!r:.100}")
+
+
 def _split_authority(authority: str, default_port: int | None) -> tuple[str, int]:
     """``host:port`` (``[v6]:port``) -> (host, port); BadRequest when it is not one."""
     if authority.startswith("["):
@@ -49,12 +59,12 @@ def _split_authority(authority: str, default_port: int | None) -> tuple[str, int
     if not port_text:
         if default_port is None:
             raise BadRequest(f"CONNECT needs host:port, got {authority!r:.100}")
-        return host, default_port
+        return _checked_host(host), default_port
     if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
         raise BadRequest(f"bad port in {authority!r:.100}")
     if not host:
         raise BadRequest(f"no host in {authority!r:.100}")
-    return host, int(port_text)
+    return _checked_host(host), int(port_text)
 
 
 def parse(head: bytes) -> Request:
