@@ -219,6 +219,26 @@ def test_issue_44_scenario_b_mode_none_gives_no_network_and_no_proxy_variable(
     assert said.count("rc=7") == 2, said  # curl: could not connect, both times
 
 
+def test_issue_44_scenario_a_a_resumed_agent_is_in_a_namespace_of_its_own_again(
+        kandev_factory: Any, short_tmp: Path, http_servers: list[_Server]) -> None:
+    """Issue 44 scenario A (item 1: after resume): an agent given again to a stopped session
+    (``kandev resume``) is in a network namespace of its own with its proxy: the host's loopback
+    server is unreachable directly and through the proxy, the metadata address is refused."""
+    port = port_of(http_servers[0])
+    k = kandev_factory()
+    k.up()
+    sid = start(k, short_tmp, "resume")
+    first = k.show(sid)["instance_id"]
+    k.cli("session", "stop", sid)
+    k.cli("resume", sid, timeout=180)
+    assert k.show(sid)["instance_id"] != first
+    said = sh(k, sid, f"{CURL} --noproxy '*' http://127.0.0.1:{port}/; echo direct=$?; "
+                      f"{CURL} http://127.0.0.1:{port}/; {CURL} -o /dev/null -w '%{{http_code}}\\n' http://169.254.169.254/")
+    assert "direct=7" in said and f"hello from {port}" not in said, said
+    assert f"kandev: refused 127.0.0.1:{port}: a private address" in said and "403" in said.splitlines(), said
+    assert k.show(sid)["network"]["refused"] == 2
+
+
 def stream_lines(path: Path) -> int:
     return path.read_text(errors="replace").count("line ") if path.exists() else 0
 
