@@ -1,5 +1,5 @@
 """The agent's network in its sandbox's command line (daemon.agentctl.sandbox.network): its own
-namespace, the relay before the agent, the proxy variables (Issue 44 scenarios A and B)."""
+namespace, the relay before the agent, the proxy variables (Issue 44 scenario A and Issue 44 scenario B)."""
 
 from __future__ import annotations
 
