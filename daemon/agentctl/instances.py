@@ -14,21 +14,25 @@ created is ``daemon.agentctl.instance.instance``'s; reading the request off the 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
 from pathlib import Path
 from typing import Any
 
+from daemon.agentctl.egress.host import EgressHost
 from daemon.agentctl.instance import logs as agent_logs
+from daemon.agentctl.instance import stderr_drain
 from daemon.agentctl.instance.instance import Instance
 from daemon.agentctl.instance.memory import AgentMemory
 from daemon.agentctl.instance.process import InstanceSpec, close_launch_fds
-from daemon.agentctl.sandbox import agent_env
+from daemon.agentctl.sandbox import agent_env, network
 from daemon.agentctl.sandbox import bubblewrap as sandbox
 from daemon.agentctl.sandbox.bubblewrap import SandboxPolicy, SandboxRequest
 from daemon.agentctl.sandbox_host import SandboxHost
 from daemon.agentctl.server_context import ServerContext
+from daemon.agents.network import NetworkPolicy, RuleError
 from daemon.agents.settings import SettingsError
 from daemon.core.journal import log_event
 from ipc.errors import ErrorCode, IpcError
@@ -39,22 +43,40 @@ log = logging.getLogger("kandev.agentctl.server")
 class InstanceService:
     """Creating and stopping the launch's instances (see the module docstring)."""
 
-    def __init__(self, server: ServerContext, sandbox_host: SandboxHost) -> None:
+    def __init__(self, server: ServerContext, sandbox_host: SandboxHost, egress: EgressHost) -> None:
         self.server = server
         self.sandbox = sandbox_host
+        self.egress = egress
         self._stopping: asyncio.Future[list[str]] | None = None  # stop_all's one stop
 
     async def create(self, spec: InstanceSpec, sandbox_wire: Any, secret_refs: Any,
-                     max_memory: int | None = None) -> Instance:
+                     max_memory: int | None = None, network_wire: Any = None) -> Instance:
         """Start the agent ``spec`` asks for, in its sandbox unless the request's ``sandbox``
-        says off, in a memory cgroup of its own bounded to ``max_memory`` bytes where this server
-        can make one; the instance is in the table and running on return."""
+        says off, in its own network namespace with its egress proxy (``network_wire``, the policy),
+        in a memory cgroup of its own bounded to ``max_memory`` bytes where this server can make one;
+        the instance is in the table and running on return."""
+        try:
+            policy = self.egress.policy(spec.agent, network_wire)
+        except RuleError as exc:
+            raise IpcError(ErrorCode.INVALID_ARGUMENT, f"create_instance: {exc}") from None
+        try:
+            return await self._create(spec, sandbox_wire, secret_refs, policy, max_memory)
+        except BaseException:
+            await self.egress.close(spec.instance_id)
+            raise
+
+    async def _create(self, spec: InstanceSpec, sandbox_wire: Any, secret_refs: Any, policy: NetworkPolicy,
+                      max_memory: int | None) -> Instance:
         server = self.server
         spec.secret_env = await self._agent_secrets(spec.agent, secret_refs)
         request = SandboxRequest.from_wire(sandbox_wire)
         if request.policy is SandboxPolicy.REQUIRED:
             request = agent_env.hide_secret_files(request, server.config.secret_refs(), secret_refs)
-            launch = await self.sandbox.wrap(request, spec.command, spec.cwd)
+            socket_path = await self._open_egress(spec, policy)
+            if socket_path is not None:  # its directory, read-only: the relay inside connects to it
+                request = dataclasses.replace(request, readonly=(*request.readonly, os.path.dirname(socket_path)))
+            spec.env = network.proxy_env(spec.env, socket_path is not None)
+            launch = await self.sandbox.wrap(request, spec.command, spec.cwd, network.SandboxNet(socket_path))
             spec.launch_argv, spec.launch_fds = launch.argv, list(launch.fds)
             spec.sandboxed = True
         else:
@@ -82,6 +104,7 @@ class InstanceService:
         )
         inst.memory = agent_memory
         server.instances[spec.instance_id] = inst
+        self.egress.log_to(spec.instance_id, lambda line: stderr_drain.note_line(inst.stderr_sink, line))
         server.changed()
         try:
             await inst.start()
@@ -132,6 +155,15 @@ class InstanceService:
         spec.max_memory, spec.memory_cgroup = max_memory, made.path
         return made
 
+    async def _open_egress(self, spec: InstanceSpec, policy: NetworkPolicy) -> str | None:
+        """The agent's egress proxy socket (None: mode ``"none"``), recorded in its spec."""
+        try:
+            path = await self.egress.open(spec.instance_id, spec.session_id, spec.agent, policy)
+        except OSError as exc:
+            raise sandbox.unavailable(f"cannot open the agent's egress proxy socket: {exc}") from None
+        spec.network = self.egress.record(spec.instance_id, policy, path)
+        return path
+
     async def _agent_secrets(self, agent: Any, refs: Any) -> dict[str, str]:
         """The values of the agent's ``secret_env`` references, read off the loop (agent_env)."""
         try:
@@ -154,6 +186,7 @@ class InstanceService:
         if inst is None:
             return False
         await inst.stop()
+        await self.egress.close(instance_id)
         self.server.instances.pop(instance_id, None)
         self.server.changed()
         return True
@@ -175,6 +208,7 @@ class InstanceService:
             if isinstance(result, BaseException):
                 log.error("stopping instance %s failed: %r", inst.instance_id, result)
             self.server.instances.pop(inst.instance_id, None)
+        await self.egress.close_all()
         self.server.changed()
         return [inst.instance_id for inst in instances]
 

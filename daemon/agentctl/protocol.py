@@ -15,8 +15,11 @@ recovery in bulk; a backend meeting 1.1 reads them one by one) and ``attach``'s 
 field (the events of one write in one frame; a 1.1 server ignores it and sends a frame per
 event, which the client reads as well), and ``attach_many`` and ``detach`` (the event streams of
 many instances on one connection; capability ``attach_many.v1``: a backend meeting a server
-without it attaches each instance on a connection of its own), and ``create_instance``'s
-``max_memory`` (each agent's memory bound; capability ``agent_memory.v1``). ``identify`` never grows: unauthenticated, it answers
+without it attaches each instance on a connection of its own), ``create_instance``'s
+``max_memory`` (each agent's memory bound; capability ``agent_memory.v1``). 1.3 (Issue 44) added each
+agent's network: ``create_instance``'s ``network`` field, the ``network`` of ``list_instances`` and
+``sandbox_status``, ``sandbox_status``' ``network_namespace``, and the ``network.v1`` capability.
+``identify`` never grows: unauthenticated, it answers
 the identity, the capability set and the unowned period (and the protocol
 version), nothing else (AC-EXECUTORS-CONTROL-OWNERSHIP-001.11).
 
@@ -46,7 +49,7 @@ from __future__ import annotations
 from ipc.schema import Op, OpTable
 
 PROTOCOL = "kandev-agentctl"
-VERSION = (1, 2)
+VERSION = (1, 3)
 
 # What adoption requires (set inclusion, never version ordering): what release 0.1.0 already had.
 REQUIRED_CAPABILITIES = (
@@ -79,8 +82,13 @@ AGENT_MEMORY_CAPABILITY = "agent_memory.v1"
 own), ``sandbox_status``'s ``memory`` (whether this server can bound agents' memory, and why not), and
 ``agent_exited``'s ``reason: "memory"`` for an agent the bound killed (0.3.0). A server without it is
 sent no ``max_memory``."""
+NETWORK_CAPABILITY = "network.v1"
+"""Every sandboxed agent in a network namespace of its own, out only through its egress proxy;
+``create_instance``'s ``network`` field (the policy), ``list_instances``' and ``sandbox_status``'
+``network`` (refusals), ``sandbox_status``' ``network_namespace`` (Issue 44). A server without it
+would start the agent on the host's network: the client refuses such a launch."""
 CAPABILITIES = (*REQUIRED_CAPABILITIES, RELOAD_CAPABILITY, SANDBOX_CAPABILITY, AGENT_SECRETS_CAPABILITY,
-                AGENT_LIMITS_CAPABILITY, ATTACH_MANY_CAPABILITY, AGENT_MEMORY_CAPABILITY)
+                AGENT_LIMITS_CAPABILITY, ATTACH_MANY_CAPABILITY, AGENT_MEMORY_CAPABILITY, NETWORK_CAPABILITY)
 
 
 TURN_STATUSES_MAX = 1000
@@ -160,11 +168,15 @@ OPS = [
             # the agent's memory bound in bytes (agents.max_memory): its own memory cgroup; absent:
             # half the host's RAM (agent_memory.v1)
             "max_memory": int,
+            # {mode: "allow-list"|"none"|"open", allow_hosts: [rule], host_ports: ["IP:PORT"]}: the
+            # agent's network (daemon.agents.network.NetworkPolicy; network.v1); absent: the allow-list
+            # with the agent's built-in provider hosts
+            "network": dict,
         },
         doc="spawn the agent in its own process group (in its sandbox unless the policy is off; a"
         " required sandbox this server cannot make: sandbox_unavailable), ACP initialize +"
         " session/new|load -> {instance_id, pid, pid_start_time, pid_start_stamp, acp_session_id, modes,"
-        " config_options, handshake_seq, sandboxed}; pid: the sandbox's bwrap process, the group leader;"
+        " config_options, handshake_seq, sandboxed, network}; pid: the sandbox's bwrap process, the group leader;"
         " handshake_seq: the last seq appended before the answer (e.g. the history a session/load"
         " replays), so a backend that already stores the transcript attaches after it",
     ),
@@ -194,7 +206,16 @@ OPS = [
         "sandbox_status",
         optional={"refresh": bool},
         doc="whether this server can sandbox agents (daemon.agentctl.sandbox.bubblewrap), probed again with refresh"
-        " -> {available, reason|None, mechanism, bwrap, version, memory: {bounded, hierarchy, cgroup, reason}}",
+        " -> {available, reason|None, mechanism, bwrap, version, ipc_namespace, network_namespace, network:"
+        " {refused, recent_refused}, memory: {bounded, hierarchy, cgroup, reason}} (network and its namespace since"
+        " network.v1, memory since agent_memory.v1)",
+    ),
+    # Added with agents' own network namespaces (protocol 1.3, capability network.v1).
+    Op(
+        "network_status",
+        required={"instance_id": str},
+        doc="the instance's network (daemon.agentctl.egress) -> {mode, refused, recent_refused: [{host, port,"
+        " reason, at}]}; an instance without a proxy (mode none, unsandboxed) -> {mode|None, refused: 0}",
     ),
     Op("prompt", required={"instance_id": str, "text": str}, doc="start a turn -> {turn_id}"),
     Op("cancel", required={"instance_id": str}, doc="ACP session/cancel for the current turn -> {}"),

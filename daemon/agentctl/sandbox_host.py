@@ -23,8 +23,10 @@ import time
 
 from daemon.agentctl.sandbox import bubblewrap as sandbox
 from daemon.agentctl.sandbox import memory_cgroups
+from daemon.agentctl.sandbox import probe as sandbox_probe
 from daemon.agentctl.sandbox.bubblewrap import SandboxRequest, SandboxSupport
 from daemon.agentctl.sandbox.memory_cgroups import MemoryHost
+from daemon.agentctl.sandbox.network import SandboxNet
 from daemon.agentctl.server_context import ServerContext
 from daemon.core.journal import log_event
 from daemon.host.agent_user import AgentUserMissing
@@ -74,7 +76,7 @@ class SandboxHost:
         """Probe (off the event loop) whether an agent sandbox can be made here; log a change."""
         async with self._lock:
             async with self.server.background_io:  # the probe runs a trial bwrap from a worker thread
-                support = await asyncio.to_thread(sandbox.probe)
+                support = await asyncio.to_thread(sandbox_probe.probe)
             previous, self.support = self.support, support
             if previous is None or previous.available != support.available:
                 log_event(
@@ -93,9 +95,10 @@ class SandboxHost:
         socket directory, the logs (agents' stderr included), the credential and its directory."""
         return self.server.config.own_paths()
 
-    async def wrap(self, request: SandboxRequest, command: list[str], cwd: str) -> sandbox.Launch:
-        """The agent's argv inside its sandbox (and the descriptors bwrap inherits);
-        ``sandbox_unavailable`` when none can be made."""
+    async def wrap(self, request: SandboxRequest, command: list[str], cwd: str,
+                   net: SandboxNet | None = None) -> sandbox.Launch:
+        """The agent's argv inside its sandbox (and the descriptors bwrap inherits), in its own
+        network namespace (``net``); ``sandbox_unavailable`` when none can be made."""
         support = self.support
         if support is None or not support.available:
             support = await self.probe()  # the host may have been fixed meanwhile
@@ -104,7 +107,7 @@ class SandboxHost:
         sandbox.hidden_ok(request, cwd, self.own_paths())
         try:
             return await asyncio.to_thread(sandbox.wrap_command, request, command, cwd, bwrap=support.bwrap,
-                                           extra_hidden=self.own_paths(), own_ipc=support.ipc_namespace)
+                                           extra_hidden=self.own_paths(), own_ipc=support.ipc_namespace, net=net)
         except AgentUserMissing as exc:
             raise sandbox.unavailable(str(exc)) from None
         except ValueError as exc:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import logging
 import os
@@ -36,7 +37,9 @@ import daemon.agentctl.api.instances as instances_api
 import daemon.agentctl.api.ownership as ownership_api
 import daemon.agentctl.api.reload as reload_api
 from daemon.agentctl.connection_auth import ConnectionAuth, authenticated
+from daemon.agentctl.egress.host import EgressHost
 from daemon.agentctl.handover import HANDOVER_FORMAT, ReloadHistory, ServerHandover, to_plain
+from daemon.agentctl.instance import stderr_drain
 from daemon.agentctl.instance.conversation import TurnIds
 from daemon.agentctl.instance.instance import Instance
 from daemon.agentctl.instances import InstanceService
@@ -74,7 +77,8 @@ class AgentctlServer:
                                            handshake_timeout=handshake_timeout)
         self.auth = ConnectionAuth(ctx)
         self.sandbox = SandboxHost(ctx)
-        self.instance_service = InstanceService(ctx, self.sandbox)
+        self.egress = EgressHost(os.path.dirname(config.socket_path))
+        self.instance_service = InstanceService(ctx, self.sandbox, self.egress)
         handlers = {name: self._logged(name, handler) for name, handler in self.handlers().items()}
         self.ipc = ctx.ipc = IpcServer(
             config.socket_path, TABLE, handlers, authorize=self.auth.authorize, max_connections=connection_limit(),
@@ -88,7 +92,7 @@ class AgentctlServer:
         ctx = self.context
         return {
             **ownership_api.handlers(ctx, self.auth, self.instance_service),
-            **instances_api.handlers(ctx, self.instance_service, self.sandbox),
+            **instances_api.handlers(ctx, self.instance_service, self.sandbox, self.egress),
             **events_api.handlers(ctx),
             **reload_api.handlers(ctx),
         }
@@ -175,6 +179,7 @@ class AgentctlServer:
         await self.sandbox.probe()
         self.sandbox.probe_memory()
         self.sandbox.prune_memory()
+        await asyncio.to_thread(self.egress.prune, set())
         await self.ipc.start()
         self.write_reload_status()
         self.context.spawn_background(self.run_unowned_timer())
@@ -213,6 +218,7 @@ class AgentctlServer:
         while ctx.shutdown_calls and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         await self.ipc.close()
+        await self.egress.close_all()
         with contextlib.suppress(OSError):
             reload_status.status_path(ctx).unlink()
         ctx.cancel_background()
@@ -225,6 +231,8 @@ class AgentctlServer:
         ctx = self.context
         identity = self.ipc.identity
         history = ReloadHistory(**to_plain(ctx.reload_history))
+        for inst in ctx.instances.values():  # the refusals so far travel in each spec
+            self.egress.sync(inst.instance_id, inst.spec.network)
         history.last_attempt = attempt
         return ServerHandover(
             format=HANDOVER_FORMAT,
@@ -288,9 +296,17 @@ class AgentctlServer:
                                            " runs and stop_instance ends it")
             if inst.memory is not None and not inst.exited.is_set():
                 inst.memory.watch()  # v1: this image's own notification of the agent's cgroup running out
+        for inst in list(ctx.instances.values()):  # each agent's way out, at the path its sandbox binds
+            await self.egress.restore(inst.instance_id, inst.spec.session_id, inst.spec.agent, inst.spec.network)
+            self.egress.log_to(inst.instance_id, functools.partial(_note, inst))
         identity = state.socket_identity
         await self.ipc.start_on(listener, (identity[0], identity[1]) if len(identity) == 2 else None)
         ctx.spawn_background(self.run_unowned_timer())
         ctx.spawn_background(self.instance_service.run_agent_log_bounds())
         ctx.spawn_background(self.sandbox.probe())  # what this code's sandbox needs, under this unit
         ctx.changed()
+
+
+def _note(inst: Instance, line: str) -> None:
+    """A line of kandev's own among ``inst``'s agent's stderr (its refusals, ``kandev logs``)."""
+    stderr_drain.note_line(inst.stderr_sink, line)

@@ -33,6 +33,9 @@ class BuiltinAgent:
     # Variables every launch of this agent gets unless ``[agents.NAME] env`` overrides them
     # (``daemon.agents.settings``): e.g. keeping Claude Code off every host but its model API.
     default_env: tuple[tuple[str, str], ...] = ()
+    # The hosts this agent's provider needs (``daemon.agents.network``): its egress proxy admits them
+    # in the allow-list mode, before ``[network] allow_hosts`` and ``[agents.NAME] allow_hosts``.
+    allow_hosts: tuple[str, ...] = ()
 
     def argv(self) -> list[str]:
         """The command line that starts this agent."""
@@ -78,7 +81,7 @@ def npx_argv(package: str, version: str, acp_args: tuple[str, ...] = ()) -> list
 
 
 def npm_agent(name: str, package: str, version: str, acp_args: tuple[str, ...] = (),
-              default_env: tuple[tuple[str, str], ...] = ()) -> BuiltinAgent:
+              default_env: tuple[tuple[str, str], ...] = (), allow_hosts: tuple[str, ...] = ()) -> BuiltinAgent:
     if not NPM_PACKAGE_RE.match(package) or ".." in package:
         raise ValueError(f"agent {name!r}: {package!r} is not a plain npm package name")
     if not EXACT_VERSION_RE.match(version):
@@ -91,6 +94,7 @@ def npm_agent(name: str, package: str, version: str, acp_args: tuple[str, ...] =
         runtime="npm",
         acp_args=tuple(acp_args),
         default_env=default_env,
+        allow_hosts=allow_hosts,
     )
 
 
@@ -101,15 +105,17 @@ BUILTIN_AGENTS: dict[str, BuiltinAgent] = {
         # Pinned to releases checked on the npm registry (npm view <pkg> versions).
         # No telemetry, error reporting or update checks: the agent talks to its model API only.
         npm_agent("claude-code", "@zed-industries/claude-code-acp", "0.16.2",
-                  default_env=(("DISABLE_TELEMETRY", "1"), ("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1"))),
+                  default_env=(("DISABLE_TELEMETRY", "1"), ("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1")),
+                  allow_hosts=("api.anthropic.com",)),
         # codex-acp runs ``codex app-server``, which (unlike Codex's own terminal UI) checks for no
         # update; its provider, analytics and update switches live in $CODEX_HOME/config.toml
         # (``[agents.codex] home_files``).
-        npm_agent("codex", "@agentclientprotocol/codex-acp", "2.6.0"),
+        npm_agent("codex", "@agentclientprotocol/codex-acp", "2.6.0", allow_hosts=("api.openai.com",)),
         # ``--acp`` (``--experimental-acp`` is its deprecated alias). Trusting the workspace kandev
         # gave it (else Gemini ignores the workspace's settings and asks), no telemetry.
         npm_agent("gemini", "@google/gemini-cli", "0.61.0", ("--acp",),
-                  default_env=(("GEMINI_CLI_TRUST_WORKSPACE", "true"), ("GEMINI_TELEMETRY_ENABLED", "false"))),
+                  default_env=(("GEMINI_CLI_TRUST_WORKSPACE", "true"), ("GEMINI_TELEMETRY_ENABLED", "false")),
+                  allow_hosts=("generativelanguage.googleapis.com",)),
         # No models list from models.dev, no self-update, no session sharing, no language-server
         # downloads: OpenCode talks to its configured provider only. npm offline: at every start
         # OpenCode installs its plugin package into its config directory in the background (the
@@ -118,7 +124,9 @@ BUILTIN_AGENTS: dict[str, BuiltinAgent] = {
         npm_agent("opencode", "opencode-ai", "1.18.33", ("acp",),
                   default_env=(("OPENCODE_DISABLE_MODELS_FETCH", "1"), ("OPENCODE_DISABLE_AUTOUPDATE", "1"),
                                ("OPENCODE_DISABLE_SHARE", "1"), ("OPENCODE_DISABLE_LSP_DOWNLOAD", "1"),
-                               ("npm_config_offline", "true"))),
+                               ("npm_config_offline", "true")),
+                  # its provider is configured (opencode.json); Anthropic's is the one kandev documents
+                  allow_hosts=("api.anthropic.com",)),
     )
 }
 

@@ -20,6 +20,8 @@
   logged, stored, shown, nor in any argv.
 - ``max_memory``: that agent's memory bound (``daemon.agents.memory``: bytes or ``"2G"``, 64 MiB to
   the host's RAM), instead of ``agents.max_memory``.
+- ``network`` and ``allow_hosts``: the agent's network mode (else ``[network] mode``) and the hosts
+  it may reach besides its built-in ones (``daemon.agents.network``).
 - ``home_files``: a path relative to the session's HOME -> an absolute host file, copied into that
   HOME before every launch of the agent (``daemon.agents.home_files``): an agent's own
   configuration file (its provider's address, its update and telemetry switches). The file is
@@ -49,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from daemon.agents import memory
+from daemon.agents.network import RuleError, check_mode, parse_rules
 from daemon.agents.registry import BUILTIN_AGENTS
 
 CREDENTIAL_PREFIX = "credential:"
@@ -121,6 +124,10 @@ class AgentSettings:
     home_files: Mapping[str, str] = field(default_factory=dict)
     # this agent's memory bound in bytes (``daemon.agents.memory``); None: ``agents.max_memory``
     max_memory: int | None = None
+    # its network (``daemon.agents.network``): a mode of its own (None: ``[network] mode``) and the
+    # hosts it may reach besides its built-in ones and ``[network] allow_hosts``
+    network: str | None = None
+    allow_hosts: tuple[str, ...] = ()
 
     def secret_refs(self) -> dict[str, str]:
         """``{VAR: reference}``: what crosses to the control server (no value)."""
@@ -171,10 +178,11 @@ def parse_agent_table(name: str, table: Any, where: str = "") -> AgentSettings:
         raise SettingsError(base, f"unknown agent {name!r}{suffix}; built-in agents: {known}")
     if not isinstance(table, dict):
         raise SettingsError(base, f"must be a table ([{base}]){suffix}")
-    unknown = sorted(set(table) - {"env", "secret_env", "home_files", "max_memory"})
+    unknown = sorted(set(table) - {"env", "secret_env", "home_files", "max_memory", "network", "allow_hosts"})
     if unknown:
         raise SettingsError(f"{base}.{unknown[0]}",
-                            f"unknown setting{suffix}; known: env, secret_env, home_files, max_memory")
+                            f"unknown setting{suffix}; known: env, secret_env, home_files, max_memory, network,"
+                            " allow_hosts")
     env: dict[str, str] = {}
     secrets: dict[str, SecretRef] = {}
     for part in ("env", "secret_env"):
@@ -195,8 +203,9 @@ def parse_agent_table(name: str, table: Any, where: str = "") -> AgentSettings:
     both = sorted(set(env) & set(secrets))
     if both:
         raise SettingsError(f"{base}.secret_env.{both[0]}", "is also in env; a variable is either plain or secret")
+    mode, hosts = _network(table, base, suffix)
     return AgentSettings(name, env, secrets, _home_files(table.get("home_files", {}), base, suffix),
-                         _max_memory(table.get("max_memory"), base, suffix))
+                         _max_memory(table.get("max_memory"), base, suffix), mode, hosts)
 
 
 def _max_memory(value: Any, base: str, suffix: str) -> int | None:
@@ -211,6 +220,24 @@ def _max_memory(value: Any, base: str, suffix: str) -> int | None:
     if not memory.in_range(bound):
         raise SettingsError(key, f"{value!r:.80} is out of range{suffix}: accepted {memory.accepted()}")
     return bound
+
+
+def _network(table: Mapping[str, Any], base: str, suffix: str) -> tuple[str | None, tuple[str, ...]]:
+    """``network`` and ``allow_hosts`` of one ``[agents.NAME]`` table, checked (``daemon.agents.network``)."""
+    mode = table.get("network")
+    if mode is not None:
+        try:
+            check_mode(mode)
+        except RuleError as exc:
+            raise SettingsError(f"{base}.network", f"{exc}{suffix}") from None
+    hosts = table.get("allow_hosts", [])
+    if not isinstance(hosts, list):
+        raise SettingsError(f"{base}.allow_hosts", f"{hosts!r:.80} is not a list of hosts{suffix}")
+    try:
+        parse_rules(hosts)
+    except RuleError as exc:
+        raise SettingsError(f"{base}.allow_hosts", f"has an entry refused: {exc}{suffix}") from None
+    return mode, tuple(hosts)
 
 
 def agent_env(name: str, configured: Mapping[str, AgentSettings]) -> dict[str, str]:

@@ -59,17 +59,25 @@ def _ensure_runtime(sock: str, agent: Any) -> None:
 def _agents(sock: str, config_path: str | None) -> dict[str, Any]:
     """The built-in agents, each with the variable names its configuration gives it (no value):
     the running backend's configuration unless ``--config`` names a file (daemon.cli.config_read)."""
+    from daemon.agents.network import describe as network_of
     from daemon.agents.registry import BUILTIN_AGENTS
     from daemon.cli.config_read import read_config
+    from daemon.config.settings import agent_network
+    from daemon.config.view import config_from_view
 
     view = read_config(sock, config_path)
     error = view.get("error")
+    networks = view.get("networks") or {}  # each agent's network as the backend computed it
+    if not networks:  # a view of a file (or of a backend of another version): computed here
+        config = config_from_view(view)
+        networks = {name: network_of(agent_network(config, name)) for name in BUILTIN_AGENTS}
     return {"config": view.get("file"), "read_by": view["read_by"], "reason": view["reason"],
             "config_error": f"the configuration is refused: {error}" if error else None,
             "problems": view.get("problems") or [],
             "agents": [{"name": a.name, "package": a.package, "version": a.version, "runtime": a.runtime,
                         # a backend of another version may not know this agent: nothing configured
-                        **(view["agents"].get(a.name) or {"env": [], "secret_env": {}, "home_files": {}})}
+                        **(view["agents"].get(a.name) or {"env": [], "secret_env": {}, "home_files": {}}),
+                        "network": networks.get(a.name)}
                        for a in sorted(BUILTIN_AGENTS.values(), key=lambda a: a.name)]}
 
 

@@ -23,7 +23,9 @@ Works without a running backend. Every check is a ``daemon.config.platform.Check
   filesystem; and how big the store is.
 - ``node``, ``npm``: present on the PATH the backend uses (npm-based agents need them).
 - ``sandbox``: whether agents are sandboxed (``agents.sandbox``) and, if they cannot be, why: as the
-  running control server reports it through the backend, else probed by this command.
+  running control server reports it through the backend, else probed by this command;
+  ``network``: the network mode and whether agents get network namespaces of their own
+  (``daemon.cli.doctor_sandbox``).
 - ``agent_memory``: whether agents' memory is bounded, and why not (``daemon.cli.doctor_memory``).
 
 Each probe of the host is a field of ``DoctorProbes`` so tests inject them.
@@ -47,6 +49,7 @@ from daemon.api.ops import LinkObserved, LinkState
 from daemon.cli import doctor_memory
 from daemon.cli.config_read import backend_config
 from daemon.cli.doctor_config import agent_checks, configuration, database_url
+from daemon.cli.doctor_sandbox import sandbox_checks
 from daemon.config import platform
 from daemon.config.platform import AGENTCTL_UNIT, Check, Probes
 from daemon.config.settings import Config
@@ -133,9 +136,9 @@ class DoctorProbes:
 
 
 def _sandbox_probe(env: Mapping[str, str]) -> Any:
-    from daemon.agentctl.sandbox import bubblewrap as sandbox
+    from daemon.agentctl.sandbox import probe
 
-    return sandbox.probe(env)
+    return probe.probe(env)
 
 
 def _head_revision() -> str | None:
@@ -482,34 +485,11 @@ def _tools(r: _Report, path: str | None, probes: DoctorProbes) -> None:
             r.add(tool, True, f"{exe} {probes.version(exe) or '(version unknown)'}")
 
 
-SANDBOX_HINT = ("apt-get install bubblewrap python3-seccomp; allow unprivileged user namespaces (sysctl"
-                " user.max_user_namespaces > 0); under systemd keep the units' RestrictNamespaces=user mnt pid"
-                " and SystemCallFilter=@mount; or set agents.sandbox = \"off\" to run agents unsandboxed")
-
-
 def _sandbox(r: _Report, config: Config | None, status: dict[str, Any] | None, path: str | None,
              env: Mapping[str, str], probes: DoctorProbes) -> None:
-    policy = (config or Config()).agents.sandbox
-    if policy == "off":
-        r.add("sandbox", True, 'agents.sandbox = "off": agents run WITHOUT a sandbox; they can reach everything'
-              " the service user can (a warning is logged at every agent start)")
-        return
-    reported = (status or {}).get("sandbox")
-    if isinstance(reported, dict) and reported.get("available") is not None:
-        if reported.get("sandboxed"):
-            r.add("sandbox", True, f"agents are sandboxed (bubblewrap {reported.get('version') or '?'}, system-call"
-                  f" filter {reported.get('seccomp') or '?'}), as the running control server reports")
-        else:
-            r.add("sandbox", False, f"agents cannot be sandboxed: {reported.get('reason')}", SANDBOX_HINT)
-        return
-    support = probes.sandbox_probe({**env, "PATH": path or env.get("PATH", "")})
-    where = "probed by this command, not inside the units (no backend answered)"
-    if support.available:
-        r.add("sandbox", True, f"agents can be sandboxed (bubblewrap {support.version or '?'} at {support.bwrap},"
-              f" system-call filter {support.seccomp or '?'}; {where})")
-    else:
-        r.add("sandbox", False, f"agents cannot be sandboxed: {support.reason} ({where}); agents.sandbox ="
-              ' "required": every agent start fails with sandbox_unavailable', SANDBOX_HINT)
+    cfg = config or Config()
+    probe = lambda: probes.sandbox_probe({**env, "PATH": path or env.get("PATH", "")})  # noqa: E731
+    r.checks.extend(sandbox_checks(cfg.agents.sandbox, cfg.network.mode, (status or {}).get("sandbox"), probe))
 
 
 def _agent_limits(r: _Report, config: Config | None) -> None:

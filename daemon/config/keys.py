@@ -68,6 +68,7 @@ class Kind(Enum):
     DURATION_OR_ZERO = "duration_or_zero"  # a duration, or a bare 0
     STR = "str"  # a non-empty string
     STR_LIST = "str_list"  # a list of non-empty strings (from the environment: comma-separated)
+    LIST = "list"  # a list of non-empty strings, possibly empty (from the environment: comma-separated)
     CHOICE = "choice"  # one of ``Setting.choices``
     BYTES = "bytes"  # a size: bytes, or a number with K, M, G or T (``daemon.agents.memory``)
 
@@ -157,6 +158,7 @@ class Rule:
 
 
 SANDBOX_POLICIES = ("required", "off")
+NETWORK_MODES = ("allow-list", "none", "open")  # daemon.agents.network.MODES
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("features.agent_survival", Kind.BOOL, False,
@@ -231,6 +233,26 @@ SETTINGS: tuple[Setting, ...] = (
             " over (`agent_killed`, reason `memory`); `[agents.NAME] max_memory` sets it for one agent",
             accepted=("bytes, or a number with K, M, G or T (e.g. \"8G\"), from 64M to this host's RAM;"
                       " unset: half the host's RAM")),
+    Setting("network.mode", Kind.CHOICE, "allow-list",
+            '`"allow-list"`: every sandboxed agent reaches, through its session\'s egress proxy, only its'
+            " provider's hosts (`kandev agents`) and `allow_hosts`; `\"open\"`: any public address;"
+            " `\"none\"`: no network at all (no proxy). Private addresses (loopback, RFC 1918, link-local,"
+            " CGNAT, ULA, multicast) are refused in every mode unless listed in `host_ports`;"
+            " `[agents.NAME] network` overrides the mode for one agent",
+            choices=NETWORK_MODES,
+            accepted='"allow-list" (the agent\'s provider hosts and allow_hosts), "open" (any public address)'
+                     ' or "none" (no network)'),
+    Setting("network.allow_hosts", Kind.LIST, (),
+            'hosts every agent may reach in the allow-list mode, added to each agent\'s built-in ones and its'
+            ' `[agents.NAME] allow_hosts`: a name (`"pypi.org"`), a glob of the first label'
+            ' (`"*.example.com"`) or an address, optionally with `:port` (without: 443 and 80)',
+            accepted='a list of host names, "*.domain" globs or addresses, each optionally ":port",'
+                     ' e.g. ["pypi.org", "*.example.com:8443"]'),
+    Setting("network.host_ports", Kind.LIST, (),
+            'private destinations agents may reach, each an exact address and port, e.g.'
+            ' `["127.0.0.1:11434"]` (a local model server); a name that resolves to one is allowed only if'
+            ' the name is allowed too',
+            accepted='a list of "ADDRESS:PORT" with an IP address, e.g. ["127.0.0.1:11434", "[::1]:8080"]'),
 )
 RULES: tuple[Rule, ...] = (
     Rule("(read budget)", "agentctl.recovery_read_retries",
@@ -257,6 +279,8 @@ class TableSetting:
 TABLE_SETTINGS: tuple[TableSetting, ...] = (
     TableSetting("agents.NAME.env", "`{}`", 'that agent\'s plain settings (NAME: claude-code, codex, gemini, opencode, mock), e.g. `{ ANTHROPIC_BASE_URL = "...", ANTHROPIC_MODEL = "..." }`; at most 64 variables; not `HOME`, `PATH`, `USER`, `LOGNAME`, `PWD`, `SHELL`, `KANDEV_*`, `GIT_*`'),
     TableSetting("agents.NAME.secret_env", "`{}`", 'that agent\'s keys: `VARIABLE = "/absolute/path"` (a regular file, no symlink, mode 0600/0640/0400/0440, owner root or the service user, group root or the service group) or `VARIABLE = "credential:NAME"` (a systemd credential of `kandev-agentctl.service`: `LoadCredential=NAME:/path` in a drop-in)'),
+    TableSetting("agents.NAME.network", "`network.mode`", 'that agent\'s network mode: `"allow-list"`, `"open"` or `"none"` (as `network.mode`, for this agent only)'),
+    TableSetting("agents.NAME.allow_hosts", "`[]`", 'hosts that agent may reach besides its built-in ones (`kandev agents`) and `network.allow_hosts`, written as there'),
     TableSetting("agents.NAME.home_files", "`{}`", 'files copied into each session\'s HOME before every launch of that agent (start, resume, restart): `"path/relative/to/HOME" = "/absolute/host/file"` (at most 32; the host file checked like a `secret_env` file; the copy mode 0600, never through a symlink in the HOME), e.g. `{ ".config/opencode/opencode.json" = "/etc/kandev/agents/opencode.json" }`'),
     TableSetting("agents.NAME.max_memory", "`agents.max_memory`", "that agent's memory bound, written like `agents.max_memory` (e.g. `max_memory = \"2G\"`), from 64M to the host's RAM"),
 )
@@ -378,6 +402,11 @@ def convert(kind: Kind, value: Any, where: Where, *, text: bool) -> Any:
         if isinstance(value, str) and value.strip() in SETTING[where.key].choices:
             return value.strip()
         raise where.error(given, "is not one of the choices")
+    if kind is Kind.LIST:
+        items = ([v for v in value.split(",") if v.strip()] if text and isinstance(value, str) else value)
+        if isinstance(items, list | tuple) and all(isinstance(v, str) and v.strip() for v in items):
+            return tuple(v.strip() for v in items)
+        raise where.error(given, "is not a list of non-empty strings")
     if kind is Kind.STR_LIST:
         items = value.split(",") if text and isinstance(value, str) else value
         if isinstance(items, list | tuple) and items and all(isinstance(v, str) and v.strip() for v in items):

@@ -6,7 +6,7 @@ every key has its default). Each key ``<section>.<key>`` is overridden by the
 environment variable ``KANDEV_<SECTION>_<KEY>`` in upper case, e.g.
 ``KANDEV_AGENTCTL_RECOVERY_READ_RETRIES=3``. Every variable starting with
 ``KANDEV_FEATURES_``, ``KANDEV_AGENTCTL_``, ``KANDEV_DATABASE_``, ``KANDEV_STORE_``,
-``KANDEV_CREDENTIALS_`` or ``KANDEV_AGENTS_`` is taken as a setting, so a misspelt one is refused like a misspelt file key.
+``KANDEV_CREDENTIALS_``, ``KANDEV_AGENTS_`` or ``KANDEV_NETWORK_`` is taken as a setting, so a misspelt one is refused like a misspelt file key.
 
 Durations are written with a unit: ``ms``, ``s``, ``min``, ``h`` or ``d`` (``500ms``,
 ``30s``, ``10min``, ``1h``, ``90d``, decimals allowed); bare numbers are refused, except
@@ -43,6 +43,8 @@ from urllib.parse import urlsplit
 
 from daemon.agents import memory
 from daemon.agents.file_checks import validate_settings
+from daemon.agents.network import NetworkPolicy, RuleError, effective_policy, parse_host_port, parse_host_rule
+from daemon.agents.registry import BUILTIN_AGENTS
 from daemon.agents.settings import AgentSettings, SettingsError, parse_agent_table
 from daemon.config.agentctl import validate_agentctl
 from daemon.config.keys import (
@@ -130,6 +132,17 @@ class AgentsConfig:
     settings: Mapping[str, AgentSettings] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class NetworkConfig:
+    """What agents may reach (``daemon.agents.network``): the mode, the hosts every agent may reach
+    besides its own provider's, and the exact private destinations allowed (as written; checked by
+    ``validate_network``)."""
+
+    mode: str = _default("network.mode")
+    allow_hosts: tuple[str, ...] = _default("network.allow_hosts")
+    host_ports: tuple[str, ...] = _default("network.host_ports")
+
+
 # section -> the dataclass holding its keys (a field per declared key; a unit test checks both agree)
 SECTION_TYPES: dict[str, type] = {
     "features": FeaturesConfig,
@@ -138,6 +151,7 @@ SECTION_TYPES: dict[str, type] = {
     "store": StoreConfig,
     "credentials": CredentialsConfig,
     "agents": AgentsConfig,
+    "network": NetworkConfig,
 }
 # section -> its fields that hold sub-tables ([agents.NAME]) instead of declared keys
 TABLE_FIELDS: dict[str, tuple[str, ...]] = {"agents": ("settings",)}
@@ -151,6 +165,7 @@ class Config:
     store: StoreConfig = field(default_factory=StoreConfig)
     credentials: CredentialsConfig = field(default_factory=CredentialsConfig)
     agents: AgentsConfig = field(default_factory=AgentsConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
     source: str | None = None  # the file read, None if none was
     # dotted key -> where a non-default value came from: the file path or "env NAME".
     origins: Mapping[str, str] = field(default_factory=dict, compare=False)
@@ -316,10 +331,26 @@ def agent_memory_bound(config: Config, agent: str) -> int:
     return config.agents.max_memory if config.agents.max_memory is not None else memory.default_bound()
 
 
+def validate_network(config: Config) -> None:
+    """Check ``[network]``: every ``allow_hosts`` rule and ``host_ports`` entry (Issue 44 scenario F);
+    the refusal names the key, the value as given and why. ``mode`` is checked as it is read, and
+    ``[agents.NAME]``'s ``network`` and ``allow_hosts`` by ``daemon.agents.settings``."""
+    n = config.network
+    for key, values, parse in (("network.allow_hosts", n.allow_hosts, parse_host_rule),
+                               ("network.host_ports", n.host_ports, parse_host_port)):
+        for value in values:
+            try:
+                parse(value)
+            except RuleError as exc:
+                raise Where(key, config.origins.get(key)).error(
+                    config.given.get(key, json.dumps(list(values))), f"has an entry refused: {exc}") from None
+
+
 def validate_backend(config: Config, files: bool = True) -> None:
-    """Check the keys the backend reads (AC-EXECUTORS-SURVIVAL-002.13, AC-EXECUTORS-SURVIVAL-003.7; credentials; agents)."""
+    """Check the keys the backend reads (AC-EXECUTORS-SURVIVAL-002.13, AC-EXECUTORS-SURVIVAL-003.7; credentials; agents; network)."""
     validate_credentials(config)
     validate_agents(config, files)
+    validate_network(config)
     if config.store.transcript_retention is not None:
         _check_config_range(config, "store.transcript_retention", config.store.transcript_retention)
     a = config.agentctl
@@ -376,3 +407,15 @@ def agentctl_settings(config: Config) -> dict[str, str]:
         "unowned_period": format_duration(a.unowned_period),
         "idle_timeout": format_duration(a.idle_timeout),
     }
+
+
+def agent_network(config: Config, name: str) -> NetworkPolicy:
+    """The network of agent ``name`` under ``config`` (``daemon.agents.network``): its mode
+    (``[agents.NAME] network``, else ``[network] mode``), its built-in provider hosts, then
+    ``[network] allow_hosts`` and ``[agents.NAME] allow_hosts``, and ``[network] host_ports``. The
+    values were checked at start (``validate_network``, ``daemon.agents.settings``)."""
+    agent = BUILTIN_AGENTS.get(name)
+    settings = config.agents.settings.get(name)
+    mode = (settings.network if settings is not None else None) or config.network.mode
+    hosts = [*config.network.allow_hosts, *(settings.allow_hosts if settings is not None else ())]
+    return effective_policy(mode, hosts, config.network.host_ports, name, agent.allow_hosts if agent else ())

@@ -11,8 +11,9 @@ makes them read a file themselves. Both ways give them the same object (``config
   never in it, only whether one is set: ``HIDDEN``), and ``origins``: where each non-default
   value came from (the file, or ``env NAME``);
 - ``agents``: every built-in agent's ``[agents.NAME]`` as ``kandev agents`` shows it (variable
-  names, where each key comes from, the files copied into its HOME; never a value), and
-  ``configured``: the agents that have such a table;
+  names, where each key comes from, the files copied into its HOME; never a value),
+  ``configured``: the agents that have such a table, and ``networks``: each agent's network
+  (its mode and the hosts it may reach: ``daemon.agents.network``);
 - ``problems``: every configured key file or ``home_files`` source refused as the process that
   made the view sees it (``daemon.agents.file_checks``): a backend's view checks them as the
   service user, with the fix for each.
@@ -27,10 +28,11 @@ from __future__ import annotations
 from typing import Any
 
 from daemon.agents.file_checks import file_problems
+from daemon.agents.network import describe as describe_network
 from daemon.agents.registry import BUILTIN_AGENTS
 from daemon.agents.settings import describe
 from daemon.config.keys import SECTIONS, SETTINGS
-from daemon.config.settings import SECTION_TYPES, AgentsConfig, Config
+from daemon.config.settings import SECTION_TYPES, AgentsConfig, Config, agent_network
 
 HIDDEN = "<hidden>"
 """A secret key's value in a view, when one is set."""
@@ -52,6 +54,7 @@ def config_view(config: Config) -> dict[str, Any]:
         "origins": dict(config.origins),
         "agents": {name: describe(config.agents.settings, name) for name in sorted(BUILTIN_AGENTS)},
         "configured": sorted(config.agents.settings),
+        "networks": {name: describe_network(agent_network(config, name)) for name in sorted(BUILTIN_AGENTS)},
         "problems": [p.as_dict() for p in file_problems(config.agents.settings)],
     }
 

@@ -84,6 +84,8 @@ _DECLARED = (
           ErrorCode.UNKNOWN_OP, "unknown op 'ownership_shutdown' (injected fault)"),
     _fail("agentctl_rotate_fails", "rotate answers an error: adoption incomplete (AC-EXECUTORS-CONTROL-OWNERSHIP-002.5)",
           ErrorCode.INTERNAL, "injected fault: rotate fails"),
+    Fault("egress_test_resolver", FaultKind.ALTER,
+          "the agents' egress proxy resolves every name ending in .test to 127.0.0.1 (Issue 44 scenario B)"),
     Fault("agentctl_lacks_turns", FaultKind.ALTER, "identify advertises no turns.v1 (AC-EXECUTORS-CONTROL-OWNERSHIP-004.3)"),
 )
 FAULTS: dict[str, Fault] = {f.name: f for f in _DECLARED}

@@ -1,5 +1,6 @@
 """A real OpenCode doing real turns through kandev (Issue 22 scenario A, Issue 22 scenario B,
-Issue 22 scenario C, Issue 22 scenario D; Issue 22 item 1, Issue 22 item 2, Issue 22 item 3).
+Issue 22 scenario C, Issue 22 scenario D; Issue 22 item 1, Issue 22 item 2, Issue 22 item 3; Issue 44 scenario D: in its own network namespace, its provider's
+stand-in reached through its egress proxy, listed in ``[network] host_ports``).
 
 The agent is the pinned ``opencode`` runtime (``opencode-ai``, its native binary; prepared once per
 machine: ``tests/support/npm_runtimes.py``), started by the real daemons in its sandbox, configured

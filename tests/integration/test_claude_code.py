@@ -4,7 +4,8 @@ The agent is the pinned ``claude-code`` runtime (``@zed-industries/claude-code-a
 per machine: ``tests/support/npm_runtimes.py``), started by the real daemons in its bubblewrap sandbox
 as ``kandev session start --agent claude-code`` starts it; the model API is the tests' own local
 stand-in (``tests/support/messages_standin.py``), reached through ``[agents.claude-code] env =
-{ANTHROPIC_BASE_URL}``, with the key in a 0600 file named by ``secret_env``. One backend (survival
+{ANTHROPIC_BASE_URL}`` and the agent's egress proxy (the stand-in listed in ``[network] host_ports``,
+Issue 44 scenario D), with the key in a 0600 file named by ``secret_env``. One backend (survival
 on, detached control server) serves the module; the tests run as root, so every one of them is also
 Issue 12 scenario D (kandev running as root).
 """
@@ -58,6 +59,7 @@ def env(claude_npm_cache: Path) -> Iterator[Env]:
         config = root / "kandev.toml"
         config.write_text(
             "[features]\nagent_survival = true\n\n"
+            + standin.network_table() +
             "[agents.claude-code]\n"
             f'env = {{ ANTHROPIC_BASE_URL = "{standin.base_url}" }}\n'
             f'secret_env = {{ ANTHROPIC_API_KEY = "{e.key_file}" }}\n\n'

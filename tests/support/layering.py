@@ -34,6 +34,7 @@ LAYERS: dict[str, int] = {
     "daemon.agentctl.protocol": 10, "daemon.agentctl.auth": 10,
     "daemon.agentctl.sandbox": 11,
     "daemon.agentctl.handover": 12, "daemon.agentctl.launch": 12, "daemon.agentctl.acp_lean": 12,
+    "daemon.agentctl.egress": 12,
     "daemon.agentctl.instance": 13,
     "daemon.agentctl.ownership": 14, "daemon.agentctl.client": 14,
     "daemon.agentctl.server_context": 15,

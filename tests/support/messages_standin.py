@@ -2,7 +2,8 @@
 
 Real agents (Claude Code through ``@zed-industries/claude-code-acp``) are driven end to end through
 kandev; the LLM provider is the one boundary the tests cannot reach, so this module plays it on
-127.0.0.1 (the agents' sandbox shares the network namespace, so an agent reaches it):
+127.0.0.1, which an agent (in a network namespace of its own) reaches through its egress proxy
+once its address is listed in ``[network] host_ports`` (``StandIn.network_table``, Issue 44):
 
 - ``POST /v1/messages`` (``?beta=true`` or not): a streamed answer (server-sent events
   ``message_start``, ``content_block_start``, one ``content_block_delta``/``text_delta`` per
@@ -129,6 +130,12 @@ class StandIn:
     def base_url(self) -> str:
         assert self._server is not None, "not started"
         return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def network_table(self) -> str:
+        """The ``[network]`` table that lets agents reach this stand-in through their egress proxy
+        (a private address: only an exact ``host_ports`` entry admits it, Issue 44)."""
+        assert self._server is not None, "not started"
+        return f'[network]\nhost_ports = ["127.0.0.1:{self._server.server_address[1]}"]\n\n'
 
     def script(self, deltas: list[str], pace: float = 0.0, hold_after: int | None = None) -> Script:
         """Queue the answer of the next conversation request."""

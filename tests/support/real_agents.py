@@ -80,6 +80,7 @@ def running(name: str, standin: StandIn, cache: Path, *, key_var: str,
         config = root / "kandev.toml"
         config.write_text(
             "[features]\nagent_survival = true\n\n"
+            + standin.network_table() +
             f"[agents.{name}]\n"
             f"env = {_toml_table(env(standin))}\n"
             f"secret_env = {_toml_table({key_var: str(key_file)})}\n"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from daemon.agentctl.egress.host import EgressHost
 from daemon.agentctl.instances import InstanceService
 from tests.support.aio import run
 
@@ -36,7 +37,7 @@ def test_a_call_during_and_a_call_after_the_stop_answer_the_same_ids() -> None:
     async def scenario() -> tuple[list[str], list[str], list[str], list[int]]:
         gate = asyncio.Event()
         instances = [_Instance("a", gate), _Instance("b", gate)]
-        service = InstanceService(_Server(instances), sandbox_host=None)  # type: ignore[arg-type]
+        service = InstanceService(_Server(instances), sandbox_host=None, egress=EgressHost("/nonexistent"))  # type: ignore[arg-type]
         first = asyncio.ensure_future(service.stop_all())
         during = asyncio.ensure_future(service.stop_all())
         await asyncio.sleep(0)
@@ -53,7 +54,8 @@ def test_a_call_during_and_a_call_after_the_stop_answer_the_same_ids() -> None:
 def test_a_cancelled_caller_does_not_cancel_the_stop() -> None:
     async def scenario() -> list[str]:
         gate = asyncio.Event()
-        service = InstanceService(_Server([_Instance("a", gate)]), sandbox_host=None)  # type: ignore[arg-type]
+        service = InstanceService(_Server([_Instance("a", gate)]), sandbox_host=None,  # type: ignore[arg-type]
+                                  egress=EgressHost("/nonexistent"))
         impatient = asyncio.ensure_future(service.stop_all())
         await asyncio.sleep(0)
         impatient.cancel()  # its connection went away

@@ -255,10 +255,10 @@ def test_cli_agents_lists_builtin_agents(capsys: pytest.CaptureFixture[str]) -> 
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("Configuration: ")
     header = out.index(next(line for line in out if line.startswith("AGENT ")))
-    assert out[header].split() == ["AGENT", "PACKAGE", "VERSION", "SECRET_ENV", "HOME_FILES", "ENV"]
+    assert out[header].split() == ["AGENT", "PACKAGE", "VERSION", "SECRET_ENV", "HOME_FILES", "ENV", "NETWORK"]
     rows = [line.split() for line in out[header + 1:] if line.strip()]
     assert [row[:3] for row in rows] == [[a["name"], a["package"], a["version"]] for a in agents]  # same order
-    assert ["mock", "daemon.agents.mock", VERSION, "-", "-", "-"] in rows
+    assert ["mock", "daemon.agents.mock", VERSION, "-", "-", "-", "allow-list"] in rows
 
 
 def _with_server(**server: Any) -> Any:

@@ -27,7 +27,8 @@ def test_a_launch_that_lands_during_the_read_is_seen_whole(tmp_path: Path) -> No
     sid = new_session(store, "STARTING")
     executions: dict[str, Any] = {}
     backend = SimpleNamespace(store=store, executions=SimpleNamespace(executions=executions, guards={}),
-                              report=SimpleNamespace(not_retracked={}), quiet_report=lambda _sid, _agent: None)
+                              report=SimpleNamespace(not_retracked={}), quiet_report=lambda _sid, _agent: None,
+                              servers=SimpleNamespace(client_for=lambda ex: None))  # no server to ask about the network
     service = SessionService(backend, launcher=None)  # type: ignore[arg-type]  # show() needs neither
     real_read = service._read_session
     reads: list[str] = []

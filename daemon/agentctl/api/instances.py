@@ -14,6 +14,7 @@ import os
 import uuid
 from typing import Any
 
+from daemon.agentctl.egress.host import EgressHost
 from daemon.agentctl.instance.process import InstanceSpec
 from daemon.agentctl.instances import InstanceService
 from daemon.agentctl.sandbox_host import SandboxHost
@@ -87,13 +88,15 @@ def _max_memory(args: dict[str, Any]) -> int:
     return value
 
 
-def handlers(server: ServerContext, instances: InstanceService, sandbox_host: SandboxHost) -> dict[str, Handler]:
+def handlers(server: ServerContext, instances: InstanceService, sandbox_host: SandboxHost,
+             egress: EgressHost) -> dict[str, Handler]:
     """The instance ops' handlers."""
 
     async def create_instance(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         server.refuse_if_shutting_down("create_instance")
         spec = spec_from_request(args)
-        inst = await instances.create(spec, args.get("sandbox"), args.get("secret_env"), _max_memory(args))
+        inst = await instances.create(spec, args.get("sandbox"), args.get("secret_env"), _max_memory(args),
+                                      args.get("network"))
         return {
             "instance_id": spec.instance_id,
             "pid": inst.pid,
@@ -104,13 +107,22 @@ def handlers(server: ServerContext, instances: InstanceService, sandbox_host: Sa
             "config_options": list(inst.session_info.get("config_options") or []),
             "handshake_seq": inst.handshake_seq,
             "sandboxed": spec.sandboxed,
+            "network": (spec.network or {}).get("policy"),
         }
 
     async def sandbox_status(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         support = sandbox_host.support
         if support is None or args.get("refresh"):
             support = await sandbox_host.probe()
-        return {**support.to_wire(), "memory": sandbox_host.memory.to_wire()}
+        return {**support.to_wire(), "memory": sandbox_host.memory.to_wire(), "network": egress.totals()}
+
+    def network_status(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        inst = server.get(args["instance_id"])
+        stats = egress.stats(inst.instance_id)
+        if stats is not None:
+            return stats
+        policy = (inst.spec.network or {}).get("policy") or {}
+        return {"mode": policy.get("mode"), "refused": 0, "recent_refused": []}
 
     async def set_mode(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         return await server.get(args["instance_id"]).set_mode(_check_str("mode_id", args["mode_id"]))
@@ -154,7 +166,8 @@ def handlers(server: ServerContext, instances: InstanceService, sandbox_host: Sa
 
     async def list_instances(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         await faults.delay("agentctl_slow_enumeration")  # test fault, off unless $KANDEV_FAULT says so
-        return {"instances": [inst.describe() for inst in server.instances.values()]}
+        return {"instances": [{**inst.describe(), "network": egress.stats(inst.instance_id)}
+                              for inst in server.instances.values()]}
 
     async def stop_instance(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         faults.hit("agentctl_stop_fails")  # test fault, off unless $KANDEV_FAULT says so
@@ -163,7 +176,7 @@ def handlers(server: ServerContext, instances: InstanceService, sandbox_host: Sa
         return {"stopped": True, "already_absent": False}
 
     return {
-        "create_instance": create_instance, "sandbox_status": sandbox_status, "set_mode": set_mode,
+        "create_instance": create_instance, "sandbox_status": sandbox_status, "network_status": network_status, "set_mode": set_mode,
         "set_config_option": set_config_option, "reset_context": reset_context, "prompt": prompt,
         "cancel": cancel, "respond_permission": respond_permission, "list_instances": list_instances,
         "stop_instance": stop_instance,

@@ -85,6 +85,7 @@ from daemon.agentctl.protocol import (
     AGENT_MEMORY_CAPABILITY,
     AGENT_SECRETS_CAPABILITY,
     ATTACH_MANY_CAPABILITY,
+    NETWORK_CAPABILITY,
     RELOAD_CAPABILITY,
     SANDBOX_CAPABILITY,
 )
@@ -345,6 +346,7 @@ class AgentctlClient:
         sandbox: dict[str, Any] | None = None,
         secret_env: dict[str, str] | None = None,
         max_memory: int | None = None,
+        network: dict[str, Any] | None = None,
         timeout: float = CREATE_TIMEOUT,
     ) -> CreatedInstance:
         """Spawn an agent -> ``{instance_id, pid, pid_start_time, pid_start_stamp, acp_session_id, modes,
@@ -370,6 +372,9 @@ class AgentctlClient:
         if secret_env:  # references only ({VAR: path | credential:NAME}); never sent to a server without them
             self.check_secret_env(secret_env)
             args["secret_env"] = secret_env
+        if network is not None:  # the agent's network policy; never sent to a server without network.v1
+            self.check_network(network)
+            args["network"] = network
         return cast(CreatedInstance, await self.call("create_instance", args, timeout=timeout))
 
     def check_sandbox(self, sandbox: dict[str, Any]) -> bool:
@@ -405,6 +410,23 @@ class AgentctlClient:
             ErrorCode.INCOMPATIBLE_VERSION,
             f"the control server (protocol {protocol}) predates agents' keys: it would start this agent without"
             f" its secret_env ({', '.join(sorted(secret_env))}); {how}",
+            retryable=True,
+        )
+
+    def check_network(self, network: dict[str, Any] | None) -> None:
+        """Refuse (``sandbox_unavailable``, nothing sent) a sandboxed launch on a server without
+        ``network.v1``: it would start the agent on the host's network, which every agent's own
+        network namespace forbids (Issue 44)."""
+        if network is None or NETWORK_CAPABILITY in self.capabilities:
+            return
+        protocol = ".".join(map(str, self.protocol_version)) or "1.0"
+        how = ("reload it with the installed version: kandev agentctl reload" if RELOAD_CAPABILITY in self.capabilities
+               else "the backend replaces it with the installed version once it runs no instance (end or stop its"
+               " sessions, then start again)")
+        raise IpcError(
+            SANDBOX_UNAVAILABLE,
+            f"the control server (protocol {protocol}) predates agents' own network namespaces: it would start this"
+            f" agent on the host's network; {how}",
             retryable=True,
         )
 

@@ -84,6 +84,9 @@ class InstanceSpec:
     # Descriptors bwrap inherits (the user namespace of ``daemon.agentctl.sandbox.userns.make_userns``):
     # closed here once the agent is spawned (or stopped before it was).
     launch_fds: list[int] = field(default_factory=list, repr=False)
+    # The agent's network (``daemon.agentctl.egress.host.EgressHost.record``): its policy, its proxy
+    # socket and its refusals so far; a re-exec carries it, and the next image opens the socket again.
+    network: dict[str, Any] | None = None
 
 
 SPEC_NOT_HANDED_OVER = frozenset({"secret_env", "launch_fds"})

@@ -205,6 +205,17 @@ class StderrDrain:
             sink.close_pipe()
             sink.at_end()
             return
+        self._append(sink, data)
+
+    def note(self, sink: StderrSink, line: str) -> None:
+        """One line of kandev's own (``kandev: ...``, e.g. a request its egress proxy refused) in
+        the agent's file, between two of the agent's chunks, while the sink is served."""
+        with self._lock:
+            if self._sinks.get(sink.read_fd) is sink:
+                self._append(sink, line.encode("utf-8", "replace"))
+
+    def _append(self, sink: StderrSink, data: bytes) -> None:
+        """Write ``data`` to the sink's file, opening it (and closing the least recent) as needed."""
         try:
             if sink.out < 0:
                 sink.open_file()
@@ -225,3 +236,10 @@ class StderrDrain:
         if sink.dropped:
             log.warning("agent stderr %s: written again; %d bytes were dropped", sink.path, sink.dropped)
             sink.dropped = 0
+
+
+def note_line(sink: StderrSink | None, line: str) -> None:
+    """A line of kandev's own among an agent's stderr (what ``kandev logs`` shows); nothing without a
+    sink (an agent of an older image writing its file itself)."""
+    if sink is not None:
+        StderrDrain.shared().note(sink, line if line.endswith("\n") else line + "\n")

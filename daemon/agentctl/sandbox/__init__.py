@@ -1,3 +1,4 @@
 """The agent sandbox: bubblewrap around every agent, the user namespaces of a root control server,
-and the environment (provider keys) an agent is given.
+its own network namespace with the relay to its egress proxy, and the environment (provider keys)
+an agent is given.
 """

@@ -2,8 +2,9 @@
 
 An agent runs arbitrary tool calls, so it is a guest: it sees the files it works on and nothing of
 kandev's. The control server wraps the agent's argv in ``bwrap`` (Debian ``bubblewrap``, the
-sandbox of Flatpak and of Claude Code on Linux) with a new user and pid namespace (and the mount
-namespace bwrap always makes); the network is shared. The view (``build_argv``):
+sandbox of Flatpak and of Claude Code on Linux) with a new user, pid and network namespace (and the
+mount namespace bwrap always makes; the network namespace and the agent's one way out, its egress
+proxy, are ``daemon.agentctl.sandbox.network``'s). The view (``build_argv``):
 
 - a fresh root (tmpfs), read-only once built, where every directory exists only because something
   was bound into it; those directories are traverse-only (the agent reaches its own session
@@ -53,8 +54,8 @@ would take the agent down with it, so it is started with SIGTERM ignored and the
 through ``env --default-signal=TERM``: the agent still gets SIGTERM first and ``KILL_GRACE`` to
 exit, then SIGKILL reaches every process of the group.
 
-``probe`` checks, off the event loop, that a sandbox can be made here (bwrap on the PATH, user
-namespaces allowed, a /proc mount admitted) and says why not.
+``daemon.agentctl.sandbox.probe`` checks, off the event loop, that a sandbox can be made here
+(bwrap on the PATH, user namespaces allowed, a /proc mount admitted) and says why not.
 """
 
 from __future__ import annotations
@@ -65,16 +66,16 @@ import os
 import shutil
 import signal
 import stat
-import subprocess
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from daemon.agentctl.sandbox import seccomp_filter
+from daemon.agentctl.sandbox import network, seccomp_filter
+from daemon.agentctl.sandbox.network import SandboxNet
 from daemon.agentctl.sandbox.userns import make_userns
-from daemon.host.agent_user import AgentUser, AgentUserMissing, agent_user
+from daemon.host.agent_user import AgentUser, agent_user
 from ipc.errors import ErrorCode, IpcError
 
 BWRAP = "bwrap"
@@ -185,11 +186,14 @@ class SandboxSupport:
     """Whether each agent gets its own IPC namespace. False only where this process may not make
     one (a control server reloaded in place under an older unit whose ``RestrictNamespaces=`` has
     no ``ipc``): agents are still sandboxed, and ``reason`` says what is missing and the fix."""
+    network_namespace: bool = True
+    """Whether each agent can get a network namespace of its own (``daemon.agentctl.sandbox.network``);
+    without one no agent is started (``available`` is False and ``reason`` says why)."""
 
     def to_wire(self) -> dict[str, Any]:
         return {"available": self.available, "reason": self.reason, "mechanism": self.mechanism,
                 "bwrap": self.bwrap, "version": self.version, "seccomp": self.seccomp,
-                "ipc_namespace": self.ipc_namespace}
+                "ipc_namespace": self.ipc_namespace, "network_namespace": self.network_namespace}
 
 
 def find_bwrap(env: Mapping[str, str] | None = None) -> str | None:
@@ -197,87 +201,6 @@ def find_bwrap(env: Mapping[str, str] | None = None) -> str | None:
     path = (os.environ if env is None else env).get("PATH", os.defpath)
     found = shutil.which(BWRAP, path=path)
     return os.path.abspath(found) if found else None
-
-
-def _first_line(text: str) -> str:
-    return next((line.strip() for line in text.splitlines() if line.strip()), "")[:300]
-
-
-def probe(env: Mapping[str, str] | None = None) -> SandboxSupport:
-    """Make a real sandbox with this process's rights (the flags agents get, a /proc mount, the
-    SIGTERM reset) and run ``true`` in it. Blocking (up to ``PROBE_TIMEOUT_S``): call it off the
-    event loop."""
-    bwrap = find_bwrap(env)
-    if bwrap is None:
-        return SandboxSupport(False, f"{BWRAP} (bubblewrap) is not on the PATH"
-                              f" ({(os.environ if env is None else env).get('PATH', os.defpath)})")
-    version = None
-    try:
-        done = subprocess.run([bwrap, "--version"], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S,
-                              stdin=subprocess.DEVNULL, check=False)
-        version = _first_line(done.stdout).removeprefix("bubblewrap ").strip() or None
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return SandboxSupport(False, f"{bwrap} --version failed: {exc}", bwrap)
-    env_tool = shutil.which("env", path="/usr/bin:/bin") or "/usr/bin/env"
-    try:
-        seccomp = seccomp_filter.describe()
-    except seccomp_filter.SeccompUnavailable as exc:
-        return SandboxSupport(False, str(exc), bwrap, version)
-    try:
-        user = agent_user()
-    except AgentUserMissing as exc:
-        return SandboxSupport(False, str(exc), bwrap, version)
-    view = SandboxView(bwrap=bwrap, uid=user.uid, gid=user.gid, binds=system_binds(), cwd="/", env_tool=env_tool,
-                       links=system_links(), own_userns=user.dedicated)
-    support = dataclasses.replace(_trial(view, user, bwrap, version), seccomp=seccomp)
-    if support.available:
-        return support
-    # A server reloaded in place keeps the namespace restrictions its unit had when it started: an
-    # older unit admits no IPC namespace. Sandboxed agents without one beat no agents at all; the
-    # reason says so until the server is restarted under the current unit.
-    without_ipc = _trial(dataclasses.replace(view, own_ipc=False), user, bwrap, version)
-    if not without_ipc.available:
-        return support
-    return dataclasses.replace(
-        without_ipc, ipc_namespace=False, seccomp=seccomp,
-        reason="agents get no IPC namespace of their own (SysV IPC is shared between sandboxes): this process"
-               " may not create one, e.g. a control server reloaded in place under an older unit without"
-               " RestrictNamespaces=ipc; restart kandev-agentctl once its agents are done")
-
-
-def _trial(view: SandboxView, user: AgentUser, bwrap: str, version: str | None) -> SandboxSupport:
-    """Run ``true`` in a sandbox of ``view``."""
-    try:
-        userns = make_userns(user) if user.dedicated else None
-    except OSError as exc:
-        return SandboxSupport(False, f"cannot make a user namespace for {user.name}: {exc}", bwrap, version)
-    fds = (*(userns or ()), seccomp_filter.program_fd())
-    argv = build_argv(view, ["true"], userns, seccomp=fds[-1])
-    try:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                start_new_session=True, preexec_fn=ignore_sigterm, pass_fds=fds)
-    except OSError as exc:
-        return SandboxSupport(False, f"cannot run {bwrap}: {exc.strerror or exc}", bwrap, version)
-    finally:
-        for fd in fds:
-            os.close(fd)
-    try:
-        _, err = proc.communicate(timeout=PROBE_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        # A system-call filter that denies what bwrap needs can leave it waiting for ever.
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.communicate()
-        return SandboxSupport(False, f"{bwrap} did not finish a trial sandbox within {PROBE_TIMEOUT_S:g} s"
-                              " (a system-call filter denying capset or mount?)", bwrap, version)
-    if proc.returncode != 0:
-        why = _first_line(err.decode(errors="replace")) or f"exit code {proc.returncode}"
-        return SandboxSupport(False, f"{bwrap} cannot make a sandbox here: {why}"
-                              " (user namespaces forbidden, or a unit's RestrictNamespaces=/SystemCallFilter=?)",
-                              bwrap, version)
-    return SandboxSupport(True, None, bwrap, version)
 
 
 def ignore_sigterm() -> None:
@@ -316,6 +239,7 @@ class SandboxView:
     own_userns: bool = False  # the server (root) makes the user namespace: ``make_userns``, then setpriv
     max_processes: int = MAX_PROCESSES_DEFAULT
     own_ipc: bool = True  # ``--unshare-ipc`` (see ``SandboxSupport.ipc_namespace``)
+    net: SandboxNet | None = None  # the agent's own network namespace and its way out (``network``)
 
 
 def sandbox_ids() -> tuple[int, int]:
@@ -489,6 +413,7 @@ def build_argv(view: SandboxView, command: Sequence[str], userns: tuple[int, int
     if "=" in command[0]:
         raise ValueError(f"the agent's command {command[0]!r} contains '=' (env would take it for a variable)")
     ipc = ["--unshare-ipc"] if view.own_ipc else []
+    ipc += network.bwrap_args(view.net)
     if view.own_userns:
         if userns is None:
             raise ValueError("a view with its own user namespace needs the namespaces' descriptors")
@@ -542,10 +467,11 @@ def build_argv(view: SandboxView, command: Sequence[str], userns: tuple[int, int
         # the namespaces' descriptors bwrap inherited are closed before the agent runs
         close = [os.path.realpath(sys.executable), "-I", "-S", "-c", "import os, sys; os.closerange(3, 1 << 20);"
                  " os.execv(sys.argv[1], sys.argv[1:])"]
-        argv += ["--chdir", "/", "--", *become, *cap, *close, view.env_tool, f"--chdir={view.cwd}",
-                 "--default-signal=TERM", *command]
+        argv += ["--chdir", "/", "--", *become, *cap, *close, *network.command_prefix(view.net), view.env_tool,
+                 f"--chdir={view.cwd}", "--default-signal=TERM", *command]
     else:
-        argv += ["--chdir", view.cwd, "--", *cap, view.env_tool, "--default-signal=TERM", *command]
+        argv += ["--chdir", view.cwd, "--", *cap, *network.command_prefix(view.net), view.env_tool,
+                 "--default-signal=TERM", *command]
     return argv
 
 
@@ -567,14 +493,16 @@ def wrap_command(
     extra_hidden: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
     own_ipc: bool = True,
+    net: SandboxNet | None = None,
 ) -> Launch:
     """``build_argv(host_view(...), command)`` with the user namespaces it needs and the agents'
     system-call filter (the caller passes ``fds`` to bwrap and closes them). Blocking: call it off
-    the event loop. ``own_ipc``: the probe's ``SandboxSupport.ipc_namespace``."""
+    the event loop. ``own_ipc``: the probe's ``SandboxSupport.ipc_namespace``; ``net``: the agent's
+    network namespace and its way out (every agent the control server starts has one; None shares
+    the host's network, for the backend's checkout sandbox only)."""
     hidden_ok(request, cwd, extra_hidden)
     view = host_view(request, cwd, bwrap=bwrap, extra_hidden=extra_hidden, env=env)
-    if not own_ipc:
-        view = dataclasses.replace(view, own_ipc=False)
+    view = dataclasses.replace(view, own_ipc=own_ipc, net=net)
     try:
         fds: tuple[int, ...] = (seccomp_filter.program_fd(),)
     except seccomp_filter.SeccompUnavailable as exc:

@@ -11,6 +11,8 @@
   (``daemon.agents.home_files``): start, resume and a restart alike.
 - The agent's secrets by reference (``[agents.NAME] secret_env``: paths or ``credential:NAME``),
   which the control server reads itself at spawn: no secret value passes through the backend.
+- The agent's network (``network_request``): its mode, hosts and host_ports from ``[network]`` and
+  ``[agents.NAME]`` (``daemon.config.settings.agent_network``), for its egress proxy.
 - The sandbox request (``daemon.agentctl.sandbox.bubblewrap.SandboxRequest``): the policy from
   ``agents.sandbox``; read-write the agent's state and lease directories (the workspace is added
   by the control server from the cwd); read-only the endpoint's directory; hidden the kandev home,
@@ -40,7 +42,7 @@ from daemon.agents.registry import BuiltinAgent
 from daemon.agents.settings import AGENT_PATH, agent_env, secret_paths
 from daemon.backend.git import workspace_record
 from daemon.backend.git.workspace_record import RepositoryView
-from daemon.config.settings import DEFAULT_CONFIG_FILE, Config
+from daemon.config.settings import DEFAULT_CONFIG_FILE, Config, agent_network
 from daemon.credentials import GitCredentials
 from daemon.credentials.agent_env import agent_git_env
 from daemon.credentials.broker import POLICY_GITHUB_LEASE
@@ -81,6 +83,15 @@ class LaunchPrep:
     sandbox: dict[str, Any]  # the wire form of the SandboxRequest
     credentials: GitCredentials | None = None
     secret_env: dict[str, str] = field(default_factory=dict)  # references, for create_instance
+    network: dict[str, Any] | None = None  # the agent's NetworkPolicy on the wire (None: sandbox off)
+
+
+def network_request(config: Config, agent: str) -> dict[str, Any] | None:
+    """The agent's network policy for ``create_instance`` (``daemon.config.settings.agent_network``);
+    None for an unsandboxed agent, which has the host's network."""
+    if config.agents.sandbox == SandboxPolicy.OFF.value:
+        return None
+    return agent_network(config, agent).to_wire()
 
 
 async def agent_command(backend: Backend, agent: BuiltinAgent) -> AgentCommand:
@@ -167,7 +178,8 @@ async def prepare(backend: Backend, session_id: str, command: AgentCommand) -> L
         await backend.endpoints.open(session_id)
     env.update(creds.env)
     request = sandbox_request(backend.config, backend.paths, dirs, command.readonly, view)
-    return LaunchPrep(command.argv, env, request.to_wire(), creds, dict(command.secret_env))
+    return LaunchPrep(command.argv, env, request.to_wire(), creds, dict(command.secret_env),
+                      network_request(backend.config, command.agent))
 
 
 async def prepare_relaunch(backend: Backend, session_id: str, agent: BuiltinAgent, *, with_lease: bool) -> LaunchPrep:
@@ -185,7 +197,8 @@ async def prepare_relaunch(backend: Backend, session_id: str, agent: BuiltinAgen
                                  github_url=backend.config.credentials.github_url))
     view = await asyncio.to_thread(_launch_view, backend, session_id)
     request = sandbox_request(backend.config, backend.paths, dirs, command.readonly, view)
-    return LaunchPrep(command.argv, env, request.to_wire(), secret_env=dict(command.secret_env))
+    return LaunchPrep(command.argv, env, request.to_wire(), secret_env=dict(command.secret_env),
+                      network=network_request(backend.config, command.agent))
 
 
 def memory_status(config: Config, reported: Any) -> dict[str, Any]:
@@ -210,14 +223,16 @@ async def sandbox_status(backend: Backend) -> dict[str, Any]:
     (as the control server in use reports it) and why not."""
     policy = backend.config.agents.sandbox
     out: dict[str, Any] = {"policy": policy, "sandboxed": False, "available": None, "reason": None,
-                           "mechanism": "bubblewrap", "version": None, "seccomp": None}
+                           "mechanism": "bubblewrap", "version": None, "seccomp": None,
+                           "network_mode": backend.config.network.mode, "network_namespace": None, "network": None}
     client = backend.client
     if client is not None and client.usable:
         try:
             support = await client.call("sandbox_status", {}, timeout=STATUS_TIMEOUT_S)
             out.update(available=bool(support.get("available")), reason=support.get("reason"),
                        version=support.get("version"), seccomp=support.get("seccomp"),
-                       memory=support.get("memory"))
+                       memory=support.get("memory"), network_namespace=support.get("network_namespace"),
+                       network=support.get("network"))
         except IpcError as exc:
             if exc.code == ErrorCode.UNKNOWN_OP:
                 out["available"] = False  # it cannot: a launch there is refused (AgentctlClient.check_sandbox)

@@ -144,11 +144,13 @@ class SessionLauncher:
             if plan.replaces is not None:
                 client.check_sandbox(prep.sandbox)  # refused before the agent is stopped, not after
                 client.check_secret_env(prep.secret_env)
+                client.check_network(prep.network)
                 await client.stop_instance(plan.replaces)
             info = await client.create_instance(
                 session_id=plan.session_id, task_id=plan.task_id, command=prep.command, cwd=plan.workspace,
                 env=prep.env, agent=plan.agent_name, resume_session_id=plan.resume_token, sandbox=prep.sandbox,
                 secret_env=prep.secret_env, max_memory=agent_memory_bound(b.config, plan.agent_name),
+                network=prep.network,
             )
         endpoint = handle.endpoint if handle is not None else ""
         return Launched(plan, info, endpoint, prep.credentials)

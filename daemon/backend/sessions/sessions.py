@@ -18,12 +18,14 @@ from typing import Any
 
 from sqlalchemy import select
 
+from daemon.agentctl.protocol import NETWORK_CAPABILITY
 from daemon.agents.registry import get_agent
 from daemon.api.ops import BackendState
 from daemon.backend.lifetime.context import BackendContext
 from daemon.backend.sessions import agent_launch
 from daemon.backend.sessions.launcher import LaunchPlan, LaunchProgress, LaunchStage, SessionLauncher
 from daemon.backend.state.agent_identity import AgentIdentity
+from daemon.backend.state.executions import Execution
 from daemon.backend.tasks.delete import refuse_while_deleting
 from daemon.backend.views.session_view import PageRequest, StoredSession, permission_settled, read_session
 from daemon.core.journal import log_event
@@ -34,6 +36,8 @@ from daemon.store.session_metadata import SessionMetadata
 from daemon.store.states import SessionState, TaskState, TurnState
 from daemon.store.transcript import ensure_turn
 from ipc.errors import ErrorCode, IpcError
+
+NETWORK_STATUS_TIMEOUT_S = 2.0
 
 
 def _now() -> datetime:
@@ -283,6 +287,7 @@ class SessionService:
             "runtime_config": runtime,
             # the runtime job a first use ran before the agent started (daemon/backend/sessions/runtime_prepare.py)
             "runtime_prepare": meta.runtime_prepare,
+            "network": await self._network(ex),
             "permissions": stored.permissions,
             "turns": stored.turns,
             "turns_total": stored.turns_total,
@@ -296,6 +301,19 @@ class SessionService:
             return {sid: tid for sid, tid in db.execute(
                 select(Turn.session_id, Turn.id).where(Turn.session_id.in_(session_ids), Turn.state == TurnState.OPEN)
             )}
+
+    async def _network(self, ex: Execution | None) -> dict[str, Any] | None:
+        """The live agent's network as its control server reports it (Issue 44): its mode, how many
+        requests its egress proxy refused and the last few; None without a live agent or an answer."""
+        client = self.backend.servers.client_for(ex) if ex is not None else None
+        if ex is None or client is None or not client.usable or NETWORK_CAPABILITY not in client.capabilities:
+            return None
+        try:
+            status: dict[str, Any] = await client.call("network_status", {"instance_id": ex.instance_id},
+                                                       timeout=NETWORK_STATUS_TIMEOUT_S)
+            return status
+        except (IpcError, OSError, TimeoutError):
+            return None
 
     def _read_sessions(self) -> list[tuple[str, str, str]]:
         with self.backend.store.session() as db:

@@ -130,3 +130,22 @@ def out_of_space_line(full: dict[str, Any]) -> str:
         why = "agents' output waits with the control server"
     return (f"out of space: {full.get('path')} ({full.get('free_bytes')} bytes free): {why}; free some space"
             " and everything goes on (nothing is lost)")
+
+
+def network_refusals(net: dict[str, Any] | None) -> str | None:
+    """An agent's (or every agent's) network refusals in one line: the mode, how many requests its
+    egress proxy refused and the last few destinations (the agent named them: escaped)."""
+    if not net:
+        return None
+    from daemon.cli.human.visible import visible
+
+    count = int(net.get("refused") or 0)
+    mode = f"{net['mode']}; " if net.get("mode") else ""
+    recent = net.get("recent_refused") or []
+    last = ", ".join(visible(f"{_host_port(r)} ({r.get('reason')})") for r in recent[::-1])
+    return f"{mode}{count} request{'' if count == 1 else 's'} refused" + (f", last: {last}" if last else "")
+
+
+def _host_port(refused: dict[str, Any]) -> str:
+    host = str(refused.get("host"))
+    return f"[{host}]:{refused.get('port')}" if ":" in host else f"{host}:{refused.get('port')}"

@@ -10,7 +10,7 @@ as ``name: value``; a part it does not know gets a block of its own. Nothing is 
 from __future__ import annotations
 
 from daemon.api.ops import AdoptionOutcome, BackendState, LinkObserved, LinkState
-from daemon.cli.human.fmt import duration_ms, out_of_space_line, short
+from daemon.cli.human.fmt import duration_ms, network_refusals, out_of_space_line, short
 from daemon.cli.human.term import Term
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
@@ -251,6 +251,23 @@ def _recovery_lines(term: Term, recovery: dict[str, Any]) -> list[str]:
     return lines + _extras(recovery, _KNOWN["recovery"])
 
 
+_NETWORK_KEYS = {"network_mode", "network_namespace", "network"}
+
+
+def _network_lines(term: Term, sandbox: dict[str, Any]) -> list[str]:
+    """Agents' network (Issue 44): the configured mode, whether each agent gets a network namespace
+    of its own here, and what the egress proxies refused (how many, the last few destinations)."""
+    own = sandbox.get("network_namespace")
+    where = ("every agent in a network namespace of its own, out only through its egress proxy" if own
+             else term.yellow("agents cannot get a network namespace of their own: no agent starts") if own is False
+             else "whether agents get a network namespace of their own: not known yet")
+    lines = [f"mode {sandbox.get('network_mode')}; {where}"]
+    refused = network_refusals(sandbox.get("network"))
+    if refused is not None:
+        lines.append(term.yellow(refused) if (sandbox.get("network") or {}).get("refused") else refused)
+    return lines
+
+
 def _adoption_lines(adoption: dict[str, Any]) -> list[str]:
     head = str(adoption.get("outcome") or "unknown")
     if adoption.get("reason"):
@@ -274,9 +291,14 @@ def render_status(status: dict[str, Any], term: Term) -> list[str]:
     lines += _block(term, "Control server", _server_lines(term, status.get("control_server") or {}))
     lines += _block(term, "Adoption", _adoption_lines(status.get("adoption") or {}))
     lines += _block(term, "Recovery", _recovery_lines(term, status.get("recovery") or {}))
+    sandbox = status.get("sandbox")
+    if isinstance(sandbox, dict) and "network_mode" in sandbox:
+        lines += _block(term, "Network", _network_lines(term, sandbox))
     for key, value in status.items():
         if key in _ORDER:
             continue
+        if key == "sandbox" and isinstance(value, dict):
+            value = {k: v for k, v in value.items() if k not in _NETWORK_KEYS}
         label = str(key).replace("_", " ").capitalize()
         if isinstance(value, dict):
             lines += _block(term, label, _extras(value, set()) or ["-"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 from daemon.cli.human.fmt import (
     age,
     duration_ms,
+    network_refusals,
     out_of_space_line,
     quiet_hint,
     quiet_text,
@@ -59,14 +60,19 @@ def configuration_line(file: str | None, reason: str | None) -> str:
 
 def agents_lines(result: dict[str, Any], term: Term) -> list[str]:
     """``kandev agents``: which file, then a table of the agents and what each gets (never a
-    value), then any key file that would refuse the agent's start, with its fix."""
+    value; the network: its mode and, in the allow-list mode, the hosts it may reach), then any key file that would refuse the agent's start, with its fix."""
     rows = []
     for a in result.get("agents") or []:
         secret = ", ".join(f"{var} <- {ref}" for var, ref in (a.get("secret_env") or {}).items())
         files = ", ".join(f"~/{dest} <- {src}" for dest, src in (a.get("home_files") or {}).items())
-        rows.append([a.get("name"), a.get("package"), a.get("version"), secret, files, ", ".join(a.get("env") or [])])
+        net = a.get("network") or {}
+        hosts = ", ".join(net.get("allow_hosts") or []) if net.get("mode") == "allow-list" else ""
+        network = f"{net.get('mode', '?')}{f' ({hosts})' if hosts else ''}"
+        rows.append([a.get("name"), a.get("package"), a.get("version"), secret, files, ", ".join(a.get("env") or []),
+                     network])
     lines = [configuration_line(result.get("config"), result.get("reason")), ""]
-    lines += render_table(term, ["AGENT", "PACKAGE", "VERSION", "SECRET_ENV", "HOME_FILES", "ENV"], rows, flex=5)
+    lines += render_table(term, ["AGENT", "PACKAGE", "VERSION", "SECRET_ENV", "HOME_FILES", "ENV", "NETWORK"], rows,
+                          flex=6)
     problems = result.get("problems") or []
     if problems:
         lines.append("")
@@ -361,6 +367,9 @@ def session_header_lines(show: dict[str, Any], term: Term, task_title: str | Non
     if prep and (state == SessionState.STARTING or prep.get("state") != "succeeded"):
         field("Runtime", f"{'preparing ' if state == SessionState.STARTING else ''}{prep.get('spec')}"
               f" (job {short(prep.get('job_id'))}): [{prep.get('state')}] {prep.get('message') or ''}".rstrip())
+    net = network_refusals(show.get("network"))
+    if net is not None:
+        field("Network", term.yellow(net) if (show.get("network") or {}).get("refused") else net)
     if show.get("guard"):
         field("Guard", term.yellow(str(show["guard"])))
     if show.get("not_retracked_reason"):
