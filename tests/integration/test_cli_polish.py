@@ -91,7 +91,7 @@ def test_agents_is_a_table_with_a_header(kandev_factory: Any) -> None:
     assert p.returncode == 0 and "\t" not in p.stdout, p.stdout
     lines = p.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("AGENT "))
-    assert lines[header].split() == ["AGENT", "PACKAGE", "VERSION", "SECRET_ENV", "HOME_FILES", "ENV"]
+    assert lines[header].split() == ["AGENT", "PACKAGE", "VERSION", "SECRET_ENV", "HOME_FILES", "ENV", "NETWORK"]
     listed = k.cli("agents")["agents"]
     assert [line.split()[0] for line in lines[header + 1:header + 1 + len(listed)]] == [a["name"] for a in listed]
     assert set(listed[0]) >= {"name", "package", "version", "runtime", "env", "secret_env", "home_files"}

@@ -221,6 +221,8 @@ def _loose(home: Path) -> list[str]:
                 continue  # a workspace's content is the agent's work (its top directory is 0700)
             if rel[0] == "sessions" and rel[-1] == "endpoint" and stat.S_IMODE(st.st_mode) == endpoint_mode(agent):
                 continue  # 0711 when its agent is another uid (kandev as root): it reaches the socket in it
+            if rel[:2] == ("run", "egress") and len(rel) == 3 and stat.S_IMODE(st.st_mode) == endpoint_mode(agent):
+                continue  # a live agent's egress proxy socket directory (Issue 44), the same reason
             if stat.S_IMODE(st.st_mode) & 0o077:
                 out.append(f"{p} {stat.S_IMODE(st.st_mode):04o}")
     return out
