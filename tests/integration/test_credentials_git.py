@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -316,16 +317,20 @@ def _lease_revoked(setup: Setup, lease_id: str) -> bool:
     return bool(row["revoked"])
 
 
-_FD_OPTIONS = {"--userns", "--userns2"}
+_FD_OPTIONS = {"--userns", "--userns2", "--seccomp"}
 """bwrap options whose value is a descriptor number of the control server: which number the
 kernel hands out depends on what else the server has open at that moment, not on the session."""
+_EGRESS_DIR = re.compile(r"/run/egress/[0-9a-f]{32}(?=/|$)")
+"""An agent's egress proxy socket directory is named after its instance (Issue 44): a restarted
+agent is a new instance with a directory of its own, the same in every other respect."""
 
 
 def _process_facts(pid: int) -> tuple[list[str], str, dict[str, str]]:
     """(argv, cwd, environment) of a running agent process; descriptor numbers in argv as ``<fd>``."""
     proc = psutil.Process(pid)
     argv = proc.cmdline()
-    argv = [("<fd>" if i and argv[i - 1] in _FD_OPTIONS else a) for i, a in enumerate(argv)]
+    argv = [("<fd>" if i and argv[i - 1] in _FD_OPTIONS else _EGRESS_DIR.sub("/run/egress/<instance>", a))
+            for i, a in enumerate(argv)]
     return argv, proc.cwd(), proc.environ()
 
 

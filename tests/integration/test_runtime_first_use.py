@@ -40,7 +40,8 @@ def test_first_use_runs_the_runtime_job_first(short_tmp: Path, claude_npm_cache:
     key.chmod(0o600)
     with MessagesStandIn() as standin:
         k = kandev_factory(config_text=(
-            "[agents.claude-code]\n"
+            standin.network_table()  # the agent reaches it through its egress proxy (Issue 44)
+            + "[agents.claude-code]\n"
             f'env = {{ ANTHROPIC_BASE_URL = "{standin.base_url}" }}\n'
             f'secret_env = {{ ANTHROPIC_API_KEY = "{key}" }}\n'))
         k.env = make_env(Path(k.env["KANDEV_CONFIG"]), npm_config_cache=str(cache))

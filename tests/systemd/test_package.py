@@ -600,6 +600,9 @@ def test_issue12_e_claude_code_with_its_key_from_a_systemd_credential(pkg: Box, 
     box.write_file("/etc/systemd/system/kandev-agentctl.service.d/anthropic.conf",
                    "[Service]\nLoadCredential=anthropic-api-key:/etc/kandev/secrets/anthropic-api-key\n")
     conf = box.read_file("/etc/kandev/kandev.toml")
+    # the stand-in is on the host's loopback: the agent reaches it through its egress proxy only once
+    # its address is listed (Issue 44)
+    conf = conf.replace("\n[network]\n", f'\n[network]\nhost_ports = ["127.0.0.1:{STANDIN_PORT}"]\n', 1)
     box.write_file("/etc/kandev/kandev.toml", conf + (
         "\n[agents.claude-code]\n"
         f'env = {{ ANTHROPIC_BASE_URL = "http://127.0.0.1:{STANDIN_PORT}" }}\n'

@@ -70,6 +70,12 @@ def _kandev(box: SdBox, *args: str) -> dict[str, Any]:
     return json.loads(p.stdout)
 
 
+def _start(box: SdBox, task: str) -> str | None:
+    """A new session of ``task``, or None while the backend is not linked to the restarted server yet."""
+    p = box.run("kandev", "--json", "session", "start", task, check=False, timeout=120)
+    return json.loads(p.stdout)["session_id"] if p.returncode == 0 else None
+
+
 def _chunks(show: dict[str, Any]) -> list[str]:
     return [m["text"] for m in show["transcript"] if m["kind"] == "agent_message_chunk"]
 
@@ -129,7 +135,23 @@ def test_b_upgrade_reloads_the_old_server_in_place_and_keeps_the_agents(box: SdB
         assert box.alive(S["agents"][sid][0])
     assert box.prop(AGENTCTL, "MainPID") == S["ctl_pid"]
     assert not box.journal_json("-u", BACKEND, "KANDEV_EVENT=control_server_lost")
+    # A server reloaded in place keeps the namespace restrictions of the unit it was started under: the
+    # previous release's unit admits no network namespace, and a new agent must get one (Issue 44), so
+    # it is refused, saying how to fix it, and status says why, while the surviving agents keep running.
     task = _kandev(box, "task", "create", "--title", "after")["task_id"]
-    sid = _kandev(box, "session", "start", task)["session_id"]
+    p = box.run("kandev", "--json", "session", "start", task, check=False, timeout=120)
+    assert p.returncode != 0, p.stdout
+    error = json.loads(p.stdout)["error"]
+    assert error["code"] == "sandbox_unavailable" and "restart kandev-agentctl" in error["message"], error
+    sandbox = _kandev(box, "status")["sandbox"]
+    assert sandbox["network_namespace"] is False and "restart kandev-agentctl" in sandbox["reason"], sandbox
+    # Once its agents are done, a restart under the installed unit gives every new agent its own namespace.
+    for sid in S["sessions"]:
+        _kandev(box, "session", "stop", sid)
+    box.systemctl("restart", AGENTCTL)
+    sandbox = box.wait_for(lambda: s if (s := _kandev(box, "status")["sandbox"]).get("sandboxed") else None,
+                           timeout=60)
+    assert sandbox and sandbox["network_namespace"] is True, sandbox
+    sid = box.wait_for(lambda: _start(box, task), timeout=60)
+    assert sid, "no session could start after kandev-agentctl's restart"
     assert _kandev(box, "prompt", sid, "hello", "--wait")["stop_reason"] == "end_turn"
-    assert _kandev(box, "status")["sandbox"]["sandboxed"] is True
