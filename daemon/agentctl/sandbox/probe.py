@@ -67,23 +67,28 @@ def probe(env: Mapping[str, str] | None = None) -> SandboxSupport:
     support = dataclasses.replace(_trial(view, user, bwrap, version), seccomp=seccomp)
     if support.available:
         return support
-    if _trial(dataclasses.replace(view, net=None), user, bwrap, version).available:
+    # A server reloaded in place keeps the namespace restrictions its unit had when it started: an
+    # older unit may admit no IPC namespace, or no network namespace. Sandboxed agents without an IPC
+    # namespace of their own beat no agents at all; the reason says so until the server is restarted
+    # under the current unit.
+    without_ipc = _trial(dataclasses.replace(view, own_ipc=False), user, bwrap, version)
+    if without_ipc.available:
+        return dataclasses.replace(
+            without_ipc, ipc_namespace=False, seccomp=seccomp,
+            reason="agents get no IPC namespace of their own (SysV IPC is shared between sandboxes): this process"
+                   " may not create one, e.g. a control server reloaded in place under an older unit without"
+                   " RestrictNamespaces=ipc; restart kandev-agentctl once its agents are done")
+    # An agent without a network namespace of its own would share the host's network: never. Say
+    # why no agent can start, when that is the one thing missing (with or without an IPC namespace).
+    no_net = dataclasses.replace(view, net=None)
+    if (_trial(no_net, user, bwrap, version).available
+            or _trial(dataclasses.replace(no_net, own_ipc=False), user, bwrap, version).available):
         return dataclasses.replace(
             support, network_namespace=False,
             reason=f"agents cannot get a network namespace of their own ({support.reason}): this process may not"
                    " create one, e.g. a unit whose RestrictNamespaces= has no net (a control server reloaded in"
                    " place under an older unit: restart kandev-agentctl once its agents are done)")
-    # A server reloaded in place keeps the namespace restrictions its unit had when it started: an
-    # older unit admits no IPC namespace. Sandboxed agents without one beat no agents at all; the
-    # reason says so until the server is restarted under the current unit.
-    without_ipc = _trial(dataclasses.replace(view, own_ipc=False), user, bwrap, version)
-    if not without_ipc.available:
-        return support
-    return dataclasses.replace(
-        without_ipc, ipc_namespace=False, seccomp=seccomp,
-        reason="agents get no IPC namespace of their own (SysV IPC is shared between sandboxes): this process"
-               " may not create one, e.g. a control server reloaded in place under an older unit without"
-               " RestrictNamespaces=ipc; restart kandev-agentctl once its agents are done")
+    return support
 
 
 def _trial(view: SandboxView, user: AgentUser, bwrap: str, version: str | None) -> SandboxSupport:
