@@ -23,7 +23,7 @@
 # Needs root, piuparts, debootstrap, dpkg-dev and the Debian mirror (KANDEV_PIUPARTS_MIRROR,
 # default http://deb.debian.org/debian). It takes minutes (two chroots' worth of dependencies:
 # nodejs and npm's ~300 packages) and runs in no CI job. The log is kept in the printed directory.
-# Exit status: piuparts' own (0: every test passed).
+# Exit status: piuparts' own (0: every test passed), or 1 when piuparts skipped the upgrade test.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)
 REPO=$(cd "$HERE/../.." && pwd -P)
@@ -42,8 +42,6 @@ for tool in piuparts debootstrap dpkg-scanpackages; do
 done
 mirror=${KANDEV_PIUPARTS_MIRROR:-http://deb.debian.org/debian}
 VENV=$(bash "$HERE/setup.sh" | tail -n 1)
-work=$(mktemp -d /var/tmp/kandev-piuparts.XXXXXX)
-mkdir -p "$work/repo" "$work/tmp"
 
 echo "== building the packages (cached in /var/tmp/kandev-deb-cache)"
 t0=$SECONDS
@@ -70,6 +68,8 @@ new_deb=$(sed -n 2p <<<"$debs")
 echo "   $old_deb"
 echo "   $new_deb"
 echo "   ($((SECONDS - t0)) s)"
+work=$(mktemp -d /var/tmp/kandev-piuparts.XXXXXX)
+mkdir -p "$work/repo" "$work/tmp"
 cp "$old_deb" "$work/repo/"
 (cd "$work/repo" && dpkg-scanpackages --multiversion . > Packages 2>/dev/null)
 
@@ -82,5 +82,9 @@ piuparts -d bookworm -m "$mirror" -t "$work/tmp" \
   -l "$work/piuparts.log" "$new_deb" >/dev/null 2>&1 || rc=$?
 grep -E '^[0-9]+m[0-9.]+s (INFO|ERROR): (PASS|FAIL|SKIP|Can.t test)' "$work/piuparts.log" || true
 [ "$rc" = 0 ] || grep -E -A12 '^[0-9]+m[0-9.]+s ERROR' "$work/piuparts.log" | head -60 || true
+if [ "$rc" = 0 ] && ! grep -q 'PASS: Installation, upgrade and purging tests' "$work/piuparts.log"; then
+  echo "piuparts.sh: piuparts ran no upgrade test (did the chroot's apt see $(basename "$old_deb")?)" >&2
+  rc=1
+fi
 echo "   ($((SECONDS - t0)) s, piuparts exit status $rc)"
 exit "$rc"
