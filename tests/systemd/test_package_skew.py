@@ -202,4 +202,13 @@ def _check_flood(box: SdBox, flood: str, old_page: list[dict[str, Any]], new_bac
     # The scenario happened: the backend the upgrade started (on the migrated store) ended the turn.
     ended = [(m.get("_PID"), m.get("FROM_STATE")) for m in box.journal_json(
         "-u", BACKEND, "KANDEV_EVENT=session_state", f"SESSION_ID={flood}", "TO_STATE=WAITING_FOR_INPUT")]
-    assert ended[-1:] == [(new_backend, "RUNNING")], f"the flood did not stream through the upgrade: {ended}"
+    assert ended[-1:] == [(new_backend, "RUNNING")], (
+        f"the flood did not stream through the upgrade (backend pids ending its turn: {ended}, last {new_backend}):\n"
+        + _backend_story(box))
+
+
+def _backend_story(box: SdBox) -> str:
+    """The backend unit's starts, stops and state changes, for a failure's message."""
+    log = box.run("journalctl", "-u", BACKEND, "-o", "short-monotonic", "--no-pager", check=False).stdout
+    keep = ("Start", "Stopp", "exited", "watchdog", "Watchdog", "session_state", "migrat", "retrack", "signal")
+    return "\n".join([line for line in log.splitlines() if any(k in line for k in keep)][-80:])
