@@ -1,6 +1,7 @@
 """The previous release, built from this repository's history, for version-skew tests (Issue 15).
 
-``previous_release()`` is the newest release older than ``daemon.core.version.VERSION``: its commit is
+``previous_release()`` is the newest release older than ``daemon.core.version.VERSION`` (and
+``recorded_release(version)`` any recorded one): its commit is
 the tag ``v<version>`` when this clone has it, else the record in ``packaging/releases.txt`` (CI
 clones may lack tags). A commit this clone does not have is a test failure with the fix, never a
 skip. ``release_tree(commit)`` is a ``git clone`` of this repository checked out at that commit,
@@ -57,7 +58,15 @@ def previous_release() -> Release:
     older = sorted((v for v in records if version_key(v) < version_key(VERSION)), key=version_key)
     if not older:
         pytest.fail(f"packaging/releases.txt records no release older than {VERSION}", pytrace=False)
-    version = older[-1]
+    return recorded_release(older[-1])
+
+
+def recorded_release(version: str) -> Release:
+    """The release ``version`` recorded in packaging/releases.txt (packaging/dev/piuparts.sh names one)."""
+    records = _records()
+    if version not in records:
+        pytest.fail(f"packaging/releases.txt records no release {version!r} (it records {', '.join(records)})",
+                    pytrace=False)
     tag = _git("rev-parse", "--verify", "-q", f"v{version}^{{commit}}", check=False)
     if tag.returncode == 0:
         commit = tag.stdout.strip()

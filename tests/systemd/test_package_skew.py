@@ -6,6 +6,13 @@ The maintainer scripts reload the control server (0.2.0 can: it re-executes this
 which reads the previous release's hand-over), then restart the backend, which adopts the server and
 re-tracks both sessions: every agent keeps its pid, every chunk arrives once and in order. (A 0.1.0
 server, which cannot reload and was replaced once idle, is two releases back: backend N adopts N-1.)
+
+Issue 45 scenario F, Issue 45 item 6: a third session streams ``/flood 20000`` through the upgrade.
+Its turn starts on the previous release just before ``apt-get install`` (whose backend is then
+frozen, so that the turn is still streaming when the upgrade restarts it) and goes on after the new
+backend has migrated the store (0.2.0 stored one row per chunk; the lean transcript coalesces them)
+and re-tracked it: afterwards the transcript holds every chunk once and in order, and the
+cursors the previous release handed out still name the same chunks.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from tests.support.sdbox import SdBox
 
 BACKEND, AGENTCTL = "kandev-backend.service", "kandev-agentctl.service"
 N = 40
+FLOOD = 20_000
 # 600 s bounds each test's own steps. The builds are module fixtures, made before the first step
 # (so the sessions are mid-turn at the upgrade however long a cold build takes) and bounded by their
 # own limits (each dpkg-buildpackage and lintian under its subprocess timeout in
@@ -80,6 +88,29 @@ def _chunks(show: dict[str, Any]) -> list[str]:
     return [m["text"] for m in show["transcript"] if m["kind"] == "agent_message_chunk"]
 
 
+def _page(box: SdBox, sid: str, after: int, limit: int) -> dict[str, Any]:
+    return _kandev(box, "session", "show", sid, "--after-seq", str(after), "--limit", str(limit))
+
+
+def _entries(box: SdBox, sid: str) -> list[dict[str, Any]]:
+    """The session's whole transcript, page by page (``session show`` alone gives the last page)."""
+    entries: list[dict[str, Any]] = []
+    cursor = 0
+    while True:
+        show = _page(box, sid, cursor, 10_000)
+        entries += show["transcript"]
+        if not show["page"]["more_after"]:
+            return entries
+        cursor = show["page"]["next_cursor"]
+
+
+def _flood_progress(box: SdBox, sid: str) -> tuple[str, int]:
+    """The flood session's state and how many transcript entries it holds (its prompt, then one per
+    chunk), read cheaply: one entry of transcript (both releases know ``--tail``)."""
+    show = _kandev(box, "session", "show", sid, "--tail", "1")
+    return show["state"], int(show["page"]["total"])
+
+
 def test_b_previous_release_with_sessions_mid_turn(release_deb: Path, debs: dict[str, Any], box: SdBox,
                                                    release: Release) -> None:
     _apt_install(box, release_deb)
@@ -103,16 +134,35 @@ def test_b_previous_release_with_sessions_mid_turn(release_deb: Path, debs: dict
                             else None, timeout=60)
         assert show and show["state"] == "RUNNING"
         agents[sid] = (show["agent_pid"], show["agent_pid_start_time"])
-    S.update(sessions=sessions, agents=agents)
+    # The flood's session starts now; its turn starts at the upgrade (a flood started here would be
+    # over before it: the next step's only wait is for this one to be streaming).
+    task = _kandev(box, "task", "create", "--title", "skew flood")["task_id"]
+    flood = _kandev(box, "session", "start", task)["session_id"]
+    show = box.wait_for(lambda: s if (s := _kandev(box, "session", "show", flood))["agent_pid"] else None, timeout=60)
+    assert show, "the flood session's agent never started"
+    agents[flood] = (show["agent_pid"], show["agent_pid_start_time"])
+    S.update(sessions=sessions, agents=agents, flood=flood)
 
 
 def test_b_upgrade_reloads_the_old_server_in_place_and_keeps_the_agents(box: SdBox, debs: dict[str, Any]) -> None:
     """Issue 15 scenario B: apt-get install of this version over the previous release. The previous
     release (0.2.0) can reload: the maintainer scripts reload its control server, which re-executes
     this version in place (reading the previous release's hand-over), then restart the backend,
-    which adopts it and re-tracks both sessions."""
+    which adopts it and re-tracks both sessions. Issue 45 scenario F: a ``/flood 20000`` streams
+    through the upgrade and the store's migration; every chunk once and in order afterwards."""
     assert S, "needs the previous step"
     backend_pid = box.prop(BACKEND, "MainPID")
+    flood = S["flood"]
+    _kandev(box, "prompt", flood, f"/flood {FLOOD}")
+    assert box.wait_for(lambda: _flood_progress(box, flood)[1] > 100, timeout=60), "the flood never streamed"
+    old_page = _page(box, flood, 0, 50)["transcript"]  # cursors handed out by the previous release
+    streaming = _flood_progress(box, flood)
+    assert streaming[0] == "RUNNING" and streaming[1] < FLOOD, f"the flood is no longer streaming: {streaming}"
+    # The previous release stores the 20,000 chunks faster than apt-get reaches the backend's restart:
+    # its backend is frozen from here, so the flood crosses the upgrade, its chunks waiting in the
+    # control server (its backpressure holds the agent) through the reload, the backend's restart
+    # (systemd follows the stop's SIGTERM with a SIGCONT) and the store's migration.
+    box.run("kill", "-STOP", backend_pid)
     out = _apt_install(box, debs["deb"])
     assert box.run("dpkg-query", "-W", "-f", "${Version}", "kandev").stdout == debs["version"]
     assert "kandev-agentctl was not reloaded" not in out, out[-3000:]
@@ -123,6 +173,7 @@ def test_b_upgrade_reloads_the_old_server_in_place_and_keeps_the_agents(box: SdB
                             timeout=60)
         assert show, f"session {sid} was not re-tracked"
         assert (show["agent_pid"], show["agent_pid_start_time"]) == S["agents"][sid]
+    new_backend = box.prop(BACKEND, "MainPID")
     ctl = _kandev(box, "status")["control_server"]
     assert ctl["version"] == VERSION and ctl["can_reload"] is True and ctl["installed_version"] == VERSION
     assert ctl["reexec_count"] >= 1 and ctl["replacement"] is None and str(ctl["pid"]) == S["ctl_pid"]
@@ -133,6 +184,7 @@ def test_b_upgrade_reloads_the_old_server_in_place_and_keeps_the_agents(box: SdB
         assert show and _chunks(show) == [f"{i}/{N} " for i in range(1, N + 1)]
         assert [(t["state"], t["stop_reason"]) for t in show["turns"]] == [("finished", "end_turn")]
         assert box.alive(S["agents"][sid][0])
+    _check_flood(box, flood, old_page, new_backend)
     assert box.prop(AGENTCTL, "MainPID") == S["ctl_pid"]
     assert not box.journal_json("-u", BACKEND, "KANDEV_EVENT=control_server_lost")
     # A server reloaded in place keeps the namespace restrictions of the unit it was started under: the
@@ -146,7 +198,7 @@ def test_b_upgrade_reloads_the_old_server_in_place_and_keeps_the_agents(box: SdB
     sandbox = _kandev(box, "status")["sandbox"]
     assert sandbox["network_namespace"] is False and "restart kandev-agentctl" in sandbox["reason"], sandbox
     # Once its agents are done, a restart under the installed unit gives every new agent its own namespace.
-    for sid in S["sessions"]:
+    for sid in [*S["sessions"], flood]:
         _kandev(box, "session", "stop", sid)
     box.systemctl("restart", AGENTCTL)
     sandbox = box.wait_for(lambda: s if (s := _kandev(box, "status")["sandbox"]).get("sandboxed") else None,
@@ -155,3 +207,30 @@ def test_b_upgrade_reloads_the_old_server_in_place_and_keeps_the_agents(box: SdB
     sid = box.wait_for(lambda: _start(box, task), timeout=60)
     assert sid, "no session could start after kandev-agentctl's restart"
     assert _kandev(box, "prompt", sid, "hello", "--wait")["stop_reason"] == "end_turn"
+
+
+def _check_flood(box: SdBox, flood: str, old_page: list[dict[str, Any]], new_backend: str) -> None:
+    """Issue 45 scenario F: the flood streamed through the upgrade; every chunk once and in order."""
+    show = box.wait_for(lambda: s if (s := _kandev(box, "session", "show", flood, "--tail", "1"))["state"]
+                        == "WAITING_FOR_INPUT" else None, timeout=300, interval=0.5)
+    assert show, "the flood's turn never ended"
+    assert [(t["state"], t["stop_reason"]) for t in show["turns"]] == [("finished", "end_turn")]
+    assert (show["agent_pid"], show["agent_pid_start_time"]) == S["agents"][flood]
+    entries = _entries(box, flood)
+    chunks = [e["text"] for e in entries if e["kind"] == "agent_message_chunk"]
+    assert len(chunks) == FLOOD and chunks == [f"{i}/{FLOOD} " for i in range(1, FLOOD + 1)]
+    by_cursor = {e["cursor"]: (e["kind"], e["text"]) for e in entries}
+    assert [by_cursor.get(e["cursor"]) for e in old_page] == [(e["kind"], e["text"]) for e in old_page]
+    # The scenario happened: the backend the upgrade started (on the migrated store) ended the turn.
+    ended = [(m.get("_PID"), m.get("FROM_STATE")) for m in box.journal_json(
+        "-u", BACKEND, "KANDEV_EVENT=session_state", f"SESSION_ID={flood}", "TO_STATE=WAITING_FOR_INPUT")]
+    assert ended[-1:] == [(new_backend, "RUNNING")], (
+        f"the flood did not stream through the upgrade (backend pids ending its turn: {ended}, last {new_backend}):\n"
+        + _backend_story(box))
+
+
+def _backend_story(box: SdBox) -> str:
+    """The backend unit's starts, stops and state changes, for a failure's message."""
+    log = box.run("journalctl", "-u", BACKEND, "-o", "short-monotonic", "--no-pager", check=False).stdout
+    keep = ("Start", "Stopp", "exited", "watchdog", "Watchdog", "session_state", "migrat", "retrack", "signal")
+    return "\n".join([line for line in log.splitlines() if any(k in line for k in keep)][-80:])
