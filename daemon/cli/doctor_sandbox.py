@@ -17,7 +17,7 @@ SANDBOX_HINT = ("apt-get install bubblewrap python3-seccomp; allow unprivileged 
                 " user.max_user_namespaces > 0); under systemd keep the units' RestrictNamespaces=user mnt pid"
                 " and SystemCallFilter=@mount; or set agents.sandbox = \"off\" to run agents unsandboxed")
 NETWORK_HINT = ("under systemd keep net in the units' RestrictNamespaces= (and AF_NETLINK in"
-                " RestrictAddressFamilies=, for the namespace's loopback); restart kandev-agentctl after an upgrade")
+                " RestrictAddressFamilies=, for the namespace's loopback); after an upgrade, `systemctl stop kandev-agentctl` once its agents are done (the backend starts it again)")
 
 
 def _check(name: str, ok: bool, detail: str, hint: str | None = None) -> Check:

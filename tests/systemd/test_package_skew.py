@@ -194,15 +194,16 @@ def test_b_upgrade_reloads_the_old_server_in_place_and_keeps_the_agents(box: SdB
     p = box.run("kandev", "--json", "session", "start", task, check=False, timeout=120)
     assert p.returncode != 0, p.stdout
     error = json.loads(p.stdout)["error"]
-    assert error["code"] == "sandbox_unavailable" and "restart kandev-agentctl" in error["message"], error
+    assert error["code"] == "sandbox_unavailable" and "systemctl stop kandev-agentctl" in error["message"], error
     sandbox = _kandev(box, "status")["sandbox"]
-    assert sandbox["network_namespace"] is False and "restart kandev-agentctl" in sandbox["reason"], sandbox
-    # Once its agents are done, a restart under the installed unit gives every new agent its own namespace.
+    assert sandbox["network_namespace"] is False and "systemctl stop kandev-agentctl" in sandbox["reason"], sandbox
+    # Once its agents are done, stopping it has the backend start it again under the installed unit,
+    # which gives every new agent its own namespace.
     for sid in [*S["sessions"], flood]:
         _kandev(box, "session", "stop", sid)
-    box.systemctl("restart", AGENTCTL)
+    box.systemctl("stop", AGENTCTL)
     sandbox = box.wait_for(lambda: s if (s := _kandev(box, "status")["sandbox"]).get("sandboxed") else None,
-                           timeout=60)
+                           timeout=120)
     assert sandbox and sandbox["network_namespace"] is True, sandbox
     sid = box.wait_for(lambda: _start(box, task), timeout=60)
     assert sid, "no session could start after kandev-agentctl's restart"

@@ -77,7 +77,7 @@ def probe(env: Mapping[str, str] | None = None) -> SandboxSupport:
             without_ipc, ipc_namespace=False, seccomp=seccomp,
             reason="agents get no IPC namespace of their own (SysV IPC is shared between sandboxes): this process"
                    " may not create one, e.g. a control server reloaded in place under an older unit without"
-                   " RestrictNamespaces=ipc; restart kandev-agentctl once its agents are done")
+                   " RestrictNamespaces=ipc; once its agents are done, `systemctl stop kandev-agentctl` and the backend starts it again under the current unit")
     # An agent without a network namespace of its own would share the host's network: never. Say
     # why no agent can start, when that is the one thing missing (with or without an IPC namespace).
     no_net = dataclasses.replace(view, net=None)
@@ -87,7 +87,7 @@ def probe(env: Mapping[str, str] | None = None) -> SandboxSupport:
             support, network_namespace=False,
             reason=f"agents cannot get a network namespace of their own ({support.reason}): this process may not"
                    " create one, e.g. a unit whose RestrictNamespaces= has no net (a control server reloaded in"
-                   " place under an older unit: restart kandev-agentctl once its agents are done)")
+                   " place under an older unit: once its agents are done, `systemctl stop kandev-agentctl` and the backend starts it again under the current unit)")
     return support
 
 
