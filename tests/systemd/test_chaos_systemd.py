@@ -3,14 +3,17 @@ systemd of tests/systemd (sdbox), agent survival on, the home a small tmpfs; 4 t
 sessions stream (``/slow N`` and ``/flood N``, a new turn as each ends; one holds a ``/permission``
 request open across faults and answers it now and then) through a random schedule of faults:
 backend SIGKILL, ``systemctl restart kandev-backend``, control-server SIGKILL, ``systemctl reload
-kandev-agentctl``, the home filled and freed. After every fault the invariant checker of
+kandev-agentctl``, the home filled and freed, an agent killed by its memory bound
+(``agents.max_memory``; an idle session's agent asked to ``/alloc`` past it: it alone is killed,
+``agent_killed: memory``, the unit and the other agents stream on). After every fault the invariant checker of
 tests/support/chaos/invariants.py: every chunk once and in order, every turn ends exactly once, no
 orphan process (the control server's unit holds only the server and the agents of live sessions),
 no session stuck CREATED or STARTING, sessions and the board truthful within 5 s.
 
 The seed is printed; ``KANDEV_CHAOS_SEED`` replays a schedule and ``KANDEV_CHAOS_FAULTS`` sets the
-count (CI: 50). ``packaging/dev/chaos.sh N`` runs N faults. An agent OOM-killed by its memory
-bound is not among the faults yet: ``agents.max_memory`` (memory per agent) is not on main.
+count (CI: 50). ``packaging/dev/chaos.sh N`` runs N faults. Where the box cannot bound an agent's
+memory (``kandev status`` says memory is unbounded, and why), the OOM faults of the schedule are
+left out and the report says so and why.
 """
 
 from __future__ import annotations
@@ -38,5 +41,5 @@ def test_scenario_a_random_faults_under_systemd_keep_every_invariant(sdbox: SdBo
         run.run()
     finally:
         print(run.report(), flush=True)
-    assert sum(run.counts.values()) == FAULTS, run.report()
+    assert sum(run.counts.values()) + sum(run.skipped.values()) == FAULTS, run.report()
     assert not run.violations, run.report()

@@ -61,6 +61,7 @@ class Tracked:
     sid: str
     task_id: str
     permission: bool  # this session runs /permission turns, the others stream
+    victim: bool = False  # this session idles until an OOM fault asks its agent to allocate past its bound
     cursor: int = 0
     turns: dict[str, TurnSeen] = field(default_factory=dict)
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from tests.support.chaos.invariants import PERMISSION_PROMPT, Tracked, ingest, unsettled
 from tests.support.chaos.schedule import (
+    AGENT_OOM,
     AGENTCTL_RELOAD,
     AGENTCTL_SIGKILL,
     BACKEND_RESTART,
@@ -42,6 +43,9 @@ from tests.support.sdbox import SdBox
 HOME = "/var/lib/kandev"
 BACKEND, AGENTCTL = "kandev-backend.service", "kandev-agentctl.service"
 FILLER = f"{HOME}/chaos-filler"
+MAX_MEMORY = "512M"  # each agent's memory bound (agents.max_memory): a mock streams in far less
+ALLOC_MIB = 2048  # what the OOM fault's agent allocates (/alloc), far past the bound
+MEMORY_KILLED = "agent_killed: memory"
 TRUTH_S = 5.0  # sessions' liveness, permissions and the board agree with the processes within this
 ORPHAN_S = 15.0  # a killed control server's agents are gone within this (TimeoutStopSec=15s)
 TRANSITIONAL_S = 30.0  # no session CREATED or STARTING past this
@@ -71,6 +75,10 @@ class ChaosRun:
         self.fault: Fault | None = None
         self.turns_started = 0
         self.permissions_answered = 0
+        self.skipped: Counter[str] = Counter()  # faults this box cannot make, by kind
+        self.unbounded: str | None = None  # why agents' memory is unbounded here (no OOM faults then)
+        self.idle: list[str] = []  # the sessions that have not streamed (or asked) yet this round
+        self.streamed: set[str] = set()  # the sessions that have, this round
 
     # ---- talking to the box -----------------------------------------------------------------
 
@@ -138,14 +146,18 @@ class ChaosRun:
         box.run("mkdir", "-p", HOME)
         box.run("mount", "-t", "tmpfs", "-o", f"size={self.home_size},mode=0750", "kandev-chaos-home", HOME)
         box.install_units()
-        box.write_file("/etc/kandev/kandev.toml", "[features]\nagent_survival = true\n")
+        box.write_file("/etc/kandev/kandev.toml",
+                       f'[features]\nagent_survival = true\n[agents]\nmax_memory = "{MAX_MEMORY}"\n')
         box.systemctl("start", BACKEND)  # Type=notify: returns once READY=1
         status = self.ok("status")
         assert status["capability"]["state"] == "enabled" and status["control_server"]["mode"] == "unit", status
-        for i in range(self.schedule.sessions):
+        memory = status.get("memory") or {}
+        if not memory.get("bounded"):
+            self.unbounded = str(memory.get("reason") or "status says memory is unbounded")
+        for i in range(self.schedule.sessions + 1):  # the last one is the OOM faults' victim
             task = self.ok("task_create", {"title": f"chaos {i}", "executor": "local"})["task_id"]
             sid = self.ok("session_start", {"task_id": task, "agent": None, "passthrough": False}, 180)["session_id"]
-            self.tracked[sid] = Tracked(sid, task, permission=(i == 0))
+            self.tracked[sid] = Tracked(sid, task, permission=(i == 0), victim=(i == self.schedule.sessions))
         self.out(f"chaos: seed {self.schedule.seed}, {self.schedule.sessions} sessions, "
                  f"{len(self.schedule.faults)} faults (replay: KANDEV_CHAOS_SEED={self.schedule.seed} "
                  f"KANDEV_CHAOS_FAULTS={len(self.schedule.faults)})")
@@ -182,8 +194,32 @@ class ChaosRun:
                 box.run("rm", "-f", FILLER)
             self.wait("status says the home has space again", lambda: self._out_of_space() is False,
                       SPACE_S + 10)
+        elif fault.kind == AGENT_OOM:
+            self._oom()
         else:
             raise ValueError(f"unknown fault {fault.kind!r}")
+
+    def _oom(self) -> None:
+        """The victim's agent allocates past its memory bound: it alone is killed (``agent_killed:
+        memory``), the control server and the other agents stream on."""
+        sid = next(s for s, t in self.tracked.items() if t.victim)
+        server = self.box.prop(AGENTCTL, "MainPID")
+        killed = len(self.box.journal_json("KANDEV_EVENT=agent_killed", "REASON=memory"))
+        r = self.call("prompt", {"session_id": sid, "text": f"/alloc {ALLOC_MIB}", "wait": False})
+        if "error" in r:
+            self.violation(f"session {sid}: /alloc refused: {r['error']}")
+            return
+        self.turns_started += 1
+
+        def killed_by_its_bound() -> bool:
+            show = self.call("session_show", {"session_id": sid, "tail": 1}, 30).get("ok") or {}
+            return not show.get("live", True) and (show.get("last_error") or "").startswith(MEMORY_KILLED)
+
+        self.wait(f"session {sid}: its agent is killed by its memory bound ({MEMORY_KILLED})", killed_by_its_bound, 60)
+        if len(self.box.journal_json("KANDEV_EVENT=agent_killed", "REASON=memory")) != killed + 1:
+            self.violation("the journal has no new agent_killed entry with REASON=memory")
+        if self.box.prop(AGENTCTL, "MainPID") != server or self.box.prop(AGENTCTL, "ActiveState") != "active":
+            self.violation(f"{AGENTCTL} did not keep running through an agent's OOM kill")
 
     def _server_pid(self) -> str | None:
         r = self.call("status", {}, 10)
@@ -234,7 +270,9 @@ class ChaosRun:
                         if "error" in r:
                             self.violation(f"session {sid}: answering permission {p['request_id']}: {r['error']}")
                         self.permissions_answered += 1
-        self.wait("every session streams or asks", self._streaming, STREAM_S)
+        self.streamed = set()
+        if not self.box.wait_for(self._streaming, timeout=STREAM_S, interval=0.2):
+            self.violation(f"not every session streams or asks {STREAM_S:g} s after the check: {self.idle}")
 
     def _resume(self, sid: str) -> None:
         """Give the session an agent again: ``kandev resume``, unless automatic resume (on by
@@ -256,41 +294,48 @@ class ChaosRun:
             self.violation(f"session {sid} has no agent 60 s after the check (last resume error: {errors})")
 
     def _streaming(self) -> bool:
-        """Start the next turn where a session waits for input; True once every session streams
-        (its open turn has a chunk) or asks (its permission request is open)."""
+        """Start the next turn where a session waits for input; True once every session has
+        streamed (a turn started, or its open turn has a chunk) or asked (its permission request
+        is open) since this round began (``self.streamed`` is reset before each round: with short
+        floods, all of them mid-turn at one look is rare on a loaded machine)."""
         snap = self.snapshot()
         if snap is None:
             return False
         calls: list[tuple[str, dict[str, Any], float]] = []
-        busy = True
         for sid, show in snap.shows.items():
             tracked = self.tracked[sid]
             turn = tracked.open_turn()
+            if tracked.victim:
+                continue
             if show["state"] == "WAITING_FOR_INPUT" and show["live"] and turn is None:
                 text = PERMISSION_PROMPT if tracked.permission else next_prompt(self.prompts)
                 calls.append(("prompt", {"session_id": sid, "text": text, "wait": False}, 60.0))
-                busy &= not tracked.permission  # a started turn streams; a request is seen open next time
-            elif tracked.permission:
-                busy &= any(p["state"] == "open" for p in show["permissions"])
-            else:
-                busy &= turn is not None and bool(turn.chunks)
+            elif (any(p["state"] == "open" for p in show["permissions"]) if tracked.permission
+                  else turn is not None and bool(turn.chunks)):
+                self.streamed.add(sid)
         if calls:
             for (op, args, _), r in zip(calls, self.batch(calls)[0], strict=True):
                 if "error" in r:
                     self.violation(f"session {args['session_id']}: {op} {args['text']!r} refused: {r['error']}")
-                    busy = False
                 else:
                     self.turns_started += 1
-        return busy
+                    if not self.tracked[args["session_id"]].permission:
+                        self.streamed.add(args["session_id"])
+        self.idle = [f"{sid} {show['state']} live={show['live']}" for sid, show in snap.shows.items()
+                     if not self.tracked[sid].victim and sid not in self.streamed]
+        return not self.idle
 
     # ---- the run ------------------------------------------------------------------------------
 
     def run(self) -> None:
         self.setup()
-        self.wait("every session streams or asks", self._streaming, STREAM_S)
+        self.wait("every session streams or asks", self._streaming, STREAM_S)  # self.streamed starts empty
         for fault in self.schedule.faults:
             self.fault = fault
             t0 = time.monotonic()
+            if fault.kind == AGENT_OOM and self.unbounded:
+                self.skipped[fault.kind] += 1  # the schedule stays the seed's: this fault is left out
+                continue
             self.inject(fault)
             self.counts[fault.kind] += 1
             t1 = time.monotonic()
@@ -330,7 +375,8 @@ class ChaosRun:
                  f"{sum(self.counts.values())} of {len(self.schedule.faults)} faults, "
                  f"{self.turns_started} turns started, {self.permissions_answered} permission answers",
                  "faults: " + ", ".join(f"{k} {self.counts[k]}" for k in FAULT_KINDS),
-                 "left out: agent_oom (agents.max_memory is not on main yet)",
+                 *([f"left out: {self.skipped[AGENT_OOM]} agent_oom (agents' memory is unbounded in this box: "
+                    f"{self.unbounded})"] if self.skipped else []),
                  f"invariant violations: {len(self.violations)}", *self.violations,
                  f"replay: KANDEV_CHAOS_SEED={self.schedule.seed} KANDEV_CHAOS_FAULTS={len(self.schedule.faults)}"]
         return "\n".join(lines)

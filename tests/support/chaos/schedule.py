@@ -16,11 +16,13 @@ BACKEND_RESTART = "backend_restart"
 AGENTCTL_SIGKILL = "agentctl_sigkill"
 AGENTCTL_RELOAD = "agentctl_reload"
 DISK_FULL = "disk_full"
-FAULT_KINDS = (BACKEND_SIGKILL, BACKEND_RESTART, AGENTCTL_SIGKILL, AGENTCTL_RELOAD, DISK_FULL)
-# Left out: an agent OOM-killed by its memory bound: main has no agents.max_memory (memory per agent) yet.
-# A control-server SIGKILL ends every agent and each session is then resumed: it weighs less, so a
-# run spends most of its faults with the same agents streaming through them.
-WEIGHTS = {BACKEND_SIGKILL: 3, BACKEND_RESTART: 3, AGENTCTL_SIGKILL: 1, AGENTCTL_RELOAD: 3, DISK_FULL: 2}
+AGENT_OOM = "agent_oom"
+FAULT_KINDS = (BACKEND_SIGKILL, BACKEND_RESTART, AGENTCTL_SIGKILL, AGENTCTL_RELOAD, DISK_FULL, AGENT_OOM)
+# A control-server SIGKILL ends every agent and each session is then resumed, an OOM kill ends one
+# agent (which is resumed): they weigh less, so a run spends most of its faults with the same agents
+# streaming through them.
+WEIGHTS = {BACKEND_SIGKILL: 3, BACKEND_RESTART: 3, AGENTCTL_SIGKILL: 1, AGENTCTL_RELOAD: 3, DISK_FULL: 2,
+           AGENT_OOM: 1}
 
 
 @dataclass(frozen=True)
