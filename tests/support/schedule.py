@@ -12,6 +12,7 @@ tests/unit/test_test_schedule.py.
 from __future__ import annotations
 
 LONGEST_FIRST = (
+    "tests/systemd/test_chaos_systemd.py",
     "tests/integration/test_reload_random.py",
     "tests/systemd/test_package.py",
     "tests/integration/test_reload_cli.py",

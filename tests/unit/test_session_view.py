@@ -1,6 +1,9 @@
-"""daemon.backend.views.session_view: transcript pages are bounded in entries and bytes (Issue 10 item 8)."""
+"""daemon.backend.views.session_view: transcript pages are bounded in entries and bytes (Issue 10 item 8);
+a permission request whose turn ended is no longer open (Issue 45 scenario A)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -8,11 +11,12 @@ from daemon.backend.views.session_view import (
     ENTRY_TEXT_MAX,
     PAGE_TEXT_BYTES,
     PageRequest,
+    permissions,
     read_session,
 )
 from daemon.store import transcript
 from daemon.store.db import Store
-from daemon.store.models import Task, TaskSession
+from daemon.store.models import Task, TaskSession, Turn
 from ipc.codec_msgpack import encode_frame
 from ipc.errors import ErrorCode, IpcError
 
@@ -69,3 +73,18 @@ def test_bad_page_arguments_are_refused(args: dict[str, int]) -> None:
     with pytest.raises(IpcError) as info:
         PageRequest.from_args(args)
     assert info.value.code == ErrorCode.INVALID_ARGUMENT
+
+
+def test_a_request_of_an_ended_turn_is_not_open(store: Store) -> None:
+    """Issue 45 scenario A: a control server SIGKILLed with its agents sends no
+    ``permission_cancelled``; the interrupted turn's request must not stay open for good (the
+    session waits for input, and answering it would fail ``not_found``)."""
+    sid = _session(store, [])
+    with store.session() as db:
+        for ordinal, (turn, state) in enumerate((("t:1", "abandoned"), ("t:2", "open")), start=1):
+            db.add(Turn(id=turn, session_id=sid, ordinal=ordinal, prompt="/permission", state=state))
+            transcript.append(db, sid, role="agent", kind="permission_request", event_seq=ordinal,
+                              text=json.dumps({"request_id": f"r{ordinal}", "turn_id": turn,
+                                               "options": [{"optionId": "allow"}]}))
+        db.flush()
+        assert {p["request_id"]: p["state"] for p in permissions(db, sid)} == {"r1": "cancelled", "r2": "open"}

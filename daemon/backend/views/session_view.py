@@ -35,6 +35,7 @@ from sqlalchemy.orm import Session
 
 from daemon.store import transcript
 from daemon.store.models import ExecutorRunning, TaskSession, Turn
+from daemon.store.states import TurnState
 from ipc.errors import ErrorCode, IpcError
 
 DEFAULT_PAGE = 10_000
@@ -158,6 +159,7 @@ def permissions(db: Session, session_id: str) -> list[dict[str, Any]]:
         elif rid in requests:
             requests[rid]["state"] = "answered"
             requests[rid]["answer"] = data.get("option_id")
+    _close_with_their_turns(db, session_id, requests)
     return list(requests.values())
 
 
@@ -176,6 +178,21 @@ def permission_settled(db: Session, session_id: str, request_id: str) -> dict[st
                     "answer": data.get("option_id"), "reason": data.get("reason"),
                     "at": at if at.tzinfo is not None else at.replace(tzinfo=UTC)}
     return None
+
+
+def _close_with_their_turns(db: Session, session_id: str, requests: dict[str, dict[str, Any]]) -> None:
+    """A request still open whose turn has ended is ``cancelled``: nothing can answer it any more.
+    The agent cancels its open requests itself when a turn is cancelled or it exits, but an agent
+    killed with its control server (SIGKILL of the unit) sends nothing, and the interrupted turn's
+    request would otherwise stay open for good (Issue 45 scenario A found it)."""
+    still_open = {r["turn_id"] for r in requests.values() if r["state"] == "open" and r["turn_id"]}
+    if not still_open:
+        return
+    ended = set(db.scalars(select(Turn.id).where(Turn.session_id == session_id, Turn.id.in_(still_open),
+                                                 Turn.state != TurnState.OPEN)))
+    for request in requests.values():
+        if request["state"] == "open" and request["turn_id"] in ended:
+            request["state"] = "cancelled"
 
 
 def turns(db: Session, session_id: str) -> tuple[list[dict[str, Any]], int]:
