@@ -396,16 +396,21 @@ class AgentctlClient:
             retryable=True,
         )
 
+    def _older_server(self) -> tuple[str, str]:
+        """This server's protocol version as text, and how to get one of the installed version."""
+        protocol = ".".join(map(str, self.protocol_version)) or "1.0"
+        how = ("reload it with the installed version: kandev agentctl reload" if RELOAD_CAPABILITY in self.capabilities
+               else "the backend replaces it with the installed version once it runs no instance (end or stop its"
+               " sessions, then start again)")
+        return protocol, how
+
     def check_secret_env(self, secret_env: dict[str, str] | None) -> None:
         """Refuse (``incompatible_version``, nothing sent) a launch that gives the agent keys
         (``secret_env``) to a server without ``agent_secrets.v1``: it would drop the field and start
         the agent without them. No keys: nothing to check, any server will do."""
         if not secret_env or AGENT_SECRETS_CAPABILITY in self.capabilities:
             return
-        protocol = ".".join(map(str, self.protocol_version)) or "1.0"
-        how = ("reload it with the installed version: kandev agentctl reload" if RELOAD_CAPABILITY in self.capabilities
-               else "the backend replaces it with the installed version once it runs no instance (end or stop its"
-               " sessions, then start again)")
+        protocol, how = self._older_server()
         raise IpcError(
             ErrorCode.INCOMPATIBLE_VERSION,
             f"the control server (protocol {protocol}) predates agents' keys: it would start this agent without"
@@ -419,10 +424,7 @@ class AgentctlClient:
         network namespace forbids (Issue 44)."""
         if network is None or NETWORK_CAPABILITY in self.capabilities:
             return
-        protocol = ".".join(map(str, self.protocol_version)) or "1.0"
-        how = ("reload it with the installed version: kandev agentctl reload" if RELOAD_CAPABILITY in self.capabilities
-               else "the backend replaces it with the installed version once it runs no instance (end or stop its"
-               " sessions, then start again)")
+        protocol, how = self._older_server()
         raise IpcError(
             SANDBOX_UNAVAILABLE,
             f"the control server (protocol {protocol}) predates agents' own network namespaces: it would start this"
