@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import fcntl
 import os
 import types
 import typing
@@ -56,6 +55,7 @@ from typing import Any, TypeVar, Union
 import msgpack
 
 from daemon.agentctl.sandbox.bubblewrap import SandboxSupport
+from daemon.host.memfd import sealed_memfd
 
 HANDOVER_FORMAT = 1
 """Bumped only for an incompatible change; fields are otherwise only ever added."""
@@ -319,18 +319,9 @@ def decode(data: bytes) -> ServerHandover:
 
 
 def write_memfd(data: bytes) -> int:
-    """A sealed memfd holding ``data`` (close-on-exec; the exec path makes it inheritable)."""
-    fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
-                    fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    """A sealed memfd holding ``data`` (close-on-exec; the exec path makes it inheritable; the new
+    image reads it with ``read_memfd``, at offsets)."""
+    return sealed_memfd(MEMFD_NAME, data)
 
 
 def read_memfd(fd: int) -> bytes:

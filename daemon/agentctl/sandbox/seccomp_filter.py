@@ -37,7 +37,6 @@ agent that survives a backend restart or a reload of the control server.
 from __future__ import annotations
 
 import errno
-import fcntl
 import functools
 import hashlib
 import os
@@ -46,6 +45,8 @@ import socket
 import termios
 from dataclasses import dataclass
 from typing import Any
+
+from daemon.host.memfd import sealed_memfd
 
 RULES_VERSION = 1
 """Bumped whenever the rules change (``kandev status`` shows it with the program's digest)."""
@@ -173,16 +174,4 @@ def program_fd() -> int:
     """A new descriptor holding the program, at offset 0, sealed against any change: bwrap's
     ``--seccomp FD`` reads it to the end and closes it. The caller passes it to bwrap and closes
     its own copy."""
-    program = agent_filter().program
-    fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        view = memoryview(program)
-        while view:
-            view = view[os.write(fd, view):]
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
-                    fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL)
-        os.lseek(fd, 0, os.SEEK_SET)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return sealed_memfd(MEMFD_NAME, agent_filter().program)
