@@ -16,7 +16,7 @@ TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CL
 if TYPE_CHECKING:
     from pathlib import Path
 
-VERSION = "0.3.0"
+VERSION = "0.4.0"
 
 _ASSIGNMENT = r'^VERSION = "([^"\n]{1,64})"$'  # re, imported by the functions: `kandev --version` needs neither
 
