@@ -123,4 +123,17 @@ def release_venv(release: Release) -> Path:
                 pytest.fail(f"pip install of release {release.version} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}",
                             pytrace=False)
             (venv / ".kandev-release-ok").write_text(f"{release.version} {release.commit}\n")
+        _link_seccomp(python)
     return python
+
+
+def _link_seccomp(python: Path) -> None:
+    """What packaging/dev/setup.sh does for the dev venv: libseccomp's Python bindings are not on PyPI,
+    so a venv sees Debian's python3-seccomp module through a link (0.3.0 and later filter every
+    agent's system calls with it; an older release never imports it)."""
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                          capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    for module in Path("/usr/lib/python3/dist-packages").glob("seccomp.cpython-*.so"):
+        link = Path(site) / module.name
+        if not link.exists() and not link.is_symlink():
+            link.symlink_to(module)
