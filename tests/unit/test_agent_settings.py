@@ -151,11 +151,12 @@ def test_launch_file_carries_references_and_the_server_checks_them_at_start(tmp_
 
 
 def test_every_secret_file_is_hidden_in_every_sandbox() -> None:
-    request = SandboxRequest(hidden=("/home/kandev",))
+    request = SandboxRequest(hidden=("/home/kandev",), max_processes=77)
     configured = {"claude-code": {"K": SecretRef(SecretKind.FILE, "/etc/keys/a")},
                   "codex": {"C": SecretRef(SecretKind.CREDENTIAL, "c")}}
     out = agent_env.hide_secret_files(request, configured, {"M": "/srv/keys/mock"})
     assert out.hidden == ("/home/kandev", "/etc/keys/a", "/srv/keys/mock")
+    assert out.max_processes == 77  # hiding secrets keeps the rest of the request (it once dropped the bound)
 
 
 def test_settings_error_names_its_key() -> None:

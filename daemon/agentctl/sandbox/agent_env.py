@@ -13,6 +13,7 @@ never a value.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 from collections.abc import Mapping, Sequence
@@ -137,4 +138,4 @@ def hide_secret_files(request: SandboxRequest, configured: Mapping[str, Mapping[
     extra = [p for p in (*file_paths(configured), *named) if p not in request.hidden]
     if not extra:
         return request
-    return SandboxRequest(request.policy, request.writable, request.readonly, (*request.hidden, *extra))
+    return dataclasses.replace(request, hidden=(*request.hidden, *extra))
