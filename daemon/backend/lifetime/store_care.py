@@ -29,6 +29,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
+from daemon.core.background import BackgroundLoop
 from daemon.core.journal import log_event
 from daemon.store import transcript
 from daemon.store.db import Store, sqlite_file
@@ -79,7 +80,7 @@ class StoreCare:
         self.space = SpaceWatch(self.path, home)
         self.retention_s = retention_s
         self.last_retention: dict[str, Any] | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._loop = BackgroundLoop("store-care", self._run)
 
     # -- size --------------------------------------------------------------------------------
 
@@ -109,13 +110,10 @@ class StoreCare:
     # -- the background upkeep ---------------------------------------------------------------
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="store-care")
+        self._loop.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+        await self._loop.stop()
 
     async def _run(self) -> None:
         next_retention = time.monotonic()

@@ -29,6 +29,7 @@ from daemon.backend.state.events import mark_timed_out
 from daemon.backend.state.executions import ExecutionStore
 from daemon.backend.state.quiet_turns import Quiet, QuietTurns
 from daemon.backend.state.transcript_hub import TranscriptHub
+from daemon.core.background import BackgroundLoop
 from daemon.core.journal import log_event
 from daemon.store.db import Store
 from ipc.aio import within
@@ -53,18 +54,15 @@ class TurnWatch:
         self.hub = hub
         self.cancel = cancel  # SessionService.cancel
         self.timeout_s = timeout_s
-        self._task: asyncio.Task[None] | None = None
+        self._loop = BackgroundLoop("turn-watch", self._run)
         self._wake = asyncio.Event()
         quiet.on_sooner = self._wake.set
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="turn-watch")
+        self._loop.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+        await self._loop.stop()
 
     async def _run(self) -> None:
         while True:
