@@ -242,7 +242,7 @@ def test_sanitize_bounds_and_redacts() -> None:
 
 
 def manager(store: Store, tmp_path: Path, npm: FakeNpm, probe: FakeProbe) -> RuntimeJobs:
-    def factory(jobs: RuntimeJobs) -> RuntimeUpdater:
+    def factory(jobs: RuntimeJobs, confine: object) -> RuntimeUpdater:
         return RuntimeUpdater(npm, probe, on_change=jobs._changed)
 
     return RuntimeJobs(store, tmp_path / "home" / "runtimes", env={}, updater_factory=factory)
