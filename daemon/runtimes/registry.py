@@ -81,13 +81,15 @@ def scope_of(package: str) -> str | None:
     return package.split("/", 1)[0] if package.startswith("@") and "/" in package else None
 
 
-def config_argv(package: str) -> list[str]:
-    """The one npm command that reads what runtime preparation needs (no network, no log file)."""
+def config_argv(package: str, logs_dir: Path) -> list[str]:
+    """The one npm command that reads what runtime preparation needs (no network, no log file).
+    ``logs_dir``: an empty directory of ours, because ``--logs-max=0`` makes npm delete every
+    earlier debug log in its logs directory (the cache's ``_logs`` unless told otherwise)."""
     keys = ["cache", "registry", "userconfig", "globalconfig"]
     scope = scope_of(package)
     if scope is not None:
         keys.append(f"{scope}:registry")
-    return ["npm", "config", "get", *keys, "--logs-max=0"]
+    return ["npm", "config", "get", *keys, "--logs-max=0", f"--logs-dir={logs_dir}"]
 
 
 def endpoint(url: str) -> Endpoint:
@@ -145,7 +147,7 @@ def parse_config(text: str, package: str) -> NpmSettings:
 
 def read(package: str, env: Mapping[str, str], cwd: Path) -> NpmSettings:
     """Ask npm (blocking; outside any sandbox: it only reads its configuration files)."""
-    argv = config_argv(package)
+    argv = config_argv(package, cwd / ".npm-config-logs")
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=CONFIG_TIMEOUT_S, env=dict(env),
                               cwd=cwd, stdin=subprocess.DEVNULL, check=False)
