@@ -10,11 +10,14 @@ write what happened to ``<package dir>/net-<phase>.json`` (the registry itself, 
 as ``registry``): an HTTP status (``status``, the 403's
 body in ``body``) or the error (``error``). ``requests`` lists the paths npm asked for.
 
-Standard library only; the package's scripts use Node's ``http`` and ``net`` only.
+Standard library only (the systemd test runs it inside its box as ``python3
+npm_registry_standin.py --port N --package P --version V --bin B --probes JSON``); the package's
+scripts use Node's ``http`` and ``net`` only.
 """
 
 from __future__ import annotations
 
+import argparse
 import base64
 import hashlib
 import http.server
@@ -104,7 +107,8 @@ def _tarball(package: str, version: str, bin_name: str, probes: dict[str, Any], 
 class NpmRegistryStandIn:
     """The registry (see the module docstring); a context manager."""
 
-    def __init__(self, package: str, version: str, bin_name: str, probes: dict[str, Any], protocol: int = 1) -> None:
+    def __init__(self, package: str, version: str, bin_name: str, probes: dict[str, Any], protocol: int = 1,
+                 port: int = 0) -> None:
         self.package, self.version, self.bin_name = package, version, bin_name
         self.requests: list[str] = []
         standin = self
@@ -123,7 +127,7 @@ class NpmRegistryStandIn:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.port = self.server.server_address[1]
         self.url = f"http://127.0.0.1:{self.port}/"
         own = {"registry": {"kind": "proxied", "host": "127.0.0.1", "port": self.port,  # itself, through the proxy
@@ -161,3 +165,19 @@ class NpmRegistryStandIn:
     def __exit__(self, *exc: object) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--package", required=True)
+    parser.add_argument("--version", required=True)
+    parser.add_argument("--bin", required=True)
+    parser.add_argument("--probes", default="{}", help="JSON: {name: {kind, host, port}}")
+    args = parser.parse_args(argv)
+    standin = NpmRegistryStandIn(args.package, args.version, args.bin, json.loads(args.probes), port=args.port)
+    standin.server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
