@@ -151,6 +151,9 @@ def read(package: str, env: Mapping[str, str], cwd: Path) -> NpmSettings:
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=CONFIG_TIMEOUT_S, env=dict(env),
                               cwd=cwd, stdin=subprocess.DEVNULL, check=False)
+    except FileNotFoundError:
+        raise RegistryError(f"npm is not on the backend's PATH ({env.get('PATH', '')[:200]}): preparing a"
+                            " runtime needs node and npm (the Debian package depends on both)") from None
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise RegistryError(f"cannot ask npm for its configuration: {exc}") from None
     if done.returncode != 0:

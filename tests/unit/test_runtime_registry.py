@@ -120,3 +120,9 @@ def test_the_sandboxed_npm_gets_npms_settings_and_the_proxy_and_nothing_else(tmp
     assert env["HTTPS_PROXY"] == env["http_proxy"] == PROXY_URL and env["NO_PROXY"] == env["no_proxy"] == ""
     assert env["HOME"] == str(tmp_path / "home") and env["LANG"] == "C.UTF-8" and env["LC_ALL"] == "C.UTF-8"
     assert env["NODE_EXTRA_CA_CERTS"] == "/etc/ssl/corp.pem" and env["PATH"] == "/usr/bin:/bin"
+
+
+def test_without_npm_the_preparation_says_so(tmp_path: Path) -> None:
+    """Issue 44 item 3: npm missing from the backend's PATH is a clear refusal, not a crash."""
+    with pytest.raises(RegistryError, match="npm is not on the backend's PATH"):
+        registry.read("opencode-ai", {"PATH": str(tmp_path)}, tmp_path)

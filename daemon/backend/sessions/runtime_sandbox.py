@@ -50,6 +50,7 @@ from pathlib import Path
 from daemon.agentctl.egress.listener import SOCKET_NAME, SessionEgress
 from daemon.agentctl.sandbox import bubblewrap as sandbox
 from daemon.agentctl.sandbox import network
+from daemon.agentctl.sandbox import probe as sandbox_probe
 from daemon.agentctl.sandbox.bubblewrap import SandboxPolicy, SandboxRequest
 from daemon.agents.registry import BUILTIN_AGENTS
 from daemon.backend.sessions.agent_launch import hidden_paths
@@ -129,10 +130,12 @@ class RuntimeSandbox:
                       priority=4, JOB_ID=job.job_id, AGENT=job.agent)
             yield None
             return
-        bwrap = sandbox.find_bwrap(env)
-        if bwrap is None:
-            raise ConfineError(f"{sandbox.BWRAP} (bubblewrap) is not on the backend's PATH; install bubblewrap,"
-                               " or set agents.sandbox = \"off\" to run agents (and npm) unsandboxed")
+        support = await asyncio.to_thread(sandbox_probe.probe, env)  # a trial sandbox, as for agents
+        if not support.available or support.bwrap is None or not support.network_namespace:
+            raise ConfineError(f"the sandbox cannot be made here: {support.reason}; agents.sandbox = \"required\""
+                               " runs npm only in one (install bubblewrap and allow user and network namespaces,"
+                               " or set agents.sandbox = \"off\" to run agents, and npm, unsandboxed)")
+        bwrap = support.bwrap
         package = BUILTIN_AGENTS[job.agent].package if job.agent in BUILTIN_AGENTS else job.package
         try:
             settings = await asyncio.to_thread(registry.read, package, env, self.workdir)
