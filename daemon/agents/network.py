@@ -227,6 +227,8 @@ class NetworkPolicy:
     host_ports: tuple[HostPort, ...] = ()
     agent: str = ""
     builtin: tuple[str, ...] = field(default=(), compare=False)  # the agent's built-in rules, as written
+    allow_with: str = field(default="", compare=False)  # what would allow a refused destination, when not
+    # the agents' keys (runtime preparation: npm's registry setting)
 
     def to_wire(self) -> dict[str, Any]:
         return {"mode": self.mode, "allow_hosts": [r.render() for r in self.allow_hosts],
@@ -272,7 +274,7 @@ class NetworkPolicy:
         agent = f"[agents.{self.agent}]" if self.agent else "[agents.NAME]"
         shown = f"[{name}]" if ":" in name else name
         return Refusal("not_allowed", "not in the allow-list",
-                       f'[network] allow_hosts (or {agent} allow_hosts) = ["{shown}:{port}"]')
+                       self.allow_with or f'[network] allow_hosts (or {agent} allow_hosts) = ["{shown}:{port}"]')
 
     def check_address(self, ip: _IPAddress, port: int) -> Refusal | None:
         """May the proxy connect to ``ip:port``? Private addresses only when listed exactly."""
@@ -280,7 +282,7 @@ class NetworkPolicy:
             return None
         shown = HostPort(ip, port).render()
         return Refusal("private_address", "a private address",
-                       f'[network] host_ports = ["{shown}"]')
+                       self.allow_with or f'[network] host_ports = ["{shown}"]')
 
 
 def effective_policy(mode: str, allow_hosts: Sequence[str], host_ports: Sequence[str], agent: str,

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.core.version import VERSION
-from daemon.runtimes.proc import DETAIL_LIMIT, drain, sanitize, stop_group
+from daemon.runtimes.proc import DETAIL_LIMIT, Confine, ConfineError, confined, drain, sanitize, stop_group
 from ipc.aio import within
 
 CLIENT_NAME = "kandev-runtime-probe"
@@ -60,27 +60,35 @@ def _import_sdk() -> None:
 
 
 async def acp_probe(
-    argv: Sequence[str], *, cwd: Path | str, env: Mapping[str, str], timeout: float
+    argv: Sequence[str], *, cwd: Path | str, env: Mapping[str, str], timeout: float, confine: Confine | None = None
 ) -> ProbeResult:
-    """Start ``argv``, send ACP ``initialize``, stop the process group; never raises for the agent's faults."""
+    """Start ``argv`` (confined as ``confine`` says, if given), send ACP ``initialize``, stop the
+    process group; never raises for the agent's faults."""
     await asyncio.to_thread(_import_sdk)
     import acp
     from acp.schema import ClientCapabilities, Implementation
 
     start = time.monotonic()
     try:
+        how = await confined(confine, argv, env)
+    except ConfineError as exc:
+        return ProbeResult(False, detail=sanitize(f"cannot start {argv[0]}: {exc}"), duration_s=0.0)
+    try:
         proc = await asyncio.create_subprocess_exec(
-            *argv,
+            *how.argv,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             cwd=str(cwd),
-            env=dict(env),
+            env=how.env,
             start_new_session=True,
             limit=STDOUT_LIMIT,
+            pass_fds=how.fds,
         )
     except OSError as exc:
         return ProbeResult(False, detail=sanitize(f"cannot start {argv[0]}: {exc}"), duration_s=0.0)
+    finally:
+        how.close()
     stderr_task = asyncio.create_task(drain(proc.stderr, STDERR_KEEP))
     assert proc.stdin is not None and proc.stdout is not None
     conn = acp.connect_to_agent(_ProbeClient(), proc.stdin, proc.stdout)  # type: ignore[arg-type]  # partial acp.Client

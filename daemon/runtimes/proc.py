@@ -4,6 +4,10 @@ Every command is a direct argv (never a shell), runs in its own process group
 (so npm and the node processes it starts are killed together), with stdin
 closed, a time limit, and at most ``OUTPUT_LIMIT`` bytes kept of each output
 stream (the tail: npm prints its error last).
+
+A runner given a ``Confine`` runs each command as it says (``Confined``: the argv that runs it in
+the preparation sandbox, its environment and the descriptors that argv inherits, closed here once
+the command started); the backend's ``daemon.backend.sessions.runtime_sandbox`` makes one per job.
 """
 
 from __future__ import annotations
@@ -15,8 +19,8 @@ import re
 import shutil
 import signal
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ipc.aio import within
@@ -48,6 +52,35 @@ def sanitize(text: str, limit: int = DETAIL_LIMIT) -> str:
         head = max(limit // 3, 1)
         text = text[:head] + "…" + text[-(limit - head - 1):]
     return text
+
+
+@dataclass(frozen=True)
+class Confined:
+    """How one command runs confined: its argv, its environment, the descriptors it inherits."""
+
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    fds: tuple[int, ...] = field(default=())
+
+    def close(self) -> None:
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+class ConfineError(Exception):
+    """The command cannot be confined (no sandbox here); the message says why."""
+
+
+Confine = Callable[[Sequence[str], Mapping[str, str]], Awaitable[Confined]]
+"""``(argv, env) -> Confined``: the command wrapped in the preparation sandbox (ConfineError: cannot)."""
+
+
+async def confined(confine: Confine | None, argv: Sequence[str], env: Mapping[str, str]) -> Confined:
+    """``argv`` as ``confine`` runs it, or as it is without one."""
+    if confine is None:
+        return Confined(tuple(argv), dict(env))
+    return await confine(argv, env)
 
 
 @dataclass(frozen=True)
@@ -120,11 +153,12 @@ class CommandRunner:
     the umask ``umask``."""
 
     def __init__(self, cwd: Path | str, env: Mapping[str, str] | None = None, output_limit: int = OUTPUT_LIMIT,
-                 umask: int = RUNTIME_UMASK):
+                 umask: int = RUNTIME_UMASK, confine: Confine | None = None):
         self.cwd = str(cwd)
         self.env = dict(os.environ if env is None else env)
         self.output_limit = output_limit
         self.umask = umask
+        self.confine = confine
 
     async def run(self, argv: Sequence[str], timeout: float) -> RunResult:
         argv = tuple(argv)
@@ -133,19 +167,26 @@ class CommandRunner:
             return RunResult(argv, None, "", "", False, time.monotonic() - start,
                              f"cannot run {argv[0]}: not found on the PATH")
         try:
+            how = await confined(self.confine, argv, self.env)
+        except ConfineError as exc:
+            return RunResult(argv, None, "", "", False, time.monotonic() - start, f"cannot run {argv[0]}: {exc}")
+        try:
             # the umask through sh (the event loop's subprocess_exec takes none; the argv stays direct:
             # sh only sets it and execs "$@")
             proc = await asyncio.create_subprocess_exec(
-                "/bin/sh", "-c", f'umask {self.umask:03o} && exec "$@"', "sh", *argv,
+                "/bin/sh", "-c", f'umask {self.umask:03o} && exec "$@"', "sh", *how.argv,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 cwd=self.cwd,
-                env=self.env,
+                env=how.env,
                 start_new_session=True,
+                pass_fds=how.fds,
             )
         except OSError as exc:
             return RunResult(argv, None, "", "", False, time.monotonic() - start, f"cannot run {argv[0]}: {exc}")
+        finally:
+            how.close()
         reads = asyncio.gather(drain(proc.stdout, self.output_limit), drain(proc.stderr, self.output_limit))
         timed_out = False
         try:

@@ -24,6 +24,12 @@ the job removes exactly ``<cache>/_npx/<key>`` of that spec
 refused or failed repair, ends the job ``failed`` with a bounded, sanitized
 detail; nothing more is deleted and nothing is retried (RESUME-13).
 
+Every command of a job (npm and the probe) runs as the job's *confinement* says
+(``RuntimeJobs(confinement=...)``): the backend gives each job a sandbox of its own whose only
+way out is a proxy to npm's registry (``daemon.backend.sessions.runtime_sandbox``); a refusal of
+that proxy is one more event of the job. Without one (the unit tests, ``agents.sandbox = "off"``)
+commands run as they are.
+
 Jobs are stored in ``runtime_update_jobs`` (state, attempts; ``detail`` holds a
 JSON object: the human-readable ``message`` plus the structured result, so a job
 can be shown after the backend restarted). Jobs for one agent are idempotent
@@ -39,7 +45,8 @@ import json
 import logging
 import os
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -57,7 +64,7 @@ from daemon.runtimes.npx_cache import (
     trusted_spec,
 )
 from daemon.runtimes.probe import ProbeResult, acp_probe
-from daemon.runtimes.proc import DETAIL_LIMIT, CommandRunner, RunResult, sanitize
+from daemon.runtimes.proc import DETAIL_LIMIT, CommandRunner, Confine, ConfineError, RunResult, sanitize
 from daemon.store.models import RuntimeUpdateJob
 from ipc.aio import within
 from ipc.errors import ErrorCode, IpcError
@@ -169,6 +176,16 @@ class Runner(Protocol):
 
 ProbeFn = Callable[[Sequence[str], float], Awaitable[ProbeResult]]
 RemoveFn = Callable[[Path, str, str], RepairResult]
+Confinement = Callable[[Job, Mapping[str, str], Callable[[str], None]], AbstractAsyncContextManager[Confine | None]]
+"""``(job, env, note) -> async context of the job's Confine``: opened before the job's first command,
+closed after its last; ``note`` adds a line to the job's events (a refused destination).
+ConfineError when the job cannot be confined (the job then fails, saying why)."""
+
+
+@contextlib.asynccontextmanager
+async def unconfined(job: Job, env: Mapping[str, str], note: Callable[[str], None]) -> AsyncIterator[Confine | None]:
+    """The confinement of nothing: every command runs as it is."""
+    yield None
 
 
 class _Finished(Exception):
@@ -317,7 +334,8 @@ class RuntimeJobs:
         workdir: Path,
         *,
         env: Mapping[str, str] | None = None,
-        updater_factory: Callable[[RuntimeJobs], RuntimeUpdater] | None = None,
+        updater_factory: Callable[[RuntimeJobs, Confine | None], RuntimeUpdater] | None = None,
+        confinement: Confinement = unconfined,
     ) -> None:
         self.store = store
         self.workdir = Path(workdir)
@@ -329,14 +347,15 @@ class RuntimeJobs:
         self.tasks: dict[str, asyncio.Task[Job]] = {}
         self._wakeups: dict[str, asyncio.Event] = {}
         self._updater_factory = updater_factory or RuntimeJobs.default_updater
+        self._confinement = confinement
 
     # ----------------------------------------------------------- construction
     @staticmethod
-    def default_updater(jobs: RuntimeJobs) -> RuntimeUpdater:
-        runner = CommandRunner(jobs.workdir, jobs.env)
+    def default_updater(jobs: RuntimeJobs, confine: Confine | None = None) -> RuntimeUpdater:
+        runner = CommandRunner(jobs.workdir, jobs.env, confine=confine)
 
         async def probe(argv: Sequence[str], timeout: float) -> ProbeResult:
-            return await acp_probe(argv, cwd=jobs.workdir, env=jobs.env, timeout=timeout)
+            return await acp_probe(argv, cwd=jobs.workdir, env=jobs.env, timeout=timeout, confine=confine)
 
         return RuntimeUpdater(runner, probe, on_change=jobs._changed)
 
@@ -398,17 +417,32 @@ class RuntimeJobs:
                   JOB_ID=job.job_id, AGENT=job.agent, STATE="queued", SPEC=job.spec)
         return job, False
 
+    def _note(self, job: Job, message: str) -> None:
+        """One more event of ``job`` in its current state (a refusal of its proxy)."""
+        job.events.append({"seq": len(job.events) + 1, "state": job.state, "attempt": job.attempts,
+                           "message": sanitize(message, 600).replace("\n", " | "), "at": _now()})
+        self._changed(job)
+
+    def _fail(self, job: Job, detail: str) -> Job:
+        job.state, job.detail = "failed", sanitize(detail)
+        job.events.append({"seq": len(job.events) + 1, "state": "failed", "attempt": job.attempts,
+                           "message": job.detail, "at": _now()})
+        log_event("runtime_update", f"runtime update {job.job_id} ({job.agent}): failed: {job.detail}", priority=3,
+                  JOB_ID=job.job_id, AGENT=job.agent, STATE="failed", ATTEMPT=job.attempts, SPEC=job.spec)
+        self._changed(job)
+        return job
+
     async def _run(self, job: Job) -> Job:
         try:
-            self.prepare_workdir()
-        except OSError as exc:
-            job.state, job.detail = "failed", sanitize(f"cannot prepare {self.workdir}: {exc}")
-            job.events.append({"seq": len(job.events) + 1, "state": "failed", "attempt": 0,
-                               "message": job.detail, "at": _now()})
-            self._changed(job)
-            return job
-        try:
-            return await self._updater_factory(self).run(job)
+            try:
+                self.prepare_workdir()
+            except OSError as exc:
+                return self._fail(job, f"cannot prepare {self.workdir}: {exc}")
+            try:
+                async with self._confinement(job, self.env, lambda line: self._note(job, line)) as confine:
+                    return await self._updater_factory(self, confine).run(job)
+            except ConfineError as exc:
+                return self._fail(job, f"cannot prepare {job.spec} in its sandbox: {exc}")
         finally:
             self.tasks.pop(job.job_id, None)
 

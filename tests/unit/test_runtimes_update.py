@@ -8,6 +8,7 @@ tests see exactly which directories the job deletes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 from collections.abc import Sequence
@@ -22,7 +23,7 @@ from daemon.runtimes import update as upd
 from daemon.runtimes.cli import runtime_update
 from daemon.runtimes.npx_cache import npx_key
 from daemon.runtimes.probe import ProbeResult
-from daemon.runtimes.proc import RunResult, sanitize
+from daemon.runtimes.proc import ConfineError, RunResult, sanitize
 from daemon.runtimes.update import Job, RuntimeJobs, RuntimeUpdater, stage_argv
 from daemon.store.db import Store
 from daemon.store.models import RuntimeUpdateJob
@@ -242,7 +243,7 @@ def test_sanitize_bounds_and_redacts() -> None:
 
 
 def manager(store: Store, tmp_path: Path, npm: FakeNpm, probe: FakeProbe) -> RuntimeJobs:
-    def factory(jobs: RuntimeJobs) -> RuntimeUpdater:
+    def factory(jobs: RuntimeJobs, confine: object) -> RuntimeUpdater:
         return RuntimeUpdater(npm, probe, on_change=jobs._changed)
 
     return RuntimeJobs(store, tmp_path / "home" / "runtimes", env={}, updater_factory=factory)
@@ -355,3 +356,64 @@ def test_cli_prints_each_step_and_returns_the_final_object(store: Store, tmp_pat
         assert state in tags
     assert len(lines) == len(set(lines))  # every step exactly once
     assert any("removed" in line and KEY in line for line in lines)
+
+
+# ------------------------------------------------------------------ the job's confinement (Issue 44 item 3)
+
+
+def test_a_job_runs_inside_its_confinement_and_its_notes_are_events(store: Store, tmp_path: Path) -> None:
+    """Issue 44 item 3: the job's confinement is opened before its first command and closed after its
+    last; its commands get the confinement's Confine; a note (a refusal of the job's proxy) is one
+    more event of the job."""
+    npm = FakeNpm(fake_cache(tmp_path), stages=["ok"])
+    seen: dict[str, Any] = {}
+
+    async def confine(argv: Sequence[str], env: Any) -> Any:
+        raise AssertionError("the fake npm never runs a command")
+
+    @contextlib.asynccontextmanager
+    async def confinement(job: Job, env: Any, note: Any) -> Any:
+        seen["open"] = job.state
+        note("refused github.com:443: not in the allow-list")
+        yield confine
+        seen["closed"] = job.state
+
+    def factory(jobs: RuntimeJobs, given: Any) -> RuntimeUpdater:
+        seen["confine"] = given
+        return RuntimeUpdater(npm, FakeProbe(), on_change=jobs._changed)
+
+    async def scenario() -> Job:
+        jobs = RuntimeJobs(store, tmp_path / "home" / "runtimes", env={}, updater_factory=factory,
+                           confinement=confinement)
+        job, _ = jobs.request("claude-code")
+        return await jobs.tasks[job.job_id]
+
+    job = run(scenario())
+    assert job.state == "succeeded", job.detail
+    assert seen == {"open": "queued", "confine": confine, "closed": "succeeded"}
+    assert any(e["message"] == "refused github.com:443: not in the allow-list" for e in job.events), job.events
+
+
+def test_a_job_that_cannot_be_confined_fails_saying_why(store: Store, tmp_path: Path) -> None:
+    """Issue 44 item 3: where the preparation's sandbox cannot be made, the job fails saying why
+    and runs no npm at all."""
+    npm = FakeNpm(fake_cache(tmp_path), stages=["ok"])
+
+    @contextlib.asynccontextmanager
+    async def confinement(job: Job, env: Any, note: Any) -> Any:
+        raise ConfineError("the sandbox cannot be made here: no bwrap")
+        yield None
+
+    def factory(jobs: RuntimeJobs, given: Any) -> RuntimeUpdater:
+        return RuntimeUpdater(npm, FakeProbe(), on_change=jobs._changed)
+
+    async def scenario() -> Job:
+        jobs = RuntimeJobs(store, tmp_path / "home" / "runtimes", env={}, updater_factory=factory,
+                           confinement=confinement)
+        job, _ = jobs.request("claude-code")
+        return await jobs.tasks[job.job_id]
+
+    job = run(scenario())
+    assert job.state == "failed" and npm.calls == []
+    assert job.detail == f"cannot prepare {CLAUDE.npm_spec} in its sandbox: the sandbox cannot be made here: no bwrap"
+    assert job.events[-1]["state"] == "failed"

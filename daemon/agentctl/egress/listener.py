@@ -75,7 +75,10 @@ async def test_resolve(host: str, port: int) -> list[proxy.Address]:
 class SessionEgress:
     """One instance's proxy endpoint (see the module docstring)."""
 
-    def __init__(self, instance_id: str, session_id: str, agent: str, policy: NetworkPolicy, path: str) -> None:
+    def __init__(self, instance_id: str, session_id: str, agent: str, policy: NetworkPolicy, path: str, *,
+                 subject: str | None = None, fields: dict[str, Any] | None = None) -> None:
+        """``subject``: who the refusals are told of (default ``session ID (AGENT)``); ``fields``: more
+        journal fields of each ``network_refused`` (runtime preparation's job, say)."""
         self.instance_id = instance_id
         self.session_id = session_id
         self.agent = agent
@@ -87,6 +90,8 @@ class SessionEgress:
         self._accepting: asyncio.Task[None] | None = None
         self._connections: set[asyncio.Task[None]] = set()
         self.note: Callable[[str], None] | None = None  # a line among the agent's stderr (``kandev logs``)
+        self.subject = subject or f"session {session_id} ({agent or 'agent'})"
+        self.fields = dict(fields or {})
 
     # -- what the proxy reports ---------------------------------------------------------
 
@@ -95,7 +100,7 @@ class SessionEgress:
         self.recent.append(RefusedDestination(host, port, refusal.reason, time.time()))
         log_event(
             "network_refused",
-            f"session {self.session_id} ({self.agent or 'agent'}): refused {host}:{port}: {refusal.message}",
+            f"{self.subject}: refused {host}:{port}: {refusal.message}",
             priority=5,
             SESSION_ID=self.session_id,
             INSTANCE_ID=self.instance_id,
@@ -103,6 +108,7 @@ class SessionEgress:
             HOST=host,
             PORT=port,
             REASON=refusal.reason,
+            **self.fields,
         )
         if self.note is not None:
             self.note(f"kandev: {proxy.refusal_body(host, port, refusal).removeprefix('kandev: ')}")

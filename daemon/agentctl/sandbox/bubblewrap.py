@@ -330,12 +330,14 @@ def host_view(
     bwrap: str,
     extra_hidden: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
+    user: AgentUser | None = None,
 ) -> SandboxView:
     """The view of one agent on this host (reads the file system: call it off the event loop).
 
     Every path is resolved (symlinks followed) and bound at its resolved path; missing ones are
     skipped. ``cwd`` (the workspace) is writable; nothing is derived from what it holds (a git
-    worktree's repository is bound as the backend names it, from its record)."""
+    worktree's repository is bound as the backend names it, from its record). ``user``: who runs
+    inside (default: the agents' user, ``agent_user``)."""
     binds: dict[str, BindMode] = {b.path: b.mode for b in system_binds()}
     resolv = os.path.realpath(RESOLV_CONF)
     if os.path.exists(resolv) and not _covered(resolv, binds):
@@ -365,7 +367,7 @@ def host_view(
         hidden.append(rp)
         if not os.path.isdir(rp):
             files.add(rp)
-    user = agent_user()
+    user = agent_user() if user is None else user
     return SandboxView(
         bwrap=bwrap, uid=user.uid, gid=user.gid, cwd=workspace,
         binds=tuple(Bind(p, m) for p, m in sorted(binds.items())),
@@ -494,14 +496,16 @@ def wrap_command(
     env: Mapping[str, str] | None = None,
     own_ipc: bool = True,
     net: SandboxNet | None = None,
+    user: AgentUser | None = None,
 ) -> Launch:
     """``build_argv(host_view(...), command)`` with the user namespaces it needs and the agents'
     system-call filter (the caller passes ``fds`` to bwrap and closes them). Blocking: call it off
     the event loop. ``own_ipc``: the probe's ``SandboxSupport.ipc_namespace``; ``net``: the agent's
     network namespace and its way out (every agent the control server starts has one; None shares
-    the host's network, for the backend's checkout sandbox only)."""
+    the host's network, for the backend's checkout sandbox only); ``user``: who runs inside (default
+    the agents' user; runtime preparation runs as the backend's own, ``AgentUser(dedicated=False)``)."""
     hidden_ok(request, cwd, extra_hidden)
-    view = host_view(request, cwd, bwrap=bwrap, extra_hidden=extra_hidden, env=env)
+    view = host_view(request, cwd, bwrap=bwrap, extra_hidden=extra_hidden, env=env, user=user)
     view = dataclasses.replace(view, own_ipc=own_ipc, net=net)
     try:
         fds: tuple[int, ...] = (seccomp_filter.program_fd(),)

@@ -8,9 +8,10 @@
 - ``runtime_ensure {agent}``: prepared already, or the job started (or joined) to
   prepare it (``daemon.backend.sessions.runtime_prepare``; ``kandev session start`` follows it).
 
-npm runs with the backend's own environment (its ``npm_config_*`` variables and
+npm runs with the backend's own npm configuration (its ``npm_config_*`` variables and
 HOME decide the cache, NPM-CTX-5) in ``<home>/runtimes``, a neutral directory,
-so a task repository's ``.npmrc`` never applies (NPM-CTX-6).
+so a task repository's ``.npmrc`` never applies (NPM-CTX-6), and in a sandbox whose
+only way out is npm's registry (``daemon.backend.sessions.runtime_sandbox``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from daemon.backend.sessions import runtime_prepare
+from daemon.backend.sessions.runtime_sandbox import RuntimeSandbox
 from daemon.runtimes.update import RuntimeJobs
 from ipc.server import ConnectionContext
 
@@ -31,7 +33,10 @@ Handler = Callable[[ConnectionContext, dict[str, Any]], Awaitable[Any]]
 def handlers(backend: Backend, jobs: RuntimeJobs | None = None) -> dict[str, Handler]:
     """The handler table for ``api.RUNTIME_OPS``; marks jobs a previous backend left active as failed."""
     if jobs is None:
-        jobs = RuntimeJobs(backend.store, backend.paths.home / "runtimes")
+        workdir = backend.paths.home / "runtimes"
+        box = RuntimeSandbox(lambda: backend.config, backend.paths, workdir)
+        box.prune()  # the proxy directories of jobs a previous backend left
+        jobs = RuntimeJobs(backend.store, workdir, confinement=box.confinement)
     jobs.sweep_interrupted()
     backend.runtime_jobs = jobs  # a session start of an unprepared runtime runs its job first
 
