@@ -32,8 +32,10 @@ On a busy machine repeat the run and compare ratios.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -43,6 +45,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MIB = 1024 * 1024
@@ -181,19 +184,20 @@ def run_client() -> None:
 class Client:
     """One client process: commands in, one JSON answer each out."""
 
-    def __init__(self, argv: Sequence[str], proxy: str, **popen: object) -> None:
+    def __init__(self, argv: Sequence[str], proxy: str, *, own_group: bool = False, **popen: object) -> None:
         self.proxy = proxy
+        self.own_group = own_group
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     **popen)  # type: ignore[call-overload]
+                                     process_group=0 if own_group else None, **popen)  # type: ignore[call-overload]
 
-    def ask(self, line: str) -> dict[str, object]:
+    def ask(self, line: str) -> dict[str, Any]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(f"{line} {self.proxy}\n")
         self.proc.stdin.flush()
         answer = self.proc.stdout.readline()
         if not answer:
             raise RuntimeError(f"the client ended (status {self.proc.wait()})")
-        doc: dict[str, object] = json.loads(answer)
+        doc: dict[str, Any] = json.loads(answer)
         if "error" in doc:
             raise RuntimeError(f"the client failed: {doc['error']}")
         return doc
@@ -206,6 +210,9 @@ class Client:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        if self.own_group:  # the relay on the host (a grandchild in the group) outlives its client
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
 
 
 def _free_port() -> int:
@@ -247,7 +254,7 @@ def _host_relay_client(socket_path: str) -> Client:
     port = _free_port()
     argv = [os.path.realpath(sys.executable), "-I", "-S", network.RELAY, str(port), socket_path, "--",
             os.path.realpath(sys.executable), "-I", "-S", str(Path(__file__).resolve()), "--client"]
-    return Client(argv, f"127.0.0.1:{port}")
+    return Client(argv, f"127.0.0.1:{port}", own_group=True)
 
 
 def _ratio_line(direct: list[float], proxied: list[float]) -> str:
@@ -310,16 +317,16 @@ def bench(rounds: int, connects: int, sandbox: bool) -> None:
                 order = [("direct", direct), ("proxy", via)]
                 for name, client in order if r % 2 == 0 else reversed(order):
                     doc = client.ask(f"fetch 127.0.0.1 {port} {SIZE}")
-                    if not SIZE < int(doc["bytes"]) < SIZE + 4096:  # type: ignore[call-overload]
+                    if not SIZE < int(doc["bytes"]) < SIZE + 4096:
                         raise RuntimeError(f"{name}: {doc['bytes']} bytes for a body of {SIZE}")
-                    times[name].append(float(doc["seconds"]))  # type: ignore[arg-type]
+                    times[name].append(float(doc["seconds"]))
             print(_ratio_line(times["direct"], times["proxy"]))
             opened: dict[str, list[float]] = {"direct": [], "proxy": []}
             done = 0
             while done < connects:
                 n = min(BATCH, connects - done)
                 for name, client in (("direct", direct), ("proxy", via)):
-                    opened[name] += client.ask(f"connect 127.0.0.1 {port} {n}")["seconds"]  # type: ignore[operator]
+                    opened[name] += client.ask(f"connect 127.0.0.1 {port} {n}")["seconds"]
                 done += n
             print(_overhead_line(opened["direct"], opened["proxy"]))
         finally:
