@@ -225,6 +225,7 @@ def _sandboxed_client(work: Path, socket_path: str) -> tuple[Client | None, str]
     """The client in a real agent sandbox behind the relay, or None and why not."""
     from daemon.agentctl.sandbox import bubblewrap, network
     from daemon.host.agent_user import AgentUserMissing
+    from ipc import IpcError
 
     bwrap = bubblewrap.find_bwrap()
     if bwrap is None:
@@ -234,9 +235,7 @@ def _sandboxed_client(work: Path, socket_path: str) -> tuple[Client | None, str]
     try:
         launch = bubblewrap.wrap_command(request, command, str(work), bwrap=bwrap,
                                          net=network.SandboxNet(socket_path))
-    except (AgentUserMissing, OSError, ValueError) as exc:
-        return None, str(exc)
-    except Exception as exc:  # sandbox_unavailable (an IpcError)
+    except (AgentUserMissing, IpcError, OSError, ValueError) as exc:  # IpcError: sandbox_unavailable
         return None, str(exc)
     env = network.proxy_env({"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, True)
     try:

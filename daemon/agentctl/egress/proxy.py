@@ -265,7 +265,7 @@ async def serve(sock: socket.socket, session: EgressSession, resolve: Resolve = 
     except Exception:  # one connection never costs the server anything
         pass
     finally:
-        for s in (sock, upstream):
-            if s is not None:
+        for end in (sock, upstream):
+            if end is not None:
                 with contextlib.suppress(Exception):
-                    s.close()
+                    end.close()
