@@ -1,4 +1,5 @@
-"""Benchmark: an agent's egress path (relay + proxy) against a direct connection (Issue 44 item 9).
+"""Benchmark: an agent's egress path (relay + proxy) against a direct connection (Issue 44 item 9,
+Issue 44 scenario G).
 
 Run from the repository root: ``python tests/bench/bench_proxy.py [--rounds R] [--connects N]``.
 
