@@ -257,6 +257,12 @@ def _host_relay_client(socket_path: str) -> Client:
     return Client(argv, f"127.0.0.1:{port}", own_group=True)
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds process ``pid`` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _ratio_line(direct: list[float], proxied: list[float]) -> str:
     d, p = SIZE / MIB / statistics.median(direct), SIZE / MIB / statistics.median(proxied)
     best = (SIZE / MIB / min(proxied)) / (SIZE / MIB / min(direct))
@@ -313,14 +319,23 @@ def bench(rounds: int, connects: int, sandbox: bool) -> None:
             via.ask(f"fetch 127.0.0.1 {port} {MIB}")  # warm up both paths
             direct.ask(f"fetch 127.0.0.1 {port} {MIB}")
             times: dict[str, list[float]] = {"direct": [], "proxy": []}
+            watched = {"server": server, "proxy": proxy, "direct client": direct.proc}
+            cpu: dict[tuple[str, str], float] = dict.fromkeys(((n, k) for n in times for k in watched), 0.0)
             for r in range(rounds):
                 order = [("direct", direct), ("proxy", via)]
                 for name, client in order if r % 2 == 0 else reversed(order):
+                    before = {k: _cpu_seconds(p.pid) for k, p in watched.items()}
                     doc = client.ask(f"fetch 127.0.0.1 {port} {SIZE}")
+                    for k, p in watched.items():
+                        cpu[(name, k)] += _cpu_seconds(p.pid) - before[k]
                     if not SIZE < int(doc["bytes"]) < SIZE + 4096:
                         raise RuntimeError(f"{name}: {doc['bytes']} bytes for a body of {SIZE}")
                     times[name].append(float(doc["seconds"]))
             print(_ratio_line(times["direct"], times["proxy"]))
+            per = 1000 / rounds
+            print(f"proxy CPU ms per {SIZE // MIB} MiB: {cpu[('proxy', 'proxy')] * per:.0f}   (for information: the"
+                  f" server {cpu[('direct', 'server')] * per:.0f} and the client {cpu[('direct', 'direct client')] * per:.0f}"
+                  " of a direct fetch; on a busy machine the throughput ratio follows the CPU each path needs)")
             opened: dict[str, list[float]] = {"direct": [], "proxy": []}
             done = 0
             while done < connects:
@@ -357,7 +372,7 @@ def main() -> int:
         return 0
     sys.path.insert(0, str(REPO_ROOT))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--rounds", type=int, default=5, help="fetches of 100 MiB each way (default 5)")
+    parser.add_argument("--rounds", type=int, default=10, help="fetches of 100 MiB each way (default 10)")
     parser.add_argument("--connects", type=int, default=200, help="connections each way (default 200)")
     parser.add_argument("--no-sandbox", action="store_true", help="the relay on the host's loopback, no sandbox")
     args = parser.parse_args()
