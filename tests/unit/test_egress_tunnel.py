@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import fcntl
 import hashlib
 import os
 import socket
@@ -17,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from daemon.agentctl.egress import proxy
+from daemon.agentctl.egress import proxy, tunnel
 from daemon.agents.network import NetworkPolicy, Refusal, effective_policy
 from tests.support.aio import run
 
@@ -118,10 +119,52 @@ def test_a_connect_tunnel_is_spliced_both_ways_and_keeps_a_half_close(monkeypatc
         return moved
 
     monkeypatch.setattr(os, "splice", counting)
+    grown = _count_growths(monkeypatch)
     result, session = run(_through_proxy(_digest_then_send, _tunnel_client), 60)
     _check_tunnel(result)
     assert spliced[0] >= 2 * (3 + 8) * MIB  # each byte into a pipe and out of it: none through Python
+    assert grown == [tunnel.PIPE_SIZE, tunnel.PIPE_SIZE]  # each bulk direction's pipe, once
     assert session.refusals == []
+
+
+def _count_growths(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes the tunnel asks its pipes to grow to, from now on."""
+    grown: list[int] = []
+    real_fcntl = fcntl.fcntl
+
+    def recording(fd: int, cmd: int, arg: int = 0) -> Any:
+        if cmd == fcntl.F_SETPIPE_SZ:
+            grown.append(arg)
+        return real_fcntl(fd, cmd, arg)
+
+    monkeypatch.setattr(fcntl, "fcntl", recording)
+    return grown
+
+
+async def _echo_lines(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    while line := await reader.readline():
+        writer.write(line)
+        await writer.drain()
+    writer.close()
+
+
+def test_a_conversation_of_small_messages_keeps_the_default_pipes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 44 scenario B: a tunnel that carries small messages (a model's streamed answer) never
+    grows its pipes: every pipe of the server's user counts against the system's soft limit."""
+
+    def client(sock: socket.socket, port: int) -> list[bytes]:
+        _connect_answer(sock, port)
+        lines = []
+        for i in range(50):
+            sock.sendall(b"event %d\n" % i)
+            lines.append(sock.recv(100))
+        sock.shutdown(socket.SHUT_WR)
+        return lines
+
+    grown = _count_growths(monkeypatch)
+    lines, _ = run(_through_proxy(_echo_lines, client), 60)
+    assert lines == [b"event %d\n" % i for i in range(50)]
+    assert grown == []
 
 
 def test_without_splice_the_copy_loop_carries_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
