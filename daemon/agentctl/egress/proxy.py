@@ -11,7 +11,12 @@
    connects to one of those, and only those, by address: the name is never resolved again, so
    what was judged is what is reached;
 4. answers ``200 Connection established`` to a CONNECT, or sends the rewritten head of a plain
-   HTTP request, and copies bytes both ways until both sides are done.
+   HTTP request, and copies bytes both ways until both sides are done
+   (``daemon.agentctl.egress.tunnel``: kernel to kernel with ``splice``).
+
+It works on the raw non-blocking sockets with the event loop's ``sock_*`` calls: no transport
+or stream buffer per connection, so setting a connection up costs little and the copy can be
+the kernel's.
 
 A loopback destination (``127.0.0.1:PORT``, ``localhost``) that ``host_ports`` does not list is
 the agent's own loopback, not the host's: a client that honours the proxy variables for every
@@ -30,7 +35,7 @@ address it connects to after resolving (so a name cannot be re-resolved to a pri
 between the check and the connect), and report each refusal with the session it belongs to.
 proxy.py, pproxy and mitmproxy run their own servers and resolve inside their connectors; the
 part we need (CONNECT, absolute-URI forwarding with the head rewritten, a byte copy) is this
-module, on asyncio streams.
+module and ``tunnel``, on asyncio.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from daemon.agentctl.egress import request as http
+from daemon.agentctl.egress import tunnel
 from daemon.agents.network import NetworkPolicy, Refusal, normalise_host, parse_ip
 from ipc.aio import within
 
@@ -55,8 +61,6 @@ HEAD_TIMEOUT_S = 30.0
 RESOLVE_TIMEOUT_S = 20.0
 RESOLVER_THREADS = 8
 CONNECT_TIMEOUT_S = 15.0
-COPY_CHUNK = 256 * 1024
-STREAM_LIMIT = 1024 * 1024
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 Resolve = Callable[[str, int], Awaitable[list[Address]]]
@@ -104,8 +108,9 @@ def refusal_body(host: str, port: int, refusal: Refusal) -> str:
     return f"kandev: refused {shown}:{port}: {refusal.message}{allow}"
 
 
-async def _read_head(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
-    """The head (through the blank line) and whatever the client sent after it already."""
+async def _read_head(sock: socket.socket) -> tuple[bytes, bytes]:
+    """The head (through the blank line) and whatever the peer sent after it already."""
+    loop = asyncio.get_running_loop()
     data = b""
     while True:
         end = data.find(b"\r\n\r\n")
@@ -113,45 +118,47 @@ async def _read_head(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
             return data[: end + 4], data[end + 4:]
         if len(data) > http.MAX_HEAD:
             raise http.BadRequest(f"request head larger than {http.MAX_HEAD} bytes")
-        chunk = await reader.read(http.MAX_HEAD + 4 - len(data))
+        chunk = await loop.sock_recv(sock, http.MAX_HEAD + 4 - len(data))
         if not chunk:
-            raise ConnectionResetError("the client closed before its request head ended")
+            raise ConnectionResetError("the peer closed before its head ended")
         data += chunk
 
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    try:
-        while True:
-            data = await reader.read(COPY_CHUNK)
-            if not data:
-                break
-            writer.write(data)
-            await writer.drain()
-        if writer.can_write_eof() and not writer.is_closing():
-            writer.write_eof()
-    except (ConnectionError, OSError):
-        writer.transport.abort()
-
-
-async def _answer_once(up_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def _answer_once(upstream: socket.socket, client: socket.socket) -> None:
     """Copy the destination's answer to a plain HTTP request, its head with ``Connection: close``."""
     try:
-        head, rest = await within(_read_head(up_reader), HEAD_TIMEOUT_S * 4)
+        head, rest = await within(_read_head(upstream), HEAD_TIMEOUT_S * 4)
     except (http.BadRequest, TimeoutError, ConnectionError, OSError):
         return
-    writer.write(http.close_connection(head) + rest)
-    await writer.drain()
-    await _pipe(up_reader, writer)
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(OSError):
+        await loop.sock_sendall(client, http.close_connection(head) + rest)
+        await tunnel.one_way(upstream, client)
 
 
-async def _connect(addresses: list[Address], port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+def _no_delay(sock: socket.socket) -> None:
+    """Each write goes out at once (as asyncio's own transports set it): the proxy only relays."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+async def _connect(addresses: list[Address], port: int) -> socket.socket:
+    """A connection to the first of ``addresses`` that answers, by address (never by name)."""
+    loop = asyncio.get_running_loop()
     last: BaseException | None = None
     for ip in addresses:
+        sock = socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_STREAM)
         try:
-            return await within(asyncio.open_connection(str(ip), port, limit=STREAM_LIMIT),
-                                          CONNECT_TIMEOUT_S)
+            sock.setblocking(False)
+            _no_delay(sock)
+            await within(loop.sock_connect(sock, (str(ip), port)), CONNECT_TIMEOUT_S)
+            return sock
         except (OSError, TimeoutError) as exc:
+            sock.close()
             last = exc
+        except BaseException:
+            sock.close()
+            raise
     raise ConnectionError(f"cannot connect: {last}")
 
 
@@ -201,18 +208,16 @@ async def serve(sock: socket.socket, session: EgressSession, resolve: Resolve = 
     """Proxy one agent connection (see the module docstring); never raises. ``own``: a connection
     to the agent's own loopback, for a loopback destination ``host_ports`` does not list (the agent's
     own server, e.g. OpenCode's; nothing of the host's); ``judged`` runs once that is decided."""
+    loop = asyncio.get_running_loop()
+    upstream: socket.socket | None = None
     try:
-        reader, writer = await asyncio.open_connection(sock=sock, limit=STREAM_LIMIT)
-    except OSError:
-        sock.close()
-        return
-    upstream: asyncio.StreamWriter | None = None
-    try:
+        sock.setblocking(False)
+        _no_delay(sock)
         try:
-            head, rest = await within(_read_head(reader), HEAD_TIMEOUT_S)
+            head, rest = await within(_read_head(sock), HEAD_TIMEOUT_S)
             req = http.parse(head)
         except http.BadRequest as exc:
-            writer.write(_answer("400 Bad Request", f"kandev: {exc}"))
+            await loop.sock_sendall(sock, _answer("400 Bad Request", f"kandev: {exc}"))
             return
         except (TimeoutError, ConnectionError, OSError):
             return
@@ -222,35 +227,36 @@ async def serve(sock: socket.socket, session: EgressSession, resolve: Resolve = 
         log.debug("egress %s %s:%d: %s", "CONNECT" if req.connect else "http", req.host, req.port,
                   "own loopback" if local is not None else verdict.reason if isinstance(verdict, Refusal) else "out")
         if local is not None:
-            up_reader, upstream = await asyncio.open_connection(sock=local, limit=STREAM_LIMIT)
+            upstream = local
+            upstream.setblocking(False)
         elif isinstance(verdict, Refusal):
             if verdict.reason == "unresolvable":
-                writer.write(_answer("502 Bad Gateway", f"kandev: {verdict.message}"))
+                await loop.sock_sendall(sock, _answer("502 Bad Gateway", f"kandev: {verdict.message}"))
                 return
             session.refused(req.host, req.port, verdict)
-            writer.write(_answer("403 Forbidden", refusal_body(req.host, req.port, verdict)))
+            await loop.sock_sendall(sock, _answer("403 Forbidden", refusal_body(req.host, req.port, verdict)))
             return
         else:
             try:
-                up_reader, upstream = await _connect(verdict, req.port)
+                upstream = await _connect(verdict, req.port)
             except ConnectionError as exc:
-                writer.write(_answer("502 Bad Gateway", f"kandev: {req.host}:{req.port}: {exc}"))
+                await loop.sock_sendall(sock, _answer("502 Bad Gateway", f"kandev: {req.host}:{req.port}: {exc}"))
                 return
         if req.connect:
-            writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            await loop.sock_sendall(sock, b"HTTP/1.1 200 Connection established\r\n\r\n")
         else:
-            upstream.write(req.head)
+            await loop.sock_sendall(upstream, req.head)
         if rest:
-            upstream.write(rest)
+            await loop.sock_sendall(upstream, rest)
         if req.connect:
-            await asyncio.gather(_pipe(reader, upstream), _pipe(up_reader, writer))
+            await tunnel.both_ways(sock, upstream)
             return
         # Plain HTTP: one request per connection. The answer's head says so (a client that kept the
         # connection for its next request would send it to this destination unjudged, or wait), and
         # the client's side is closed once the answer has ended.
-        sending = asyncio.ensure_future(_pipe(reader, upstream))
+        sending = asyncio.ensure_future(tunnel.one_way(sock, upstream))
         try:
-            await _answer_once(up_reader, writer)
+            await _answer_once(upstream, sock)
         finally:
             sending.cancel()
             await asyncio.gather(sending, return_exceptions=True)
@@ -259,7 +265,7 @@ async def serve(sock: socket.socket, session: EgressSession, resolve: Resolve = 
     except Exception:  # one connection never costs the server anything
         pass
     finally:
-        for w in (writer, upstream):
-            if w is not None:
+        for end in (sock, upstream):
+            if end is not None:
                 with contextlib.suppress(Exception):
-                    w.close()
+                    end.close()
