@@ -9,6 +9,13 @@ checkpoint every ``WAL_CHECKPOINT_PAGES`` pages of write-ahead log whose file is
 back to ``WAL_SIZE_LIMIT`` (so the log does not keep megabytes the transcript does not
 need), and a new database file is created 0600.
 
+A PostgreSQL engine (Issue 47 item 5) checks each pooled connection before use
+(``pool_pre_ping``: a connection the server ended, by a restart or ``pg_terminate_backend``, is
+replaced instead of failing the next call) and gives up connecting after
+``PG_CONNECT_TIMEOUT_S`` unless ``database.url`` sets ``connect_timeout`` itself, with TCP
+keepalives on, so that a server that is gone is found out (``daemon.store.reach``) rather than
+waited on for ever.
+
 With pysqlite's default transaction handling a transaction begins at the
 first write, so reads before it see the latest committed data. Guarded writes
 therefore use compare-and-set (see ``transitions``), never "read, then write".
@@ -44,6 +51,10 @@ WAL_CHECKPOINT_PAGES = 256
 """Pages the write-ahead log grows to before a commit checkpoints it (SQLite's default is 1000)."""
 WAL_SIZE_LIMIT = 1024 * 1024
 """Bytes the write-ahead log file is cut back to once checkpointed (it never shrinks otherwise)."""
+PG_CONNECT_TIMEOUT_S = 5
+"""Seconds a new PostgreSQL connection may take (libpq's ``connect_timeout``) unless the URL says."""
+PG_KEEPALIVES = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3}
+"""libpq's TCP keepalives: a peer that vanished without a word is noticed within about 25 s."""
 
 
 def sqlite_url(path: Path | str) -> str:
@@ -59,6 +70,16 @@ def sqlite_file(url: URL) -> Path | None:
     if not db or db == ":memory:" or db.startswith("file:"):
         return None
     return Path(db)
+
+
+def engine_options(url: URL) -> dict[str, Any]:
+    """``create_engine``'s options for ``url``: for PostgreSQL, pre-ping, a connect timeout and
+    keepalives (each unless the URL sets it); nothing for other engines."""
+    if url.get_backend_name() != "postgresql":
+        return {}
+    args: dict[str, Any] = {"connect_timeout": PG_CONNECT_TIMEOUT_S, **PG_KEEPALIVES}
+    return {"pool_pre_ping": True,
+            "connect_args": {k: v for k, v in args.items() if k not in url.query}}
 
 
 def _create_private_file(path: Path) -> None:
@@ -190,7 +211,7 @@ class Store:
         path = sqlite_file(parsed)
         if path is not None:
             _create_private_file(path)
-        engine = create_engine(parsed)
+        engine = create_engine(parsed, **engine_options(parsed))
         if parsed.get_backend_name() == "sqlite":
             event.listen(engine, "connect", _on_sqlite_connect)
         try:

@@ -10,6 +10,7 @@ same way whichever home names the store, so two homes can never drive one store.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
@@ -86,6 +87,10 @@ class StoreLock:
     - PostgreSQL: a session-level advisory lock (``pg_try_advisory_lock``) on a dedicated
       connection kept open for the process lifetime; the server drops it when that connection
       ends, SIGKILL included. Two backends of different homes on one database are refused.
+      The server drops it too when it restarts or ends that connection (Issue 47 item 5):
+      ``ensure()``, called by the store's upkeep every few seconds and once the server is back
+      after an outage, finds the connection gone and takes the lock again on a new one (refused,
+      ``StoreLocked``, if another backend took it meanwhile).
     - Other engines (and in-memory SQLite) get no extra lock.
     """
 
@@ -133,6 +138,23 @@ class StoreLock:
             raise StoreLocked("another kandev-backend already uses this PostgreSQL database (it holds the"
                               f" advisory lock {PG_LOCK_KEY}); one database serves one kandev home")
         self._engine, self._conn = engine, conn
+
+    def ensure(self) -> bool:
+        """Still holding the PostgreSQL lock? If its connection is gone, take the lock again on a
+        new one. True when it had to be taken again; raises when it cannot be (server unreachable,
+        or ``StoreLocked``). Nothing to do for SQLite (a file lock cannot be lost)."""
+        if self._conn is None:
+            return False
+        try:
+            self._conn.execute(text("SELECT 1"))
+            return False
+        except Exception:
+            conn, engine, self._conn, self._engine = self._conn, self._engine, None, None
+            with contextlib.suppress(Exception):
+                conn.close()
+            engine.dispose()
+        self._lock_postgresql()
+        return True
 
     def release(self) -> None:
         if self._file_lock is not None:
