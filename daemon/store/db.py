@@ -9,9 +9,13 @@ checkpoint every ``WAL_CHECKPOINT_PAGES`` pages of write-ahead log whose file is
 back to ``WAL_SIZE_LIMIT`` (so the log does not keep megabytes the transcript does not
 need), and a new database file is created 0600.
 
-A PostgreSQL engine (Issue 47 item 5) checks each pooled connection before use
-(``pool_pre_ping``: a connection the server ended, by a restart or ``pg_terminate_backend``, is
-replaced instead of failing the next call) and gives up connecting after
+A PostgreSQL engine (Issue 47 item 5) checks a pooled connection that was idle for
+``PING_IDLE_S`` or more before handing it out (``watch_connections``, SQLAlchemy's ``pool_pre_ping``
+without its round trip on every transaction: a flood commits a batch every few milliseconds on a
+connection that just worked): one the server ended while it sat in the pool (a restart,
+``pg_terminate_backend``, an idle timeout) is replaced instead of failing the next call. One that
+dies in use fails that call (``daemon.store.reach``), and SQLAlchemy then renews the whole pool.
+It gives up connecting after
 ``PG_CONNECT_TIMEOUT_S`` unless ``database.url`` sets ``connect_timeout`` itself, with TCP
 keepalives on, so that a server that is gone is found out (``daemon.store.reach``) rather than
 waited on for ever.
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -43,6 +48,7 @@ from sqlalchemy import (
     inspect,
 )
 from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.orm import Session, sessionmaker
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
@@ -51,6 +57,8 @@ WAL_CHECKPOINT_PAGES = 256
 """Pages the write-ahead log grows to before a commit checkpoints it (SQLite's default is 1000)."""
 WAL_SIZE_LIMIT = 1024 * 1024
 """Bytes the write-ahead log file is cut back to once checkpointed (it never shrinks otherwise)."""
+PING_IDLE_S = 1.0
+"""Seconds a pooled PostgreSQL connection may sit unused before it is checked when handed out."""
 PG_CONNECT_TIMEOUT_S = 5
 """Seconds a new PostgreSQL connection may take (libpq's ``connect_timeout``) unless the URL says."""
 PG_KEEPALIVES = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3}
@@ -73,13 +81,36 @@ def sqlite_file(url: URL) -> Path | None:
 
 
 def engine_options(url: URL) -> dict[str, Any]:
-    """``create_engine``'s options for ``url``: for PostgreSQL, pre-ping, a connect timeout and
-    keepalives (each unless the URL sets it); nothing for other engines."""
+    """``create_engine``'s options for ``url``: for PostgreSQL, a connect timeout and keepalives
+    (each unless the URL sets it); nothing for other engines."""
     if url.get_backend_name() != "postgresql":
         return {}
     args: dict[str, Any] = {"connect_timeout": PG_CONNECT_TIMEOUT_S, **PG_KEEPALIVES}
-    return {"pool_pre_ping": True,
-            "connect_args": {k: v for k, v in args.items() if k not in url.query}}
+    return {"connect_args": {k: v for k, v in args.items() if k not in url.query}}
+
+
+def _note_checkin(_dbapi_connection: Any, record: Any) -> None:
+    record.info["kandev_used_at"] = time.monotonic()
+
+
+def watch_connections(engine: Engine) -> None:
+    """A PostgreSQL engine's pool checks a connection that sat idle for ``PING_IDLE_S`` (or is
+    handed out for the first time) before use, with the dialect's own ping (what ``pool_pre_ping``
+    does on every checkout); one that does not answer is replaced (``DisconnectionError``: the pool
+    connects anew, and a server that is gone fails there)."""
+    dialect = engine.dialect
+
+    def ping_if_idle(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+        used = record.info.get("kandev_used_at")
+        if used is not None and time.monotonic() - used < PING_IDLE_S:
+            return
+        try:
+            dialect.do_ping(dbapi_connection)
+        except Exception as exc:
+            raise DisconnectionError(f"a pooled connection no longer answers: {exc}") from exc
+
+    event.listen(engine, "checkin", _note_checkin)
+    event.listen(engine, "checkout", ping_if_idle)
 
 
 def _create_private_file(path: Path) -> None:
@@ -214,6 +245,8 @@ class Store:
         engine = create_engine(parsed, **engine_options(parsed))
         if parsed.get_backend_name() == "sqlite":
             event.listen(engine, "connect", _on_sqlite_connect)
+        elif parsed.get_backend_name() == "postgresql":
+            watch_connections(engine)
         try:
             migrate(engine, empty_at_head=empty_at_head)
         except BaseException:

@@ -12,15 +12,18 @@ from typing import Any
 import psycopg
 import psycopg.errors
 import pytest
+from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from daemon.backend.lifetime import store_care
 from daemon.backend.lifetime.store_care import StoreCare
+from daemon.store import db as db_module
 from daemon.store import reach
 from daemon.store.db import Store, engine_options
 from daemon.store.reach import MAX_RETRY_S, ReachWatch, is_unreachable, next_delay
 from tests.support.aio import run
+from tests.support.postgres import PgCluster
 
 
 def _wrapped(orig: Exception, invalidated: bool = False) -> OperationalError:
@@ -107,10 +110,39 @@ def test_the_upkeep_reconnects_with_backoff_and_takes_the_lock_again(
     assert events[-1][1]["ATTEMPTS"] == "2"
 
 
-def test_postgresql_engines_ping_and_time_out_sqlite_unchanged() -> None:
+def test_postgresql_engines_time_out_sqlite_unchanged() -> None:
     pg = engine_options(make_url("postgresql+psycopg://kandev@/db?host=/run/pg"))
-    assert pg["pool_pre_ping"] is True and pg["connect_args"]["connect_timeout"] == 5
+    assert pg["connect_args"]["connect_timeout"] == 5 and pg["connect_args"]["keepalives"] == 1
     assert engine_options(make_url("postgresql+psycopg://k@/db?connect_timeout=30"))["connect_args"].get(
         "connect_timeout") is None  # the URL's own value stands
     assert engine_options(make_url("sqlite:////var/lib/kandev/kandev.db")) == {}
     assert reach.WHERE == "database.url"
+
+
+def test_a_pooled_connection_the_server_ended_is_replaced(postgres: PgCluster,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection ended while it sat idle in the pool (``pg_terminate_backend``) is checked and
+    replaced when handed out, so the next call works; one used less than ``PING_IDLE_S`` ago is
+    handed out unchecked (a flood's batches cost no extra round trip)."""
+    url = postgres.new_database()
+    store = Store.open(url)
+    pings: list[int] = []
+    real_ping = store.engine.dialect.do_ping
+
+    def counted(conn: Any) -> bool:
+        pings.append(1)
+        return bool(real_ping(conn))
+
+    monkeypatch.setattr(store.engine.dialect, "do_ping", counted)
+    try:
+        for _ in range(20):  # back to back: checked once at most (a connection handed out first)
+            with store.session() as db:
+                db.execute(text("SELECT 1"))
+        assert len(pings) <= 1
+        dbname = url.split("@/", 1)[1].split("?", 1)[0]
+        assert postgres.terminate(dbname) >= 1
+        monkeypatch.setattr(db_module, "PING_IDLE_S", 0.0)  # as after a second in the pool
+        with store.session() as db:
+            assert db.execute(text("SELECT 1")).scalar() == 1
+    finally:
+        store.close()

@@ -103,6 +103,7 @@ class StoreCare:
         self.remote = store.engine.dialect.name == "postgresql"
         # after a probe reached the server, in a worker thread: True if the lock had to be taken again
         self.keep_lock = keep_lock
+        self.lock_lost: str | None = None  # why the lock could not be taken again (said once)
         self.retention_s = retention_s
         self.last_retention: dict[str, Any] | None = None
         self._loop = BackgroundLoop("store-care", self._run)
@@ -196,10 +197,12 @@ class StoreCare:
             return
         try:
             if await asyncio.to_thread(self.keep_lock):
+                self.lock_lost = None
                 log_event("store_lock_retaken", "the database server had dropped the store's lock with its"
                           " connection; it is held again")
         except Exception as exc:
-            if not self.reach.failed(exc):
+            if not self.reach.failed(exc) and self.lock_lost != str(exc):
+                self.lock_lost = str(exc)
                 log_event("store_lock_lost", f"the store's lock could not be taken again: {exc}", priority=3,
                           DETAIL=str(exc)[:300])
 
