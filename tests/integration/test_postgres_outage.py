@@ -117,6 +117,7 @@ def test_scenario_c_postgresql_restarts_mid_flood(kandev_factory: Any, own_postg
     follow = k.popen("follow", sid, json_output=True)  # open through the outage: it pauses, then goes on
     assert follow.stdout is not None
     first = json.loads(follow.stdout.readline())  # the stream is open (the flood is under way: at once)
+    assert _stored_cursor(pg, db) <= N  # the turn is mid-flood (its last chunk is cursor N + 1)
     pg.halt()
     # status says so at once (it asks the server), the journal once, and the backend keeps trying
     gone = wait_until(lambda: s if (s := _store(k))["reachable"] is False else None, timeout=15,

@@ -1,6 +1,7 @@
 """daemon.store.reach and the store upkeep's reconnection: a database server that cannot be reached
 is recognised (and nothing else is), reported once per episode, retried at once and then with a
-growing delay, and the episode ends with the first probe that commits (Issue 47 item 5)."""
+growing delay, and the episode ends with the first probe that commits; idle pooled connections the
+server ended are replaced; a follow round it failed is read again (Issue 47 item 5)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 
 from daemon.backend.lifetime import store_care
 from daemon.backend.lifetime.store_care import StoreCare
+from daemon.backend.state.executions import ExecutionStore
+from daemon.backend.state.transcript_hub import TranscriptHub
+from daemon.backend.views.follow import FollowService, Position, Round
 from daemon.store import db as db_module
 from daemon.store import reach
 from daemon.store.db import Store, engine_options
@@ -146,3 +150,28 @@ def test_a_pooled_connection_the_server_ended_is_replaced(postgres: PgCluster,
             assert db.execute(text("SELECT 1")).scalar() == 1
     finally:
         store.close()
+
+
+def test_a_follow_round_the_server_failed_is_read_again_from_where_it_started(store: Store) -> None:
+    """A follow round moves its position as it reads; when the round then fails (its commit, on a
+    connection the server ended), the stream waits for the server and reads that round again from
+    the position it had, so no entry is skipped."""
+    watch = ReachWatch()
+    follow = FollowService(store, TranscriptHub(), ExecutionStore(), reach=watch)
+    pos = Position(session_id="s", cursor=10, turn_id="t", follow_all=False)
+
+    def failing_round(p: Position, live: bool, replaying: frozenset[str]) -> Round:
+        p.cursor, p.turn_end_sent = 510, True  # read up to here, then the commit failed
+        raise _wrapped(psycopg.errors.AdminShutdown("terminating connection"))
+
+    follow._round = failing_round  # type: ignore[method-assign]
+
+    async def scenario() -> Round | None:
+        waiting = asyncio.get_running_loop().create_task(follow._next_round(pos, True, frozenset()))
+        while not watch.unreachable:
+            await asyncio.sleep(0.01)
+        watch.succeeded()
+        return await waiting
+
+    assert run(scenario(), timeout=10) is None  # no round: read it again
+    assert (pos.cursor, pos.turn_end_sent) == (10, False)
