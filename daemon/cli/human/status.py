@@ -302,6 +302,8 @@ def render_status(status: dict[str, Any], term: Term) -> list[str]:
             continue
         if key == "sandbox" and isinstance(value, dict):
             value = {k: v for k, v in value.items() if k not in _NETWORK_KEYS}
+        if key == "store" and isinstance(value, dict):  # an unreachable server: said in the warning
+            value = {k: v for k, v in value.items() if k not in ("unreachable_since", "unreachable")}
         label = str(key).replace("_", " ").capitalize()
         if isinstance(value, dict):
             lines += _block(term, label, _extras(value, set()) or ["-"])
