@@ -107,7 +107,8 @@ class Backend:
         # the backend asks it to resume what a lost control server interrupted
         ctx.servers.on_restarted = self.resume.resume_interrupted
         # Every op that takes a task or session id also takes a unique prefix of it (daemon.backend.views.ids).
-        return ids.resolving(TABLE, ctx.store, status_api.out_of_space_reported(ctx, {
+        # A store that fails (full, or its server unreachable) gets a typed error, prefixes included.
+        return status_api.store_faults_reported(ctx, ids.resolving(TABLE, ctx.store, {
             **status_api.handlers(ctx, self.upgrade),
             **tasks_api.handlers(self.tasks),
             **task_delete.handlers(ctx),
@@ -120,7 +121,8 @@ class Backend:
             **workflow_api.handlers(self.workflow),
             **runtimes_api.handlers(ctx),
             **ctx.views.handlers(),
-            **FollowService(ctx.store, ctx.transcripts, ctx.executions, ctx.quiet, ctx.quiet_report).handlers(),
+            **FollowService(ctx.store, ctx.transcripts, ctx.executions, ctx.quiet, ctx.quiet_report,
+                            ctx.store_care.reach).handlers(),
         }))
 
     async def recover(self) -> None:

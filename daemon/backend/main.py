@@ -189,7 +189,7 @@ def _main(argv: list[str] | None) -> int:
             say(PROGRAM, f"cannot read the store: {type(exc).__name__}: {exc}")
             return ExitCode.FAILED
         try:
-            return _serve(args, paths, config, url, notifier, listener)
+            return _serve(args, paths, config, url, notifier, listener, store_lock)
         finally:
             store_lock.release()
     finally:
@@ -198,7 +198,7 @@ def _main(argv: list[str] | None) -> int:
 
 
 def _serve(args: argparse.Namespace, paths: Paths, config: Config, url: str, notifier: Notifier,
-           listener: CliListener) -> int:
+           listener: CliListener, store_lock: StoreLock) -> int:
     """Logging → platform check → store (migrations) → the event loop, with both locks held."""
     setup_daemon_logging("backend", verbose=args.verbose)
     capability = check_capability(config)
@@ -228,6 +228,8 @@ def _serve(args: argparse.Namespace, paths: Paths, config: Config, url: str, not
         store.close()
         return ExitCode.OK
     backend = Backend(paths, config, capability, store, ours)
+    # a PostgreSQL server that restarts or ends the lock's connection drops the lock: taken again
+    backend.context.store_care.keep_lock = store_lock.ensure
     try:
         return event_loop.run(_run(paths, backend, notifier, listener))
     finally:

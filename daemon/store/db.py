@@ -9,6 +9,17 @@ checkpoint every ``WAL_CHECKPOINT_PAGES`` pages of write-ahead log whose file is
 back to ``WAL_SIZE_LIMIT`` (so the log does not keep megabytes the transcript does not
 need), and a new database file is created 0600.
 
+A PostgreSQL engine (Issue 47 item 5) checks a pooled connection that was idle for
+``PING_IDLE_S`` or more before handing it out (``watch_connections``, SQLAlchemy's ``pool_pre_ping``
+without its round trip on every transaction: a flood commits a batch every few milliseconds on a
+connection that just worked): one the server ended while it sat in the pool (a restart,
+``pg_terminate_backend``, an idle timeout) is replaced instead of failing the next call. One that
+dies in use fails that call (``daemon.store.reach``), and SQLAlchemy then renews the whole pool.
+It gives up connecting after
+``PG_CONNECT_TIMEOUT_S`` unless ``database.url`` sets ``connect_timeout`` itself, with TCP
+keepalives on, so that a server that is gone is found out (``daemon.store.reach``) rather than
+waited on for ever.
+
 With pysqlite's default transaction handling a transaction begins at the
 first write, so reads before it see the latest committed data. Guarded writes
 therefore use compare-and-set (see ``transitions``), never "read, then write".
@@ -18,6 +29,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,6 +48,7 @@ from sqlalchemy import (
     inspect,
 )
 from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.orm import Session, sessionmaker
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
@@ -44,6 +57,12 @@ WAL_CHECKPOINT_PAGES = 256
 """Pages the write-ahead log grows to before a commit checkpoints it (SQLite's default is 1000)."""
 WAL_SIZE_LIMIT = 1024 * 1024
 """Bytes the write-ahead log file is cut back to once checkpointed (it never shrinks otherwise)."""
+PING_IDLE_S = 1.0
+"""Seconds a pooled PostgreSQL connection may sit unused before it is checked when handed out."""
+PG_CONNECT_TIMEOUT_S = 5
+"""Seconds a new PostgreSQL connection may take (libpq's ``connect_timeout``) unless the URL says."""
+PG_KEEPALIVES = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3}
+"""libpq's TCP keepalives: a peer that vanished without a word is noticed within about 25 s."""
 
 
 def sqlite_url(path: Path | str) -> str:
@@ -59,6 +78,39 @@ def sqlite_file(url: URL) -> Path | None:
     if not db or db == ":memory:" or db.startswith("file:"):
         return None
     return Path(db)
+
+
+def engine_options(url: URL) -> dict[str, Any]:
+    """``create_engine``'s options for ``url``: for PostgreSQL, a connect timeout and keepalives
+    (each unless the URL sets it); nothing for other engines."""
+    if url.get_backend_name() != "postgresql":
+        return {}
+    args: dict[str, Any] = {"connect_timeout": PG_CONNECT_TIMEOUT_S, **PG_KEEPALIVES}
+    return {"connect_args": {k: v for k, v in args.items() if k not in url.query}}
+
+
+def _note_checkin(_dbapi_connection: Any, record: Any) -> None:
+    record.info["kandev_used_at"] = time.monotonic()
+
+
+def watch_connections(engine: Engine) -> None:
+    """A PostgreSQL engine's pool checks a connection that sat idle for ``PING_IDLE_S`` (or is
+    handed out for the first time) before use, with the dialect's own ping (what ``pool_pre_ping``
+    does on every checkout); one that does not answer is replaced (``DisconnectionError``: the pool
+    connects anew, and a server that is gone fails there)."""
+    dialect = engine.dialect
+
+    def ping_if_idle(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+        used = record.info.get("kandev_used_at")
+        if used is not None and time.monotonic() - used < PING_IDLE_S:
+            return
+        try:
+            dialect.do_ping(dbapi_connection)
+        except Exception as exc:
+            raise DisconnectionError(f"a pooled connection no longer answers: {exc}") from exc
+
+    event.listen(engine, "checkin", _note_checkin)
+    event.listen(engine, "checkout", ping_if_idle)
 
 
 def _create_private_file(path: Path) -> None:
@@ -190,9 +242,11 @@ class Store:
         path = sqlite_file(parsed)
         if path is not None:
             _create_private_file(path)
-        engine = create_engine(parsed)
+        engine = create_engine(parsed, **engine_options(parsed))
         if parsed.get_backend_name() == "sqlite":
             event.listen(engine, "connect", _on_sqlite_connect)
+        elif parsed.get_backend_name() == "postgresql":
+            watch_connections(engine)
         try:
             migrate(engine, empty_at_head=empty_at_head)
         except BaseException:

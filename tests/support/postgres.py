@@ -5,7 +5,10 @@
 authentication: nothing outside this machine's root and the cluster's own user can reach it.
 PostgreSQL refuses to run as root, so under root the cluster runs as ``nobody``. Each call of
 ``new_database()`` creates an empty database and returns its SQLAlchemy URL. ``stop()`` stops
-the server and removes the directory.
+the server and removes the directory. For the fault tests (Issue 47 item 5) ``halt()`` stops the
+server process (``pg_ctl stop -m fast``: every connection is ended) and ``resume()`` starts it again
+on the same data, and ``terminate(dbname)`` ends every other connection to one database
+(``pg_terminate_backend``), as a dropped connection would.
 
 When the server binaries or psycopg are missing the tests that need them are skipped, except
 under ``CI`` (set by ``.ci/run``), where that is a set-up failure.
@@ -76,10 +79,35 @@ class PgCluster:
         os.chmod(self.dir, 0o700)
         self._run(str(self.bindir / "initdb"), "-D", str(self.data), "-A", "trust", "-U", ROLE, "-E", "UTF8",
                   "--no-sync")
+        self.resume()
+        return self
+
+    def resume(self) -> None:
+        """Start the server on its data directory (at ``start()``, and again after ``halt()``)."""
         options = f"-k {self.dir} -c listen_addresses='' -c fsync=off -c max_connections=200"
         self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data), "-o", options, "-l",
                   str(self.dir / "server.log"), "-w", "-t", "60", "start")
-        return self
+
+    def halt(self) -> None:
+        """Stop the server process (fast shutdown: open transactions are rolled back, every
+        connection is ended); ``resume()`` starts it again."""
+        self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data), "-m", "fast", "-w", "-t", "60", "stop")
+
+    def terminate(self, dbname: str) -> int:
+        """End every connection to ``dbname`` but this one (``pg_terminate_backend``); how many."""
+        import psycopg
+
+        with psycopg.connect(host=str(self.dir), user=ROLE, dbname="postgres", autocommit=True) as conn:
+            rows = conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                                " WHERE datname = %s AND pid <> pg_backend_pid()", (dbname,)).fetchall()
+        return sum(1 for (ended,) in rows if ended)
+
+    def query(self, dbname: str, sql: str, *params: object) -> list[tuple[object, ...]]:
+        """Rows of one read on ``dbname`` (a connection of its own, closed after)."""
+        import psycopg
+
+        with psycopg.connect(host=str(self.dir), user=ROLE, dbname=dbname, autocommit=True) as conn:
+            return list(conn.execute(sql, params).fetchall())
 
     def new_database(self) -> str:
         import psycopg

@@ -97,6 +97,20 @@ def test_status_warns_when_agents_are_not_sandboxed() -> None:
     assert 'agents are not sandboxed: agents.sandbox = "off"' in render_status(off, Term())[1]
 
 
+def test_status_warns_while_the_database_server_is_unreachable() -> None:
+    """Issue 47 item 5: an unreachable store is a warning in words, with since when and why; the
+    store's block does not repeat it as raw fields."""
+    base: dict[str, Any] = {"backend": {"pid": 1, "version": "0.1.0", "state": "ready"}}
+    ok = {**base, "store": {"reachable": True, "unreachable_since": None, "unreachable": None}}
+    assert not any("Warning" in line for line in render_status(ok, Term()))
+    gone = {**base, "store": {"reachable": False, "unreachable_since": 1796600000.5, "unreachable": {
+        "since": 1796600000.5, "seconds": 12.3, "detail": "OperationalError: connection is bad", "attempts": 7}}}
+    lines = render_status(gone, Term())
+    assert "store unreachable since 2026-12-06 " in lines[1] and "(12 s)" in lines[1], lines
+    assert "connection is bad" in lines[1] and "nothing is lost" in lines[1]
+    assert not any("unreachable_since" in line or "unreachable.detail" in line for line in lines), lines
+
+
 def test_an_ambiguous_id_error_lists_the_candidates_and_a_hint() -> None:
     err = IpcError(ErrorCode.AMBIGUOUS_ID, "x", False,
                    {"kind": "task", "given": "abcd", "candidates": ["abcd1", "abcd2"], "total": 2})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from typing import Any
 
 from daemon.agentctl.client.handshake import identify
@@ -152,14 +153,32 @@ def handlers(backend: BackendContext, upgrade: ServerUpgrade) -> dict[str, Handl
     }
 
 
-def out_of_space_reported(backend: BackendContext, table: dict[str, Handler]) -> dict[str, Handler]:
-    """Every handler of ``table``, with a store write that failed for want of space reported
-    (``store_out_of_space`` in the journal and ``kandev status``) and answered with the retryable
-    error ``store_out_of_space`` instead of an internal error (Issue 21 item 5)."""
-    space = backend.store_care.space
+STORELESS_OPS = frozenset({"status", "shutdown", "config_show"})
+"""The ops served while the database server is unreachable (they need no store)."""
 
-    def wrap(handler: Handler) -> Handler:
+
+def store_faults_reported(backend: BackendContext, table: dict[str, Handler]) -> dict[str, Handler]:
+    """Every handler of ``table``, with a store that fails answered by a typed, retryable error
+    instead of an internal error, the daemon staying up:
+
+    - a write that failed for want of space is reported (``store_out_of_space`` in the journal and
+      ``kandev status``) and answered ``store_out_of_space`` (Issue 21 item 5);
+    - a database server that cannot be reached is reported (``store_unreachable``) and answered
+      ``store_unreachable``; while it stays unreachable every op but ``STORELESS_OPS`` is answered so
+      at once, without trying the store (Issue 47 item 5)."""
+    space = backend.store_care.space
+    reach = backend.store_care.reach
+
+    def unreachable() -> IpcError:
+        since = reach.state.since if reach.state is not None else time.time()
+        return IpcError("store_unreachable", "the database server (database.url) is unreachable since"
+                        f" {time.strftime('%H:%M:%S UTC', time.gmtime(since))}; nothing was done: retry once it is"
+                        " back (`kandev status` says when); agents keep running", True)
+
+    def wrap(name: str, handler: Handler) -> Handler:
         async def handle(ctx: ConnectionContext, args: dict[str, Any]) -> Any:
+            if reach.unreachable and name not in STORELESS_OPS:
+                raise unreachable()
             try:
                 return await handler(ctx, args)
             except IpcError:
@@ -169,7 +188,9 @@ def out_of_space_reported(backend: BackendContext, table: dict[str, Handler]) ->
                     where = space.state.path if space.state is not None else "the store"
                     raise IpcError("store_out_of_space", f"the store at {where} is out of space; nothing was"
                                    " written: free some space and retry", True) from exc
+                if reach.failed(exc):
+                    raise unreachable() from exc
                 raise
         return handle
 
-    return {name: wrap(handler) for name, handler in table.items()}
+    return {name: wrap(name, handler) for name, handler in table.items()}

@@ -76,7 +76,8 @@ class BackendContext:
         # turn watch (daemon.backend.sessions.turn_watch).
         self.quiet = QuietTurns(time.monotonic, config.agents.quiet_warning_s, config.agents.turn_timeout_s)
         self.consumer = EventConsumer(store, self.servers.client_for, self.on_gone, self.store_care.space,
-                                      on_applied=functools.partial(note_events, self.quiet))
+                                      on_applied=functools.partial(note_events, self.quiet),
+                                      reach=self.store_care.reach)
         self.transcripts = TranscriptHub()  # wakes follow streams on store commits
         self.transcripts.observe(store)
         # sessions features.auto_resume is about to resume: not "no agent" on the board meanwhile

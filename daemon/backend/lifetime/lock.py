@@ -10,6 +10,7 @@ same way whichever home names the store, so two homes can never drive one store.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
@@ -21,7 +22,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
-from daemon.store.db import sqlite_file
+from daemon.store.db import engine_options, sqlite_file
 
 
 class LockHeld(RuntimeError):
@@ -86,6 +87,10 @@ class StoreLock:
     - PostgreSQL: a session-level advisory lock (``pg_try_advisory_lock``) on a dedicated
       connection kept open for the process lifetime; the server drops it when that connection
       ends, SIGKILL included. Two backends of different homes on one database are refused.
+      The server drops it too when it restarts or ends that connection (Issue 47 item 5):
+      ``ensure()``, called by the store's upkeep every few seconds and once the server is back
+      after an outage, finds the connection gone and takes the lock again on a new one (refused,
+      ``StoreLocked``, if another backend took it meanwhile).
     - Other engines (and in-memory SQLite) get no extra lock.
     """
 
@@ -94,6 +99,7 @@ class StoreLock:
         self._file_lock: HomeLock | None = None
         self._engine: Any = None
         self._conn: Any = None
+        self._postgresql = False  # holds (or is to hold again) a PostgreSQL advisory lock
 
     def acquire(self) -> None:
         url = make_url(self.url)
@@ -115,7 +121,7 @@ class StoreLock:
             self._lock_postgresql()
 
     def _lock_postgresql(self) -> None:
-        engine = create_engine(self.url, poolclass=NullPool)
+        engine = create_engine(self.url, poolclass=NullPool, **engine_options(make_url(self.url)))
         try:
             conn = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
         except Exception:
@@ -133,8 +139,29 @@ class StoreLock:
             raise StoreLocked("another kandev-backend already uses this PostgreSQL database (it holds the"
                               f" advisory lock {PG_LOCK_KEY}); one database serves one kandev home")
         self._engine, self._conn = engine, conn
+        self._postgresql = True
+
+    def ensure(self) -> bool:
+        """Still holding the PostgreSQL lock? If its connection is gone, take the lock again on a
+        new one. True when it had to be taken again; raises when it cannot be (server unreachable,
+        or ``StoreLocked``: tried again at the next call). Nothing to do for SQLite (a file lock
+        cannot be lost) or before ``acquire``."""
+        if not self._postgresql:
+            return False
+        if self._conn is not None:
+            try:
+                self._conn.execute(text("SELECT 1"))
+                return False
+            except Exception:
+                conn, engine, self._conn, self._engine = self._conn, self._engine, None, None
+                with contextlib.suppress(Exception):
+                    conn.close()
+                engine.dispose()
+        self._lock_postgresql()
+        return True
 
     def release(self) -> None:
+        self._postgresql = False
         if self._file_lock is not None:
             self._file_lock.release()
             self._file_lock = None

@@ -30,6 +30,7 @@ from daemon.backend.state.agent_identity import AgentIdentity
 from daemon.backend.state.events import apply_events, mark_agent_gone
 from daemon.core.journal import log_event
 from daemon.store.db import Store
+from daemon.store.reach import ReachWatch
 from daemon.store.space import SpaceWatch
 from ipc.aio import cancel_and_wait
 from ipc.errors import ErrorCode, IpcError
@@ -177,6 +178,10 @@ class StoreOutOfSpace(Exception):
     """A batch could not be committed for want of space (``daemon.store.space``)."""
 
 
+class StoreUnreachable(Exception):
+    """A batch could not be committed: the database server is unreachable (``daemon.store.reach``)."""
+
+
 class EventConsumer:
     """Consumes one execution's event stream into the store, in seq order, in batches.
 
@@ -187,6 +192,12 @@ class EventConsumer:
     closes (a shared stream: detaches) its stream, so the control server keeps the events and pauses the agent at its detached
     bound, exactly as with no backend attached; once space is back it re-attaches after the last
     committed seq and catches up, every event once and in order (Issue 21 item 5).
+    A database server that cannot be reached is met the same way (Issue 47 item 5): the batch is
+    not acknowledged, the stream is detached, and the consumer waits until the store's upkeep
+    reaches the server again (``daemon.store.reach``); while that episode lasts no consumer tries
+    the store (a connection attempt would hold the event loop). A commit whose answer was lost
+    with the connection is no risk either: applying an event again is a no-op
+    (``daemon.backend.state.events``), and its turn's end is reported again.
     """
 
     def __init__(
@@ -196,6 +207,7 @@ class EventConsumer:
         on_gone: Callable[[Execution], None],
         space: SpaceWatch | None = None,
         on_applied: Callable[[str, list[Any]], None] | None = None,
+        reach: ReachWatch | None = None,
     ) -> None:
         self.store = store
         self.client_factory = client_factory
@@ -203,6 +215,7 @@ class EventConsumer:
         # told each committed batch of a session's events (how long its turn has been quiet)
         self.on_applied = on_applied
         self.space = space if space is not None else SpaceWatch(None)
+        self.reach = reach if reach is not None else ReachWatch()
         self.stopping = False
 
     def start(self, ex: Execution) -> None:
@@ -220,6 +233,9 @@ class EventConsumer:
             except StoreOutOfSpace:
                 # The stream is closed (detached): the control server holds the rest.
                 await self.space.wait_for_space()
+                continue
+            except StoreUnreachable:
+                await self.reach.wait_reachable()  # detached meanwhile, as above
                 continue
             except OwnershipRefused as exc:
                 log.warning("session %s: control server refused us (%s); no longer tracking it", ex.session_id, exc)
@@ -271,14 +287,19 @@ class EventConsumer:
                 batch = [ev for ev in batch if ev.seq > ex.last_seq]
                 if not batch:
                     continue
+                if self.reach.unreachable:  # another store user found the server gone: no attempt
+                    await self._detach(stream)
+                    raise StoreUnreachable()
                 try:
                     with self.store.session() as db:
                         result = apply_events(db, ex.session_id, ex.instance_id, batch)
                 except Exception as exc:
                     if self.space.failed(exc):
-                        if isinstance(stream, InstanceStream):  # its connection goes on for the others
-                            await stream.detach()
+                        await self._detach(stream)
                         raise StoreOutOfSpace() from exc
+                    if self.reach.failed(exc):
+                        await self._detach(stream)
+                        raise StoreUnreachable() from exc
                     raise
                 self.space.succeeded()
                 ex.last_seq = batch[-1].seq
@@ -304,6 +325,12 @@ class EventConsumer:
         finally:
             with contextlib.suppress(Exception):
                 await stream.close()
+
+    @staticmethod
+    async def _detach(stream: Any) -> None:
+        """Stop taking the stream's events (the control server keeps them from here)."""
+        if isinstance(stream, InstanceStream):  # its connection goes on for the others
+            await stream.detach()
 
     def _agent_gone(self, ex: Execution, reason: str | None) -> None:
         if reason is not None:

@@ -44,11 +44,17 @@ After a backend restart (SIGKILL, ``kandev down``/``up``, ``systemctl restart``)
 reconnects with ``after_seq`` = the last cursor it printed and the same ``turn_id``: the
 transcript is in the store, re-tracked sessions keep appending to it, so the client gets the rest
 exactly once and in order.
+
+A database server that cannot be reached (Issue 47 item 5, ``daemon.store.reach``) pauses a
+stream that is open: the failed round is reported, the stream waits until the store's upkeep
+reaches the server again and reads the same round again, so the client sees a pause, never an
+error or a gap. A new ``follow`` meanwhile is refused with ``store_unreachable``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 from collections.abc import Awaitable, Callable
@@ -68,6 +74,7 @@ from daemon.backend.views.session_view import PAGE_TEXT_BYTES, permissions, tran
 from daemon.store import transcript
 from daemon.store.db import Store
 from daemon.store.models import TaskSession, Turn
+from daemon.store.reach import ReachWatch
 from daemon.store.states import SessionState, TurnState
 from ipc.errors import ErrorCode, IpcError
 from ipc.framing import ConnectionClosed
@@ -263,8 +270,10 @@ class FollowService:
     """Serves ``follow`` streams from the store, woken by the hub."""
 
     def __init__(self, store: Store, hub: TranscriptHub, executions: ExecutionStore,
-                 quiet: QuietTurns | None = None, report: QuietOf | None = None) -> None:
+                 quiet: QuietTurns | None = None, report: QuietOf | None = None,
+                 reach: ReachWatch | None = None) -> None:
         self.store = store
+        self.reach = reach  # a round that finds the database server gone waits for it
         self.hub = hub
         self.executions = executions
         self.quiet = quiet  # how long each running turn's agent has been silent
@@ -290,6 +299,24 @@ class FollowService:
         with self.store.session() as db:
             return read_round(db, pos, live=live, replaying=replaying)
 
+    async def _next_round(self, pos: Position, live: bool, replaying: frozenset[str]) -> Round | None:
+        """The next round, or None after waiting for an unreachable database server to be back (the
+        position as it was before the failed round: a round moves it as it reads, and the read's
+        end, its commit, can fail after that)."""
+        if self.reach is not None and self.reach.unreachable:
+            await self.reach.wait_reachable()
+            return None
+        before = dataclasses.replace(pos)
+        try:
+            return await asyncio.to_thread(self._round, pos, live, replaying)
+        except Exception as exc:
+            if self.reach is None or not self.reach.failed(exc):
+                raise
+        for name, value in vars(before).items():
+            setattr(pos, name, value)
+        await self.reach.wait_reachable()
+        return None
+
     async def op_follow(self, ctx: ConnectionContext, args: dict[str, Any]) -> None:
         session_id = args["session_id"]
         async with self.hub.watching(session_id) as watch:  # before the first read: no change is missed
@@ -303,7 +330,9 @@ class FollowService:
                     live = ex is not None
                     # read before the round: a turn leaves the set only after its entries committed
                     replaying = frozenset(ex.replaying_turns) if ex is not None else frozenset()
-                    step = await asyncio.to_thread(self._round, pos, live, replaying)
+                    step = await self._next_round(pos, live, replaying)
+                    if step is None:
+                        continue  # the database server was away: read this round again
                     if not live and self.executions.executions.get(session_id) is not None:
                         _not_ended_for_want_of_an_agent(step)  # it got one during the read
                     for ev in step.events:

@@ -132,6 +132,19 @@ def out_of_space_line(full: dict[str, Any]) -> str:
             " and everything goes on (nothing is lost)")
 
 
+def unreachable_line(gone: dict[str, Any]) -> str:
+    """The sentence ``kandev status`` shows while the database server cannot be reached
+    (``store.unreachable``)."""
+    since = gone.get("since")
+    when = (datetime.fromtimestamp(since, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+            if isinstance(since, (int, float)) else "?")
+    seconds = gone.get("seconds")
+    lasting = f" ({seconds:.0f} s)" if isinstance(seconds, (int, float)) else ""
+    return (f"store unreachable since {when}{lasting}: the database server (database.url) does not answer"
+            f" ({gone.get('detail') or 'no detail'}); agents keep running and their output waits with the"
+            " control server; everything goes on once it is back (nothing is lost)")
+
+
 def network_refusals(net: dict[str, Any] | None) -> str | None:
     """An agent's (or every agent's) network refusals in one line: the mode, how many requests its
     egress proxy refused and the last few destinations (the agent named them: escaped)."""

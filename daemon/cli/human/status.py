@@ -10,7 +10,7 @@ as ``name: value``; a part it does not know gets a block of its own. Nothing is 
 from __future__ import annotations
 
 from daemon.api.ops import AdoptionOutcome, BackendState, LinkObserved, LinkState
-from daemon.cli.human.fmt import duration_ms, network_refusals, out_of_space_line, short
+from daemon.cli.human.fmt import duration_ms, network_refusals, out_of_space_line, short, unreachable_line
 from daemon.cli.human.term import Term
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
@@ -92,7 +92,10 @@ def warnings(status: dict[str, Any]) -> list[str]:
     adoption = status.get("adoption") or {}
     if adoption.get("outcome") == AdoptionOutcome.REFUSED:
         out.append(f"the control server could not be adopted: {adoption.get('reason')}")
-    full = (status.get("store") or {}).get("out_of_space")
+    store = status.get("store") or {}
+    if store.get("reachable") is False:
+        out.append(unreachable_line(store.get("unreachable") or {}))
+    full = store.get("out_of_space")
     if full:
         out.append(out_of_space_line(full))
     sandbox = status.get("sandbox") or {}
@@ -299,6 +302,8 @@ def render_status(status: dict[str, Any], term: Term) -> list[str]:
             continue
         if key == "sandbox" and isinstance(value, dict):
             value = {k: v for k, v in value.items() if k not in _NETWORK_KEYS}
+        if key == "store" and isinstance(value, dict):  # an unreachable server: said in the warning
+            value = {k: v for k, v in value.items() if k not in ("unreachable_since", "unreachable")}
         label = str(key).replace("_", " ").capitalize()
         if isinstance(value, dict):
             lines += _block(term, label, _extras(value, set()) or ["-"])
