@@ -40,9 +40,10 @@ OPS = [
     Op(
         "session_start",
         required={"task_id": str},
-        optional={"agent": str, "prompt": str, "passthrough": bool},
+        optional={"agent": str, "prompt": str, "passthrough": bool, "host": str},
         auth=False,
-        doc="-> {session_id, turn_id|None}",
+        doc="-> {session_id, turn_id|None}; host (cluster mode): the host whose backend starts and drives it"
+        " (default: this one; another host's answer comes through the store: daemon/backend/cluster/router.py)",
     ),
     Op(
         "prompt",

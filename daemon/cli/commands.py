@@ -133,7 +133,10 @@ def run(args: argparse.Namespace) -> Any:
             call_args = {"task_id": args.task_id, "agent": args.agent, "passthrough": args.passthrough}
             if args.prompt:
                 call_args["prompt"] = args.prompt
-            _ensure_runtime(sock, args.agent)
+            if args.host:
+                call_args["host"] = args.host
+            else:
+                _ensure_runtime(sock, args.agent)  # another host prepares its own runtimes
             return call(sock, "session_start", call_args, timeout=180.0)  # create_instance: up to 150 s
         if args.session_cmd == "show":
             if args.limit is not None and args.after_seq is None:

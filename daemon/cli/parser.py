@@ -300,6 +300,8 @@ def _build_parser() -> argparse.ArgumentParser:
     ss.add_argument("--prompt", metavar="TEXT", help="a first prompt, sent once the agent is ready")
     ss.add_argument("--passthrough", action="store_true",
                     help="run the agent under the backend's own control server, never detached (no survival)")
+    ss.add_argument("--host", metavar="NAME", help="cluster mode: the host whose backend runs the agent (kandev"
+                    " hosts lists them; default: this host)")
     sh = session.add("show", "one session: state, agent, turns, one page of its transcript")
     sh.add_argument("session_id", metavar="SESSION", help="the session's id (any unique prefix of 4+ characters)")
     where = sh.add_mutually_exclusive_group()

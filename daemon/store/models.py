@@ -17,6 +17,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     CheckConstraint,
     DateTime,
@@ -44,6 +45,7 @@ MESSAGE_ROLES = ("user", "agent", "system")
 INVENTORY_STATUSES = tuple(s.value for s in InventoryStatus)
 LAUNCH_MODES = tuple(s.value for s in LaunchMode)
 WORKFLOW_STEP_STATUSES = ("pending", "active", "blocked", "done")
+CLUSTER_REQUEST_STATES = ("pending", "running", "done")
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -318,3 +320,29 @@ class TaskWorkspace(Base):
     git_admin_dir: Mapped[str | None] = mapped_column(Text)
     git_owner_uid: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ClusterRequest(Base):
+    """An op on a session another host owns (Issue 47; ``daemon.backend.cluster.requests``): written
+    by the requesting backend (``origin_host``), claimed and carried out by the backend of ``host``
+    with the handler a local CLI call uses, its ``result`` or typed ``error`` ({code, message,
+    retryable, details}) written back. ``state``: ``pending`` (written), ``running`` (claimed: it
+    is never run a second time), ``done`` (answered, or given up before anyone claimed it)."""
+
+    __tablename__ = "cluster_requests"
+    __table_args__ = (
+        CheckConstraint(_one_of("state", CLUSTER_REQUEST_STATES), name="state"),
+        Index("ix_cluster_requests_host_state", "host", "state"),
+    )
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
+                                    autoincrement=True)
+    host: Mapped[str] = mapped_column(String(64))
+    origin_host: Mapped[str] = mapped_column(String(64))
+    op: Mapped[str] = mapped_column(String(64))
+    args: Mapped[dict[str, Any]] = mapped_column()
+    state: Mapped[str] = mapped_column(String(16), default="pending")
+    result: Mapped[dict[str, Any] | None] = mapped_column()
+    error: Mapped[dict[str, Any] | None] = mapped_column()
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    claimed_at: Mapped[datetime | None] = mapped_column()
+    done_at: Mapped[datetime | None] = mapped_column()

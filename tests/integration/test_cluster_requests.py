@@ -1,0 +1,147 @@
+"""Two hosts on one PostgreSQL (Issue 47): one host's CLI drives a session another host owns, through
+requests in the store, and follows it from the store.
+
+Two kandev homes on this machine are the hosts ``a`` and ``b`` of one database (agent survival on, so
+``b``'s agents outlive ``b``'s backend); every command runs on ``a``'s CLI, which talks to ``a``'s
+backend only. Scenario A: a session started on ``b`` from ``a`` runs its agent under ``b``'s control
+server; ``a``'s prompt (with ``--follow``), cancel, stop and resume go through ``b``'s backend and
+answer as on ``b`` itself, typed errors included. Scenario B: ``b``'s backend SIGKILLed mid-turn;
+``a`` refuses to drive the session with ``host_unreachable``; ``b`` restarted re-tracks the agent, the
+turn completes, and ``a``'s follow shows every chunk once and in order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.support.kandev import Kandev
+from tests.support.processes import alive
+from tests.support.streams import TimedOutput, agent_chunks
+from tests.support.waiting import wait_until
+
+pytestmark = pytest.mark.timeout(420)
+
+
+def _config(url: str, host: str) -> str:
+    return (f'[database]\nurl = "{url}"\n[cluster]\nhost = "{host}"\nheartbeat_s = 1\nhost_timeout_s = 3\n'
+            "[features]\nagent_survival = true\n")
+
+
+def _hosts(kandev_factory: Any, postgres: Any) -> tuple[Kandev, Kandev]:
+    url = postgres.new_database()
+    a = kandev_factory("a", _config(url, "a"))
+    b = kandev_factory("b", _config(url, "b"))
+    a.up()
+    b.up()
+    return a, b
+
+
+def _state(k: Kandev, sid: str, *states: str, timeout: float = 60) -> dict[str, Any]:
+    return wait_until(lambda: s if (s := k.show(sid))["state"] in states else None, timeout=timeout,
+                      message=f"session {sid} in {states}")
+
+
+def _ancestors(pid: int) -> list[int]:
+    return [p.pid for p in psutil.Process(pid).parents()]
+
+
+def _error(proc: Any) -> tuple[int, str]:
+    """A failed CLI call's exit status and its error line (stderr)."""
+    return proc.returncode, proc.stderr.strip()
+
+
+def test_a_drives_a_session_on_b(kandev_factory, postgres):
+    """Issue 47 scenario A: from ``a``: ``session start TASK --host b``, a prompt with ``--follow``,
+    ``cancel``, ``session stop``, ``resume``; the agent's process runs under ``b``'s control server
+    (never ``a``'s); each answer, and each typed error, is what ``b``'s own CLI gets; both boards
+    show the same tasks and sessions with their hosts."""
+    a, b = _hosts(kandev_factory, postgres)
+    task = a.cli("task", "create", "--title", "on b")["task_id"]
+    sid = a.cli("session", "start", task, "--host", "b")["session_id"]
+    shown = _state(a, sid, "WAITING_FOR_INPUT")
+    assert shown["host"] == "b"
+    pid = int(shown["agent_pid"])
+    b.agent_pids.add(pid)
+    b_server, a_server = int(b.status()["control_server"]["pid"]), int(a.status()["control_server"]["pid"])
+    assert b_server in _ancestors(pid) and a_server not in _ancestors(pid)
+
+    followed = a.human("prompt", sid, "hello from a", "--follow")
+    assert followed.returncode == 0, followed.stderr
+    assert "echo: hello from a" in followed.stdout and "turn ended" in followed.stdout
+    assert agent_chunks(b.show(sid)) == ["echo: hello from a"]
+
+    started = a.cli("prompt", sid, "/slow 60")
+    assert started["turn_id"]
+    wait_until(lambda: agent_chunks(a.show(sid))[1:], timeout=60, message="the slow turn streams")
+    assert a.cli("cancel", sid) == {"ok": True} or a.cli("session", "show", sid)
+    turn = wait_until(lambda: t if (t := a.show(sid)["turns"][-1])["state"] != "open" else None, timeout=60)
+    assert turn["stop_reason"] == "cancelled", turn
+
+    # The same typed error as on b itself: nothing to cancel now.
+    from_a, from_b = a.run("cancel", sid), b.run("cancel", sid)
+    assert from_a.returncode == from_b.returncode != 0
+    assert json.loads(from_a.stdout or "{}") == json.loads(from_b.stdout or "{}")
+    assert from_a.stderr == from_b.stderr and "conflict" in from_a.stderr, from_a.stderr
+
+    stopped = a.cli("session", "stop", sid)
+    assert stopped["session_id"] == sid and stopped["agent_pid"] == pid
+    wait_until(lambda: not alive(pid), timeout=30, message="the stopped agent exits")
+    resumed = a.cli("resume", sid)
+    assert resumed["session_id"] == sid
+    again = _state(a, sid, "WAITING_FOR_INPUT")
+    new_pid = int(again["agent_pid"])
+    b.agent_pids.add(new_pid)
+    assert new_pid != pid and b_server in _ancestors(new_pid)
+    assert a.cli("prompt", sid, "after resume", "--wait")["stop_reason"] == "end_turn"
+
+    assert a.cli("board") == b.cli("board")
+    rows_a = {s["session_id"]: s for s in a.cli("session", "list")["sessions"]}
+    rows_b = {s["session_id"]: s for s in b.cli("session", "list")["sessions"]}
+    assert rows_a.keys() == rows_b.keys() == {sid}
+
+    # A local session of a is still driven by a alone.
+    _, local = a.start_session("on a")
+    assert a.show(local)["host"] == "a"
+    assert a.cli("prompt", local, "local", "--wait")["stop_reason"] == "end_turn"
+
+
+def test_a_refuses_an_unreachable_b_and_follows_the_turn_once_b_is_back(kandev_factory, postgres):
+    """Issue 47 scenario B (the part driven from ``a``): ``b``'s backend SIGKILLed mid-turn; ``a``
+    refuses to drive ``b``'s session with ``host_unreachable`` naming ``b`` and since when; ``b``
+    restarted re-tracks the agent, the turn completes, and ``a``'s follow (open throughout) shows
+    every chunk once and in order."""
+    a, b = _hosts(kandev_factory, postgres)
+    task = a.cli("task", "create", "--title", "b dies")["task_id"]
+    sid = a.cli("session", "start", task, "--host", "b")["session_id"]
+    pid = int(_state(a, sid, "WAITING_FOR_INPUT")["agent_pid"])
+    b.agent_pids.add(pid)
+    a.cli("prompt", sid, "/slow 30")
+    follow = a.popen("follow", sid[:8], "--reconnect-timeout", "120")
+    out, err = TimedOutput(follow.stdout), TimedOutput(follow.stderr)
+    out.wait_for("3/30 ", timeout=60)
+
+    backend = b.backend_pid
+    os.kill(backend, signal.SIGKILL)
+    wait_until(lambda: not alive(backend), timeout=10)
+    wait_until(lambda: next(h for h in a.cli("hosts")["hosts"] if h["name"] == "b")["state"] == "unreachable",
+               timeout=30, message="a shows b unreachable")
+    code, line = _error(a.run("prompt", sid, "while b is away"))
+    assert code != 0 and "host_unreachable" in line and "host b is unreachable since" in line, line
+    code, line = _error(a.run("cancel", sid))
+    assert code != 0 and "host_unreachable" in line, line
+    assert alive(pid)  # the agent goes on under b's control server
+
+    st = b.up()
+    assert st["recovery"]["retracked"] == 1
+    assert follow.wait(timeout=120) == 0, err.text
+    assert re.findall(r"\d+/30 ", out.text) == [f"{i}/30 " for i in range(1, 31)]
+    done = _state(a, sid, "WAITING_FOR_INPUT")
+    assert agent_chunks(done) == [f"{i}/30 " for i in range(1, 31)]
+    assert a.cli("prompt", sid, "b is back", "--wait")["stop_reason"] == "end_turn"
