@@ -32,6 +32,7 @@ import daemon.backend.sessions.lifecycle as lifecycle
 import daemon.backend.tasks.delete as task_delete
 import daemon.backend.views.ids as ids
 from daemon.api.ops import TABLE, AdoptionOutcome, BackendState
+from daemon.backend.cluster.identity import ClusterIdentity
 from daemon.backend.lifetime.context import BackendContext
 from daemon.backend.lifetime.server_upgrade import ServerUpgrade
 from daemon.backend.recovery.adoption import Adopter
@@ -134,6 +135,7 @@ class Backend:
             read_timeout_s=agentctl.recovery_read_timeout,
             read_retries=agentctl.recovery_read_retries,
             on_claim_ready=ctx.servers.on_adopted,
+            identity=ClusterIdentity.of(ctx.config),
         )
         recovery = Recovery(
             ctx.store,

@@ -46,6 +46,7 @@ INVENTORY_STATUSES = tuple(s.value for s in InventoryStatus)
 LAUNCH_MODES = tuple(s.value for s in LaunchMode)
 WORKFLOW_STEP_STATUSES = ("pending", "active", "blocked", "done")
 CLUSTER_REQUEST_STATES = ("pending", "running", "done")
+SINGLE_HOST = ""  # the control-server record's key on a single-host store
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -130,6 +131,8 @@ class TaskSession(Base):
     metadata_json: Mapped[dict[str, Any]] = mapped_column(default=dict)
     passthrough: Mapped[bool] = mapped_column(Boolean, default=False)
     last_error: Mapped[str | None] = mapped_column(Text)
+    # the cluster host whose backend drives it (Issue 47); None: a single-host store
+    host: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
@@ -237,14 +240,17 @@ class ExecutorRunning(Base):
 
 
 class ControlServerRecord(Base):
-    """The one control-server record (``id`` is always 1); ``credential_ref`` names a secret file."""
+    """A host's control-server record, one per ``host`` (Issue 47): ``SINGLE_HOST`` (``""``) on a
+    single-host store, whose record is always ``id = 1``; a cluster host's name otherwise
+    (``daemon.backend.cluster.identity``). ``credential_ref`` names a secret file."""
 
     __tablename__ = "control_server_record"
     __table_args__ = (
-        CheckConstraint("id = 1", name="single_row"),
+        CheckConstraint("host <> '' OR id = 1", name="single_host_row"),
         CheckConstraint(_one_of("launch_mode", LAUNCH_MODES), name="launch_mode"),
     )
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False, default=1)
+    host: Mapped[str] = mapped_column(String(64), unique=True, default=SINGLE_HOST, server_default=SINGLE_HOST)
     endpoint: Mapped[str] = mapped_column(Text)
     server_identity: Mapped[str] = mapped_column(String(128))
     credential_ref: Mapped[str] = mapped_column(String(128))
@@ -254,6 +260,22 @@ class ControlServerRecord(Base):
     pid_start_time: Mapped[float | None] = mapped_column(Float)
     launch_mode: Mapped[str] = mapped_column(String(16))
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class ClusterHost(Base):
+    """One host of a cluster (Issue 47, docs/cluster.md): the backend that claimed the name (its
+    installation, pid, machine, version), when it started, its last heartbeat, and when it stopped
+    cleanly (None while it runs, or after it died without stopping)."""
+
+    __tablename__ = "cluster_hosts"
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    installation_id: Mapped[str] = mapped_column(String(64))
+    pid: Mapped[int] = mapped_column(Integer)
+    machine: Mapped[str] = mapped_column(Text)
+    version: Mapped[str] = mapped_column(Text)
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow)
+    stopped_at: Mapped[datetime | None] = mapped_column()
 
 
 class CredentialLease(Base):

@@ -397,7 +397,7 @@ class Recovery:
 
     def read_server_record(self) -> ControlServerRecord | None:
         with self.store.session() as db:
-            rec = db.get(ControlServerRecord, 1)
+            rec = self.adopter.identity.record(db)
             if rec is not None:
                 db.expunge(rec)
             return rec
