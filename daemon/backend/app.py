@@ -33,6 +33,8 @@ import daemon.backend.tasks.delete as task_delete
 import daemon.backend.views.ids as ids
 from daemon.api.ops import TABLE, AdoptionOutcome, BackendState
 from daemon.backend.cluster.identity import ClusterIdentity
+from daemon.backend.cluster.membership import HostDirectory
+from daemon.backend.cluster.messaging import ClusterMessaging, refuse_hosts
 from daemon.backend.lifetime.context import BackendContext
 from daemon.backend.lifetime.server_upgrade import ServerUpgrade
 from daemon.backend.recovery.adoption import Adopter
@@ -52,6 +54,7 @@ from daemon.backend.views.follow import FollowService
 from daemon.config.platform import CapabilityStatus
 from daemon.config.settings import Config
 from daemon.core.journal import log_event
+from daemon.core.version import VERSION
 from daemon.host.paths import Paths
 from daemon.store.db import Store
 from ipc.server import Handler
@@ -83,6 +86,13 @@ class Backend:
         # Silent turns: warned about, and ended with reason timeout (agents.turn_timeout_s).
         self.turn_watch = TurnWatch(ctx.quiet, ctx.executions, store, ctx.transcripts, self.sessions.cancel,
                                     config.agents.turn_timeout_s)
+        # Several hosts (Issue 47): ops on another host's sessions go to it through the store.
+        self.identity = ClusterIdentity.of(config)
+        self.messaging: ClusterMessaging | None = None
+        if self.identity.host is not None:
+            hosts = HostDirectory(store, self.identity, installation_id, heartbeat_s=config.cluster.heartbeat_s,
+                                  host_timeout_s=config.cluster.host_timeout_s, version=VERSION)
+            self.messaging = ClusterMessaging(store, self.identity.host, hosts.reachability, ctx.transcripts)
 
     # What daemon.backend.main reads.
     @property
@@ -108,7 +118,7 @@ class Backend:
         # the backend asks it to resume what a lost control server interrupted
         ctx.servers.on_restarted = self.resume.resume_interrupted
         # Every op that takes a task or session id also takes a unique prefix of it (daemon.backend.views.ids).
-        return ids.resolving(TABLE, ctx.store, status_api.out_of_space_reported(ctx, {
+        table = status_api.out_of_space_reported(ctx, {
             **status_api.handlers(ctx, self.upgrade),
             **tasks_api.handlers(self.tasks),
             **task_delete.handlers(ctx),
@@ -121,12 +131,21 @@ class Backend:
             **workflow_api.handlers(self.workflow),
             **runtimes_api.handlers(ctx),
             **ctx.views.handlers(),
-            **FollowService(ctx.store, ctx.transcripts, ctx.executions, ctx.quiet, ctx.quiet_report).handlers(),
-        }))
+            **FollowService(ctx.store, ctx.transcripts, ctx.executions, ctx.quiet, ctx.quiet_report,
+                            host=self.identity.host).handlers(),
+        })
+        if self.messaging is None:
+            return ids.resolving(TABLE, ctx.store, refuse_hosts(table))
+        # The runner carries out other hosts' requests through this same table (Issue 47 item 6).
+        served = ids.resolving(TABLE, ctx.store, self.messaging.wrap(table))
+        self.messaging.use(served)
+        return served
 
     async def recover(self) -> None:
         ctx = self.context
         ctx.state = BackendState.RECOVERING
+        if self.messaging is not None:
+            self.messaging.start()  # results of requests and other hosts' transcripts wake us from now on
         agentctl = ctx.config.agentctl
         adopter = Adopter(
             ctx.store,
@@ -171,6 +190,8 @@ class Backend:
             ctx.auto_resume_pending.update(self.resume.interrupted_sessions())
         ctx.state = BackendState.READY
         self.upgrade.start()
+        if self.messaging is not None:
+            await self.messaging.serve_requests()  # other hosts' requests, those written meanwhile first
 
     def _publish(self, ex: Execution) -> None:
         self.context.executions.executions[ex.session_id] = ex
@@ -182,6 +203,8 @@ class Backend:
         re-track for them (information, not a warning)."""
         ctx = self.context
         ctx.state = BackendState.STOPPING
+        if self.messaging is not None:
+            await self.messaging.stop()  # what it still runs for other hosts is answered request_interrupted
         stopping = lifecycle.stopping_with_backend(ctx)  # before the executions are dropped
         await self.upgrade.stop()  # no replacement of an old server starts or goes on now
         await self.turn_watch.stop()  # no silent turn is cancelled now

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -20,6 +19,7 @@ import pytest
 from sqlalchemy import create_engine, select
 
 from daemon.backend.cluster import requests, router
+from daemon.backend.cluster.membership import Reachability
 from daemon.backend.cluster.messaging import ClusterMessaging
 from daemon.backend.state.transcript_hub import TranscriptHub
 from daemon.store.db import Store
@@ -34,20 +34,17 @@ pytestmark = pytest.mark.timeout(120)
 SINCE = datetime(2026, 12, 7, 0, 10, tzinfo=UTC)
 
 
-@dataclass
-class Seen:
-    name: str
-    state: str
-    since: datetime | None
+def _seen(name: str, state: str, since: datetime | None) -> Reachability:
+    return Reachability(name, state, since, None, None, None, None)
 
 
 class Hosts:
     """What the membership would say: every named host ready unless told otherwise."""
 
     def __init__(self) -> None:
-        self.states = {"a": Seen("a", "ready", None), "b": Seen("b", "ready", None)}
+        self.states = {"a": _seen("a", "ready", None), "b": _seen("b", "ready", None)}
 
-    def __call__(self, name: str) -> Seen | None:
+    def __call__(self, name: str) -> Reachability | None:
         return self.states.get(name)
 
 
@@ -153,7 +150,7 @@ def test_an_unreachable_host_is_refused_at_once_and_nothing_is_written(store):
     """Issue 47 item 2: a host the membership shows unreachable (or stopped) is ``host_unreachable``
     naming it and since when, before any request row; an unknown host is ``not_found``."""
     hosts = Hosts()
-    hosts.states["b"] = Seen("b", "unreachable", SINCE)
+    hosts.states["b"] = _seen("b", "unreachable", SINCE)
     calls: list[tuple[str, dict[str, Any]]] = []
 
     async def scenario() -> tuple[IpcError, IpcError]:

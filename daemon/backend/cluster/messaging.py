@@ -21,7 +21,8 @@ from typing import Any, Protocol
 
 from daemon.backend.cluster import requests
 from daemon.backend.cluster.listener import NotifyListener, announce_transcript_commits
-from daemon.backend.cluster.router import Reachability, Router
+from daemon.backend.cluster.membership import Reachability
+from daemon.backend.cluster.router import Router
 from daemon.backend.cluster.runner import RequestRunner
 from daemon.store.db import Store
 from ipc.errors import ErrorCode, IpcError

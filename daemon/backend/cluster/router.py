@@ -31,11 +31,12 @@ import inspect
 import time
 from collections.abc import Callable
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Any
 
 from sqlalchemy import select
 
 from daemon.backend.cluster import requests
+from daemon.backend.cluster.membership import Reachability
 from daemon.store.db import Store
 from daemon.store.models import TaskSession
 from ipc.aio import within
@@ -60,14 +61,6 @@ REACHABILITY_EVERY_S = 5.0
 """Seconds between two looks at the owner's heartbeat while a claimed request runs."""
 FROM_REQUEST = "cluster_request"
 """``ConnectionContext.state`` key: the id of the request this call carries out (owner side)."""
-
-
-class Reachability(Protocol):
-    """What the router reads of a host (``daemon.backend.cluster.membership.Reachability``)."""
-
-    name: str
-    state: str
-    since: datetime | None
 
 
 def unreachable(host: str, state: str, since: datetime | None, *, ran: str = "") -> IpcError:
