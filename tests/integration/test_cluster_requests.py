@@ -3,9 +3,9 @@ requests in the store, and follows it from the store.
 
 Two kandev homes on this machine are the hosts ``a`` and ``b`` of one database (agent survival on, so
 ``b``'s agents outlive ``b``'s backend); every command runs on ``a``'s CLI, which talks to ``a``'s
-backend only. Scenario A: a session started on ``b`` from ``a`` runs its agent under ``b``'s control
+backend only. Issue 47 scenario A: a session started on ``b`` from ``a`` runs its agent under ``b``'s control
 server; ``a``'s prompt (with ``--follow``), cancel, stop and resume go through ``b``'s backend and
-answer as on ``b`` itself, typed errors included. Scenario B: ``b``'s backend SIGKILLed mid-turn;
+answer as on ``b`` itself, typed errors included. Issue 47 scenario B: ``b``'s backend SIGKILLed mid-turn;
 ``a`` refuses to drive the session with ``host_unreachable``; ``b`` restarted re-tracks the agent, the
 turn completes, and ``a``'s follow shows every chunk once and in order.
 """

@@ -1,4 +1,4 @@
-"""Requests between two cluster backends in one process, on a real PostgreSQL (Issue 47 items 2 and 6):
+"""Requests between two cluster backends in one process, on a real PostgreSQL (Issue 47 item 2, Issue 47 item 6):
 the router of host ``a`` hands an op to host ``b``'s runner through the store and gets back exactly
 what ``b``'s handler answered or raised; ``b`` accepts only the routed ops, with the op table's
 validation; an unreachable or silent host is ``host_unreachable``, and a request ``b`` never took up

@@ -1,4 +1,4 @@
-"""One cluster backend's messaging through PostgreSQL (Issue 47 items 2 and 3), started and stopped together.
+"""One cluster backend's messaging through PostgreSQL (Issue 47 item 2, Issue 47 item 3), started and stopped together.
 
 - ``router`` (``daemon.backend.cluster.router``): ops on other hosts' sessions become requests;
 - ``runner`` (``daemon.backend.cluster.runner``): this host's requests are carried out;

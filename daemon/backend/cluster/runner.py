@@ -1,4 +1,4 @@
-"""The owning side of a cluster request (Issue 47 items 2 and 6): this host's backend carries out the
+"""The owning side of a cluster request (Issue 47 item 2, Issue 47 item 6): this host's backend carries out the
 requests other hosts wrote for it.
 
 ``RequestRunner.start`` first answers the requests this host had claimed and never answered (its
