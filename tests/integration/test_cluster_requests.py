@@ -86,7 +86,7 @@ def _error(proc: Any) -> tuple[int, str]:
 
 def test_a_drives_a_session_on_b(kandev_factory, postgres):
     """Issue 47 scenario A: from ``a``: ``session start TASK --host b``, a prompt with ``--follow``,
-    ``cancel``, ``session stop``, ``resume``; the agent's process runs under ``b``'s control server
+    ``cancel``, ``session stop``, ``resume`` (and a permission answer, ``reset-context``); the agent's process runs under ``b``'s control server
     (never ``a``'s); each answer, and each typed error, is what ``b``'s own CLI gets; both boards
     show the same tasks and sessions with their hosts."""
     a, b, url = _hosts(kandev_factory, postgres)
@@ -127,6 +127,17 @@ def test_a_drives_a_session_on_b(kandev_factory, postgres):
     b.agent_pids.add(new_pid)
     assert new_pid != pid and b_server in _ancestors(new_pid)
     assert a.cli("prompt", sid, "after resume", "--wait")["stop_reason"] == "end_turn"
+
+    # A permission answer (ids as prefixes, resolved on a), twice: b's typed refusal with its details.
+    a.cli("prompt", sid, "/permission")
+    request = wait_until(lambda: next((p["request_id"] for p in a.show(sid).get("permissions") or []
+                                       if p["state"] == "open"), None), timeout=30, message="a permission request")
+    assert a.human("permission", sid[:8], request[:8], "--option", "allow").returncode == 0
+    again = a.run("permission", sid, request, "--cancel")
+    assert again.returncode != 0 and json.loads(again.stdout)["error"]["details"]["answer"] == "allow"
+    wait_until(lambda: a.show(sid)["turns"][-1]["state"] != "open", timeout=60, message="the turn ends")
+    reset = a.cli("session", "reset-context", sid)
+    assert reset["session_id"] == sid and reset["state"] == "WAITING_FOR_INPUT", reset
 
     # The same tasks on both boards (which bucket a remote session's task is in, from its host's
     # liveness, is the board's part of the issue: tests of the cluster's views).
