@@ -18,6 +18,7 @@ module with one job:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import daemon.backend.handlers.credentials as credentials_api
 import daemon.backend.handlers.resume as resume_api
@@ -32,8 +33,7 @@ import daemon.backend.sessions.lifecycle as lifecycle
 import daemon.backend.tasks.delete as task_delete
 import daemon.backend.views.ids as ids
 from daemon.api.ops import TABLE, AdoptionOutcome, BackendState
-from daemon.backend.cluster.identity import ClusterIdentity
-from daemon.backend.cluster.membership import HostDirectory
+from daemon.backend.cluster.membership import Cluster
 from daemon.backend.cluster.messaging import ClusterMessaging, refuse_hosts
 from daemon.backend.lifetime.context import BackendContext
 from daemon.backend.lifetime.server_upgrade import ServerUpgrade
@@ -54,7 +54,6 @@ from daemon.backend.views.follow import FollowService
 from daemon.config.platform import CapabilityStatus
 from daemon.config.settings import Config
 from daemon.core.journal import log_event
-from daemon.core.version import VERSION
 from daemon.host.paths import Paths
 from daemon.store.db import Store
 from ipc.server import Handler
@@ -84,20 +83,23 @@ class Backend:
         self.resets = ContextReset(ctx, self.launcher, self.live)
         self.workflow = WorkflowRunner(ctx, self.sessions, self.resets)
         # Silent turns: warned about, and ended with reason timeout (agents.turn_timeout_s).
+        self._heartbeats: asyncio.Task[None] | None = None  # cluster mode: daemon.backend.cluster.membership
         self.turn_watch = TurnWatch(ctx.quiet, ctx.executions, store, ctx.transcripts, self.sessions.cancel,
                                     config.agents.turn_timeout_s)
         # Several hosts (Issue 47): ops on another host's sessions go to it through the store.
-        self.identity = ClusterIdentity.of(config)
         self.messaging: ClusterMessaging | None = None
-        if self.identity.host is not None:
-            hosts = HostDirectory(store, self.identity, installation_id, heartbeat_s=config.cluster.heartbeat_s,
-                                  host_timeout_s=config.cluster.host_timeout_s, version=VERSION)
-            self.messaging = ClusterMessaging(store, self.identity.host, hosts.reachability, ctx.transcripts)
+        if ctx.cluster.identity.host is not None:
+            self.messaging = ClusterMessaging(store, ctx.cluster.identity.host, ctx.cluster.directory.reachability,
+                                              ctx.transcripts)
 
     # What daemon.backend.main reads.
     @property
     def config(self) -> Config:
         return self.context.config
+
+    @property
+    def cluster(self) -> Cluster:
+        return self.context.cluster
 
     @property
     def capability(self) -> CapabilityStatus:
@@ -132,7 +134,7 @@ class Backend:
             **runtimes_api.handlers(ctx),
             **ctx.views.handlers(),
             **FollowService(ctx.store, ctx.transcripts, ctx.executions, ctx.quiet, ctx.quiet_report,
-                            host=self.identity.host).handlers(),
+                            host=ctx.cluster.identity.host).handlers(),
         })
         if self.messaging is None:
             return ids.resolving(TABLE, ctx.store, refuse_hosts(table))
@@ -144,6 +146,8 @@ class Backend:
     async def recover(self) -> None:
         ctx = self.context
         ctx.state = BackendState.RECOVERING
+        if ctx.cluster.identity.enabled:  # heard from while recovery runs (it may take its whole deadline)
+            self._heartbeats = asyncio.create_task(ctx.cluster.directory.run_heartbeats(), name="cluster-heartbeat")
         if self.messaging is not None:
             self.messaging.start()  # results of requests and other hosts' transcripts wake us from now on
         agentctl = ctx.config.agentctl
@@ -154,7 +158,7 @@ class Backend:
             read_timeout_s=agentctl.recovery_read_timeout,
             read_retries=agentctl.recovery_read_retries,
             on_claim_ready=ctx.servers.on_adopted,
-            identity=ClusterIdentity.of(ctx.config),
+            identity=ctx.cluster.identity,
         )
         recovery = Recovery(
             ctx.store,
@@ -168,7 +172,8 @@ class Backend:
         report, client = await recovery.recover(
             enabled=ctx.enabled, start_own_server=ctx.servers.first_server, publish=self._publish
         )
-        report.stopped_with_backend = await asyncio.to_thread(lifecycle.take_clean_stops, ctx.store)
+        report.stopped_with_backend = await asyncio.to_thread(lifecycle.take_clean_stops, ctx.store,
+                                                              ctx.cluster.identity)
         ctx.report = report
         adopted = report.adoption.record if report.adoption.outcome == AdoptionOutcome.ADOPTED else None
         ctx.servers.use(client, adopted)
@@ -192,6 +197,20 @@ class Backend:
         self.upgrade.start()
         if self.messaging is not None:
             await self.messaging.serve_requests()  # other hosts' requests, those written meanwhile first
+
+    async def _stop_heartbeats(self) -> None:
+        """A cluster host's clean stop: no more heartbeats, and ``stopped`` in the hosts' table."""
+        if self._heartbeats is None:
+            return
+        self._heartbeats.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._heartbeats
+        self._heartbeats = None
+        try:
+            await asyncio.to_thread(self.context.cluster.directory.stop)
+        except Exception as exc:  # the database is unreachable: the others will see this host unreachable
+            log_event("cluster_stop_unrecorded", f"the clean stop of this host could not be recorded: {exc}",
+                      priority=4)
 
     def _publish(self, ex: Execution) -> None:
         self.context.executions.executions[ex.session_id] = ex
@@ -217,6 +236,7 @@ class Backend:
         await ctx.servers.disconnect()
         await ctx.store_care.stop()
         await ctx.endpoints.close_all()
+        await self._stop_heartbeats()
         stopped = {ex.session_id: stopping.get(ex.session_id) or lifecycle.clean_stop_why(
             survival=ctx.capability.state, survival_reason=ctx.capability.reason, passthrough=ex.passthrough,
             agents_asked=ctx.stop_agents_at_shutdown) for ex in tracked if ex.passthrough or not detach}

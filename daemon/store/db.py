@@ -184,13 +184,19 @@ class Store:
         self._sessions = sessionmaker(engine, expire_on_commit=False)
 
     @classmethod
-    def open(cls, url: str, *, empty_at_head: bool = True) -> Store:
-        """Connect, migrate to head (``migrate``), and return the store."""
+    def open(cls, url: str, *, empty_at_head: bool = True, connect_args: dict[str, Any] | None = None) -> Store:
+        """Connect, migrate to head (``migrate``), and return the store. ``connect_args``: the driver's
+        connection arguments (the database password, never part of the URL:
+        ``daemon.config.database``). A PostgreSQL connection is checked before each use, so a
+        restarted server is reconnected to rather than failing the next unit of work."""
         parsed = make_url(url)
         path = sqlite_file(parsed)
         if path is not None:
             _create_private_file(path)
-        engine = create_engine(parsed)
+        if parsed.get_backend_name() == "postgresql":
+            engine = create_engine(parsed, connect_args=connect_args or {}, pool_pre_ping=True)
+        else:
+            engine = create_engine(parsed, connect_args=connect_args or {})
         if parsed.get_backend_name() == "sqlite":
             event.listen(engine, "connect", _on_sqlite_connect)
         try:

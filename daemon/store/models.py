@@ -290,12 +290,15 @@ class CredentialLease(Base):
 
 
 class RuntimeUpdateJob(Base):
+    """A runtime update job of one host (``host``: its cluster host, None on a single host)."""
+
     __tablename__ = "runtime_update_jobs"
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
     agent: Mapped[str] = mapped_column(String(64))
     state: Mapped[str] = mapped_column(String(32))
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     detail: Mapped[str | None] = mapped_column(Text)
+    host: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 

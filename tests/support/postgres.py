@@ -1,11 +1,14 @@
 """A throwaway PostgreSQL server for tests: the store on ``database.url`` against a real server.
 
-``PgCluster.start()`` runs ``initdb`` into a fresh directory under /var/tmp and starts
-``postgres`` listening only on a Unix socket in that directory (no TCP), with local ``trust``
-authentication: nothing outside this machine's root and the cluster's own user can reach it.
-PostgreSQL refuses to run as root, so under root the cluster runs as ``nobody``. Each call of
-``new_database()`` creates an empty database and returns its SQLAlchemy URL. ``stop()`` stops
-the server and removes the directory.
+``PgCluster.start()`` runs ``initdb`` into a fresh directory under /var/tmp and has
+pytest-xprocess start ``postgres`` listening only on a Unix socket in that directory (no TCP),
+with local ``trust`` authentication: nothing outside this machine's root and the cluster's own
+user can reach it. PostgreSQL refuses to run as root, so under root the server runs as
+``nobody``. Each call of ``new_database()`` creates an empty database and returns its SQLAlchemy
+URL. ``restart()`` stops the server and starts it again (a database restart under running
+backends); ``stop()`` stops it and removes the directory. pytest-xprocess's own ``xprocess``
+fixture keeps its files in pytest's cache, which the suite runs without
+(``-p no:cacheprovider``), so the ``postgres`` fixture gives it this directory instead.
 
 When the server binaries or psycopg are missing the tests that need them are skipped, except
 under ``CI`` (set by ``.ci/run``), where that is a set-up failure.
@@ -17,12 +20,18 @@ import glob
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import tempfile
+import threading
 import uuid
 from pathlib import Path
+from typing import Any
 
+import psutil
+import py
 import pytest
+from xprocess import ProcessStarter
 
 ROLE = "kandev"
 
@@ -56,30 +65,80 @@ def require() -> Path:
 
 
 class PgCluster:
+    """A throwaway PostgreSQL server whose process pytest-xprocess starts and stops (``start``,
+    ``restart``, ``stop``); its data, socket, logs and xprocess's control files live in ``dir``."""
+
+    NAME = "postgres"
+
     def __init__(self, bindir: Path) -> None:
         self.bindir = bindir
         self.dir = Path(tempfile.mkdtemp(prefix="kd-pg-", dir="/var/tmp"))
         self.data = self.dir / "data"
         self._as = ["runuser", "-u", "nobody", "--"] if os.geteuid() == 0 else []
+        self._xprocess: Any = None
 
     def _run(self, *argv: str, timeout: float = 120) -> None:
         proc = subprocess.run([*self._as, *argv], capture_output=True, text=True, timeout=timeout, cwd=self.dir)
         if proc.returncode != 0:
-            log = (self.dir / "server.log")
-            tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
-            raise RuntimeError(f"{argv[0]} failed ({proc.returncode}): {proc.stderr.strip()}\n{tail}")
+            raise RuntimeError(f"{argv[0]} failed ({proc.returncode}): {proc.stderr.strip()}\n{self.log_tail()}")
 
-    def start(self) -> PgCluster:
+    def log_tail(self) -> str:
+        log = self.dir / "xprocess" / self.NAME / "xprocess.log"
+        return log.read_text(errors="replace")[-2000:] if log.exists() else ""
+
+    def start(self, config: pytest.Config) -> PgCluster:
+        """``initdb`` once, then the server under pytest-xprocess: its ``postgres`` process is
+        xprocess's, listening only on a Unix socket in ``dir``; ready when its log says so."""
+        from xprocess import XProcess
+
         if self._as:
             nobody = pwd.getpwnam("nobody")
             os.chown(self.dir, nobody.pw_uid, nobody.pw_gid)
         os.chmod(self.dir, 0o700)
         self._run(str(self.bindir / "initdb"), "-D", str(self.data), "-A", "trust", "-U", ROLE, "-E", "UTF8",
                   "--no-sync")
-        options = f"-k {self.dir} -c listen_addresses='' -c fsync=off -c max_connections=200"
-        self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data), "-o", options, "-l",
-                  str(self.dir / "server.log"), "-w", "-t", "60", "start")
+        (self.dir / "xprocess").mkdir()
+        self._xprocess = XProcess(config, py.path.local(self.dir / "xprocess"))
+        self._ensure(restart=False)
         return self
+
+    def _ensure(self, *, restart: bool) -> None:
+        server = [str(self.bindir / "postgres"), "-D", str(self.data), "-k", str(self.dir), "-c", "listen_addresses=",
+                  "-c", "fsync=off", "-c", "max_connections=200"]
+        argv = [*(("setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups") if self._as else ()), *server]
+
+        class Starter(ProcessStarter):
+            pattern = "database system is ready to accept connections"
+            args = argv
+            timeout = 60
+            terminate_on_interrupt = True
+
+        self._xprocess.ensure(self.NAME, Starter, restart=restart)
+
+    @property
+    def pid(self) -> int | None:
+        """The server's (postmaster's) pid."""
+        return self._xprocess.getinfo(self.NAME).pid if self._xprocess is not None else None
+
+    def restart(self, *, stopped_for: float = 0.0) -> None:
+        """Stop the server (fast: its clients are disconnected) and start it again, as an operator's
+        restart does; ``stopped_for``: seconds it stays down in between (Issue 47 scenario C)."""
+        self._stop_server()
+        if stopped_for:
+            threading.Event().wait(stopped_for)  # the outage itself, not a wait for a condition
+        self._ensure(restart=True)
+
+    def _stop_server(self) -> None:
+        info = self._xprocess.getinfo(self.NAME) if self._xprocess is not None else None
+        if info is None or not info.isrunning():
+            return
+        os.kill(info.pid, signal.SIGINT)  # fast shutdown; xprocess's own SIGTERM would wait for clients
+        try:
+            psutil.Process(info.pid).wait(30)
+        except psutil.NoSuchProcess:
+            pass
+        except psutil.TimeoutExpired:
+            info.terminate(timeout=10)
 
     def new_database(self) -> str:
         import psycopg
@@ -91,7 +150,10 @@ class PgCluster:
 
     def stop(self) -> None:
         try:
-            if (self.data / "postmaster.pid").exists():
-                self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop")
+            self._stop_server()
         finally:
+            if self._xprocess is not None:  # its log is no longer added to failing tests' reports
+                self._xprocess.config.__dict__.get("_extlogfiles", {}).pop(self.NAME, None)
+                for resource in self._xprocess.resources:
+                    resource.release()
             shutil.rmtree(self.dir, ignore_errors=True)

@@ -3,7 +3,7 @@
 Each host is a row of ``cluster_hosts``. A backend in cluster mode claims its name at start
 (``HostDirectory.claim``), after it took the name's advisory lock
 (``daemon.backend.lifetime.lock.StoreLock``): a second backend claiming a live name meets that lock
-and is refused naming the holder's pid and machine, read from this table (``HostTaken``). A name
+and is refused naming the holder's pid and machine, read from this table. A name
 recorded by another installation (another home) is refused too (``HostForeign``): its sessions'
 agents run under that home's control server.
 
@@ -27,6 +27,8 @@ from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
 from daemon.backend.cluster.identity import ClusterIdentity
+from daemon.config.settings import Config
+from daemon.core.version import VERSION
 from daemon.store.db import Store
 from daemon.store.models import ClusterHost, ExecutorRunning, TaskSession, utcnow
 from daemon.store.states import InventoryStatus
@@ -36,16 +38,6 @@ log = logging.getLogger("kandev.backend.cluster")
 READY = "ready"
 UNREACHABLE = "unreachable"
 STOPPED = "stopped"
-
-
-class HostTaken(RuntimeError):
-    """Another live backend holds this host name (Issue 47 scenario D)."""
-
-    def __init__(self, host: str, pid: int | None, machine: str | None) -> None:
-        who = f"pid {pid} on machine {machine}" if pid is not None else "a backend not yet recorded"
-        super().__init__(f"another kandev-backend ({who}) already runs cluster host {host!r} on this database;"
-                         " one backend per host name: stop that one, or give this home another cluster.host")
-        self.host, self.pid, self.machine = host, pid, machine
 
 
 class HostForeign(RuntimeError):
@@ -214,3 +206,19 @@ class HostDirectory:
             select(TaskSession.host, func.count()).join(ExecutorRunning, ExecutorRunning.session_id == TaskSession.id)
             .where(ExecutorRunning.status == InventoryStatus.LIVE.value).group_by(TaskSession.host)).all())
         return {h: HostCounts(int(sessions.get(h, 0)), int(agents.get(h, 0))) for h in set(sessions) | set(agents)}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """What a backend knows of its cluster: who it is, and the hosts (``Backend.cluster``). On a single
+    host the identity is disabled and the directory claims nothing and writes no heartbeat."""
+
+    identity: ClusterIdentity
+    directory: HostDirectory
+
+    @classmethod
+    def of(cls, config: Config, store: Store, installation_id: str) -> Cluster:
+        identity = ClusterIdentity.of(config)
+        c = config.cluster
+        return cls(identity, HostDirectory(store, identity, installation_id, heartbeat_s=c.heartbeat_s,
+                                           host_timeout_s=c.host_timeout_s, version=VERSION))

@@ -338,6 +338,7 @@ class ControlServers:
         tracked = [LostAgent(ex.session_id, ex.agent, ex.last_seq) for ex in dropped]
         with self.store.session() as db:
             repaired = repair_lost_server(db, endpoint=handle.endpoint, tracked=tracked, reason=loss.reason,
+                                          identity=ClusterIdentity.of(self.config),
                                           now=_now())
         with contextlib.suppress(Exception):
             await attached.client.close()

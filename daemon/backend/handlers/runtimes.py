@@ -31,7 +31,7 @@ Handler = Callable[[ConnectionContext, dict[str, Any]], Awaitable[Any]]
 def handlers(backend: Backend, jobs: RuntimeJobs | None = None) -> dict[str, Handler]:
     """The handler table for ``api.RUNTIME_OPS``; marks jobs a previous backend left active as failed."""
     if jobs is None:
-        jobs = RuntimeJobs(backend.store, backend.paths.home / "runtimes")
+        jobs = RuntimeJobs(backend.store, backend.paths.home / "runtimes", host=backend.cluster.identity.host)
     jobs.sweep_interrupted()
     backend.runtime_jobs = jobs  # a session start of an unprepared runtime runs its job first
 

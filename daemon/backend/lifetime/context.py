@@ -19,6 +19,7 @@ from typing import Any
 
 from daemon.agentctl.client.connection import AgentctlClient
 from daemon.api.ops import BackendState
+from daemon.backend.cluster.membership import Cluster
 from daemon.backend.control.launcher import ControlServerHandle, Launcher
 from daemon.backend.control.link import ControlServerLink
 from daemon.backend.control.servers import ControlServers
@@ -57,6 +58,8 @@ class BackendContext:
         self.store = store
         self.installation_id = installation_id
         self.boot_id = uuid.uuid4().hex
+        # Several hosts on one PostgreSQL (Issue 47): who this backend is, the hosts and their heartbeats.
+        self.cluster = Cluster.of(config, store, installation_id)
         self.state = BackendState.STARTING
         self.enabled = capability.state == "enabled"
         if self.enabled:

@@ -363,7 +363,8 @@ class Recovery:
             rows = db.execute(
                 select(ExecutorRunning, TaskSession.passthrough)
                 .join(TaskSession, TaskSession.id == ExecutorRunning.session_id, isouter=True)
-                .where(ExecutorRunning.status == InventoryStatus.LIVE, ExecutorRunning.runtime == "standalone")
+                .where(ExecutorRunning.status == InventoryStatus.LIVE, ExecutorRunning.runtime == "standalone",
+                       self.adopter.identity.own_sessions())
             ).all()
             for row, passthrough in rows:
                 records.append(
@@ -468,7 +469,9 @@ class Recovery:
         """
         now = datetime.now(UTC)
         with self.store.session() as db:
-            rows = db.scalars(select(ExecutorRunning).where(ExecutorRunning.status == InventoryStatus.LIVE)).all()
+            own = self.adopter.identity.own_sessions()  # another host's sessions are its own backend's
+            rows = db.scalars(select(ExecutorRunning).join(TaskSession, TaskSession.id == ExecutorRunning.session_id)
+                              .where(ExecutorRunning.status == InventoryStatus.LIVE, own)).all()
             untouched: set[str] = set(retracked)
             for row in rows:
                 if row.session_id in retracked:
@@ -483,7 +486,7 @@ class Recovery:
                     untouched.add(row.session_id)
                     report.unknown.append(row.session_id)
                     report.not_retracked.setdefault(row.session_id, f"liveness_{verdict}")
-            sessions = db.scalars(select(TaskSession).where(TaskSession.state.in_(ACTIVE_STATES))).all()
+            sessions = db.scalars(select(TaskSession).where(TaskSession.state.in_(ACTIVE_STATES), own)).all()
             to_repair = {row.session_id for row in rows} | {s.id for s in sessions}
             for session_id in sorted(to_repair - untouched):
                 self._repair(db, session_id, now)

@@ -93,6 +93,7 @@ class SessionService:
                     state=SessionState.CREATED,
                     metadata_json=SessionMetadata.new().to_json(),
                     passthrough=passthrough,
+                    host=b.cluster.identity.new_session_host(),
                     created_at=_now(),
                     updated_at=_now(),
                 )

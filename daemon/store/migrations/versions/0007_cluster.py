@@ -1,5 +1,6 @@
 """Several hosts on one PostgreSQL (Issue 47): each session records the host whose backend drives
-it (``task_sessions.host``; NULL on a single-host store), the cluster's hosts have a table of their
+it (``task_sessions.host``; NULL on a single-host store), so does a runtime update job (each host
+prepares its own runtimes: ``runtime_update_jobs.host``), the cluster's hosts have a table of their
 own (``cluster_hosts``: who claimed each name, its heartbeat, its clean stop), and the
 control-server record becomes one per host (``host``, unique; ``""`` on a single-host store, whose
 record stays the one row ``id = 1``). A single-host store (SQLite or PostgreSQL) migrates as it is.
@@ -21,8 +22,9 @@ depends_on = None
 
 
 def upgrade() -> None:
-    with op.batch_alter_table("task_sessions") as batch:
-        batch.add_column(sa.Column("host", sa.String(64), nullable=True))
+    for table in ("task_sessions", "runtime_update_jobs"):
+        with op.batch_alter_table(table) as batch:
+            batch.add_column(sa.Column("host", sa.String(64), nullable=True))
     op.create_table(
         "cluster_hosts",
         sa.Column("name", sa.String(64), nullable=False),
@@ -50,5 +52,6 @@ def downgrade() -> None:
         batch.create_check_constraint(op.f("ck_control_server_record_single_row"), "id = 1")
         batch.drop_column("host")
     op.drop_table("cluster_hosts")
-    with op.batch_alter_table("task_sessions") as batch:
-        batch.drop_column("host")
+    for table in ("task_sessions", "runtime_update_jobs"):
+        with op.batch_alter_table(table) as batch:
+            batch.drop_column("host")
