@@ -154,6 +154,9 @@ class Turn(Base):
     error: Mapped[str | None] = mapped_column(Text)
     started_at: Mapped[datetime] = mapped_column(default=utcnow)
     ended_at: Mapped[datetime | None] = mapped_column()
+    # True while its outcome is stored (startup recovery applied it) and its last events are still
+    # being replayed: a follower on another host waits for them (Issue 47 item 3); None otherwise
+    replaying: Mapped[bool | None] = mapped_column(Boolean)
 
 
 class TranscriptSession(Base):

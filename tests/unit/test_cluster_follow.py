@@ -18,12 +18,14 @@ from sqlalchemy.exc import OperationalError
 
 from daemon.backend.cluster.listener import announce_transcript_commits
 from daemon.backend.cluster.requests import TRANSCRIPT_CHANNEL
+from daemon.backend.state.events import apply_events, apply_turn_outcome, mark_replaying
 from daemon.backend.state.executions import ExecutionStore
 from daemon.backend.state.transcript_hub import TranscriptHub
 from daemon.backend.views import follow
 from daemon.store import transcript
 from daemon.store.db import Store, sqlite_url
 from daemon.store.models import Base, Task, TaskSession, Turn
+from ipc.client import Event
 from tests.support.aio import run
 from tests.support.waiting import wait_until
 
@@ -136,3 +138,52 @@ def test_a_round_that_finds_the_store_away_is_read_again_and_nothing_is_lost_or_
     assert failed  # the first round did fail
     assert [e[2]["text"] for e in client.events if e[1] == "entry"] == ["1/3 ", "2/3 ", "3/3 "]
     assert [e[1] for e in client.events][-2:] == ["turn_ended", "end"]
+
+
+def test_a_turn_closed_by_recovery_before_its_replay_keeps_a_follower_elsewhere_waiting(tmp_path: Path):
+    """Issue 47 item 3 (Issue 47 scenario B's "every chunk once, visible from a"): the owner's recovery
+    stores the outcome of a turn that ended while it was down before its last events are replayed;
+    a follower on another host (none of the owner's memory) sees the turn still open until the
+    commit that applies its ``turn_ended`` event, so it gets every chunk, then the end."""
+    store = Store.open(sqlite_url(tmp_path / "kandev.db"))
+    try:
+        _session(store)
+        _say(store, "1/3 ")
+        with store.session() as db:  # what startup recovery applies on b
+            assert apply_turn_outcome(db, SID, "i:1", "end_turn", None)
+            mark_replaying(db, SID, {"i:1"})
+        with store.session() as db:
+            pos, _ = follow.start_position(db, SID, after_seq=None, turn_id=None, follow_all=False)
+            first = follow.read_round(db, pos, live=False, host="a")
+        assert [(e.kind.value, e.data.get("text")) for e in first.events] == [("entry", "1/3 ")]
+        assert not first.done
+        _say(store, "2/3 ", "3/3 ")  # b's consumer replays the rest ...
+        with store.session() as db:  # ... and, last, the turn's end
+            ended = apply_events(db, SID, "i1", [Event(10, "turn_ended", {"turn_id": "i:1", "stop_reason": "end_turn",
+                                                                          "error": None})]).ended_turns
+            assert ended == [("i:1", "end_turn")]
+        with store.session() as db:
+            turn = db.get(Turn, "i:1")
+            assert turn is not None and not turn.replaying
+            rest = follow.read_round(db, pos, live=False, host="a")
+        assert [(e.kind.value, e.data.get("text")) for e in rest.events] == [
+            ("entry", "2/3 "), ("entry", "3/3 "), ("turn_ended", None), ("end", None)]
+    finally:
+        store.close()
+
+
+def test_a_replaying_mark_of_an_earlier_lifetime_is_taken_off(tmp_path: Path):
+    """Issue 47 item 3: recovery marks exactly the turns it closes now; a mark left by a backend that
+    died before its replay ended is taken off (as its memory was), so no follower waits forever."""
+    store = Store.open(sqlite_url(tmp_path / "kandev.db"))
+    try:
+        _session(store)
+        with store.session() as db:
+            mark_replaying(db, SID, {"i:1"})
+        with store.session() as db:
+            mark_replaying(db, SID, set())
+        with store.session() as db:
+            turn = db.get(Turn, "i:1")
+            assert turn is not None and not turn.replaying
+    finally:
+        store.close()

@@ -42,7 +42,12 @@ from daemon.backend.recovery.liveness import DEAD, Scope, classify
 from daemon.backend.recovery.reconstruction import MissingInput, Record, reconstruct
 from daemon.backend.recovery.repair import ACTIVE_STATES, iso_utc, repair_interrupted
 from daemon.backend.state.agent_identity import AgentIdentity
-from daemon.backend.state.events import apply_turn_outcome, mark_running, mark_waiting_without_turn
+from daemon.backend.state.events import (
+    apply_turn_outcome,
+    mark_replaying,
+    mark_running,
+    mark_waiting_without_turn,
+)
 from daemon.backend.state.executions import Execution, ExecutionStore
 from daemon.core.journal import log_event
 from daemon.store.db import Store
@@ -287,6 +292,7 @@ class Recovery:
                 if apply_turn_outcome(db, rec.session_id, str(out["turn_id"]), out.get("stop_reason"),
                                       out.get("error")):
                     replaying.add(str(out["turn_id"]))
+            mark_replaying(db, rec.session_id, replaying)  # for followers on other hosts (Issue 47 item 3)
             session = db.get(TaskSession, rec.session_id)
             if current and session is not None:  # a turn still running is published as running (AC-EXECUTORS-SURVIVAL-003.3)
                 ensure_turn(db, rec.session_id, str(current), None)

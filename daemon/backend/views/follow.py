@@ -29,10 +29,12 @@ does not fill the backend's memory.
 
 A session another host of a cluster owns (Issue 47 item 3) streams the same way from the shared
 store: its owner's commits NOTIFY ``kandev_transcript`` and this backend's listener
-(``daemon.backend.cluster.listener``) hands that to the same hub. One gap remains for such a
-session: the owner's ``replaying_turns`` live in its memory, so a turn that ended while its owner's
-backend was down, and whose outcome recovery applied before the replay of its last events, can end a
-follower on another host before those events are in (follow again with ``after_seq`` to get them).
+(``daemon.backend.cluster.listener``) hands that to the same hub. The owner's ``replaying_turns`` live
+in its memory: a turn that ended while its owner's backend was down, and whose outcome recovery
+applied before the replay of its last events, would end a follower on another host before those
+events are in. So recovery also marks such a turn in the store (``Turn.replaying``, cleared in the
+commit that applies its ``turn_ended`` event), and a stream takes a turn so marked for open,
+wherever it runs.
 
 A turn's end is known from its ``turns`` row, not from an entry. So each round reads the turn's
 state *first* and the entries *second*: once a turn is seen over, every entry written before its
@@ -133,6 +135,8 @@ def _outcome(db: Session, turn_id: str) -> dict[str, Any] | None:
     turn = db.get(Turn, turn_id)
     if turn is None or turn.state == TurnState.OPEN:
         return None
+    if turn.state == TurnState.FINISHED and turn.replaying:
+        return None  # its outcome is stored, its last events are still being replayed (on its host)
     return {"turn_id": turn.id, "ordinal": turn.ordinal, "state": turn.state, "stop_reason": turn.stop_reason,
             "error": turn.error, "ended_at": turn.ended_at.isoformat() if turn.ended_at else None}
 

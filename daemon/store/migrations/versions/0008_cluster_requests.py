@@ -2,6 +2,10 @@
 a row here, claimed and carried out by the owning host's backend, its result written back
 (``daemon.backend.cluster.requests``). A single-host store has the table too, always empty.
 
+``turns.replaying``: a turn whose outcome startup recovery stored before the replay of its last
+events (until its ``turn_ended`` event is applied), so that a ``follow`` on another host, which
+cannot see the owner's memory, waits for those events too.
+
 Revision ID: 0008
 Revises: 0007
 Create Date: 2026-12-07
@@ -36,8 +40,12 @@ def upgrade() -> None:
         sa.CheckConstraint("state IN ('pending', 'running', 'done')", name=op.f("ck_cluster_requests_state")),
     )
     op.create_index("ix_cluster_requests_host_state", "cluster_requests", ["host", "state"])
+    with op.batch_alter_table("turns") as batch:
+        batch.add_column(sa.Column("replaying", sa.Boolean(), nullable=True))
 
 
 def downgrade() -> None:
+    with op.batch_alter_table("turns") as batch:
+        batch.drop_column("replaying")
     op.drop_index("ix_cluster_requests_host_state", table_name="cluster_requests")
     op.drop_table("cluster_requests")
