@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 
 import daemon.backend.handlers.credentials as credentials_api
+import daemon.backend.handlers.hosts as hosts_api
 import daemon.backend.handlers.resume as resume_api
 import daemon.backend.handlers.runtime_config as runtime_config_api
 import daemon.backend.handlers.runtimes as runtimes_api
@@ -116,6 +117,7 @@ class Backend:
         # Every op that takes a task or session id also takes a unique prefix of it (daemon.backend.views.ids).
         return ids.resolving(TABLE, ctx.store, status_api.out_of_space_reported(ctx, {
             **status_api.handlers(ctx, self.upgrade),
+            **hosts_api.handlers(ctx),
             **tasks_api.handlers(self.tasks),
             **task_delete.handlers(ctx),
             **lifecycle.handlers(ctx),

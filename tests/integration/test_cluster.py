@@ -1,0 +1,144 @@
+"""Several hosts on one PostgreSQL (Issue 47): two or three kandev homes on this machine, each a host
+of one cluster on a real PostgreSQL server the tests start (pytest-xprocess).
+
+A second backend of a live host name is refused naming the other's pid and machine; a single host
+and a cluster cannot share a database; each backend drives, recovers and re-tracks only its own
+host's sessions; a host whose backend was SIGKILLed is shown unreachable by the others (its
+session's last known state, never live) and re-tracks its agent itself when it returns.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from tests.support.kandev import Kandev
+from tests.support.paths import REPO_ROOT
+from tests.support.processes import alive
+from tests.support.streams import agent_chunks
+from tests.support.waiting import wait_until
+
+pytestmark = pytest.mark.timeout(420)
+
+HEARTBEAT_S = 2
+HOST_TIMEOUT_S = 6
+
+
+def _config(url: str, host: str | None, *, survival: bool = True) -> str:
+    cluster = (f'[cluster]\nhost = "{host}"\nheartbeat_s = {HEARTBEAT_S}\nhost_timeout_s = {HOST_TIMEOUT_S}\n'
+               if host else "")
+    return (f'[database]\nurl = "{url}"\n[features]\nagent_survival = {"true" if survival else "false"}\n'
+            + cluster)
+
+
+def _backend(k: Kandev) -> subprocess.CompletedProcess[str]:
+    """A backend of home ``k`` run in the foreground (for a start that is refused)."""
+    return subprocess.run([sys.executable, "-m", "daemon.backend.main", "--home", str(k.home)],
+                          capture_output=True, text=True, env=k.env, timeout=120, cwd=REPO_ROOT)
+
+
+def _hosts(k: Kandev) -> dict[str, dict[str, Any]]:
+    return {h["name"]: h for h in k.cli("hosts")["hosts"]}
+
+
+def _session_row(k: Kandev, sid: str) -> dict[str, Any]:
+    return next(s for s in k.cli("session", "list")["sessions"] if s["session_id"] == sid)
+
+
+def test_a_second_backend_of_a_live_host_name_is_refused(kandev_factory, postgres):
+    """Issue 47 scenario D: with host b running, a second backend (another home) with
+    cluster.host = "b" is refused naming b's pid and machine, before it logs anything; host c starts
+    beside b; a single-host backend is refused on the cluster's database (Issue 47 scenario E's
+    refusal of a second backend on one store, kept), and so is a cluster host on a single host's."""
+    url = postgres.new_database()
+    b = kandev_factory("b", _config(url, "b", survival=False))
+    st = b.up()
+    assert st["cluster"]["host"] == "b" and st["cluster"]["ready"] == ["b"], st["cluster"]
+    second = kandev_factory("b2", _config(url, "b", survival=False))
+    proc = _backend(second)
+    assert proc.returncode == 1, proc.stderr
+    assert f"pid {st['backend']['pid']} on machine {os.uname().nodename}" in proc.stderr, proc.stderr
+    assert "cluster host 'b'" in proc.stderr and not (second.home / "logs" / "backend.log").exists()
+
+    single = kandev_factory("single", _config(url, None, survival=False))
+    proc = _backend(single)
+    assert proc.returncode == 1 and "the hosts of a cluster (b)" in proc.stderr, proc.stderr
+
+    c = kandev_factory("c", _config(url, "c", survival=False))
+    assert c.up()["cluster"]["host"] == "c"
+    assert {(n, h["state"], h["own"]) for n, h in _hosts(c).items()} == {("b", "ready", False), ("c", "ready", True)}
+    assert b.cli("status")["backend"]["pid"] == st["backend"]["pid"]  # b was not disturbed
+
+    lone = postgres.new_database()
+    kandev_factory("lone", _config(lone, None, survival=False)).up()
+    joiner = kandev_factory("joiner", _config(lone, "j", survival=False))
+    proc = _backend(joiner)
+    assert proc.returncode == 1 and "already uses this PostgreSQL database as a single host" in proc.stderr, \
+        proc.stderr
+
+
+def test_a_killed_host_is_unreachable_to_the_others_and_retracks_its_own_agent(kandev_factory, postgres):
+    """Issue 47 scenario B (the unreachable part) and item 1: host a restarts while host b's agent
+    runs a turn: a's recovery leaves b's session alone. b's backend is SIGKILLed mid-turn: a shows b
+    unreachable within cluster.host_timeout_s, b's session with its last known state marked so and
+    never live, and nothing on a adopts it; b restarted re-tracks its own agent, the turn completes
+    with every chunk once and in order, and a sees it."""
+    url = postgres.new_database()
+    a = kandev_factory("a", _config(url, "a"))
+    b = kandev_factory("b", _config(url, "b"))
+    a.up()
+    st_b = b.up()
+    _, own = a.start_session("on a")
+    task, sid = b.start_session("on b")
+    b.cli("prompt", sid, "/slow 40")
+    first = wait_until(lambda: s if agent_chunks(s := b.show(sid)) else None, timeout=30)
+    agent = first["agent_pid"]
+
+    # both boards show both sessions with their hosts; a sees b's agent live
+    row = _session_row(a, sid)
+    assert (row["host"], row["host_state"]) == ("b", "ready")
+    assert _session_row(a, own)["host"] == "a"
+    table = a.human("session", "list").stdout
+    assert table.splitlines()[0].split()[:4] == ["SESSION", "TASK", "TITLE", "HOST"], table
+    board = {t["task_id"]: t for t in a.cli("task", "list")["tasks"]}
+    assert board[task]["latest_session"]["host"] == "b" and board[task]["latest_session"]["live"] is True
+
+    # a restarts (SIGKILL): its recovery touches only its own sessions
+    os.kill(a.backend_pid, signal.SIGKILL)
+    st_a = a.up()
+    assert (st_a["recovery"]["retracked"], st_a["recovery"]["not_retracked"]) == (1, 0), st_a["recovery"]
+    assert b.show(sid)["state"] == "RUNNING" and b.show(sid)["retracked"] is False and alive(agent)
+
+    # b's backend is SIGKILLed mid-turn: a shows b unreachable, its session never live
+    os.kill(st_b["backend"]["pid"], signal.SIGKILL)
+    wait_until(lambda: not alive(st_b["backend"]["pid"]), timeout=10)
+    seen = wait_until(lambda: h if (h := _hosts(a)["b"])["state"] == "unreachable" else None,
+                      timeout=HOST_TIMEOUT_S + HEARTBEAT_S + 5)
+    assert seen["since"] and seen["machine"] == os.uname().nodename
+    row = _session_row(a, sid)
+    assert (row["host"], row["host_state"], row["state"]) == ("b", "unreachable", "RUNNING")
+    shown = a.cli("task", "show", task)["latest_session"]
+    assert shown["live"] is False and shown["host_state"] == "unreachable"
+    assert "RUNNING (host b unreachable)" in a.human("session", "list").stdout
+    assert "RUNNING (host b unreachable)" in a.human("board").stdout
+    show = a.cli("session", "show", sid)
+    assert show["live"] is False and show["host_state"] == "unreachable"
+    assert any(h["name"] == "b" for h in a.cli("status")["cluster"]["unreachable"])
+    assert alive(agent)  # nothing adopted it: its own control server still runs it
+
+    # b comes back: its own backend re-tracks its agent; the turn completes, seen from a
+    st_b2 = b.up()
+    assert st_b2["recovery"]["retracked"] == 1 and st_b2["adoption"]["outcome"] == "adopted", st_b2["recovery"]
+    assert b.show(sid)["retracked"] is True
+    wait_until(lambda: _hosts(a)["b"]["state"] == "ready", timeout=HOST_TIMEOUT_S + 10)
+    done = wait_until(lambda: s if (s := a.cli("session", "show", sid))["state"] == "WAITING_FOR_INPUT" else None,
+                      timeout=90)
+    assert agent_chunks(done) == [f"{i}/40 " for i in range(1, 41)]
+    assert done["host_state"] == "ready" and done["live"] is True
+    hosts = _hosts(a)
+    assert (hosts["b"]["sessions"], hosts["b"]["agents"], hosts["a"]["sessions"]) == (1, 1, 1)
