@@ -13,6 +13,8 @@ import os
 import signal
 import subprocess
 import sys
+import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,10 +31,11 @@ HEARTBEAT_S = 2
 HOST_TIMEOUT_S = 6
 
 
-def _config(url: str, host: str | None, *, survival: bool = True) -> str:
+def _config(url: str, host: str | None, *, survival: bool = True, password_file: str | None = None) -> str:
     cluster = (f'[cluster]\nhost = "{host}"\nheartbeat_s = {HEARTBEAT_S}\nhost_timeout_s = {HOST_TIMEOUT_S}\n'
                if host else "")
-    return (f'[database]\nurl = "{url}"\n[features]\nagent_survival = {"true" if survival else "false"}\n'
+    password = f'password_file = "{password_file}"\n' if password_file else ""
+    return (f'[database]\nurl = "{url}"\n{password}[features]\nagent_survival = {"true" if survival else "false"}\n'
             + cluster)
 
 
@@ -142,3 +145,38 @@ def test_a_killed_host_is_unreachable_to_the_others_and_retracks_its_own_agent(k
     assert done["host_state"] == "ready" and done["live"] is True
     hosts = _hosts(a)
     assert (hosts["b"]["sessions"], hosts["b"]["agents"], hosts["a"]["sessions"]) == (1, 1, 1)
+
+
+def _secret(path: Path, text: str) -> str:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.write(fd, text.encode())
+    os.close(fd)
+    return str(path)
+
+
+def test_the_database_password_comes_from_a_file_and_is_never_shown(kandev_factory, postgres, short_tmp):
+    """Issue 47 item 6: a role that must give its password connects with database.password_file
+    (the URL holds none); a wrong password is refused at start with the server's reason, and the
+    password is in no log, no status and no refusal."""
+    role, password = f"kd_pw_{uuid.uuid4().hex[:8]}", f"pw-{uuid.uuid4().hex}"
+    postgres.password_role(role, password)
+    url = postgres.new_database(owner=role)
+    good = _secret(short_tmp / "db-password", password + "\n")
+    k = kandev_factory("pw", _config(url, "p", survival=False, password_file=good))
+    st = k.up()
+    assert st["cluster"]["ready"] == ["p"] and st["store"]["unreachable"] is None, st["store"]
+    task, sid = k.start_session("with a password")
+    k.cli("prompt", sid, "hello", "--wait")
+    assert agent_chunks(k.show(sid)) == ["echo: hello"]
+    shown = k.human("status").stdout + k.run("status").stdout + k.run("doctor").stdout
+    logs = "".join(p.read_text(errors="replace") for p in (k.home / "logs").glob("*.log"))
+    assert password not in shown and password not in logs
+
+    wrong = _secret(short_tmp / "wrong-password", "not-" + password)
+    bad = kandev_factory("bad", _config(url, "q", survival=False, password_file=wrong))
+    proc = _backend(bad)
+    assert proc.returncode == 1 and "password authentication failed" in proc.stderr, proc.stderr
+    assert password not in proc.stderr
+    none = kandev_factory("none", _config(url, "r", survival=False))
+    proc = _backend(none)
+    assert proc.returncode == 1 and "password" in proc.stderr, proc.stderr

@@ -140,13 +140,25 @@ class PgCluster:
         except psutil.TimeoutExpired:
             info.terminate(timeout=10)
 
-    def new_database(self) -> str:
+    def new_database(self, owner: str = ROLE) -> str:
+        """An empty database of ``owner`` (a role of ``password_role``, or the trusted ``kandev``)."""
         import psycopg
 
         name = f"kd_{uuid.uuid4().hex[:12]}"
         with psycopg.connect(host=str(self.dir), user=ROLE, dbname="postgres", autocommit=True) as conn:
-            conn.execute(f'CREATE DATABASE "{name}"')
-        return f"postgresql+psycopg://{ROLE}@/{name}?host={self.dir}"
+            conn.execute(f'CREATE DATABASE "{name}" OWNER "{owner}"')
+        return f"postgresql+psycopg://{owner}@/{name}?host={self.dir}"
+
+    def password_role(self, name: str, password: str) -> None:
+        """A role that must give ``password`` (scram-sha-256) to connect; every other role keeps
+        ``trust``. The server reloads its authentication rules (no restart)."""
+        import psycopg
+
+        hba = self.data / "pg_hba.conf"
+        hba.write_text(f"local all {name} scram-sha-256\n" + hba.read_text())
+        with psycopg.connect(host=str(self.dir), user=ROLE, dbname="postgres", autocommit=True) as conn:
+            conn.execute(f"CREATE ROLE \"{name}\" LOGIN PASSWORD '{password}'")
+            conn.execute("SELECT pg_reload_conf()")
 
     def stop(self) -> None:
         try:

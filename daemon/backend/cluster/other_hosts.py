@@ -1,4 +1,4 @@
-"""What a view shows of the sessions of other hosts (Issue 47 items 3 and 4).
+"""What a view shows of the sessions of other hosts (Issue 47 item 3, Issue 47 item 4).
 
 A backend knows its own agents (the executions it tracks); another host's agents it knows only
 from the shared store: a session of a ready host whose inventory row is live has a live agent

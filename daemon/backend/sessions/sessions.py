@@ -305,8 +305,10 @@ class SessionService:
     def _host_of(self, host: str | None, row: ExecutorRunning | None) -> tuple[str | None, bool]:
         """A session's host state (None on a single host) and, for another host's session, whether
         its agent lives there (its host ready and its inventory row live). A worker thread."""
+        if host is None:  # a single host's session
+            return None, False
         cluster = self.backend.cluster
-        if not cluster.identity.enabled or host is None:
+        if not cluster.identity.enabled:
             return None, False
         if host == cluster.identity.host:
             return READY, False
