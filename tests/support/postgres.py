@@ -24,6 +24,7 @@ import signal
 import subprocess
 import tempfile
 import threading
+import types
 import uuid
 from pathlib import Path
 from typing import Any
@@ -86,9 +87,11 @@ class PgCluster:
         log = self.dir / "xprocess" / self.NAME / "xprocess.log"
         return log.read_text(errors="replace")[-2000:] if log.exists() else ""
 
-    def start(self, config: pytest.Config) -> PgCluster:
+    def start(self, config: pytest.Config | None = None) -> PgCluster:
         """``initdb`` once, then the server under pytest-xprocess: its ``postgres`` process is
-        xprocess's, listening only on a Unix socket in ``dir``; ready when its log says so."""
+        xprocess's, listening only on a Unix socket in ``dir``; ready when its log says so.
+        ``config``: pytest's (xprocess adds the server's log to failing tests' reports); a script
+        (a benchmark) gives none."""
         from xprocess import XProcess
 
         if self._as:
@@ -98,7 +101,9 @@ class PgCluster:
         self._run(str(self.bindir / "initdb"), "-D", str(self.data), "-A", "trust", "-U", ROLE, "-E", "UTF8",
                   "--no-sync")
         (self.dir / "xprocess").mkdir()
-        self._xprocess = XProcess(config, py.path.local(self.dir / "xprocess"))
+        quiet = types.SimpleNamespace(debug=lambda *args: None)  # its own log is in the server's (log_tail)
+        self._xprocess = XProcess(config if config is not None else types.SimpleNamespace(),
+                                  py.path.local(self.dir / "xprocess"), log=quiet)
         self._ensure(restart=False)
         return self
 
