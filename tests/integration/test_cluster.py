@@ -180,3 +180,27 @@ def test_the_database_password_comes_from_a_file_and_is_never_shown(kandev_facto
     none = kandev_factory("none", _config(url, "r", survival=False))
     proc = _backend(none)
     assert proc.returncode == 1 and "password" in proc.stderr, proc.stderr
+
+
+def test_status_says_the_database_is_unreachable_and_the_host_returns_when_it_is_back(kandev_factory, postgres):
+    """Issue 47 item 5: with the PostgreSQL server stopped, `kandev status` answers and says the
+    store is unreachable (a status line, not a crash), `kandev hosts` fails with the retryable
+    store_unreachable; once the server is back the backend reconnects by itself: the store is
+    reachable again and the host's heartbeat resumes."""
+    url = postgres.new_database()
+    a = kandev_factory("a", _config(url, "a", survival=False))
+    pid = a.up()["backend"]["pid"]
+    postgres.stop_server()
+    try:
+        st = a.cli("status")
+        assert st["store"]["unreachable"] and "error" in st["cluster"], (st["store"], st["cluster"])
+        assert "the store is unreachable" in a.human("status").stdout
+        proc = a.run("hosts")
+        assert proc.returncode == 1 and "store_unreachable" in proc.stdout + proc.stderr, (proc.stdout, proc.stderr)
+    finally:
+        postgres.start_server()
+    wait_until(lambda: a.cli("status")["store"]["unreachable"] is None, timeout=30)
+    before = a.cli("status")["cluster"]["last_heartbeat"]
+    wait_until(lambda: (h := _hosts(a)["a"])["state"] == "ready" and h["last_heartbeat"] > before,
+               timeout=HOST_TIMEOUT_S + 10)
+    assert a.cli("status")["backend"]["pid"] == pid

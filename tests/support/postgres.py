@@ -128,12 +128,17 @@ class PgCluster:
     def restart(self, *, stopped_for: float = 0.0) -> None:
         """Stop the server (fast: its clients are disconnected) and start it again, as an operator's
         restart does; ``stopped_for``: seconds it stays down in between (Issue 47 scenario C)."""
-        self._stop_server()
+        self.stop_server()
         if stopped_for:
             threading.Event().wait(stopped_for)  # the outage itself, not a wait for a condition
+        self.start_server()
+
+    def start_server(self) -> None:
+        """Start the server again after ``stop_server`` (its data kept)."""
         self._ensure(restart=True)
 
-    def _stop_server(self) -> None:
+    def stop_server(self) -> None:
+        """Stop the server (fast shutdown: its clients are disconnected); its data stays."""
         info = self._xprocess.getinfo(self.NAME) if self._xprocess is not None else None
         if info is None or not info.isrunning():
             return
@@ -167,7 +172,7 @@ class PgCluster:
 
     def stop(self) -> None:
         try:
-            self._stop_server()
+            self.stop_server()
         finally:
             if self._xprocess is not None:  # its log is no longer added to failing tests' reports
                 self._xprocess.config.__dict__.get("_extlogfiles", {}).pop(self.NAME, None)

@@ -7,6 +7,8 @@ import asyncio
 import os
 from typing import Any
 
+from sqlalchemy.exc import OperationalError
+
 from daemon.agentctl.client.handshake import identify
 from daemon.api.ops import BackendState, LinkObserved, LinkState
 from daemon.backend.control.launcher import ControlServerHandle
@@ -158,7 +160,8 @@ def handlers(backend: BackendContext, upgrade: ServerUpgrade) -> dict[str, Handl
 def out_of_space_reported(backend: BackendContext, table: dict[str, Handler]) -> dict[str, Handler]:
     """Every handler of ``table``, with a store write that failed for want of space reported
     (``store_out_of_space`` in the journal and ``kandev status``) and answered with the retryable
-    error ``store_out_of_space`` instead of an internal error (Issue 21 item 5)."""
+    error ``store_out_of_space`` instead of an internal error (Issue 21 item 5); a database server
+    that cannot be reached, with the retryable ``store_unreachable`` (Issue 47 item 5)."""
     space = backend.store_care.space
 
     def wrap(handler: Handler) -> Handler:
@@ -172,6 +175,11 @@ def out_of_space_reported(backend: BackendContext, table: dict[str, Handler]) ->
                     where = space.state.path if space.state is not None else "the store"
                     raise IpcError("store_out_of_space", f"the store at {where} is out of space; nothing was"
                                    " written: free some space and retry", True) from exc
+                if isinstance(exc, OperationalError) and backend.store.engine.dialect.name != "sqlite":
+                    raise IpcError("store_unreachable", "the database cannot be reached"
+                                   f" ({type(getattr(exc, 'orig', None) or exc).__name__}); agents keep running and"
+                                   " the backend reconnects: retry shortly (kandev status says when it is back)",
+                                   True) from exc
                 raise
         return handle
 
