@@ -35,6 +35,7 @@ import daemon.backend.tasks.delete as task_delete
 import daemon.backend.views.ids as ids
 from daemon.api.ops import TABLE, AdoptionOutcome, BackendState
 from daemon.backend.cluster.membership import Cluster
+from daemon.backend.cluster.own_sessions import own_sessions_only
 from daemon.backend.lifetime.context import BackendContext
 from daemon.backend.lifetime.server_upgrade import ServerUpgrade
 from daemon.backend.recovery.adoption import Adopter
@@ -115,7 +116,9 @@ class Backend:
         # the backend asks it to resume what a lost control server interrupted
         ctx.servers.on_restarted = self.resume.resume_interrupted
         # Every op that takes a task or session id also takes a unique prefix of it (daemon.backend.views.ids).
-        return ids.resolving(TABLE, ctx.store, status_api.out_of_space_reported(ctx, {
+        # In a cluster, the ops that drive an agent are refused on another host's session
+        # (daemon.backend.cluster.own_sessions); ids resolve first, so the guard sees whole ids.
+        return ids.resolving(TABLE, ctx.store, own_sessions_only(ctx.cluster, ctx.store, status_api.out_of_space_reported(ctx, {
             **status_api.handlers(ctx, self.upgrade),
             **hosts_api.handlers(ctx),
             **tasks_api.handlers(self.tasks),
@@ -130,7 +133,7 @@ class Backend:
             **runtimes_api.handlers(ctx),
             **ctx.views.handlers(),
             **FollowService(ctx.store, ctx.transcripts, ctx.executions, ctx.quiet, ctx.quiet_report).handlers(),
-        }))
+        })))
 
     async def recover(self) -> None:
         ctx = self.context

@@ -133,6 +133,9 @@ def test_a_killed_host_is_unreachable_to_the_others_and_retracks_its_own_agent(k
     assert show["live"] is False and show["host_state"] == "unreachable"
     assert any(h["name"] == "b" for h in a.cli("status")["cluster"]["unreachable"])
     assert alive(agent)  # nothing adopted it: its own control server still runs it
+    proc = a.run("cancel", sid)  # a has no way to its agent: refused at once, naming the host and since when
+    assert proc.returncode == 1 and "host_unreachable" in proc.stdout and f"since {seen['since']}" in proc.stdout, \
+        proc.stdout
 
     # b comes back: its own backend re-tracks its agent; the turn completes, seen from a
     st_b2 = b.up()
@@ -145,6 +148,8 @@ def test_a_killed_host_is_unreachable_to_the_others_and_retracks_its_own_agent(k
     assert done["host_state"] == "ready" and done["live"] is True
     hosts = _hosts(a)
     assert (hosts["b"]["sessions"], hosts["b"]["agents"], hosts["a"]["sessions"]) == (1, 1, 1)
+    proc = a.run("task", "delete", task)  # its directories are on b: deleted from there
+    assert proc.returncode == 1 and "belongs to cluster host b" in proc.stdout, proc.stdout
 
 
 def _secret(path: Path, text: str) -> str:
