@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 
 import daemon.backend.handlers.credentials as credentials_api
+import daemon.backend.handlers.hosts as hosts_api
 import daemon.backend.handlers.resume as resume_api
 import daemon.backend.handlers.runtime_config as runtime_config_api
 import daemon.backend.handlers.runtimes as runtimes_api
@@ -35,6 +36,7 @@ import daemon.backend.views.ids as ids
 from daemon.api.ops import TABLE, AdoptionOutcome, BackendState
 from daemon.backend.cluster.membership import Cluster
 from daemon.backend.cluster.messaging import ClusterMessaging, refuse_hosts
+from daemon.backend.cluster.own_sessions import own_sessions_only
 from daemon.backend.lifetime.context import BackendContext
 from daemon.backend.lifetime.server_upgrade import ServerUpgrade
 from daemon.backend.recovery.adoption import Adopter
@@ -120,8 +122,12 @@ class Backend:
         # the backend asks it to resume what a lost control server interrupted
         ctx.servers.on_restarted = self.resume.resume_interrupted
         # Every op that takes a task or session id also takes a unique prefix of it (daemon.backend.views.ids).
-        table = status_api.out_of_space_reported(ctx, {
+        # In a cluster, an op that drives another host's session goes to that host through the store
+        # (daemon.backend.cluster.router); own_sessions_only, under it, refuses whatever would still
+        # drive another host's agent here. Ids resolve first, so both see whole ids.
+        table = own_sessions_only(ctx.cluster, ctx.store, status_api.out_of_space_reported(ctx, {
             **status_api.handlers(ctx, self.upgrade),
+            **hosts_api.handlers(ctx),
             **tasks_api.handlers(self.tasks),
             **task_delete.handlers(ctx),
             **lifecycle.handlers(ctx),
@@ -135,7 +141,7 @@ class Backend:
             **ctx.views.handlers(),
             **FollowService(ctx.store, ctx.transcripts, ctx.executions, ctx.quiet, ctx.quiet_report,
                             host=ctx.cluster.identity.host).handlers(),
-        })
+        }))
         if self.messaging is None:
             return ids.resolving(TABLE, ctx.store, refuse_hosts(table))
         # The runner carries out other hosts' requests through this same table (Issue 47 item 6).

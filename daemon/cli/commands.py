@@ -91,6 +91,8 @@ def run(args: argparse.Namespace) -> Any:
         return (cmd_up if cmd == "up" else cmd_down)(Paths.for_home(home), args)
     if cmd == "status":
         return call(sock, "status")
+    if cmd == "hosts":
+        return call(sock, "hosts")
     if cmd == "agentctl":  # reload: quiesce + preflight + exec, followed to its outcome
         return call(sock, "agentctl_reload", timeout=200.0)
     if cmd == "store":  # vacuum

@@ -258,6 +258,8 @@ def _build_parser() -> argparse.ArgumentParser:
     down.add_argument("--agents", action="store_true", help="also stop a detached control server and every agent"
                       " (with survival on they otherwise keep running for the next backend)")
     sub.add("status", "backend, capability, control server (running and installed versions), recovery")
+    sub.add("hosts", "the cluster's hosts (several backends on one PostgreSQL): state, version, sessions,"
+            " agents, last heartbeat")
     actl = sub.group("agentctl", "the control server", "agentctl_cmd")
     actl.add("reload", "re-execute the control server's installed code in place; its agents keep running (exit 1"
              " if it refuses: the old code keeps serving)")

@@ -187,7 +187,8 @@ SETTINGS: tuple[Setting, ...] = (
             "a SQLAlchemy URL, e.g. `postgresql+psycopg://kandev@/kandev?host=/run/postgresql` (peer"
             " authentication over the Unix socket, no password in the file); unset means SQLite WAL at"
             " `<home>/kandev.db`. One backend per store: a second one is refused at start (a `<file>.lock`"
-            " beside an SQLite file outside the home; a session advisory lock on PostgreSQL)",
+            " beside an SQLite file outside the home; a session advisory lock on PostgreSQL); in a cluster"
+            " (`cluster.host`) one backend per host name",
             accepted="a non-empty SQLAlchemy URL; leave it unset for SQLite at <home>/kandev.db", secret=True),
     Setting("database.password_file", Kind.STR, None,
             "where the PostgreSQL password is: an absolute path of a file (checked like a `secret_env` file:"

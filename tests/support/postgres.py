@@ -24,6 +24,7 @@ import signal
 import subprocess
 import tempfile
 import threading
+import types
 import uuid
 from pathlib import Path
 from typing import Any
@@ -86,9 +87,11 @@ class PgCluster:
         log = self.dir / "xprocess" / self.NAME / "xprocess.log"
         return log.read_text(errors="replace")[-2000:] if log.exists() else ""
 
-    def start(self, config: pytest.Config) -> PgCluster:
+    def start(self, config: pytest.Config | None = None) -> PgCluster:
         """``initdb`` once, then the server under pytest-xprocess: its ``postgres`` process is
-        xprocess's, listening only on a Unix socket in ``dir``; ready when its log says so."""
+        xprocess's, listening only on a Unix socket in ``dir``; ready when its log says so.
+        ``config``: pytest's (xprocess adds the server's log to failing tests' reports); a script
+        (a benchmark) gives none."""
         from xprocess import XProcess
 
         if self._as:
@@ -98,7 +101,9 @@ class PgCluster:
         self._run(str(self.bindir / "initdb"), "-D", str(self.data), "-A", "trust", "-U", ROLE, "-E", "UTF8",
                   "--no-sync")
         (self.dir / "xprocess").mkdir()
-        self._xprocess = XProcess(config, py.path.local(self.dir / "xprocess"))
+        quiet = types.SimpleNamespace(debug=lambda *args: None)  # its own log is in the server's (log_tail)
+        self._xprocess = XProcess(config if config is not None else types.SimpleNamespace(),
+                                  py.path.local(self.dir / "xprocess"), log=quiet)
         self._ensure(restart=False)
         return self
 
@@ -123,12 +128,17 @@ class PgCluster:
     def restart(self, *, stopped_for: float = 0.0) -> None:
         """Stop the server (fast: its clients are disconnected) and start it again, as an operator's
         restart does; ``stopped_for``: seconds it stays down in between (Issue 47 scenario C)."""
-        self._stop_server()
+        self.stop_server()
         if stopped_for:
             threading.Event().wait(stopped_for)  # the outage itself, not a wait for a condition
+        self.start_server()
+
+    def start_server(self) -> None:
+        """Start the server again after ``stop_server`` (its data kept)."""
         self._ensure(restart=True)
 
-    def _stop_server(self) -> None:
+    def stop_server(self) -> None:
+        """Stop the server (fast shutdown: its clients are disconnected); its data stays."""
         info = self._xprocess.getinfo(self.NAME) if self._xprocess is not None else None
         if info is None or not info.isrunning():
             return
@@ -140,17 +150,29 @@ class PgCluster:
         except psutil.TimeoutExpired:
             info.terminate(timeout=10)
 
-    def new_database(self) -> str:
+    def new_database(self, owner: str = ROLE) -> str:
+        """An empty database of ``owner`` (a role of ``password_role``, or the trusted ``kandev``)."""
         import psycopg
 
         name = f"kd_{uuid.uuid4().hex[:12]}"
         with psycopg.connect(host=str(self.dir), user=ROLE, dbname="postgres", autocommit=True) as conn:
-            conn.execute(f'CREATE DATABASE "{name}"')
-        return f"postgresql+psycopg://{ROLE}@/{name}?host={self.dir}"
+            conn.execute(f'CREATE DATABASE "{name}" OWNER "{owner}"')
+        return f"postgresql+psycopg://{owner}@/{name}?host={self.dir}"
+
+    def password_role(self, name: str, password: str) -> None:
+        """A role that must give ``password`` (scram-sha-256) to connect; every other role keeps
+        ``trust``. The server reloads its authentication rules (no restart)."""
+        import psycopg
+
+        hba = self.data / "pg_hba.conf"
+        hba.write_text(f"local all {name} scram-sha-256\n" + hba.read_text())
+        with psycopg.connect(host=str(self.dir), user=ROLE, dbname="postgres", autocommit=True) as conn:
+            conn.execute(f"CREATE ROLE \"{name}\" LOGIN PASSWORD '{password}'")
+            conn.execute("SELECT pg_reload_conf()")
 
     def stop(self) -> None:
         try:
-            self._stop_server()
+            self.stop_server()
         finally:
             if self._xprocess is not None:  # its log is no longer added to failing tests' reports
                 self._xprocess.config.__dict__.get("_extlogfiles", {}).pop(self.NAME, None)

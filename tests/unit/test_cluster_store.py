@@ -4,8 +4,10 @@ one per host; a host's claim, heartbeat and reachability (daemon/backend/cluster
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from alembic import command
@@ -15,9 +17,11 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from daemon.backend.cluster.identity import ClusterIdentity
-from daemon.backend.cluster.membership import HostDirectory, HostForeign
+from daemon.backend.cluster.membership import Cluster, HostDirectory, HostForeign
+from daemon.backend.cluster.own_sessions import own_sessions_only, refusal
 from daemon.store.db import MIGRATIONS_DIR, Store, sqlite_url
 from daemon.store.models import ClusterHost, ControlServerRecord, Task, TaskSession
+from ipc.errors import IpcError
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -127,3 +131,40 @@ def test_host_counts(any_store: Store) -> None:
     with any_store.session() as db:
         counts = HostDirectory.counts(db)
     assert (counts["a"].sessions, counts["b"].sessions, counts[None].sessions) == (2, 1, 1)
+
+
+def test_another_hosts_session_is_never_driven_here(any_store: Store) -> None:
+    """Issue 47 item 1, Issue 47 item 6: the ops that drive an agent are refused on another host's
+    session, before any handler runs: host_unreachable (naming the host and since when) while it is
+    not ready, other_host while it is; this host's own sessions pass."""
+    clock = Clock()
+    kwargs: dict[str, Any] = dict(heartbeat_s=5, host_timeout_s=30, version="1", clock=clock)
+    b = HostDirectory(any_store, ClusterIdentity("b"), "inst-b", machine="m-b", **kwargs)
+    b.claim()
+    a = Cluster(ClusterIdentity("a"), HostDirectory(any_store, ClusterIdentity("a"), "inst-a", **kwargs))
+    with any_store.session() as db:
+        db.add(Task(id="t", title="t"))
+        db.flush()
+        db.add_all([TaskSession(id="on-a", task_id="t", agent="mock", host="a"),
+                    TaskSession(id="on-b", task_id="t", agent="mock", host="b")])
+    assert refusal(a, any_store, "on-a") is None and refusal(a, any_store, "missing") is None
+    other = refusal(a, any_store, "on-b")
+    assert other is not None and other.code == "other_host" and "cluster host b" in other.message
+    clock.now += timedelta(seconds=31)
+    gone = refusal(a, any_store, "on-b")
+    assert gone is not None and gone.code == "host_unreachable" and gone.retryable
+    assert "cluster host b, which is unreachable since 2026-12-06T12:00:30+00:00" in gone.message
+
+    called: list[str] = []
+
+    async def handler(ctx: Any, args: dict[str, Any]) -> str:
+        called.append(args["session_id"])
+        return "ran"
+
+    table = own_sessions_only(a, any_store, {"prompt": handler, "session_show": handler})
+    assert asyncio.run(table["session_show"](None, {"session_id": "on-b"})) == "ran"  # reading is fine
+    with pytest.raises(IpcError, match="host_unreachable|cluster host b"):
+        asyncio.run(table["prompt"](None, {"session_id": "on-b"}))
+    assert asyncio.run(table["prompt"](None, {"session_id": "on-a"})) == "ran" and called == ["on-b", "on-a"]
+    single = Cluster(ClusterIdentity(), a.directory)
+    assert own_sessions_only(single, any_store, {"prompt": handler})["prompt"] is handler

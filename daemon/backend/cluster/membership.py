@@ -22,6 +22,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
@@ -66,6 +67,10 @@ class Reachability:
     @property
     def live(self) -> bool:
         return self.state == READY
+
+
+def _iso(when: datetime | None) -> str | None:
+    return when.isoformat() if when is not None else None
 
 
 def database_now(db: Session) -> datetime:
@@ -197,6 +202,23 @@ class HostDirectory:
         now = self.clock(db)
         rows = db.scalars(select(ClusterHost)).all()
         return {r.name: reachability_of(r, now, self.host_timeout_s) for r in rows}
+
+    def summary(self) -> dict[str, Any] | None:
+        """``kandev status``'s ``cluster``: this host and the hosts by state; None on a single host. A
+        database that cannot be reached is said (``error``), not raised: status must answer."""
+        host = self.identity.host
+        if host is None:
+            return None
+        out: dict[str, Any] = {"host": host, "heartbeat_s": self.heartbeat_s, "host_timeout_s": self.host_timeout_s,
+                               "last_heartbeat": _iso(self.last_beat), "heartbeat_failures": self.beat_failures}
+        try:
+            hosts = self.hosts()
+        except Exception as exc:
+            return {**out, "error": f"the hosts cannot be read: {type(exc).__name__}"}
+        out["ready"] = [h.name for h in hosts if h.state == READY]
+        out["unreachable"] = [{"name": h.name, "since": _iso(h.since)} for h in hosts if h.state == UNREACHABLE]
+        out["stopped"] = [h.name for h in hosts if h.state == STOPPED]
+        return out
 
     @staticmethod
     def counts(db: Session) -> dict[str | None, HostCounts]:

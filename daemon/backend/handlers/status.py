@@ -7,6 +7,8 @@ import asyncio
 import os
 from typing import Any
 
+from sqlalchemy.exc import OperationalError
+
 from daemon.agentctl.client.handshake import identify
 from daemon.api.ops import BackendState, LinkObserved, LinkState
 from daemon.backend.control.launcher import ControlServerHandle
@@ -49,8 +51,9 @@ def handlers(backend: BackendContext, upgrade: ServerUpgrade) -> dict[str, Handl
 
         state, handle, identity, link = moment()
         # the three questions to other parties at once: a status call waits for the slowest, not the sum
-        link, sandbox, store = await asyncio.gather(
-            control_link(handle, link), agent_launch.sandbox_status(b), b.store_care.status())
+        link, sandbox, store, cluster = await asyncio.gather(
+            control_link(handle, link), agent_launch.sandbox_status(b), b.store_care.status(),
+            asyncio.to_thread(b.cluster.directory.summary))
         if b.handle is not handle:
             state, handle, identity, link = moment()
             link, sandbox = await asyncio.gather(control_link(handle, link), agent_launch.sandbox_status(b))
@@ -102,6 +105,8 @@ def handlers(backend: BackendContext, upgrade: ServerUpgrade) -> dict[str, Handl
             # whether each agent runs in a memory cgroup of its own, bounded (agents.max_memory), and why not
             "memory": agent_launch.memory_status(b.config, sandbox.pop("memory", None)),
             "store": store,
+            # several hosts on one PostgreSQL (Issue 47): this host and the others by state; None: one host
+            "cluster": cluster,
         }
 
     async def op_config_show(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
@@ -155,7 +160,8 @@ def handlers(backend: BackendContext, upgrade: ServerUpgrade) -> dict[str, Handl
 def out_of_space_reported(backend: BackendContext, table: dict[str, Handler]) -> dict[str, Handler]:
     """Every handler of ``table``, with a store write that failed for want of space reported
     (``store_out_of_space`` in the journal and ``kandev status``) and answered with the retryable
-    error ``store_out_of_space`` instead of an internal error (Issue 21 item 5)."""
+    error ``store_out_of_space`` instead of an internal error (Issue 21 item 5); a database server
+    that cannot be reached, with the retryable ``store_unreachable`` (Issue 47 item 5)."""
     space = backend.store_care.space
 
     def wrap(handler: Handler) -> Handler:
@@ -169,6 +175,11 @@ def out_of_space_reported(backend: BackendContext, table: dict[str, Handler]) ->
                     where = space.state.path if space.state is not None else "the store"
                     raise IpcError("store_out_of_space", f"the store at {where} is out of space; nothing was"
                                    " written: free some space and retry", True) from exc
+                if isinstance(exc, OperationalError) and backend.store.engine.dialect.name != "sqlite":
+                    raise IpcError("store_unreachable", "the database cannot be reached"
+                                   f" ({type(getattr(exc, 'orig', None) or exc).__name__}); agents keep running and"
+                                   " the backend reconnects: retry shortly (kandev status says when it is back)",
+                                   True) from exc
                 raise
         return handle
 

@@ -85,7 +85,7 @@ class BackendContext:
         # sessions features.auto_resume is about to resume: not "no agent" on the board meanwhile
         self.auto_resume_pending: set[str] = set()
         self.views = Views(store, self.executions, self.auto_resume_pending, self.quiet_report,
-                           self.store_care.space.status)
+                           self.store_care.space.status, self.cluster)
         self.report = RecoveryReport()
         self.shutdown_requested = asyncio.Event()
         self.stop_agents_at_shutdown = False  # kandev down --agents: the survival server stops them too

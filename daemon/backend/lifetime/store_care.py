@@ -85,20 +85,27 @@ class StoreCare:
 
     def size_bytes(self) -> int | None:
         """How many bytes the store takes (None if it cannot be read)."""
+        return self._size()[0]
+
+    def _size(self) -> tuple[int | None, str | None]:
+        """The store's size in bytes (None if it cannot be read) and, for a database server that
+        cannot be reached, why (the error's type and first line: never the URL or a password)."""
         if self.path is not None:
-            return sqlite_bytes(self.path)
+            return sqlite_bytes(self.path), None
         if self.store.engine.dialect.name == "postgresql":
             try:
                 with self.store.engine.connect() as conn:
-                    return int(conn.execute(text("SELECT pg_database_size(current_database())")).scalar() or 0)
-            except Exception:
-                return None
-        return None
+                    return int(conn.execute(text("SELECT pg_database_size(current_database())")).scalar() or 0), None
+            except Exception as exc:
+                return None, _unreachable(exc)
+        return None, None
 
     async def status(self) -> dict[str, Any]:
-        size = await asyncio.to_thread(self.size_bytes)
+        size, unreachable = await asyncio.to_thread(self._size)
         return {
             "path": str(self.path) if self.path is not None else None,
+            # a database server that cannot be reached (restarting, a dropped network): why, else None
+            "unreachable": unreachable,
             "bytes": size,
             "free_bytes": free_bytes(self.path) if self.path is not None else None,
             "out_of_space": self.space.status(),
@@ -175,3 +182,11 @@ class StoreCare:
         log_event("store_vacuumed", f"store vacuumed: {before} -> {after} bytes", BYTES_BEFORE=before,
                   BYTES_AFTER=after)
         return result
+
+
+def _unreachable(exc: Exception) -> str:
+    """How ``status`` says the database cannot be reached: the driver's first line, without the
+    connection's details (psycopg names the socket or host, never the password)."""
+    cause = getattr(exc, "orig", None) or exc
+    first = (str(cause).strip().splitlines() or [""])[0][:200]
+    return f"{type(cause).__name__}: {first}" if first else type(cause).__name__
