@@ -68,7 +68,7 @@ def unreachable(host: str, state: str, since: datetime | None, *, ran: str = "")
     if state == "unknown":
         why = f"no host named {host!r} is part of this cluster (kandev hosts lists them)"
         return IpcError(ErrorCode.NOT_FOUND, why)
-    when = f" since {since.isoformat(timespec='seconds')}" if since is not None else ""
+    when = f" since {since.isoformat()}" if since is not None else ""
     what = "stopped" if state == "stopped" else "unreachable"
     return IpcError(requests.HOST_UNREACHABLE, f"host {host} is {what}{when}: its backend drives its sessions,"
                     f" and it does not answer{ran}", True, {"host": host, "state": what,
