@@ -35,8 +35,9 @@ from daemon.store.transcript import TOUCHED
 log = logging.getLogger(__name__)
 
 CHANNELS = (REQUESTS_CHANNEL, RESULTS_CHANNEL, TRANSCRIPT_CHANNEL)
-STOP_CHECK_S = 1.0
-"""Seconds the listening thread blocks at most before it looks whether it should stop."""
+STOP_CHECK_S = 0.25
+"""Seconds the listening thread waits on its socket at most before it looks whether it should stop
+(a wait for the socket, not a query: an idle connection costs four wake-ups a second, a stop 0.25 s)."""
 BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 5.0
 
