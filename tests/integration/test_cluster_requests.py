@@ -53,6 +53,17 @@ def _host_row(k: Kandev, name: str) -> dict[str, Any]:
     return next(h for h in k.cli("hosts")["hosts"] if h["name"] == name)
 
 
+def _requests(url: str, op: str) -> list[Any]:
+    """The cluster's request rows of ``op``, oldest first."""
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            return list(conn.execute(text("SELECT state, error FROM cluster_requests WHERE op = :op ORDER BY id"),
+                                     {"op": op}))
+    finally:
+        engine.dispose()
+
+
 def _host_of(url: str, sid: str) -> str | None:
     """The host the shared store records for the session."""
     engine = create_engine(url, poolclass=NullPool)
@@ -146,16 +157,18 @@ def test_a_drives_a_session_on_b(kandev_factory, postgres):
 
 
 def test_a_refuses_an_unreachable_b_and_follows_the_turn_once_b_is_back(kandev_factory, postgres):
-    """Issue 47 scenario B (the part driven from ``a``): ``b``'s backend SIGKILLed mid-turn; ``a``
-    refuses to drive ``b``'s session with ``host_unreachable`` naming ``b`` and since when; ``b``
-    restarted re-tracks the agent, the turn completes, and ``a``'s follow (open throughout) shows
-    every chunk once and in order."""
-    a, b, _ = _hosts(kandev_factory, postgres)
+    """Issue 47 scenario B (the part driven from ``a``): ``b``'s backend SIGKILLed mid-turn; the
+    ``prompt --wait`` b was carrying out for ``a`` fails ``host_unreachable`` (it may have run), and
+    ``b``'s next start answers it ``request_interrupted``, never running it twice; ``a`` refuses to
+    drive ``b``'s session with ``host_unreachable`` naming ``b`` and since when; ``b`` restarted
+    re-tracks the agent, the turn completes, and ``a``'s follow (open throughout) shows every chunk
+    once and in order."""
+    a, b, url = _hosts(kandev_factory, postgres)
     task = a.cli("task", "create", "--title", "b dies")["task_id"]
     sid = a.cli("session", "start", task, "--host", "b")["session_id"]
     pid = int(_state(a, sid, "WAITING_FOR_INPUT")["agent_pid"])
     b.agent_pids.add(pid)
-    a.cli("prompt", sid, "/slow 30")
+    waiting = a.popen("prompt", sid, "/slow 30", "--wait", json_output=True)  # b carries it out, a waits
     follow = a.popen("follow", sid[:8], "--reconnect-timeout", "120")
     out, err = TimedOutput(follow.stdout), TimedOutput(follow.stderr)
     out.wait_for("3/30 ", timeout=60)
@@ -163,6 +176,10 @@ def test_a_refuses_an_unreachable_b_and_follows_the_turn_once_b_is_back(kandev_f
     backend = b.backend_pid
     os.kill(backend, signal.SIGKILL)
     wait_until(lambda: not alive(backend), timeout=10)
+    # The prompt b was carrying out: a stops waiting once b is unreachable, saying it may have run.
+    assert waiting.wait(timeout=60) != 0
+    answer = json.loads(waiting.stdout.read() if waiting.stdout else b"{}")["error"]
+    assert answer["code"] == "host_unreachable" and "may or may not have taken effect" in answer["message"], answer
     seen = wait_until(lambda: h if (h := _host_row(a, "b"))["state"] == "unreachable" else None, timeout=30,
                       message="a shows b unreachable")
     code, line = _error(a.run("prompt", sid, "while b is away"))
@@ -173,6 +190,9 @@ def test_a_refuses_an_unreachable_b_and_follows_the_turn_once_b_is_back(kandev_f
 
     st = b.up()
     assert st["recovery"]["retracked"] == 1
+    # b's new backend answered the request its predecessor had claimed; it never ran it again.
+    (row,) = _requests(url, "prompt")
+    assert row.state == "done" and row.error["code"] == "request_interrupted", row
     assert follow.wait(timeout=120) == 0, err.text
     assert re.findall(r"\d+/30 ", out.text) == [f"{i}/30 " for i in range(1, 31)]
     done = _state(a, sid, "WAITING_FOR_INPUT")
