@@ -7,8 +7,9 @@ then claims every pending request, including those written while it was down. Af
 when woken by a ``kandev_requests`` notification naming this host, and looks every ``SCAN_S`` seconds
 anyway (a notification lost with a dropped connection).
 
-Each claimed request runs in a task of its own (a ``prompt --wait`` does not hold up the others)
-through exactly what a local CLI call goes through after the socket: the op must be one of
+Each claimed request runs in a task of its own (a ``prompt --wait`` does not hold up the others;
+``MAX_RUNNING`` at most at once) through exactly what a local CLI call goes through after the
+socket: the op must be one of
 ``router.ROUTED_OPS`` (nothing else is accepted from another host: ``permission_denied``), its
 arguments are validated by the op table (``invalid_argument`` naming the field, as on the socket),
 then the backend's own handler table runs it, with the same id resolution, checks and typed errors.
@@ -44,6 +45,9 @@ log = logging.getLogger(__name__)
 
 SCAN_S = 5.0
 """Seconds between two looks for pending requests without a notification."""
+MAX_RUNNING = 64
+"""Requests carried out at once at most (as the CLI socket runs at most 64 requests of a connection);
+the others wait, pending, until one ends."""
 KEEP_DONE_S = 86400.0
 """Seconds an answered request stays in the store (for someone looking into what happened)."""
 FORGET_EVERY_S = 600.0
@@ -135,7 +139,7 @@ class RequestRunner:
                 if time.monotonic() - forgot >= FORGET_EVERY_S:
                     forgot = time.monotonic()
                     await asyncio.to_thread(self._forget_done)
-                while (request := await asyncio.to_thread(self._claim)) is not None:
+                while len(self._running) < MAX_RUNNING and (request := await asyncio.to_thread(self._claim)):
                     task = asyncio.create_task(self._carry_out(request), name=f"cluster-request-{request.id}")
                     self._running[request.id] = task
                     task.add_done_callback(functools.partial(self._forget, request.id))
@@ -143,7 +147,8 @@ class RequestRunner:
                 log.warning("cluster requests: claiming failed: %s", exc)
 
     def _forget(self, request_id: int, _task: asyncio.Task[None]) -> None:
-        self._running.pop(request_id, None)
+        if self._running.pop(request_id, None) is not None and len(self._running) == MAX_RUNNING - 1:
+            self._wake.set()  # room again for one that waits
 
     async def _carry_out(self, request: requests.Request) -> None:
         result: dict[str, Any] | None = None
