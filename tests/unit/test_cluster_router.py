@@ -217,3 +217,28 @@ def test_requests_written_while_the_owner_was_down_run_when_it_starts(store):
     answers = run(scenario())
     assert [x["text"] for x in answers] == ["0", "1", "2"]
     assert sorted(c[1]["text"] for c in calls) == ["0", "1", "2"]
+
+
+def test_two_runners_woken_together_carry_out_each_request_once(store):
+    """Issue 47 item 2: two runners of host ``b`` (as two backends racing, each woken by every
+    notification) and 20 requests at once: each request runs exactly once, each answer reaches its
+    requester."""
+    calls: list[tuple[str, dict[str, Any]]] = []
+
+    async def scenario() -> list[Any]:
+        a, b1 = await _pair(store, Hosts(), calls)
+        b2 = ClusterMessaging(store, "b", Hosts(), TranscriptHub())
+        b2.use(b2.wrap(_b_handlers(calls)))
+        b2.start()
+        await asyncio.to_thread(b2.listener.connected.wait, 10)
+        await b2.serve_requests()
+        try:
+            return list(await asyncio.gather(*(a.router.forward("b", "prompt", {"session_id": "s", "text": str(i)})
+                                               for i in range(20))))
+        finally:
+            for m in (a, b1, b2):
+                await m.stop()
+
+    answers = run(scenario())
+    assert [x["text"] for x in answers] == [str(i) for i in range(20)]
+    assert sorted(int(c[1]["text"]) for c in calls) == list(range(20))
