@@ -107,6 +107,8 @@ def test_a_drives_a_session_on_b(kandev_factory, postgres):
     assert followed.returncode == 0, followed.stderr
     assert "echo: hello from a" in followed.stdout and "turn ended" in followed.stdout
     assert agent_chunks(b.show(sid)) == ["echo: hello from a"]
+    logs = a.cli("logs", sid)  # the agent's stderr is a file on b: b's backend reads it
+    assert logs == b.cli("logs", sid) and "session/prompt" in logs["text"], logs
 
     started = a.cli("prompt", sid, "/slow 60")
     assert started["turn_id"]
