@@ -200,3 +200,20 @@ def test_a_refuses_an_unreachable_b_and_follows_the_turn_once_b_is_back(kandev_f
     done = _state(a, sid, "WAITING_FOR_INPUT")
     assert agent_chunks(done) == [f"{i}/30 " for i in range(1, 31)]
     assert a.cli("prompt", sid, "b is back", "--wait")["stop_reason"] == "end_turn"
+
+
+def test_a_proceeds_a_workflow_whose_session_is_on_b(kandev_factory, postgres):
+    """Issue 47 item 2: ``task proceed`` from ``a`` on a task whose latest session runs on ``b``: the
+    step's context reset and automatic prompt are carried out by ``b``'s backend (its agent), and
+    the answer is what ``b`` gives."""
+    a, b, _ = _hosts(kandev_factory, postgres)
+    task = a.cli("task", "create", "--title", "steps on b", "--steps", "plan,implement:reset:prompt=Implement it")[
+        "task_id"]
+    sid = a.cli("session", "start", task, "--host", "b")["session_id"]
+    b.agent_pids.add(int(_state(a, sid, "WAITING_FOR_INPUT")["agent_pid"]))
+    entered = a.cli("task", "proceed", task)
+    assert (entered["step"], entered["session_id"]) == ("implement", sid), entered
+    assert entered["reset"]["session_id"] == sid and entered["prompt"] is not None, entered
+    done = wait_until(lambda: s if (s := a.show(sid))["turns"][-1]["state"] != "open" else None, timeout=60)
+    assert [m["text"] for m in done["transcript"] if m["kind"] == "prompt"][-1] == "Implement it"
+    assert a.cli("task", "workflow", task)["current"] == "implement"

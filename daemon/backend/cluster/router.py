@@ -2,9 +2,10 @@
 goes to that host through the store.
 
 ``Router.wrap`` wraps the backend's handler table. For each op in ``ROUTED_OPS`` it looks up which
-host owns the session (``task_sessions.host``, which never changes once set: remembered), and
-``session_start`` names a host with ``host``; a session of this host (or of a single-host store,
-host NULL) runs the local handler as before. Otherwise:
+host owns the session (``task_sessions.host``, which never changes once set: remembered);
+``session_start`` names a host with ``host``; ``task_proceed`` goes to the host of the task's latest
+session. A session of this host (or of a single-host store, host NULL) runs the local handler as
+before. Otherwise:
 
 1. the target host's reachability (``HostDirectory``): not ``ready`` is the typed error
    ``host_unreachable`` at once, naming the host and since when; nothing is written;
@@ -45,9 +46,10 @@ from ipc.server import ConnectionContext, Handler
 
 ROUTED_OPS = frozenset({
     "session_start", "prompt", "cancel", "permission_respond", "session_stop", "session_resume",
-    "session_reset_context", "session_configure", "session_logs",
+    "session_reset_context", "session_configure", "session_logs", "task_proceed",
 })
-"""The ops carried out by the host that owns the session (and the only ones a request may carry)."""
+"""The ops carried out by the host that owns the session (and the only ones a request may carry);
+``task_proceed`` by the host of the task's latest session (its step's reset and prompt drive it)."""
 CLAIM_BOUND_S = 10.0
 """Seconds the owner has to claim a request before the requester takes it back (host_unreachable)."""
 OP_BOUNDS_S = {"session_start": 175.0, "session_resume": 175.0, "session_reset_context": 175.0,
@@ -121,6 +123,9 @@ class Router:
         if op == "session_start":
             host = args.get("host")
             return host if isinstance(host, str) and host else None
+        if op == "task_proceed":
+            task_id = args.get("task_id")
+            return await asyncio.to_thread(self._latest_host, task_id) if isinstance(task_id, str) else None
         session_id = args.get("session_id")
         if not isinstance(session_id, str):
             return None
@@ -130,6 +135,12 @@ class Router:
         if owner is not None:
             self._owners[session_id] = owner
         return owner
+
+    def _latest_host(self, task_id: str) -> str | None:
+        """The host of the task's latest session (``WorkflowRunner``'s order), read each time."""
+        with self.store.session() as db:
+            return db.scalar(select(TaskSession.host).where(TaskSession.task_id == task_id)
+                             .order_by(TaskSession.created_at.desc(), TaskSession.id.desc()).limit(1))
 
     def _owner_of(self, session_id: str) -> str | None:
         with self.store.session() as db:
