@@ -119,8 +119,8 @@ class Backend:
         # In a cluster, the ops that drive an agent are refused on another host's session
         # (daemon.backend.cluster.own_sessions); ids resolve first, so the guard sees whole ids.
         return ids.resolving(TABLE, ctx.store, own_sessions_only(ctx.cluster, ctx.store, status_api.out_of_space_reported(ctx, {
-            **status_api.handlers(ctx, self.upgrade),
-            **hosts_api.handlers(ctx),
+            **(status := status_api.handlers(ctx, self.upgrade)),
+            **hosts_api.handlers(ctx, status["status"]),  # and status's cluster part
             **tasks_api.handlers(self.tasks),
             **task_delete.handlers(ctx),
             **lifecycle.handlers(ctx),
