@@ -126,8 +126,8 @@ class Backend:
         # (daemon.backend.cluster.router); own_sessions_only, under it, refuses whatever would still
         # drive another host's agent here. Ids resolve first, so both see whole ids.
         table = own_sessions_only(ctx.cluster, ctx.store, status_api.out_of_space_reported(ctx, {
-            **status_api.handlers(ctx, self.upgrade),
-            **hosts_api.handlers(ctx),
+            **(status := status_api.handlers(ctx, self.upgrade)),
+            **hosts_api.handlers(ctx, status["status"]),  # and status's cluster part
             **tasks_api.handlers(self.tasks),
             **task_delete.handlers(ctx),
             **lifecycle.handlers(ctx),

@@ -57,7 +57,8 @@ def test_a_second_backend_of_a_live_host_name_is_refused(kandev_factory, postgre
     """Issue 47 scenario D: with host b running, a second backend (another home) with
     cluster.host = "b" is refused naming b's pid and machine, before it logs anything; host c starts
     beside b; a single-host backend is refused on the cluster's database (Issue 47 scenario E's
-    refusal of a second backend on one store, kept), and so is a cluster host on a single host's."""
+    refusal of a second backend on one store, kept), and so is a cluster host on a single host's.
+    A host stopped cleanly is shown stopped (Issue 47 item 4)."""
     url = postgres.new_database()
     b = kandev_factory("b", _config(url, "b", survival=False))
     st = b.up()
@@ -76,6 +77,9 @@ def test_a_second_backend_of_a_live_host_name_is_refused(kandev_factory, postgre
     assert c.up()["cluster"]["host"] == "c"
     assert {(n, h["state"], h["own"]) for n, h in _hosts(c).items()} == {("b", "ready", False), ("c", "ready", True)}
     assert b.cli("status")["backend"]["pid"] == st["backend"]["pid"]  # b was not disturbed
+    c.run("down")  # a clean stop: stopped, not unreachable
+    assert _hosts(b)["c"]["state"] == "stopped" and "c" in b.cli("status")["cluster"]["stopped"]
+    assert "stopped" in b.human("hosts").stdout
 
     lone = postgres.new_database()
     kandev_factory("lone", _config(lone, None, survival=False)).up()

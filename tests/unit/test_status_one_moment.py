@@ -36,7 +36,6 @@ def _backend() -> SimpleNamespace:
         return {}
 
     backend.store_care = SimpleNamespace(status=store_status)
-    backend.cluster = SimpleNamespace(directory=SimpleNamespace(summary=lambda: None))  # a single host
     return backend
 
 

@@ -1,6 +1,6 @@
 """The ``hosts`` op (``kandev hosts``, Issue 47 item 3): every host of the cluster, its state
 (``ready``, ``unreachable`` since when, ``stopped``), version, sessions, agents and last heartbeat,
-read from the shared store (``daemon.backend.cluster.membership``)."""
+read from the shared store (``daemon.backend.cluster.membership``); and ``status``'s ``cluster``."""
 
 from __future__ import annotations
 
@@ -34,8 +34,15 @@ def read_hosts(backend: BackendContext) -> dict[str, Any]:
     return {"host": own, "hosts": hosts}
 
 
-def handlers(backend: BackendContext) -> dict[str, Handler]:
+def handlers(backend: BackendContext, status: Handler) -> dict[str, Handler]:
+    """``hosts``, and ``status`` (the handler of ``daemon.backend.handlers.status``) with its
+    ``cluster`` part: this host and the others by state (None on a single host)."""
     async def op_hosts(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
         return await asyncio.to_thread(read_hosts, backend)
 
-    return {"hosts": op_hosts}
+    async def op_status(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+        result, cluster = await asyncio.gather(status(ctx, args),
+                                               asyncio.to_thread(backend.cluster.directory.summary))
+        return {**result, "cluster": cluster}
+
+    return {"hosts": op_hosts, "status": op_status}

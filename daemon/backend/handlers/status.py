@@ -51,9 +51,8 @@ def handlers(backend: BackendContext, upgrade: ServerUpgrade) -> dict[str, Handl
 
         state, handle, identity, link = moment()
         # the three questions to other parties at once: a status call waits for the slowest, not the sum
-        link, sandbox, store, cluster = await asyncio.gather(
-            control_link(handle, link), agent_launch.sandbox_status(b), b.store_care.status(),
-            asyncio.to_thread(b.cluster.directory.summary))
+        link, sandbox, store = await asyncio.gather(
+            control_link(handle, link), agent_launch.sandbox_status(b), b.store_care.status())
         if b.handle is not handle:
             state, handle, identity, link = moment()
             link, sandbox = await asyncio.gather(control_link(handle, link), agent_launch.sandbox_status(b))
@@ -105,8 +104,6 @@ def handlers(backend: BackendContext, upgrade: ServerUpgrade) -> dict[str, Handl
             # whether each agent runs in a memory cgroup of its own, bounded (agents.max_memory), and why not
             "memory": agent_launch.memory_status(b.config, sandbox.pop("memory", None)),
             "store": store,
-            # several hosts on one PostgreSQL (Issue 47): this host and the others by state; None: one host
-            "cluster": cluster,
         }
 
     async def op_config_show(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:

@@ -283,7 +283,9 @@ class SessionService:
             "live": ex is not None or remote_live,
             "host": session.host,
             "host_state": host_state,
-            "recoverable": ex is None and session.state not in (SessionState.COMPLETED,) and row is not None,
+            # another host's session is resumed by its own host, not here
+            "recoverable": ex is None and session.state not in (SessionState.COMPLETED,) and row is not None
+            and host_state in (None, READY),
             "not_retracked_reason": b.report.not_retracked.get(session_id),
             # Why its agent was lost, while it has none: a backend restart or a lost control server.
             "interruption": (row.metadata_json or {}).get("interruption") if row is not None and ex is None else None,

@@ -42,6 +42,12 @@ def parse_time(text: str | None) -> datetime | None:
     return when if when.tzinfo else when.replace(tzinfo=UTC)
 
 
+def when(text: str | None) -> str:
+    """An ISO timestamp for people: to the second, in UTC (``2026-12-06 23:55:25Z``; "-" when unknown)."""
+    moment = parse_time(text)
+    return "-" if moment is None else moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
 def age(text: str | None, now: datetime | None = None) -> str:
     """``kubectl``-style age of an ISO timestamp: 45s, 3m, 2h, 5d ("-" when unknown)."""
     when = parse_time(text)

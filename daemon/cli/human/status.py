@@ -10,7 +10,7 @@ as ``name: value``; a part it does not know gets a block of its own. Nothing is 
 from __future__ import annotations
 
 from daemon.api.ops import AdoptionOutcome, BackendState, LinkObserved, LinkState
-from daemon.cli.human.fmt import duration_ms, network_refusals, out_of_space_line, short
+from daemon.cli.human.fmt import duration_ms, network_refusals, out_of_space_line, short, when
 from daemon.cli.human.term import Term
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
@@ -100,7 +100,7 @@ def warnings(status: dict[str, Any]) -> list[str]:
         out.append(f"the store is unreachable ({unreachable}); agents keep running, the backend reconnects")
     cluster = status.get("cluster") or {}
     for host in cluster.get("unreachable") or []:
-        out.append(f"cluster host {host.get('name')} is unreachable since {host.get('since')}: its sessions show"
+        out.append(f"cluster host {host.get('name')} is unreachable since {when(host.get('since'))}: its sessions show"
                    " their last known state")
     sandbox = status.get("sandbox") or {}
     if sandbox.get("sandboxed") is False:

@@ -19,6 +19,7 @@ from daemon.cli.human.fmt import (
     state_styles,
     stop_reason_ok,
     unique_length,
+    when,
     with_host,
     yes_no,
 )
@@ -543,9 +544,9 @@ def hosts_lines(result: dict[str, Any], term: Term) -> list[str]:
     for h in hosts:
         state = str(h.get("state") or "-")
         if state == "unreachable":
-            state = f"unreachable since {h.get('since')}"
+            state = f"unreachable since {when(h.get('since'))}"
         colour = Colour.GREEN if h.get("state") == "ready" else Colour.YELLOW
         rows.append([f"{h.get('name')}{' *' if h.get('own') else ''}", cell(state, colour), h.get("version") or "-",
                      str(h.get("sessions", 0)), str(h.get("agents", 0)),
-                     f"{h.get('last_heartbeat') or '-'} ({age(h.get('last_heartbeat'))} ago)"])
+                     f"{when(h.get('last_heartbeat'))} ({age(h.get('last_heartbeat'))} ago)"])
     return render_table(term, ["HOST", "STATE", "VERSION", "SESSIONS", "AGENTS", "LAST HEARTBEAT"], rows, flex=1)
