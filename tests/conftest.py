@@ -42,10 +42,10 @@ def venv_python() -> Path:
 
 
 @pytest.fixture(scope="session")
-def postgres() -> Iterator[PgCluster]:
-    """One throwaway PostgreSQL server per test process (tests/support/postgres.py); ``new_database()``
-    gives each test an empty database."""
-    cluster = PgCluster(postgres_bin()).start()
+def postgres(request: pytest.FixtureRequest) -> Iterator[PgCluster]:
+    """One throwaway PostgreSQL server per test process, started and stopped by pytest-xprocess
+    (tests/support/postgres.py); ``new_database()`` gives each test an empty database."""
+    cluster = PgCluster(postgres_bin()).start(request.config)
     try:
         yield cluster
     finally:

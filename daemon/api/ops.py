@@ -14,6 +14,9 @@ from ipc.schema import Op, OpTable
 
 OPS = [
     Op("status", auth=False, doc="backend, capability, control_server, recovery, adoption"),
+    Op("hosts", auth=False,
+       doc="the cluster's hosts (Issue 47) -> {host: this backend's (None: a single host), hosts: [{name, state:"
+       " ready|unreachable|stopped, since, last_heartbeat, version, pid, machine, sessions, agents, own}]}"),
     Op("config_show", auth=False,
        doc="the configuration this backend runs with (daemon/config/view.py) -> {file, settings (a secret"
        " one: <hidden>), origins, agents {NAME: {env, secret_env, home_files}}, problems [{key, what, fix}]:"
@@ -40,9 +43,10 @@ OPS = [
     Op(
         "session_start",
         required={"task_id": str},
-        optional={"agent": str, "prompt": str, "passthrough": bool},
+        optional={"agent": str, "prompt": str, "passthrough": bool, "host": str},
         auth=False,
-        doc="-> {session_id, turn_id|None}",
+        doc="-> {session_id, turn_id|None}; host (cluster mode): the host whose backend starts and drives it"
+        " (default: this one; another host's answer comes through the store: daemon/backend/cluster/router.py)",
     ),
     Op(
         "prompt",

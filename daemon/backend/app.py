@@ -18,8 +18,10 @@ module with one job:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import daemon.backend.handlers.credentials as credentials_api
+import daemon.backend.handlers.hosts as hosts_api
 import daemon.backend.handlers.resume as resume_api
 import daemon.backend.handlers.runtime_config as runtime_config_api
 import daemon.backend.handlers.runtimes as runtimes_api
@@ -32,6 +34,9 @@ import daemon.backend.sessions.lifecycle as lifecycle
 import daemon.backend.tasks.delete as task_delete
 import daemon.backend.views.ids as ids
 from daemon.api.ops import TABLE, AdoptionOutcome, BackendState
+from daemon.backend.cluster.membership import Cluster
+from daemon.backend.cluster.messaging import ClusterMessaging, refuse_hosts
+from daemon.backend.cluster.own_sessions import own_sessions_only
 from daemon.backend.lifetime.context import BackendContext
 from daemon.backend.lifetime.server_upgrade import ServerUpgrade
 from daemon.backend.recovery.adoption import Adopter
@@ -80,13 +85,23 @@ class Backend:
         self.resets = ContextReset(ctx, self.launcher, self.live)
         self.workflow = WorkflowRunner(ctx, self.sessions, self.resets)
         # Silent turns: warned about, and ended with reason timeout (agents.turn_timeout_s).
+        self._heartbeats: asyncio.Task[None] | None = None  # cluster mode: daemon.backend.cluster.membership
         self.turn_watch = TurnWatch(ctx.quiet, ctx.executions, store, ctx.transcripts, self.sessions.cancel,
                                     config.agents.turn_timeout_s)
+        # Several hosts (Issue 47): ops on another host's sessions go to it through the store.
+        self.messaging: ClusterMessaging | None = None
+        if ctx.cluster.identity.host is not None:
+            self.messaging = ClusterMessaging(store, ctx.cluster.identity.host, ctx.cluster.directory.reachability,
+                                              ctx.transcripts)
 
     # What daemon.backend.main reads.
     @property
     def config(self) -> Config:
         return self.context.config
+
+    @property
+    def cluster(self) -> Cluster:
+        return self.context.cluster
 
     @property
     def capability(self) -> CapabilityStatus:
@@ -107,9 +122,12 @@ class Backend:
         # the backend asks it to resume what a lost control server interrupted
         ctx.servers.on_restarted = self.resume.resume_interrupted
         # Every op that takes a task or session id also takes a unique prefix of it (daemon.backend.views.ids).
-        # A store that fails (full, or its server unreachable) gets a typed error, prefixes included.
-        return status_api.store_faults_reported(ctx, ids.resolving(TABLE, ctx.store, {
-            **status_api.handlers(ctx, self.upgrade),
+        # In a cluster, an op that drives another host's session goes to that host through the store
+        # (daemon.backend.cluster.router); own_sessions_only, under it, refuses whatever would still
+        # drive another host's agent here. Ids resolve first, so both see whole ids.
+        table = own_sessions_only(ctx.cluster, ctx.store, {
+            **(status := status_api.handlers(ctx, self.upgrade)),
+            **hosts_api.handlers(ctx, status["status"]),  # and status's cluster part
             **tasks_api.handlers(self.tasks),
             **task_delete.handlers(ctx),
             **lifecycle.handlers(ctx),
@@ -122,12 +140,23 @@ class Backend:
             **runtimes_api.handlers(ctx),
             **ctx.views.handlers(),
             **FollowService(ctx.store, ctx.transcripts, ctx.executions, ctx.quiet, ctx.quiet_report,
-                            ctx.store_care.reach).handlers(),
-        }))
+                            ctx.store_care.reach, host=ctx.cluster.identity.host).handlers(),
+        })
+        # A store that fails (full, or its server unreachable) gets a typed error, prefixes included.
+        if self.messaging is None:
+            return status_api.store_faults_reported(ctx, ids.resolving(TABLE, ctx.store, refuse_hosts(table)))
+        # The runner carries out other hosts' requests through this same table (Issue 47 item 6).
+        served = status_api.store_faults_reported(ctx, ids.resolving(TABLE, ctx.store, self.messaging.wrap(table)))
+        self.messaging.use(served)
+        return served
 
     async def recover(self) -> None:
         ctx = self.context
         ctx.state = BackendState.RECOVERING
+        if ctx.cluster.identity.enabled:  # heard from while recovery runs (it may take its whole deadline)
+            self._heartbeats = asyncio.create_task(ctx.cluster.directory.run_heartbeats(), name="cluster-heartbeat")
+        if self.messaging is not None:
+            self.messaging.start()  # results of requests and other hosts' transcripts wake us from now on
         agentctl = ctx.config.agentctl
         adopter = Adopter(
             ctx.store,
@@ -136,6 +165,7 @@ class Backend:
             read_timeout_s=agentctl.recovery_read_timeout,
             read_retries=agentctl.recovery_read_retries,
             on_claim_ready=ctx.servers.on_adopted,
+            identity=ctx.cluster.identity,
         )
         recovery = Recovery(
             ctx.store,
@@ -149,7 +179,8 @@ class Backend:
         report, client = await recovery.recover(
             enabled=ctx.enabled, start_own_server=ctx.servers.first_server, publish=self._publish
         )
-        report.stopped_with_backend = await asyncio.to_thread(lifecycle.take_clean_stops, ctx.store)
+        report.stopped_with_backend = await asyncio.to_thread(lifecycle.take_clean_stops, ctx.store,
+                                                              ctx.cluster.identity)
         ctx.report = report
         adopted = report.adoption.record if report.adoption.outcome == AdoptionOutcome.ADOPTED else None
         ctx.servers.use(client, adopted)
@@ -171,6 +202,22 @@ class Backend:
             ctx.auto_resume_pending.update(self.resume.interrupted_sessions())
         ctx.state = BackendState.READY
         self.upgrade.start()
+        if self.messaging is not None:
+            await self.messaging.serve_requests()  # other hosts' requests, those written meanwhile first
+
+    async def _stop_heartbeats(self) -> None:
+        """A cluster host's clean stop: no more heartbeats, and ``stopped`` in the hosts' table."""
+        if self._heartbeats is None:
+            return
+        self._heartbeats.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._heartbeats
+        self._heartbeats = None
+        try:
+            await asyncio.to_thread(self.context.cluster.directory.stop)
+        except Exception as exc:  # the database is unreachable: the others will see this host unreachable
+            log_event("cluster_stop_unrecorded", f"the clean stop of this host could not be recorded: {exc}",
+                      priority=4)
 
     def _publish(self, ex: Execution) -> None:
         self.context.executions.executions[ex.session_id] = ex
@@ -182,6 +229,8 @@ class Backend:
         re-track for them (information, not a warning)."""
         ctx = self.context
         ctx.state = BackendState.STOPPING
+        if self.messaging is not None:
+            await self.messaging.stop()  # what it still runs for other hosts is answered request_interrupted
         stopping = lifecycle.stopping_with_backend(ctx)  # before the executions are dropped
         await self.upgrade.stop()  # no replacement of an old server starts or goes on now
         await self.turn_watch.stop()  # no silent turn is cancelled now
@@ -194,6 +243,7 @@ class Backend:
         await ctx.servers.disconnect()
         await ctx.store_care.stop()
         await ctx.endpoints.close_all()
+        await self._stop_heartbeats()
         stopped = {ex.session_id: stopping.get(ex.session_id) or lifecycle.clean_stop_why(
             survival=ctx.capability.state, survival_reason=ctx.capability.reason, passthrough=ex.passthrough,
             agents_asked=ctx.stop_agents_at_shutdown) for ex in tracked if ex.passthrough or not detach}

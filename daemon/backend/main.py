@@ -1,7 +1,7 @@
 """``kandev-backend``: the startup order of docs/architecture.md#backend-startup, then serve until told to stop.
 
-home lock → config validation → store lock (whatever home names the store) → the store's
-installation (another one's is refused) → logging → platform check → store (migrations; a store
+home lock → config validation → store lock (whatever home names the store; a cluster host's
+name, Issue 47) → the store's installation (another one's is refused) → logging → platform check → store (migrations; a store
 without an owner is adopted; on a full disk both waits for space, serving ``status``,
 ``daemon.backend.lifetime.space_wait``) → CLI socket (guards make early requests safe) →
 recovery and reconciliation → READY=1. Shutdown detaches from the control server when survival is enabled
@@ -19,14 +19,17 @@ import asyncio
 import grp
 import logging
 import os
+from typing import Any
 
 from daemon.agentctl.sandbox import memory_cgroups
 from daemon.api import ops as api
 from daemon.backend.app import Backend
+from daemon.backend.cluster.membership import HostForeign
 from daemon.backend.lifetime.cli_listener import CliListener
 from daemon.backend.lifetime.lock import HomeLock, LockHeld, StoreLock, StoreLocked
 from daemon.backend.lifetime.space_wait import when_space
 from daemon.backend.lifetime.store_care import probe_write
+from daemon.config.database import connect_args
 from daemon.config.keys import ConfigError
 from daemon.config.platform import check_capability
 from daemon.config.settings import Config, check_config
@@ -46,7 +49,13 @@ from daemon.core.service import (
 from daemon.core.version import VERSION
 from daemon.host.paths import Paths, installation_id, resolve_home
 from daemon.store.db import Store, sqlite_url
-from daemon.store.owner import ForeignStore, check_store_owner, claim_store, describe_store
+from daemon.store.owner import (
+    ClusterStoreMismatch,
+    ForeignStore,
+    check_store_owner,
+    claim_store,
+    describe_store,
+)
 from ipc import loop as event_loop
 from ipc.server import IpcServer
 
@@ -154,6 +163,7 @@ def _main(argv: list[str] | None) -> int:
             # The control server validates its own keys again at its start; checking them
             # here too means a bad value stops the backend before it launches anything.
             config = check_config(args.config, os.environ)
+            connect = connect_args(config)  # the database password (database.password_file), never logged
         except ConfigError as exc:
             say(PROGRAM, f"invalid configuration: {exc}")
             return ExitCode.REFUSED
@@ -161,7 +171,8 @@ def _main(argv: list[str] | None) -> int:
         # is our child (survival off, passthrough); where there is none, that server says why
         memory_cgroups.make_room()
         url = config.database.url or sqlite_url(paths.db_path)
-        store_lock = StoreLock(url)
+        host = config.cluster.host  # a cluster's host (Issue 47): the store is shared, the host name is not
+        store_lock = StoreLock(url, host, connect)
         try:
             store_lock.acquire()  # one backend per store too, whatever home names it; before logging
         except StoreLocked as exc:
@@ -176,20 +187,20 @@ def _main(argv: list[str] | None) -> int:
             # A store of another installation is refused before anything reads or migrates it.
             # On a full disk: reported and waited out, not a crash loop (daemon.backend.lifetime.space_wait).
             def owner_checked() -> bool:
-                check_store_owner(url, ours, describe_store(url))
+                check_store_owner(url, ours, describe_store(url), cluster_host=host, connect_args=connect)
                 return True
 
             if when_space(paths, url, owner_checked, verbose=args.verbose, service_gids=_service_gids(),
                           notifier=notifier, listener=listener) is None:
                 return ExitCode.OK  # told to stop while waiting for space
-        except ForeignStore as exc:
+        except (ForeignStore, ClusterStoreMismatch) as exc:
             say(PROGRAM, str(exc))
             return ExitCode.FAILED
         except Exception as exc:
             say(PROGRAM, f"cannot read the store: {type(exc).__name__}: {exc}")
             return ExitCode.FAILED
         try:
-            return _serve(args, paths, config, url, notifier, listener, store_lock)
+            return _serve(args, paths, config, url, connect, notifier, listener, store_lock)
         finally:
             store_lock.release()
     finally:
@@ -197,8 +208,8 @@ def _main(argv: list[str] | None) -> int:
         lock.release()
 
 
-def _serve(args: argparse.Namespace, paths: Paths, config: Config, url: str, notifier: Notifier,
-           listener: CliListener, store_lock: StoreLock) -> int:
+def _serve(args: argparse.Namespace, paths: Paths, config: Config, url: str, connect: dict[str, Any],
+           notifier: Notifier, listener: CliListener, store_lock: StoreLock) -> int:
     """Logging → platform check → store (migrations) → the event loop, with both locks held."""
     setup_daemon_logging("backend", verbose=args.verbose)
     capability = check_capability(config)
@@ -210,13 +221,13 @@ def _serve(args: argparse.Namespace, paths: Paths, config: Config, url: str, not
         REASON=capability.reason,
         SUPERVISOR=capability.supervisor,
     )
-    store = when_space(paths, url, lambda: Store.open(url), verbose=args.verbose, service_gids=_service_gids(),
-                       notifier=notifier, listener=listener)
+    store = when_space(paths, url, lambda: Store.open(url, connect_args=connect), verbose=args.verbose,
+                       service_gids=_service_gids(), notifier=notifier, listener=listener)
     if store is None:
         return ExitCode.OK  # told to stop while waiting for space
     ours = installation_id(paths)
     try:
-        if claim_store(store.engine, ours, describe_store(url)):
+        if config.cluster.host is None and claim_store(store.engine, ours, describe_store(url)):
             log_event("store_adopted", f"the store now belongs to installation {ours}", INSTALLATION_ID=ours)
     except ForeignStore as exc:
         store.close()
@@ -230,6 +241,15 @@ def _serve(args: argparse.Namespace, paths: Paths, config: Config, url: str, not
     backend = Backend(paths, config, capability, store, ours)
     # a PostgreSQL server that restarts or ends the lock's connection drops the lock: taken again
     backend.context.store_care.keep_lock = store_lock.ensure
+    try:
+        backend.cluster.directory.claim()  # a cluster host's name: ours (its advisory lock is held)
+    except HostForeign as exc:
+        store.close()
+        say(PROGRAM, str(exc))
+        return ExitCode.FAILED
+    if backend.cluster.identity.enabled:
+        log_event("cluster_host_claimed", f"cluster host {config.cluster.host} claimed by pid {os.getpid()}",
+                  HOST=config.cluster.host)
     try:
         return event_loop.run(_run(paths, backend, notifier, listener))
     finally:

@@ -91,6 +91,8 @@ def run(args: argparse.Namespace) -> Any:
         return (cmd_up if cmd == "up" else cmd_down)(Paths.for_home(home), args)
     if cmd == "status":
         return call(sock, "status")
+    if cmd == "hosts":
+        return call(sock, "hosts")
     if cmd == "agentctl":  # reload: quiesce + preflight + exec, followed to its outcome
         return call(sock, "agentctl_reload", timeout=200.0)
     if cmd == "store":  # vacuum
@@ -133,7 +135,10 @@ def run(args: argparse.Namespace) -> Any:
             call_args = {"task_id": args.task_id, "agent": args.agent, "passthrough": args.passthrough}
             if args.prompt:
                 call_args["prompt"] = args.prompt
-            _ensure_runtime(sock, args.agent)
+            if args.host:
+                call_args["host"] = args.host
+            else:
+                _ensure_runtime(sock, args.agent)  # another host prepares its own runtimes
             return call(sock, "session_start", call_args, timeout=180.0)  # create_instance: up to 150 s
         if args.session_cmd == "show":
             if args.limit is not None and args.after_seq is None:

@@ -392,6 +392,20 @@ def _control_server(r: _Report, status: dict[str, Any] | None) -> None:
                 r.add(name, True, detail + (f", version {running}" if running else ""))
 
 
+def _password(config: Config | None) -> dict[str, str]:
+    """The database password (database.password_file) when this user may read it: without it the
+    server's refusal is what the store check reports."""
+    if config is None:
+        return {}
+    from daemon.config.database import connect_args
+    from daemon.config.keys import ConfigError
+
+    try:
+        return connect_args(config)
+    except ConfigError:
+        return {}
+
+
 def _store(r: _Report, config: Config | None, view: dict[str, Any] | None, paths: Paths,
            probes: DoctorProbes) -> None:
     head = probes.head_revision()
@@ -406,7 +420,7 @@ def _store(r: _Report, config: Config | None, view: dict[str, Any] | None, paths
         try:
             from sqlalchemy import create_engine, text
 
-            engine = create_engine(url, pool_pre_ping=True)
+            engine = create_engine(url, pool_pre_ping=True, connect_args=_password(config))
             try:
                 with engine.connect() as conn:
                     rev = conn.execute(text("SELECT version_num FROM alembic_version")).scalar()

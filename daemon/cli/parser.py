@@ -258,6 +258,8 @@ def _build_parser() -> argparse.ArgumentParser:
     down.add_argument("--agents", action="store_true", help="also stop a detached control server and every agent"
                       " (with survival on they otherwise keep running for the next backend)")
     sub.add("status", "backend, capability, control server (running and installed versions), recovery")
+    sub.add("hosts", "the cluster's hosts (several backends on one PostgreSQL): state, version, sessions,"
+            " agents, last heartbeat")
     actl = sub.group("agentctl", "the control server", "agentctl_cmd")
     actl.add("reload", "re-execute the control server's installed code in place; its agents keep running (exit 1"
              " if it refuses: the old code keeps serving)")
@@ -300,6 +302,8 @@ def _build_parser() -> argparse.ArgumentParser:
     ss.add_argument("--prompt", metavar="TEXT", help="a first prompt, sent once the agent is ready")
     ss.add_argument("--passthrough", action="store_true",
                     help="run the agent under the backend's own control server, never detached (no survival)")
+    ss.add_argument("--host", metavar="NAME", help="cluster mode: the host whose backend runs the agent (kandev"
+                    " hosts lists them; default: this host)")
     sh = session.add("show", "one session: state, agent, turns, one page of its transcript")
     sh.add_argument("session_id", metavar="SESSION", help="the session's id (any unique prefix of 4+ characters)")
     where = sh.add_mutually_exclusive_group()

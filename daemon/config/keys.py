@@ -36,6 +36,10 @@ UNOWNED_PERIOD_FLOOR = MINUTE
 LEASE_TTL_MIN, LEASE_TTL_MAX = MINUTE, 24 * HOUR
 QUIET_WARNING_MIN, QUIET_WARNING_MAX = 1, 3600  # seconds (agents.quiet_warning_s)
 TURN_TIMEOUT_MAX = 7 * 24 * 3600  # seconds (agents.turn_timeout_s; 0: off)
+HEARTBEAT_MIN, HEARTBEAT_MAX = 1, 60  # seconds (cluster.heartbeat_s)
+HOST_TIMEOUT_MIN, HOST_TIMEOUT_MAX = 3, 600  # seconds (cluster.host_timeout_s)
+HEARTBEATS_PER_TIMEOUT = 3  # cluster.host_timeout_s >= 3 x cluster.heartbeat_s
+HOST_NAME = re.compile(r"[A-Za-z0-9-]{1,63}")  # cluster.host (fullmatch)
 DEFAULT_GITHUB_URL = "https://github.com"
 DEFAULT_PUSH_REFS = ("refs/heads/*", "!@default")  # every branch except the repository's default branch
 EPSILON = 1e-9  # float slack for "<=" between sums of parsed durations
@@ -183,8 +187,15 @@ SETTINGS: tuple[Setting, ...] = (
             "a SQLAlchemy URL, e.g. `postgresql+psycopg://kandev@/kandev?host=/run/postgresql` (peer"
             " authentication over the Unix socket, no password in the file); unset means SQLite WAL at"
             " `<home>/kandev.db`. One backend per store: a second one is refused at start (a `<file>.lock`"
-            " beside an SQLite file outside the home; a session advisory lock on PostgreSQL)",
+            " beside an SQLite file outside the home; a session advisory lock on PostgreSQL); in a cluster"
+            " (`cluster.host`) one backend per host name",
             accepted="a non-empty SQLAlchemy URL; leave it unset for SQLite at <home>/kandev.db", secret=True),
+    Setting("database.password_file", Kind.STR, None,
+            "where the PostgreSQL password is: an absolute path of a file (checked like a `secret_env` file:"
+            " regular, no symlink, mode 0600/0640/0400/0440, owner root or the service user) or"
+            " `\"credential:NAME\"` (a systemd credential of `kandev-backend.service`); joined to `database.url`"
+            " when connecting, never logged; unset: the URL alone (peer authentication)",
+            accepted='an absolute path to a 0600 file holding the database password, or "credential:NAME"'),
     Setting("store.transcript_retention", Kind.DURATION, None,
             "e.g. `90d`: transcript entries older than this are removed (hourly, and at start); unset keeps"
             " every transcript. `kandev store vacuum` gives the space back to the filesystem",
@@ -233,6 +244,18 @@ SETTINGS: tuple[Setting, ...] = (
             " over (`agent_killed`, reason `memory`); `[agents.NAME] max_memory` sets it for one agent",
             accepted=("bytes, or a number with K, M, G or T (e.g. \"8G\"), from 64M to this host's RAM;"
                       " unset: half the host's RAM")),
+    Setting("cluster.host", Kind.STR, None,
+            "this backend's host name in a cluster (letters, digits and `-`, 1..63 characters, unique per"
+            " database): with a PostgreSQL `database.url`, several hosts share one board and each drives"
+            " its own sessions (docs/cluster.md); unset: a single host. Refused with SQLite",
+            accepted="letters, digits and -, 1..63 characters, with a PostgreSQL database.url; unset: a single host"),
+    Setting("cluster.heartbeat_s", Kind.INT, 5,
+            "seconds between two heartbeats of this host in the cluster's table of hosts; whole number 1..60",
+            low=HEARTBEAT_MIN, high=HEARTBEAT_MAX),
+    Setting("cluster.host_timeout_s", Kind.INT, 30,
+            "seconds without a heartbeat after which a host is shown `unreachable` (its sessions' last known"
+            " state is marked so, never shown live); whole number 3..600, at least 3 x `cluster.heartbeat_s`",
+            low=HOST_TIMEOUT_MIN, high=HOST_TIMEOUT_MAX, note="at least 3 x cluster.heartbeat_s"),
     Setting("network.mode", Kind.CHOICE, "allow-list",
             '`"allow-list"`: every sandboxed agent reaches, through its session\'s egress proxy, only its'
             " provider's hosts (`kandev agents`) and `allow_hosts`; `\"open\"`: any public address;"
@@ -257,6 +280,7 @@ SETTINGS: tuple[Setting, ...] = (
 RULES: tuple[Rule, ...] = (
     Rule("(read budget)", "agentctl.recovery_read_retries",
          "`recovery_read_timeout x (recovery_read_retries + 1) <= min(6 s, recovery_deadline / 5)`"),
+    Rule("(host timeout)", "cluster.host_timeout_s", "`host_timeout_s >= 3 x heartbeat_s`"),
 )
 SETTING: dict[str, Setting] = {s.key: s for s in SETTINGS}
 # section -> its keys, in declaration order

@@ -6,7 +6,7 @@ every key has its default). Each key ``<section>.<key>`` is overridden by the
 environment variable ``KANDEV_<SECTION>_<KEY>`` in upper case, e.g.
 ``KANDEV_AGENTCTL_RECOVERY_READ_RETRIES=3``. Every variable starting with
 ``KANDEV_FEATURES_``, ``KANDEV_AGENTCTL_``, ``KANDEV_DATABASE_``, ``KANDEV_STORE_``,
-``KANDEV_CREDENTIALS_``, ``KANDEV_AGENTS_`` or ``KANDEV_NETWORK_`` is taken as a setting, so a misspelt one is refused like a misspelt file key.
+``KANDEV_CREDENTIALS_``, ``KANDEV_AGENTS_``, ``KANDEV_CLUSTER_`` or ``KANDEV_NETWORK_`` is taken as a setting, so a misspelt one is refused like a misspelt file key.
 
 Durations are written with a unit: ``ms``, ``s``, ``min``, ``h`` or ``d`` (``500ms``,
 ``30s``, ``10min``, ``1h``, ``90d``, decimals allowed); bare numbers are refused, except
@@ -42,13 +42,22 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from daemon.agents import memory
-from daemon.agents.file_checks import validate_settings
+from daemon.agents.file_checks import check_secret_file, validate_settings
 from daemon.agents.network import NetworkPolicy, RuleError, effective_policy, parse_host_port, parse_host_rule
 from daemon.agents.registry import BUILTIN_AGENTS
-from daemon.agents.settings import AgentSettings, SettingsError, parse_agent_table
+from daemon.agents.settings import (
+    AgentSettings,
+    KeyFileError,
+    SecretKind,
+    SecretRef,
+    SettingsError,
+    parse_agent_table,
+)
 from daemon.config.agentctl import validate_agentctl
 from daemon.config.keys import (
     EPSILON,
+    HEARTBEATS_PER_TIMEOUT,
+    HOST_NAME,
     READ_BUDGET_CAP,
     SECTIONS,
     SETTING,
@@ -94,6 +103,18 @@ class AgentctlConfig:
 @dataclass(frozen=True)
 class DatabaseConfig:
     url: str | None = _default("database.url")  # None: SQLite at <home>/kandev.db
+    # where the PostgreSQL password is: a file path or "credential:NAME" (daemon.store.password)
+    password_file: str | None = _default("database.password_file")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Several hosts on one PostgreSQL (docs/cluster.md): this host's name (None: a single host),
+    seconds between its heartbeats, and seconds without one before a host is unreachable."""
+
+    host: str | None = _default("cluster.host")
+    heartbeat_s: int = _default("cluster.heartbeat_s")
+    host_timeout_s: int = _default("cluster.host_timeout_s")
 
 
 @dataclass(frozen=True)
@@ -151,6 +172,7 @@ SECTION_TYPES: dict[str, type] = {
     "store": StoreConfig,
     "credentials": CredentialsConfig,
     "agents": AgentsConfig,
+    "cluster": ClusterConfig,
     "network": NetworkConfig,
 }
 # section -> its fields that hold sub-tables ([agents.NAME]) instead of declared keys
@@ -165,6 +187,7 @@ class Config:
     store: StoreConfig = field(default_factory=StoreConfig)
     credentials: CredentialsConfig = field(default_factory=CredentialsConfig)
     agents: AgentsConfig = field(default_factory=AgentsConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
     source: str | None = None  # the file read, None if none was
     # dotted key -> where a non-default value came from: the file path or "env NAME".
@@ -346,11 +369,48 @@ def validate_network(config: Config) -> None:
                     config.given.get(key, json.dumps(list(values))), f"has an entry refused: {exc}") from None
 
 
+def _refuse(config: Config, key: str, value: Any, problem: str) -> ConfigError:
+    return Where(key, config.origins.get(key)).error(config.given.get(key, render_value(value)), problem)
+
+
+def validate_cluster(config: Config, files: bool = True) -> None:
+    """Check ``[cluster]`` and ``database.password_file`` (Issue 47): the host name's syntax, the
+    heartbeat and timeout ranges and their rule, a cluster only on PostgreSQL; the password file
+    like a ``secret_env`` file unless not ``files``. Each refusal names key, value and range."""
+    c = config.cluster
+    _check_config_range(config, "cluster.heartbeat_s", c.heartbeat_s)
+    _check_config_range(config, "cluster.host_timeout_s", c.host_timeout_s)
+    if c.host_timeout_s < HEARTBEATS_PER_TIMEOUT * c.heartbeat_s:
+        raise _refuse(config, "cluster.host_timeout_s", c.host_timeout_s,
+                      f"is less than {HEARTBEATS_PER_TIMEOUT} heartbeats (cluster.heartbeat_s = {c.heartbeat_s},"
+                      f" so at least {HEARTBEATS_PER_TIMEOUT * c.heartbeat_s})")
+    if c.host is not None:
+        if not HOST_NAME.fullmatch(c.host):
+            raise _refuse(config, "cluster.host", c.host, "is not a host name")
+        url = config.database.url
+        if url is None or not url.startswith("postgresql"):
+            raise _refuse(config, "cluster.host", c.host,
+                          "needs a PostgreSQL database.url (a cluster shares one PostgreSQL database; SQLite"
+                          " serves one host)")
+    ref = config.database.password_file
+    if ref is not None:
+        try:
+            parsed = SecretRef.parse(ref, "database.password_file")
+            if files and parsed.kind is SecretKind.FILE:
+                check_secret_file(parsed.target, variable="PASSWORD")
+        except SettingsError as exc:
+            raise _refuse(config, "database.password_file", ref,
+                          f"is refused: {str(exc)[len(exc.key) + 2:]}") from None
+        except KeyFileError as exc:
+            raise _refuse(config, "database.password_file", ref, f"is refused: {exc}; fix: {exc.fix}") from None
+
+
 def validate_backend(config: Config, files: bool = True) -> None:
-    """Check the keys the backend reads (AC-EXECUTORS-SURVIVAL-002.13, AC-EXECUTORS-SURVIVAL-003.7; credentials; agents; network)."""
+    """Check the keys the backend reads (AC-EXECUTORS-SURVIVAL-002.13, AC-EXECUTORS-SURVIVAL-003.7; credentials; agents; network; cluster)."""
     validate_credentials(config)
     validate_agents(config, files)
     validate_network(config)
+    validate_cluster(config, files)
     if config.store.transcript_retention is not None:
         _check_config_range(config, "store.transcript_retention", config.store.transcript_retention)
     a = config.agentctl

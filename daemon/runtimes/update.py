@@ -336,7 +336,9 @@ class RuntimeJobs:
         env: Mapping[str, str] | None = None,
         updater_factory: Callable[[RuntimeJobs, Confine | None], RuntimeUpdater] | None = None,
         confinement: Confinement = unconfined,
+        host: str | None = None,
     ) -> None:
+        self.host = host  # this backend's cluster host (its jobs only); None: a single host
         self.store = store
         self.workdir = Path(workdir)
         self.env = dict(os.environ if env is None else env)
@@ -368,10 +370,11 @@ class RuntimeJobs:
             marker.write_text('{"name": "kandev-runtime-work", "private": true}\n')
 
     def sweep_interrupted(self) -> int:
-        """Mark jobs a previous backend left active as failed; returns how many."""
+        """Mark jobs a previous backend of this host left active as failed; returns how many."""
         count = 0
         with self.store.session() as db:
-            rows = db.query(RuntimeUpdateJob).filter(RuntimeUpdateJob.state.in_(sorted(ACTIVE))).all()
+            rows = db.query(RuntimeUpdateJob).filter(RuntimeUpdateJob.state.in_(sorted(ACTIVE)),
+                                                     *([RuntimeUpdateJob.host == self.host] if self.host else [])).all()
             for row in rows:
                 if row.id in self.jobs:
                     continue
@@ -408,7 +411,7 @@ class RuntimeJobs:
                            "at": _now()})
         with self.store.session() as db:
             db.add(RuntimeUpdateJob(id=job.job_id, agent=job.agent, state=job.state, attempts=0,
-                                    detail=job.stored_detail()))
+                                    detail=job.stored_detail(), host=self.host))
         self.jobs[job.job_id] = job
         self.tasks[job.job_id] = asyncio.get_running_loop().create_task(
             self._run(job), name=f"runtime-update-{job.agent}"
@@ -477,7 +480,7 @@ class RuntimeJobs:
             with self.store.session() as db:
                 row = db.get(RuntimeUpdateJob, job.job_id)
                 if row is None:
-                    row = RuntimeUpdateJob(id=job.job_id, agent=job.agent)
+                    row = RuntimeUpdateJob(id=job.job_id, agent=job.agent, host=self.host)
                     db.add(row)
                 row.state = job.state
                 row.attempts = job.attempts

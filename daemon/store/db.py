@@ -80,13 +80,15 @@ def sqlite_file(url: URL) -> Path | None:
     return Path(db)
 
 
-def engine_options(url: URL) -> dict[str, Any]:
-    """``create_engine``'s options for ``url``: for PostgreSQL, a connect timeout and keepalives
-    (each unless the URL sets it); nothing for other engines."""
+def engine_options(url: URL, connect_args: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``create_engine``'s options for ``url``: the driver's ``connect_args`` (the database password,
+    ``daemon.config.database``) and, for PostgreSQL, a connect timeout and keepalives (each unless
+    the URL sets it)."""
+    extra = dict(connect_args or {})
     if url.get_backend_name() != "postgresql":
-        return {}
+        return {"connect_args": extra} if extra else {}
     args: dict[str, Any] = {"connect_timeout": PG_CONNECT_TIMEOUT_S, **PG_KEEPALIVES}
-    return {"connect_args": {k: v for k, v in args.items() if k not in url.query}}
+    return {"connect_args": {**{k: v for k, v in args.items() if k not in url.query}, **extra}}
 
 
 def _note_checkin(_dbapi_connection: Any, record: Any) -> None:
@@ -236,13 +238,16 @@ class Store:
         self._sessions = sessionmaker(engine, expire_on_commit=False)
 
     @classmethod
-    def open(cls, url: str, *, empty_at_head: bool = True) -> Store:
-        """Connect, migrate to head (``migrate``), and return the store."""
+    def open(cls, url: str, *, empty_at_head: bool = True, connect_args: dict[str, Any] | None = None) -> Store:
+        """Connect, migrate to head (``migrate``), and return the store. ``connect_args``: the driver's
+        connection arguments (the database password, never part of the URL:
+        ``daemon.config.database``). A PostgreSQL connection is checked before each use, so a
+        restarted server is reconnected to rather than failing the next unit of work."""
         parsed = make_url(url)
         path = sqlite_file(parsed)
         if path is not None:
             _create_private_file(path)
-        engine = create_engine(parsed, **engine_options(parsed))
+        engine = create_engine(parsed, **engine_options(parsed, connect_args))
         if parsed.get_backend_name() == "sqlite":
             event.listen(engine, "connect", _on_sqlite_connect)
         elif parsed.get_backend_name() == "postgresql":

@@ -17,6 +17,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     CheckConstraint,
     DateTime,
@@ -44,6 +45,8 @@ MESSAGE_ROLES = ("user", "agent", "system")
 INVENTORY_STATUSES = tuple(s.value for s in InventoryStatus)
 LAUNCH_MODES = tuple(s.value for s in LaunchMode)
 WORKFLOW_STEP_STATUSES = ("pending", "active", "blocked", "done")
+CLUSTER_REQUEST_STATES = ("pending", "running", "done")
+SINGLE_HOST = ""  # the control-server record's key on a single-host store
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -128,6 +131,8 @@ class TaskSession(Base):
     metadata_json: Mapped[dict[str, Any]] = mapped_column(default=dict)
     passthrough: Mapped[bool] = mapped_column(Boolean, default=False)
     last_error: Mapped[str | None] = mapped_column(Text)
+    # the cluster host whose backend drives it (Issue 47); None: a single-host store
+    host: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
@@ -149,6 +154,9 @@ class Turn(Base):
     error: Mapped[str | None] = mapped_column(Text)
     started_at: Mapped[datetime] = mapped_column(default=utcnow)
     ended_at: Mapped[datetime | None] = mapped_column()
+    # True while its outcome is stored (startup recovery applied it) and its last events are still
+    # being replayed: a follower on another host waits for them (Issue 47 item 3); None otherwise
+    replaying: Mapped[bool | None] = mapped_column(Boolean)
 
 
 class TranscriptSession(Base):
@@ -235,14 +243,17 @@ class ExecutorRunning(Base):
 
 
 class ControlServerRecord(Base):
-    """The one control-server record (``id`` is always 1); ``credential_ref`` names a secret file."""
+    """A host's control-server record, one per ``host`` (Issue 47): ``SINGLE_HOST`` (``""``) on a
+    single-host store, whose record is always ``id = 1``; a cluster host's name otherwise
+    (``daemon.backend.cluster.identity``). ``credential_ref`` names a secret file."""
 
     __tablename__ = "control_server_record"
     __table_args__ = (
-        CheckConstraint("id = 1", name="single_row"),
+        CheckConstraint("host <> '' OR id = 1", name="single_host_row"),
         CheckConstraint(_one_of("launch_mode", LAUNCH_MODES), name="launch_mode"),
     )
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False, default=1)
+    host: Mapped[str] = mapped_column(String(64), unique=True, default=SINGLE_HOST, server_default=SINGLE_HOST)
     endpoint: Mapped[str] = mapped_column(Text)
     server_identity: Mapped[str] = mapped_column(String(128))
     credential_ref: Mapped[str] = mapped_column(String(128))
@@ -252,6 +263,22 @@ class ControlServerRecord(Base):
     pid_start_time: Mapped[float | None] = mapped_column(Float)
     launch_mode: Mapped[str] = mapped_column(String(16))
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class ClusterHost(Base):
+    """One host of a cluster (Issue 47, docs/cluster.md): the backend that claimed the name (its
+    installation, pid, machine, version), when it started, its last heartbeat, and when it stopped
+    cleanly (None while it runs, or after it died without stopping)."""
+
+    __tablename__ = "cluster_hosts"
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    installation_id: Mapped[str] = mapped_column(String(64))
+    pid: Mapped[int] = mapped_column(Integer)
+    machine: Mapped[str] = mapped_column(Text)
+    version: Mapped[str] = mapped_column(Text)
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow)
+    stopped_at: Mapped[datetime | None] = mapped_column()
 
 
 class CredentialLease(Base):
@@ -266,12 +293,15 @@ class CredentialLease(Base):
 
 
 class RuntimeUpdateJob(Base):
+    """A runtime update job of one host (``host``: its cluster host, None on a single host)."""
+
     __tablename__ = "runtime_update_jobs"
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
     agent: Mapped[str] = mapped_column(String(64))
     state: Mapped[str] = mapped_column(String(32))
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     detail: Mapped[str | None] = mapped_column(Text)
+    host: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
@@ -318,3 +348,29 @@ class TaskWorkspace(Base):
     git_admin_dir: Mapped[str | None] = mapped_column(Text)
     git_owner_uid: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ClusterRequest(Base):
+    """An op on a session another host owns (Issue 47; ``daemon.backend.cluster.requests``): written
+    by the requesting backend (``origin_host``), claimed and carried out by the backend of ``host``
+    with the handler a local CLI call uses, its ``result`` or typed ``error`` ({code, message,
+    retryable, details}) written back. ``state``: ``pending`` (written), ``running`` (claimed: it
+    is never run a second time), ``done`` (answered, or given up before anyone claimed it)."""
+
+    __tablename__ = "cluster_requests"
+    __table_args__ = (
+        CheckConstraint(_one_of("state", CLUSTER_REQUEST_STATES), name="state"),
+        Index("ix_cluster_requests_host_state", "host", "state"),
+    )
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
+                                    autoincrement=True)
+    host: Mapped[str] = mapped_column(String(64))
+    origin_host: Mapped[str] = mapped_column(String(64))
+    op: Mapped[str] = mapped_column(String(64))
+    args: Mapped[dict[str, Any]] = mapped_column()
+    state: Mapped[str] = mapped_column(String(16), default="pending")
+    result: Mapped[dict[str, Any] | None] = mapped_column()
+    error: Mapped[dict[str, Any] | None] = mapped_column()
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    claimed_at: Mapped[datetime | None] = mapped_column()
+    done_at: Mapped[datetime | None] = mapped_column()

@@ -37,6 +37,6 @@ for r in "${runs[@]}"; do
 done
 echo
 echo "== the performance table (each figure against its baseline of the same run)"
-grep -E 'store bytes per chunk:|session show last page seconds:|baseline, one enumeration|recovery, first contact|ratio cli / interpreter start:|ratio library floor / interpreter start:|down seconds:|^re-tracking N=|ratio recovery / enumeration:|restart seconds with|restart seconds to every|open files once streaming|backend RSS after re-tracking:|control-server memory per idle instance:|^-- |ratio [0-9]|^flood N=|ratio end-to-end / baseline:|ratio proxy / direct throughput:|proxy connect overhead ms:|baseline spread between rounds:|NOT MEASURED|largest N that fits|PASS|FAIL' "$out" || true
+grep -E 'store bytes per chunk:|session show last page seconds:|baseline, one enumeration|recovery, first contact|ratio cli / interpreter start:|ratio library floor / interpreter start:|down seconds:|^re-tracking N=|ratio recovery / enumeration:|restart seconds with|restart seconds to every|open files once streaming|backend RSS after re-tracking:|control-server memory per idle instance:|^-- |ratio [0-9]|^flood N=|ratio end-to-end / baseline:|ratio proxy / direct throughput:|proxy connect overhead ms:|ratio cluster board / local board:|remote prompt overhead ms:|baseline spread between rounds:|NOT MEASURED|largest N that fits|PASS|FAIL' "$out" || true
 echo "bench.sh: ${#runs[@]} run(s) in $((SECONDS - start)) s"
 if [ "${#failed[@]}" -gt 0 ]; then echo "bench.sh: FAILED: ${failed[*]}"; exit 1; fi

@@ -118,7 +118,7 @@ def test_scenario_c_postgresql_restarts_mid_flood(kandev_factory: Any, own_postg
     assert follow.stdout is not None
     first = json.loads(follow.stdout.readline())  # the stream is open (the flood is under way: at once)
     assert _stored_cursor(pg, db) <= N  # the turn is mid-flood (its last chunk is cursor N + 1)
-    pg.halt()
+    pg.stop_server()
     # status says so at once (it asks the server), the journal once, and the backend keeps trying
     gone = wait_until(lambda: s if (s := _store(k))["reachable"] is False else None, timeout=15,
                       message="status never said the store is unreachable")
@@ -136,7 +136,7 @@ def test_scenario_c_postgresql_restarts_mid_flood(kandev_factory: Any, own_postg
     assert shown.returncode != 0 and "database server (database.url) is unreachable" in shown.stderr, shown
     assert alive(agent) and int(k.status()["backend"]["pid"]) == backend
 
-    pg.resume()
+    pg.start_server()
     wait_until(lambda: _store(k)["reachable"], timeout=30, message="the store never became reachable again")
     assert _logged(k, "store_reachable") == 1
     _finishes_whole(k, sid, backend, agent)

@@ -45,6 +45,7 @@ LAYERS: dict[str, int] = {
     "daemon.agentctl.server": 20,
     "daemon.agentctl.main": 21,
     # the backend, bottom to top
+    "daemon.backend.cluster": 29,               # several hosts on one PostgreSQL: identity, membership
     "daemon.backend.state": 30, "daemon.backend.git": 30,
     "daemon.backend.recovery": 31,
     "daemon.backend.control": 32, "daemon.backend.views": 32,

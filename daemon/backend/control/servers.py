@@ -25,6 +25,7 @@ from daemon.agentctl.client.connection import AgentctlClient
 from daemon.agentctl.client.handshake import OwnershipRefused, identify
 from daemon.agentctl.client.replies import ServerIdentity
 from daemon.api.ops import LinkState
+from daemon.backend.cluster.identity import ClusterIdentity
 from daemon.backend.control.launcher import ControlServerHandle, Launcher, UnitBusy
 from daemon.backend.control.link import Attached, ControlServerLink, Loss
 from daemon.backend.control.watch import ServerWatch
@@ -177,7 +178,8 @@ class ControlServers:
         self.survival.handle = handle
         self.server_identity = info["server_identity"]
         with self.store.session() as db:
-            rec = db.get(ControlServerRecord, 1) or ControlServerRecord(id=1)
+            identity = ClusterIdentity.of(self.config)
+            rec = identity.record(db) or identity.new_record(db)
             rec.endpoint = handle.endpoint
             rec.server_identity = info["server_identity"]
             rec.credential_ref = handle.credential_ref
@@ -186,7 +188,6 @@ class ControlServers:
             rec.pid = handle.pid
             rec.launch_mode = handle.mode
             rec.updated_at = _now()
-            db.merge(rec)
         log_event(
             "control_server_started",
             f"started control server ({handle.mode}) pid {handle.pid} at {handle.endpoint}",
@@ -270,7 +271,7 @@ class ControlServers:
                 pid=rec.pid,
             )
             with self.store.session() as db:
-                stored = db.get(ControlServerRecord, 1)
+                stored = ClusterIdentity.of(self.config).record(db)
                 if stored is not None:
                     stored.capabilities = list(client.capabilities)
                     stored.updated_at = _now()
@@ -337,6 +338,7 @@ class ControlServers:
         tracked = [LostAgent(ex.session_id, ex.agent, ex.last_seq) for ex in dropped]
         with self.store.session() as db:
             repaired = repair_lost_server(db, endpoint=handle.endpoint, tracked=tracked, reason=loss.reason,
+                                          identity=ClusterIdentity.of(self.config),
                                           now=_now())
         with contextlib.suppress(Exception):
             await attached.client.close()

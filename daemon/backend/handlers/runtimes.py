@@ -36,7 +36,7 @@ def handlers(backend: Backend, jobs: RuntimeJobs | None = None) -> dict[str, Han
         workdir = backend.paths.home / "runtimes"
         box = RuntimeSandbox(lambda: backend.config, backend.paths, workdir)
         box.prune()  # the proxy directories of jobs a previous backend left
-        jobs = RuntimeJobs(backend.store, workdir, confinement=box.confinement)
+        jobs = RuntimeJobs(backend.store, workdir, confinement=box.confinement, host=backend.cluster.identity.host)
     jobs.sweep_interrupted()
     backend.runtime_jobs = jobs  # a session start of an unprepared runtime runs its job first
 

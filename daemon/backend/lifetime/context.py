@@ -19,6 +19,7 @@ from typing import Any
 
 from daemon.agentctl.client.connection import AgentctlClient
 from daemon.api.ops import BackendState
+from daemon.backend.cluster.membership import Cluster
 from daemon.backend.control.launcher import ControlServerHandle, Launcher
 from daemon.backend.control.link import ControlServerLink
 from daemon.backend.control.servers import ControlServers
@@ -57,6 +58,8 @@ class BackendContext:
         self.store = store
         self.installation_id = installation_id
         self.boot_id = uuid.uuid4().hex
+        # Several hosts on one PostgreSQL (Issue 47): who this backend is, the hosts and their heartbeats.
+        self.cluster = Cluster.of(config, store, installation_id)
         self.state = BackendState.STARTING
         self.enabled = capability.state == "enabled"
         if self.enabled:
@@ -83,7 +86,7 @@ class BackendContext:
         # sessions features.auto_resume is about to resume: not "no agent" on the board meanwhile
         self.auto_resume_pending: set[str] = set()
         self.views = Views(store, self.executions, self.auto_resume_pending, self.quiet_report,
-                           self.store_care.space.status)
+                           self.store_care.space.status, self.cluster)
         self.report = RecoveryReport()
         self.shutdown_requested = asyncio.Event()
         self.stop_agents_at_shutdown = False  # kandev down --agents: the survival server stops them too

@@ -42,11 +42,11 @@ from typing import TYPE_CHECKING
 
 from daemon.agentctl import auth
 from daemon.agentctl.launch import LaunchError, read_credential_file
+from daemon.backend.cluster.identity import ClusterIdentity
 from daemon.core.journal import log_event
 from daemon.host.agent_user import AgentUserMissing, agent_user
 from daemon.host.paths import Paths, run_dir_mode
 from daemon.host.session_dirs import ENDPOINT_DIR, SESSIONS_DIR, endpoint_mode
-from daemon.store.models import ControlServerRecord
 from ipc.client import AsyncClient
 from ipc.errors import ErrorCode, IpcError
 
@@ -276,7 +276,7 @@ async def credentials_in_use(backend: BackendContext) -> set[str]:
     """The ``agentctl-cred-*`` names that must stay (see the module docstring)."""
     keep = {h.credential_ref for h in (backend.handle, backend.passthrough_handle) if h is not None}
     with backend.store.session() as db:
-        rec = db.get(ControlServerRecord, 1)
+        rec = ClusterIdentity.of(backend.config).record(db)
         if rec is not None and rec.credential_ref:
             keep.add(rec.credential_ref)
     candidates = await asyncio.to_thread(_candidates, backend.paths)

@@ -72,6 +72,29 @@ def _read_pid(fd: int) -> int | None:
 PG_LOCK_KEY = int.from_bytes(hashlib.sha256(b"kandev-backend").digest()[:8], "big", signed=True)
 
 
+def host_lock_key(host: str) -> int:
+    """The advisory lock key of cluster host ``host``: the first 8 bytes of sha256("kandev-host:HOST")."""
+    return int.from_bytes(hashlib.sha256(f"kandev-host:{host}".encode()).digest()[:8], "big", signed=True)
+
+
+def _running_hosts(conn: Any) -> list[str]:
+    """The cluster hosts recorded as not stopped, when the store has the table."""
+    try:
+        rows = conn.execute(text("SELECT name FROM cluster_hosts WHERE stopped_at IS NULL ORDER BY name")).all()
+    except Exception:  # no such table (a store before migration 0007): no cluster
+        return []
+    return [r[0] for r in rows]
+
+
+def _host_holder(conn: Any, host: str) -> tuple[int | None, str | None]:
+    """The pid and machine recorded for cluster host ``host`` (None, None if not recorded yet)."""
+    try:
+        row = conn.execute(text("SELECT pid, machine FROM cluster_hosts WHERE name = :n"), {"n": host}).first()
+    except Exception:
+        return None, None
+    return (None, None) if row is None else (row[0], row[1])
+
+
 class StoreLocked(RuntimeError):
     """Another backend already drives the store named by ``database.url``."""
 
@@ -91,11 +114,21 @@ class StoreLock:
       ``ensure()``, called by the store's upkeep every few seconds and once the server is back
       after an outage, finds the connection gone and takes the lock again on a new one (refused,
       ``StoreLocked``, if another backend took it meanwhile).
+    - PostgreSQL in a cluster (``host``, Issue 47): the store is shared, the host name is not. The
+      backend takes ``PG_LOCK_KEY`` shared (every host of the cluster does; a single-host backend,
+      which takes it exclusively, is refused while any host runs and refuses them while it runs)
+      and its host's own key (``host_lock_key``) exclusively: a second backend claiming a live
+      host name is refused naming the holder's pid and machine (Issue 47 scenario D).
     - Other engines (and in-memory SQLite) get no extra lock.
+
+    ``connect_args``: the driver's connection arguments (the database password,
+    ``daemon.config.database``).
     """
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, host: str | None = None, connect_args: dict[str, Any] | None = None) -> None:
         self.url = url
+        self.host = host
+        self.connect_args = connect_args or {}
         self._file_lock: HomeLock | None = None
         self._engine: Any = None
         self._conn: Any = None
@@ -121,23 +154,22 @@ class StoreLock:
             self._lock_postgresql()
 
     def _lock_postgresql(self) -> None:
-        engine = create_engine(self.url, poolclass=NullPool, **engine_options(make_url(self.url)))
+        engine = create_engine(self.url, poolclass=NullPool, **engine_options(make_url(self.url), self.connect_args))
         try:
             conn = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
         except Exception:
             engine.dispose()
             raise
         try:
-            got = conn.execute(text("SELECT pg_try_advisory_lock(:key)"), {"key": PG_LOCK_KEY}).scalar()
+            refusal = self._take(conn)
         except Exception:
             conn.close()
             engine.dispose()
             raise
-        if not got:
+        if refusal is not None:
             conn.close()
             engine.dispose()
-            raise StoreLocked("another kandev-backend already uses this PostgreSQL database (it holds the"
-                              f" advisory lock {PG_LOCK_KEY}); one database serves one kandev home")
+            raise StoreLocked(refusal)
         self._engine, self._conn = engine, conn
         self._postgresql = True
 
@@ -159,6 +191,30 @@ class StoreLock:
                 engine.dispose()
         self._lock_postgresql()
         return True
+
+    def _take(self, conn: Any) -> str | None:
+        """Take this backend's advisory locks on ``conn``; the refusal when another backend holds one."""
+        def lock(fn: str, key: int) -> bool:
+            return bool(conn.execute(text(f"SELECT {fn}(:key)"), {"key": key}).scalar())
+
+        if self.host is None:
+            if lock("pg_try_advisory_lock", PG_LOCK_KEY):
+                return None
+            running = _running_hosts(conn)
+            if running:
+                return ("another kandev-backend already uses this PostgreSQL database: the hosts of a cluster"
+                        f" ({', '.join(running)}) share it; set cluster.host to join them")
+            return ("another kandev-backend already uses this PostgreSQL database (it holds the"
+                    f" advisory lock {PG_LOCK_KEY}); one database serves one kandev home")
+        if not lock("pg_try_advisory_lock_shared", PG_LOCK_KEY):
+            return ("another kandev-backend already uses this PostgreSQL database as a single host (it holds"
+                    f" the advisory lock {PG_LOCK_KEY}); a cluster's hosts cannot share it while it runs")
+        if not lock("pg_try_advisory_lock", host_lock_key(self.host)):
+            pid, machine = _host_holder(conn, self.host)
+            who = f"pid {pid} on machine {machine}" if pid is not None else "a backend still starting"
+            return (f"another kandev-backend ({who}) already runs cluster host {self.host!r} on this database;"
+                    " one backend per host name: stop that one, or give this home another cluster.host")
+        return None
 
     def release(self) -> None:
         self._postgresql = False

@@ -111,7 +111,8 @@ class StoreCare:
     # -- size --------------------------------------------------------------------------------
 
     def size_bytes(self) -> int | None:
-        """How many bytes the store takes (None if it cannot be read)."""
+        """How many bytes the store takes (None if it cannot be read; a database server that cannot
+        be reached is reported to ``reach``)."""
         if self.path is not None:
             return sqlite_bytes(self.path)
         if self.remote and not self.reach.unreachable:

@@ -40,6 +40,7 @@ from daemon.agentctl.client.handshake import RELOAD_WINDOW_S, OwnershipRefused, 
 from daemon.agentctl.client.replies import ServerIdentity
 from daemon.agentctl.protocol import REQUIRED_CAPABILITIES
 from daemon.api.ops import AdoptionOutcome
+from daemon.backend.cluster.identity import ClusterIdentity
 from daemon.core import faults
 from daemon.host.paths import Paths
 from daemon.store.db import Store
@@ -89,7 +90,9 @@ class Adopter:
         read_timeout_s: float,
         read_retries: int,
         on_claim_ready: Callable[[AgentctlClient, bytes], None] | None = None,
+        identity: ClusterIdentity | None = None,
     ) -> None:
+        self.identity = identity or ClusterIdentity()  # whose control-server record (Issue 47)
         self.store = store
         self.paths = paths
         self.installation_id = installation_id
@@ -216,7 +219,7 @@ class Adopter:
             launch_file.write_credential(self.paths.secrets_dir / new_ref, new_credential)
             faults.hit("adopt_after_secret")
             with self.store.session() as db:
-                stored = db.get(ControlServerRecord, 1)
+                stored = self.identity.record(db)
                 if stored is None:
                     raise RuntimeError("control-server record vanished during adoption")
                 stored.credential_ref = new_ref

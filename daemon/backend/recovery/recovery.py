@@ -42,7 +42,12 @@ from daemon.backend.recovery.liveness import DEAD, Scope, classify
 from daemon.backend.recovery.reconstruction import MissingInput, Record, reconstruct
 from daemon.backend.recovery.repair import ACTIVE_STATES, iso_utc, repair_interrupted
 from daemon.backend.state.agent_identity import AgentIdentity
-from daemon.backend.state.events import apply_turn_outcome, mark_running, mark_waiting_without_turn
+from daemon.backend.state.events import (
+    apply_turn_outcome,
+    mark_replaying,
+    mark_running,
+    mark_waiting_without_turn,
+)
 from daemon.backend.state.executions import Execution, ExecutionStore
 from daemon.core.journal import log_event
 from daemon.store.db import Store
@@ -287,6 +292,7 @@ class Recovery:
                 if apply_turn_outcome(db, rec.session_id, str(out["turn_id"]), out.get("stop_reason"),
                                       out.get("error")):
                     replaying.add(str(out["turn_id"]))
+            mark_replaying(db, rec.session_id, replaying)  # for followers on other hosts (Issue 47 item 3)
             session = db.get(TaskSession, rec.session_id)
             if current and session is not None:  # a turn still running is published as running (AC-EXECUTORS-SURVIVAL-003.3)
                 ensure_turn(db, rec.session_id, str(current), None)
@@ -363,7 +369,8 @@ class Recovery:
             rows = db.execute(
                 select(ExecutorRunning, TaskSession.passthrough)
                 .join(TaskSession, TaskSession.id == ExecutorRunning.session_id, isouter=True)
-                .where(ExecutorRunning.status == InventoryStatus.LIVE, ExecutorRunning.runtime == "standalone")
+                .where(ExecutorRunning.status == InventoryStatus.LIVE, ExecutorRunning.runtime == "standalone",
+                       self.adopter.identity.own_sessions())
             ).all()
             for row, passthrough in rows:
                 records.append(
@@ -397,7 +404,7 @@ class Recovery:
 
     def read_server_record(self) -> ControlServerRecord | None:
         with self.store.session() as db:
-            rec = db.get(ControlServerRecord, 1)
+            rec = self.adopter.identity.record(db)
             if rec is not None:
                 db.expunge(rec)
             return rec
@@ -468,7 +475,9 @@ class Recovery:
         """
         now = datetime.now(UTC)
         with self.store.session() as db:
-            rows = db.scalars(select(ExecutorRunning).where(ExecutorRunning.status == InventoryStatus.LIVE)).all()
+            own = self.adopter.identity.own_sessions()  # another host's sessions are its own backend's
+            rows = db.scalars(select(ExecutorRunning).join(TaskSession, TaskSession.id == ExecutorRunning.session_id)
+                              .where(ExecutorRunning.status == InventoryStatus.LIVE, own)).all()
             untouched: set[str] = set(retracked)
             for row in rows:
                 if row.session_id in retracked:
@@ -483,7 +492,7 @@ class Recovery:
                     untouched.add(row.session_id)
                     report.unknown.append(row.session_id)
                     report.not_retracked.setdefault(row.session_id, f"liveness_{verdict}")
-            sessions = db.scalars(select(TaskSession).where(TaskSession.state.in_(ACTIVE_STATES))).all()
+            sessions = db.scalars(select(TaskSession).where(TaskSession.state.in_(ACTIVE_STATES), own)).all()
             to_repair = {row.session_id for row in rows} | {s.id for s in sessions}
             for session_id in sorted(to_repair - untouched):
                 self._repair(db, session_id, now)

@@ -15,6 +15,7 @@ from typing import Any
 
 from sqlalchemy import select
 
+from daemon.backend.cluster.identity import ClusterIdentity
 from daemon.backend.recovery.liveness import live_groups, stop_leftover_group
 from daemon.backend.state.agent_identity import AgentIdentity
 from daemon.core.journal import log_event
@@ -77,7 +78,8 @@ class LostAgent:
 
 
 def repair_lost_server(
-    db: Any, *, endpoint: str, tracked: list[LostAgent], reason: str, now: datetime
+    db: Any, *, endpoint: str, tracked: list[LostAgent], reason: str, now: datetime,
+    identity: ClusterIdentity | None = None,
 ) -> list[str]:
     """A control server died under a running backend: make every session that lived on it what
     startup recovery would make it with no server left (reconciliation's repair path).
@@ -87,10 +89,13 @@ def repair_lost_server(
     its process group is killed (``liveness.stop_leftover_group``); one transcript note says that
     the events the server held but never delivered are lost, with the last seq received; then
     the repair (open turn ``interrupted``, session waiting for input and resumable with its
-    token, task in review, marked interrupted). Returns the sessions repaired."""
+    token, task in review, marked interrupted). Returns the sessions repaired. In a cluster only this
+    host's rows count (``identity``): another host's server may have the same socket path."""
+    own = (identity or ClusterIdentity()).own_sessions()
     agents = {a.session_id: a for a in tracked}
     rows = db.scalars(
-        select(ExecutorRunning).where(ExecutorRunning.status == InventoryStatus.LIVE, ExecutorRunning.endpoint == endpoint)
+        select(ExecutorRunning).join(TaskSession, TaskSession.id == ExecutorRunning.session_id)
+        .where(ExecutorRunning.status == InventoryStatus.LIVE, ExecutorRunning.endpoint == endpoint, own)
     ).all()
     for row in rows:
         if row.session_id not in agents:

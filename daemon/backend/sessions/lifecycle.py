@@ -38,12 +38,13 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import func, select
 
+from daemon.backend.cluster.identity import ClusterIdentity
 from daemon.backend.recovery.repair import repair_interrupted
 from daemon.backend.sessions.sessions import get_session
 from daemon.core.journal import log_event
 from daemon.store import transcript, transitions
 from daemon.store.db import Store
-from daemon.store.models import ExecutorRunning, Task, Turn
+from daemon.store.models import ExecutorRunning, Task, TaskSession, Turn
 from daemon.store.states import InventoryStatus, SessionState, TaskState, TurnState
 from ipc.errors import ErrorCode, IpcError
 from ipc.server import ConnectionContext
@@ -213,11 +214,13 @@ def record_clean_stop(store: Store, stopped: dict[str, str]) -> None:
                                turn_error=why)
 
 
-def take_clean_stops(store: Store) -> list[str]:
-    """The sessions the previous backend recorded as stopped cleanly (each taken once)."""
+def take_clean_stops(store: Store, identity: ClusterIdentity | None = None) -> list[str]:
+    """The sessions the previous backend of this host recorded as stopped cleanly (each taken once)."""
     taken: list[str] = []
+    own = (identity or ClusterIdentity()).own_sessions()
     with store.session() as db:
-        for row in db.scalars(select(ExecutorRunning).where(ExecutorRunning.status == InventoryStatus.STALE)):
+        for row in db.scalars(select(ExecutorRunning).join(TaskSession, TaskSession.id == ExecutorRunning.session_id)
+                              .where(ExecutorRunning.status == InventoryStatus.STALE, own)):
             meta = dict(row.metadata_json or {})
             interruption = meta.get("interruption")
             if isinstance(interruption, dict) and interruption.get("cause") == CLEAN_STOP \

@@ -333,6 +333,8 @@ class ResumeService:
                 row = db.get(ExecutorRunning, sid)
                 if session is None or row is None or session.state != SessionState.WAITING_FOR_INPUT:
                     continue
+                if not b.cluster.identity.owns(session.host):
+                    continue  # another host's session: its own backend resumes it
                 if row.status != InventoryStatus.STALE or not row.resume_token:
                     continue
                 if ((row.metadata_json or {}).get("interruption") or {}).get("asked"):

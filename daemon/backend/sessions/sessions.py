@@ -21,6 +21,8 @@ from sqlalchemy import select
 from daemon.agentctl.protocol import NETWORK_CAPABILITY
 from daemon.agents.registry import get_agent
 from daemon.api.ops import BackendState
+from daemon.backend.cluster.membership import READY
+from daemon.backend.cluster.other_hosts import OtherHosts
 from daemon.backend.lifetime.context import BackendContext
 from daemon.backend.sessions import agent_launch
 from daemon.backend.sessions.launcher import LaunchPlan, LaunchProgress, LaunchStage, SessionLauncher
@@ -31,9 +33,9 @@ from daemon.backend.views.session_view import PageRequest, StoredSession, permis
 from daemon.core.journal import log_event
 from daemon.credentials import CredentialError
 from daemon.store import transcript, transitions
-from daemon.store.models import Task, TaskSession, Turn
+from daemon.store.models import ExecutorRunning, Task, TaskSession, Turn
 from daemon.store.session_metadata import SessionMetadata
-from daemon.store.states import SessionState, TaskState, TurnState
+from daemon.store.states import InventoryStatus, SessionState, TaskState, TurnState
 from daemon.store.transcript import ensure_turn
 from ipc.errors import ErrorCode, IpcError
 
@@ -93,6 +95,7 @@ class SessionService:
                     state=SessionState.CREATED,
                     metadata_json=SessionMetadata.new().to_json(),
                     passthrough=passthrough,
+                    host=b.cluster.identity.new_session_host(),
                     created_at=_now(),
                     updated_at=_now(),
                 )
@@ -263,6 +266,8 @@ class SessionService:
             if ex is before:
                 break
         session, row = stored.session, stored.row
+        # another host's session (Issue 47): live where its host is ready and its inventory row is live
+        host_state, remote_live = await asyncio.to_thread(self._host_of, session.host, row)
         meta = SessionMetadata.load(session)
         runtime = meta.runtime_config_or_empty()
         return {
@@ -275,8 +280,12 @@ class SessionService:
             "instance_id": ex.instance_id if ex else (row.instance_id if row else None),
             "resume_token": row.resume_token if row else meta.acp_session_id,
             "retracked": bool(ex.retracked) if ex else False,
-            "live": ex is not None,
-            "recoverable": ex is None and session.state not in (SessionState.COMPLETED,) and row is not None,
+            "live": ex is not None or remote_live,
+            "host": session.host,
+            "host_state": host_state,
+            # another host's session is resumed by its own host, not here
+            "recoverable": ex is None and session.state not in (SessionState.COMPLETED,) and row is not None
+            and host_state in (None, READY),
             "not_retracked_reason": b.report.not_retracked.get(session_id),
             # Why its agent was lost, while it has none: a backend restart or a lost control server.
             "interruption": (row.metadata_json or {}).get("interruption") if row is not None and ex is None else None,
@@ -294,6 +303,20 @@ class SessionService:
             "transcript": stored.transcript,
             "page": stored.page,
         }
+
+    def _host_of(self, host: str | None, row: ExecutorRunning | None) -> tuple[str | None, bool]:
+        """A session's host state (None on a single host) and, for another host's session, whether
+        its agent lives there (its host ready and its inventory row live). A worker thread."""
+        if host is None:  # a single host's session
+            return None, False
+        cluster = self.backend.cluster
+        if not cluster.identity.enabled:
+            return None, False
+        if host == cluster.identity.host:
+            return READY, False
+        seen = cluster.directory.reachability(host)
+        state = seen.state if seen is not None else "unknown"
+        return state, state == READY and row is not None and row.status == InventoryStatus.LIVE
 
     def open_turns(self, session_ids: list[str]) -> dict[str, str]:
         """Session id -> its open turn, of these sessions (a worker thread)."""
@@ -315,17 +338,19 @@ class SessionService:
         except (IpcError, OSError, TimeoutError):
             return None
 
-    def _read_sessions(self) -> list[tuple[str, str, str]]:
+    def _read_sessions(self) -> tuple[list[tuple[str, str, str, str | None]], OtherHosts]:
         with self.backend.store.session() as db:
-            return [(sid, task_id, state) for sid, task_id, state in db.execute(
-                select(TaskSession.id, TaskSession.task_id, TaskSession.state).order_by(TaskSession.created_at)
+            rows = [(sid, task_id, state, host) for sid, task_id, state, host in db.execute(
+                select(TaskSession.id, TaskSession.task_id, TaskSession.state, TaskSession.host)
+                .order_by(TaskSession.created_at)
             )]
+            return rows, OtherHosts.read(db, self.backend.cluster)
 
     async def list(self, *, detail: bool) -> dict[str, Any]:
         b = self.backend
         if detail:
             return await b.views.session_rows()
-        rows = await asyncio.to_thread(self._read_sessions)  # off the loop: every session of the store
+        rows, others = await asyncio.to_thread(self._read_sessions)  # off the loop: every session of the store
         executions = b.executions.executions
         return {
             "sessions": [
@@ -334,7 +359,9 @@ class SessionService:
                     "task_id": task_id,
                     "state": state,
                     "retracked": bool((ex := executions.get(sid)) is not None and ex.retracked),
+                    "host": host,  # the cluster host that drives it (None: a single host)
+                    "host_state": others.host_state(host),
                 }
-                for sid, task_id, state in rows
+                for sid, task_id, state, host in rows
             ]
         }

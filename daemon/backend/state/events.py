@@ -102,6 +102,19 @@ def apply_turn_outcome(
     return True
 
 
+def mark_replaying(db: DbSession, session_id: str, turn_ids: set[str]) -> None:
+    """Startup recovery stored these turns' outcomes before their last events are replayed: say so in
+    their rows (``Turn.replaying``, for followers on other hosts; ``Execution.replaying_turns`` says it
+    in memory), and take the mark off any other turn of the session (an earlier lifetime's)."""
+    for turn in db.scalars(select(Turn).where(Turn.session_id == session_id, Turn.replaying.is_(True))):
+        if turn.id not in turn_ids:
+            turn.replaying = None
+    for turn_id in turn_ids:
+        marked = db.get(Turn, turn_id)
+        if marked is not None:
+            marked.replaying = True
+
+
 def _open_turns(db: DbSession, session_id: str) -> int:
     """How many of the session's turns are open in the store."""
     count: int = db.scalar(
@@ -202,6 +215,8 @@ def apply_events(db: DbSession, session_id: str, instance_id: str, events: list[
             # Applied or already applied: either way it is acked and its waiters woken.
             apply_turn_outcome(db, session_id, tid, data.get("stop_reason"), data.get("error"))
             stored = db.get(Turn, tid)  # its stop reason as stored (a timeout: not the agent's "cancelled")
+            if stored is not None and stored.replaying:
+                stored.replaying = None  # its entries are in this commit: followers elsewhere may end it
             result.ended_turns.append((tid, stored.stop_reason if stored is not None else data.get("stop_reason")))
         elif ev.kind == EventKind.AGENT_EXITED:
             result.agent_exited = True

@@ -86,6 +86,10 @@ class TranscriptHub:
             if watch.followers == 0 and self._watches.get(session_id) is watch:
                 del self._watches[session_id]
 
+    def watched(self) -> list[str]:
+        """The sessions someone follows now."""
+        return list(self._watches)
+
     def notify(self, session_ids: Iterable[str]) -> None:
         """Wake the followers of these sessions (any thread)."""
         loop = self._loop

@@ -2,7 +2,8 @@
 
 Refused (``conflict``, nothing removed) while any of the task's sessions has an agent: one this
 backend tracks, one being started, one the inventory still names as possibly running, or one
-startup recovery holds. With ``stop`` (``kandev task delete --stop``) the agents this backend
+startup recovery holds; in a cluster, also while one belongs to another host (its directories
+are on that host: the task is deleted from there). With ``stop`` (``kandev task delete --stop``) the agents this backend
 tracks whose sessions are idle (WAITING_FOR_INPUT, no turn running) are stopped first (their
 process groups killed by the control server); a turn still running is refused all the same
 (``kandev cancel`` ends it). A session whose agent has exited can always be deleted. While a
@@ -58,6 +59,9 @@ def _live_reason(backend: Backend, sessions: list[TaskSession], rows: dict[str, 
     """Why the task cannot go now (None: it can). With ``stop``, an idle tracked agent (its session
     WAITING_FOR_INPUT, no turn running) is no reason: it is stopped first."""
     for s in sessions:
+        if not backend.cluster.identity.owns(s.host):  # Issue 47: its directories and agent are there
+            return (f"session {s.id} belongs to cluster host {s.host}, which keeps its directories and drives"
+                    " its agent: delete the task from that host")
         if s.id in backend.executions.executions:
             if not stop:
                 return f"session {s.id} has a running agent (--stop stops idle agents first)"

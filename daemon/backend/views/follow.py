@@ -27,6 +27,15 @@ which lives in memory). Each round reads at most ``ROUND_ENTRIES`` entries or
 (``send_event`` awaits the socket's drain): a client that does not read stops the stream, it
 does not fill the backend's memory.
 
+A session another host of a cluster owns (Issue 47 item 3) streams the same way from the shared
+store: its owner's commits NOTIFY ``kandev_transcript`` and this backend's listener
+(``daemon.backend.cluster.listener``) hands that to the same hub. The owner's ``replaying_turns`` live
+in its memory: a turn that ended while its owner's backend was down, and whose outcome recovery
+applied before the replay of its last events, would end a follower on another host before those
+events are in. So recovery also marks such a turn in the store (``Turn.replaying``, cleared in the
+commit that applies its ``turn_ended`` event), and a stream takes a turn so marked for open,
+wherever it runs.
+
 A turn's end is known from its ``turns`` row, not from an entry. So each round reads the turn's
 state *first* and the entries *second*: once a turn is seen over, every entry written before its
 end is already committed and read in the same round, and ``turn_ended`` comes after all of them.
@@ -39,6 +48,10 @@ locked from the cursor it takes until its commit (``daemon.store.transcript``), 
 chunks are committed in cursor order and a stream never passes over a chunk that is committed
 later with a smaller cursor. A cursor names one chunk even where the store coalesced several into
 one row: a stream may stop and resume in the middle of a stored entry.
+
+A store that cannot be reached during a round (PostgreSQL restarting, a dropped connection) does
+not end the stream: nothing of that round was sent, and it reads again from where it stood every
+``STORE_RETRY_S`` seconds until the store answers (Issue 47 scenario C).
 
 After a backend restart (SIGKILL, ``kandev down``/``up``, ``systemctl restart``) the client
 reconnects with ``after_seq`` = the last cursor it printed and the same ``turn_id``: the
@@ -57,6 +70,7 @@ import asyncio
 import dataclasses
 import itertools
 import json
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -86,7 +100,10 @@ ROUND_TEXT_BYTES = PAGE_TEXT_BYTES
 """Characters of entry text one round reads at most (entries are cut at 256 KiB each)."""
 RECHECK_S = 30.0
 """Seconds a stream sleeps at most without a store change (liveness is not in the store)."""
+STORE_RETRY_S = 1.0
+"""Seconds a stream waits before it reads again when the store was unreachable (a database restart)."""
 _ENTRY_OVERHEAD = 128
+log = logging.getLogger(__name__)
 
 Handler = Callable[[ConnectionContext, dict[str, Any]], Awaitable[Any]]
 
@@ -123,6 +140,8 @@ def _outcome(db: Session, turn_id: str) -> dict[str, Any] | None:
     turn = db.get(Turn, turn_id)
     if turn is None or turn.state == TurnState.OPEN:
         return None
+    if turn.state == TurnState.FINISHED and turn.replaying:
+        return None  # its outcome is stored, its last events are still being replayed (on its host)
     return {"turn_id": turn.id, "ordinal": turn.ordinal, "state": turn.state, "stop_reason": turn.stop_reason,
             "error": turn.error, "ended_at": turn.ended_at.isoformat() if turn.ended_at else None}
 
@@ -172,10 +191,12 @@ def start_position(
 
 def read_round(
     db: Session, pos: Position, *, live: bool, limit: int = ROUND_ENTRIES, text_budget: int = ROUND_TEXT_BYTES,
-    replaying: frozenset[str] = frozenset(),
+    replaying: frozenset[str] = frozenset(), host: str | None = None,
 ) -> Round:
     """Read what the stream at ``pos`` sends next and advance ``pos`` (see the module doc).
-    ``replaying``: turns whose outcome is stored but whose entries are still being replayed."""
+    ``replaying``: turns whose outcome is stored but whose entries are still being replayed.
+    ``host``: this backend's cluster host; a session another host owns counts as live while its
+    stored state says it has an agent (its executions are that host's)."""
     out = Round()
     turn_at_read = pos.turn_id
     # The turn's state first, then the entries: if the turn is over now, all its entries are in
@@ -231,7 +252,10 @@ def read_round(
             return _end(out, pos, FollowEnd.TURN_ENDED)
     if not pos.follow_all and pos.turn_id is None and not live:
         session = db.get(TaskSession, pos.session_id)
-        if session is None or session.state not in (SessionState.CREATED, SessionState.STARTING):
+        remote_live = (session is not None and host is not None and session.host not in (None, host)
+                       and session.state in (SessionState.RUNNING, SessionState.WAITING_FOR_INPUT))
+        if session is None or (session.state not in (SessionState.CREATED, SessionState.STARTING)
+                               and not remote_live):
             return _end(out, pos, FollowEnd.NO_AGENT)
     return out
 
@@ -271,9 +295,10 @@ class FollowService:
 
     def __init__(self, store: Store, hub: TranscriptHub, executions: ExecutionStore,
                  quiet: QuietTurns | None = None, report: QuietOf | None = None,
-                 reach: ReachWatch | None = None) -> None:
+                 reach: ReachWatch | None = None, host: str | None = None) -> None:
         self.store = store
         self.reach = reach  # a round that finds the database server gone waits for it
+        self.host = host  # this backend's cluster host (None: a single host); woken by kandev_transcript
         self.hub = hub
         self.executions = executions
         self.quiet = quiet  # how long each running turn's agent has been silent
@@ -297,7 +322,7 @@ class FollowService:
 
     def _round(self, pos: Position, live: bool, replaying: frozenset[str]) -> Round:
         with self.store.session() as db:
-            return read_round(db, pos, live=live, replaying=replaying)
+            return read_round(db, pos, live=live, replaying=replaying, host=self.host)
 
     async def _next_round(self, pos: Position, live: bool, replaying: frozenset[str]) -> Round | None:
         """The next round, or None after waiting for an unreachable database server to be back (the

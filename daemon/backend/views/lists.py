@@ -17,6 +17,8 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from daemon.backend.cluster.membership import Cluster
+from daemon.backend.cluster.other_hosts import OtherHosts
 from daemon.backend.state.executions import ExecutionStore
 from daemon.backend.views.quiet_report import QuietOf
 from daemon.backend.views.session_view import permissions
@@ -89,8 +91,11 @@ class Views:
 
     def __init__(self, store: Store, executions: ExecutionStore, resuming: set[str] | None = None,
                  quiet: QuietOf | None = None,
-                 out_of_space: Callable[[], dict[str, Any] | None] | None = None) -> None:
+                 out_of_space: Callable[[], dict[str, Any] | None] | None = None,
+                 cluster: Cluster | None = None) -> None:
         self.store = store
+        # several hosts (Issue 47): each session's host and whether that host is reachable
+        self.cluster = cluster
         self.executions = executions
         self.resuming = resuming if resuming is not None else set()  # the backend resumes these itself
         # session id, agent -> its running turn's silence (daemon.backend.views.quiet_report), or None
@@ -111,10 +116,14 @@ class Views:
         return tracked
 
     @staticmethod
-    def _session_summary(s: TaskSession, tracked: dict[str, bool]) -> dict[str, Any]:
+    def _session_summary(s: TaskSession, tracked: dict[str, bool], others: OtherHosts) -> dict[str, Any]:
+        """``host``: the cluster host that drives it (None: a single host); ``host_state``: that host's
+        ``ready``, ``unreachable`` or ``stopped`` (a session of a host that is not ready shows its last
+        known state, never live)."""
         return {"session_id": s.id, "agent": s.agent, "state": s.state, "last_error": s.last_error,
                 "created_at": _iso(s.created_at), "passthrough": bool(s.passthrough),
-                "live": tracked.get(s.id) is not None, "retracked": bool(tracked.get(s.id))}
+                "live": tracked.get(s.id) is not None, "retracked": bool(tracked.get(s.id)),
+                "host": s.host, "host_state": others.host_state(s.host)}
 
     @staticmethod
     def _placement(db: Session, task: Task, latest: TaskSession | None, tracked: dict[str, bool],
@@ -135,7 +144,7 @@ class Views:
 
     def _task_row(self, db: Session, task: Task, latest: TaskSession | None, sessions: int,
                   steps: list[WorkflowStep], tracked: dict[str, bool],
-                  last_stops: dict[str, LastStop]) -> dict[str, Any]:
+                  last_stops: dict[str, LastStop], others: OtherHosts) -> dict[str, Any]:
         bucket, attention = self._placement(db, task, latest, tracked, last_stops)
         return {
             "task_id": task.id,
@@ -149,7 +158,7 @@ class Views:
             "interrupted": _interrupted(last_stops.get(latest.id)) if latest is not None else None,
             "created_at": _iso(task.created_at),
             "sessions": sessions,
-            "latest_session": self._session_summary(latest, tracked) if latest is not None else None,
+            "latest_session": self._session_summary(latest, tracked, others) if latest is not None else None,
             "workflow": _workflow_summary(steps),
         }
 
@@ -164,8 +173,10 @@ class Views:
             for step in db.scalars(select(WorkflowStep).order_by(WorkflowStep.task_id, WorkflowStep.position)):
                 steps.setdefault(step.task_id, []).append(step)
             last_stops = _last_stop_reasons(db, [s.id for s in latest.values()])
+            others = OtherHosts.read(db, self.cluster)
+            tracked = others.merged(tracked, [(s.id, s.host) for s in latest.values()])
             return {"tasks": [self._task_row(db, t, latest.get(t.id), int(counts.get(t.id, 0)), steps.get(t.id, []),
-                                             tracked, last_stops) for t in tasks]}
+                                             tracked, last_stops, others) for t in tasks]}
 
     def read_task(self, task_id: str, tracked: dict[str, bool]) -> dict[str, Any]:
         with self.store.session() as db:
@@ -176,9 +187,11 @@ class Views:
                                        .order_by(TaskSession.created_at.desc(), TaskSession.id.desc())))
             steps = wf.load_steps(db, task_id)
             last_stops = _last_stop_reasons(db, [sessions[0].id] if sessions else [])
+            others = OtherHosts.read(db, self.cluster)
+            tracked = others.merged(tracked, [(s.id, s.host) for s in sessions])
             row = self._task_row(db, task, sessions[0] if sessions else None, len(sessions), steps, tracked,
-                                 last_stops)
-            row["session_list"] = [self._session_summary(s, tracked) for s in sessions]
+                                 last_stops, others)
+            row["session_list"] = [self._session_summary(s, tracked, others) for s in sessions]
             row["steps"] = wf.describe(steps)
             return row
 
@@ -197,9 +210,11 @@ class Views:
                 select(TaskSession, Task.title).join(Task, Task.id == TaskSession.task_id)
                 .order_by(TaskSession.created_at.desc(), TaskSession.id.desc())
             ).all()
+            others = OtherHosts.read(db, self.cluster)
+            tracked = others.merged(tracked, [(s.id, s.host) for s, _title in rows])
             sessions = []
             for session, title in rows:
-                row = self._session_summary(session, tracked)
+                row = self._session_summary(session, tracked, others)
                 row.update(task_id=session.task_id, task_title=title, last_turn=last_turns.get(session.id))
                 sessions.append(row)
             return {"sessions": sessions}

@@ -31,6 +31,9 @@ _HINTS: dict[str, str] = {
     "config_refused": "fix that key in that file; `kandev doctor --config FILE` checks a file without starting"
     " anything",
     "config_mismatch": "`kandev down`, then `kandev up --config FILE` starts it with that file",
+    "host_unreachable": "only that host's backend drives its sessions: `kandev hosts` shows when it was last"
+    " heard from; try again once it is back",
+    "request_interrupted": "`kandev session show` tells whether it took effect; ask again if it did not",
 }
 
 

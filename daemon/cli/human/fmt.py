@@ -42,6 +42,12 @@ def parse_time(text: str | None) -> datetime | None:
     return when if when.tzinfo else when.replace(tzinfo=UTC)
 
 
+def when(text: str | None) -> str:
+    """An ISO timestamp for people: to the second, in UTC (``2026-12-06 23:55:25Z``; "-" when unknown)."""
+    moment = parse_time(text)
+    return "-" if moment is None else moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
 def age(text: str | None, now: datetime | None = None) -> str:
     """``kubectl``-style age of an ISO timestamp: 45s, 3m, 2h, 5d ("-" when unknown)."""
     when = parse_time(text)
@@ -86,12 +92,27 @@ there to answer (stopped with ``session stop``, or lost in a backend restart): `
 gives it one."""
 
 
-def session_state(state: str | None, live: bool | None) -> tuple[str, tuple[Colour, ...]]:
+def session_state(state: str | None, live: bool | None,
+                  host: dict[str, Any] | None = None) -> tuple[str, tuple[Colour, ...]]:
     """A session's state as every view shows it (``session list``, the board): the stored state,
-    or ``NO_AGENT`` where it runs or waits for input without an agent (``live`` False)."""
+    or ``NO_AGENT`` where it runs or waits for input without an agent (``live`` False). A session of
+    a cluster host that is not ready (``host``: the session's ``host`` and ``host_state``) shows its
+    last known state marked so, e.g. ``RUNNING (host b unreachable)``: never as live."""
+    host_state = (host or {}).get("host_state")
+    if host_state not in (None, "ready"):
+        return f"{state or '-'} (host {host.get('host') if host else '-'} {host_state})", (Colour.YELLOW,)
     if state in (SessionState.RUNNING, SessionState.WAITING_FOR_INPUT) and live is False:
         return NO_AGENT, (Colour.YELLOW,)
     return state or "-", state_styles(state)
+
+
+def with_host(headers: list[str], rows: list[list[Any]], hosts: list[str | None], at: int) -> None:
+    """A HOST column at ``at`` (Issue 47): in a cluster only (some row has a host)."""
+    if not any(hosts):
+        return
+    headers.insert(at, "HOST")
+    for row, host in zip(rows, hosts, strict=True):
+        row.insert(at, host or "-")
 
 
 def yes_no(value: object) -> str:

@@ -34,6 +34,8 @@ def _lines(args: argparse.Namespace, result: Any, term: Term) -> list[str]:
     cmd = args.command
     if cmd == "status":
         return render_status(result, term)
+    if cmd == "hosts":
+        return views.hosts_lines(result, term)
     if cmd == "up":
         return views.up_lines(result, term)
     if cmd == "down":

@@ -10,7 +10,14 @@ as ``name: value``; a part it does not know gets a block of its own. Nothing is 
 from __future__ import annotations
 
 from daemon.api.ops import AdoptionOutcome, BackendState, LinkObserved, LinkState
-from daemon.cli.human.fmt import duration_ms, network_refusals, out_of_space_line, short, unreachable_line
+from daemon.cli.human.fmt import (
+    duration_ms,
+    network_refusals,
+    out_of_space_line,
+    short,
+    unreachable_line,
+    when,
+)
 from daemon.cli.human.term import Term
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: every CLI call imports this module
@@ -98,6 +105,10 @@ def warnings(status: dict[str, Any]) -> list[str]:
     full = store.get("out_of_space")
     if full:
         out.append(out_of_space_line(full))
+    cluster = status.get("cluster") or {}
+    for host in cluster.get("unreachable") or []:
+        out.append(f"cluster host {host.get('name')} is unreachable since {when(host.get('since'))}: its sessions show"
+                   " their last known state")
     sandbox = status.get("sandbox") or {}
     if sandbox.get("sandboxed") is False:
         out.append(f"agents are not sandboxed: {sandbox.get('reason') or 'unknown'}")
@@ -271,6 +282,21 @@ def _network_lines(term: Term, sandbox: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _cluster_lines(cluster: dict[str, Any]) -> list[str]:
+    """This host's name, then the hosts by state (Issue 47)."""
+    lines = [f"host {cluster.get('host')} (a heartbeat every {cluster.get('heartbeat_s')} s; a host silent"
+             f" {cluster.get('host_timeout_s')} s is unreachable)"]
+    if cluster.get("error"):
+        return [*lines, str(cluster["error"])]
+    ready, stopped = cluster.get("ready") or [], cluster.get("stopped") or []
+    unreachable = cluster.get("unreachable") or []
+    lines.append(f"hosts: {len(ready)} ready" + (f" ({', '.join(ready)})" if ready else "")
+                 + f", {len(unreachable)} unreachable"
+                 + (f" ({', '.join(str(h.get('name')) for h in unreachable)})" if unreachable else "")
+                 + (f", {len(stopped)} stopped ({', '.join(stopped)})" if stopped else ""))
+    return lines
+
+
 def _adoption_lines(adoption: dict[str, Any]) -> list[str]:
     head = str(adoption.get("outcome") or "unknown")
     if adoption.get("reason"):
@@ -297,8 +323,11 @@ def render_status(status: dict[str, Any], term: Term) -> list[str]:
     sandbox = status.get("sandbox")
     if isinstance(sandbox, dict) and "network_mode" in sandbox:
         lines += _block(term, "Network", _network_lines(term, sandbox))
+    cluster = status.get("cluster")
+    if isinstance(cluster, dict):
+        lines += _block(term, "Cluster", _cluster_lines(cluster))
     for key, value in status.items():
-        if key in _ORDER:
+        if key in _ORDER or key == "cluster":
             continue
         if key == "sandbox" and isinstance(value, dict):
             value = {k: v for k, v in value.items() if k not in _NETWORK_KEYS}

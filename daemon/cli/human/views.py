@@ -19,6 +19,8 @@ from daemon.cli.human.fmt import (
     state_styles,
     stop_reason_ok,
     unique_length,
+    when,
+    with_host,
     yes_no,
 )
 from daemon.cli.human.status import warnings
@@ -201,10 +203,14 @@ def task_list_lines(result: dict[str, Any], term: Term) -> list[str]:
     rows = []
     for t in tasks:
         agent, state = _session_brief(t.get("latest_session"))
+        shown, styles = session_state(state, None, t.get("latest_session")) if t.get("latest_session") else (
+            state, state_styles(state))
         rows.append([short(t["task_id"], n), t.get("title") or "-", t.get("bucket") or "-", str(t.get("sessions", 0)),
-                     agent, cell(state, *state_styles(state)), _step_brief(t.get("workflow")),
+                     agent, cell(shown, *styles), _step_brief(t.get("workflow")),
                      age(t.get("created_at"))])
-    return render_table(term, ["TASK", "TITLE", "BUCKET", "SESSIONS", "AGENT", "STATE", "STEP", "AGE"], rows, flex=1)
+    headers = ["TASK", "TITLE", "BUCKET", "SESSIONS", "AGENT", "STATE", "STEP", "AGE"]
+    with_host(headers, rows, [(t.get("latest_session") or {}).get("host") for t in tasks], 4)
+    return render_table(term, headers, rows, flex=1)
 
 
 def task_show_lines(result: dict[str, Any], term: Term) -> list[str]:
@@ -264,7 +270,7 @@ def board_lines(result: dict[str, Any], term: Term) -> list[str]:
                 detail = cell(quiet_text(quiet), Colour.YELLOW)
                 hints.append(_hint(term, f"{short(t['task_id'], n)}: {quiet_hint(quiet)}"))
             # the state as session list shows it: NO AGENT where the session has none
-            shown_state, styles = session_state(state, session.get("live") if "live" in session else None)
+            shown_state, styles = session_state(state, session.get("live") if "live" in session else None, session)
             row = [short(t["task_id"], n), t.get("title") or "-", agent, cell(shown_state, *styles),
                    short(session.get("session_id"))]
             if bucket == "needs_attention":
@@ -275,6 +281,7 @@ def board_lines(result: dict[str, Any], term: Term) -> list[str]:
         header = ["TASK", "TITLE", "AGENT", "STATE", "SESSION", ""]
         if bucket == "needs_attention":
             header.insert(0, "REASON")
+        with_host(header, rows, [(t.get("latest_session") or {}).get("host") for t in mine], header.index("AGENT"))
         table = render_table(term, header, rows, flex=2 if bucket == "needs_attention" else 1)
         lines += ["  " + line for line in table[1:]]  # the section title says what the columns are
     return lines + hints
@@ -323,7 +330,7 @@ def session_list_lines(result: dict[str, Any], term: Term, show_all: bool) -> li
         retracked = any(s.get("retracked") for s in shown)
         rows = []
         for s in shown:
-            shown_state, styles = session_state(s.get("state"), bool(s.get("live")))
+            shown_state, styles = session_state(s.get("state"), bool(s.get("live")), s)
             last_turn = _last_turn(s.get("last_turn"))
             if s.get("quiet"):  # its agent has said nothing for agents.quiet_warning_s
                 last_turn += f", no output for {s['quiet'].get('seconds')} s"
@@ -333,6 +340,7 @@ def session_list_lines(result: dict[str, Any], term: Term, show_all: bool) -> li
                          age(s.get("created_at")), last_turn])
         headers = ["SESSION", "TASK", "TITLE", "AGENT", "STATE", *(["RETRACKED"] if retracked else []), "AGE",
                    "LAST TURN"]
+        with_host(headers, rows, [s.get("host") for s in shown], 3)
         # The ids and the state stay whole: the last turn gives way first, then the title.
         lines = render_table(term, headers, rows, flex=(len(headers) - 1, 2))
     if hidden:
@@ -352,6 +360,10 @@ def session_header_lines(show: dict[str, Any], term: Term, task_title: str | Non
         lines.append(f"{(name + ':').rjust(label)} {value if value not in (None, '') else '-'}")
 
     liveness = "live" if show.get("live") else "no running agent"
+    if show.get("host_state") not in (None, "ready"):  # another host's session: its last known state
+        liveness = f"host {show.get('host')} {show.get('host_state')}: its last known state, not known to be live"
+    elif show.get("host"):
+        liveness += f", on host {show['host']}"
     if show.get("retracked"):
         liveness += ", re-tracked after a backend restart"
     field("State", f"{term.paint(state, *state_styles(state))} ({liveness})")
@@ -521,3 +533,20 @@ def task_delete_lines(result: dict[str, Any], term: Term) -> list[str]:
                      f" {', '.join(short(s) for s in result['stopped'])} first.")
     lines.append(f"Workspace {result.get('workspace') or '-'}: {result.get('worktree')}.")
     return lines
+
+
+def hosts_lines(result: dict[str, Any], term: Term) -> list[str]:
+    """``kandev hosts`` (Issue 47): one row per host of the cluster, this one marked ``*``."""
+    hosts = result.get("hosts") or []
+    if result.get("host") is None:
+        return ["This backend is a single host: no cluster.host is set (docs/cluster.md)."]
+    rows = []
+    for h in hosts:
+        state = str(h.get("state") or "-")
+        if state == "unreachable":
+            state = f"unreachable since {when(h.get('since'))}"
+        colour = Colour.GREEN if h.get("state") == "ready" else Colour.YELLOW
+        rows.append([f"{h.get('name')}{' *' if h.get('own') else ''}", cell(state, colour), h.get("version") or "-",
+                     str(h.get("sessions", 0)), str(h.get("agents", 0)),
+                     f"{when(h.get('last_heartbeat'))} ({age(h.get('last_heartbeat'))} ago)"])
+    return render_table(term, ["HOST", "STATE", "VERSION", "SESSIONS", "AGENTS", "LAST HEARTBEAT"], rows, flex=1)
