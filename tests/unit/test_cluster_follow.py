@@ -25,6 +25,7 @@ from daemon.backend.views import follow
 from daemon.store import transcript
 from daemon.store.db import Store, sqlite_url
 from daemon.store.models import Base, Task, TaskSession, Turn
+from daemon.store.reach import ReachWatch
 from ipc.client import Event
 from tests.support.aio import run
 from tests.support.waiting import wait_until
@@ -107,22 +108,26 @@ def test_a_round_that_finds_the_store_away_is_read_again_and_nothing_is_lost_or_
     _say(store, "1/3 ", "2/3 ")
     hub = TranscriptHub()
     hub.observe(store)
-    service = follow.FollowService(store, hub, ExecutionStore(), host="a")
+    reach = ReachWatch()  # the store care's: it says when the server answers again
+    service = follow.FollowService(store, hub, ExecutionStore(), reach=reach, host="a")
     real_round, failed = service._round, []
 
     def flaky_round(pos: follow.Position, live: bool, replaying: frozenset[str]) -> follow.Round:
         step = real_round(pos, live, replaying)  # moves pos past what it read
         if not failed:
             failed.append(pos.cursor)
-            raise OperationalError("SELECT", {}, Exception("server closed the connection unexpectedly"))
+            raise OperationalError("SELECT", {}, Exception("server closed the connection unexpectedly"),
+                                   connection_invalidated=True)
         return step
 
     monkeypatch.setattr(service, "_round", flaky_round)
-    monkeypatch.setattr(follow, "STORE_RETRY_S", 0.05)
     client = _Client()
 
     async def scenario() -> None:
         task = asyncio.create_task(service.op_follow(client, {"session_id": SID}))  # type: ignore[arg-type]
+        # the failed round is reported as the server being away
+        await asyncio.to_thread(wait_until, lambda: reach.unreachable, 30)
+        reach.succeeded()  # as the store's upkeep does once its probe reaches the server
         await asyncio.to_thread(wait_until, lambda: len([e for e in client.events if e[1] == "entry"]) == 2, 30)
         await asyncio.to_thread(_say, store, "3/3 ")
         with store.session() as db:

@@ -50,8 +50,8 @@ later with a smaller cursor. A cursor names one chunk even where the store coale
 one row: a stream may stop and resume in the middle of a stored entry.
 
 A store that cannot be reached during a round (PostgreSQL restarting, a dropped connection) does
-not end the stream: nothing of that round was sent, and it reads again from where it stood every
-``STORE_RETRY_S`` seconds until the store answers (Issue 47 scenario C).
+not end the stream: nothing of that round was sent, and it reads again from where it stood once
+the store's reach watch says the server answers again (Issue 47 scenario C).
 
 After a backend restart (SIGKILL, ``kandev down``/``up``, ``systemctl restart``) the client
 reconnects with ``after_seq`` = the last cursor it printed and the same ``turn_id``: the
@@ -100,8 +100,6 @@ ROUND_TEXT_BYTES = PAGE_TEXT_BYTES
 """Characters of entry text one round reads at most (entries are cut at 256 KiB each)."""
 RECHECK_S = 30.0
 """Seconds a stream sleeps at most without a store change (liveness is not in the store)."""
-STORE_RETRY_S = 1.0
-"""Seconds a stream waits before it reads again when the store was unreachable (a database restart)."""
 _ENTRY_OVERHEAD = 128
 log = logging.getLogger(__name__)
 
