@@ -28,7 +28,7 @@ from tests.support.waiting import wait_until
 pytestmark = pytest.mark.timeout(420)
 
 HEARTBEAT_S = 2
-HOST_TIMEOUT_S = 6
+HOST_TIMEOUT_S = 8  # room for a heartbeat late on a busy machine (a live host never looks unreachable)
 
 
 def _config(url: str, host: str | None, *, survival: bool = True, password_file: str | None = None) -> str:

@@ -281,8 +281,8 @@ class SessionService:
             "resume_token": row.resume_token if row else meta.acp_session_id,
             "retracked": bool(ex.retracked) if ex else False,
             "live": ex is not None or remote_live,
-            "host": session.host,
-            "host_state": host_state,
+            # in a cluster: the host that drives it and that host's state (a single host's show keeps its shape)
+            **({"host": session.host, "host_state": host_state} if session.host is not None else {}),
             # another host's session is resumed by its own host, not here
             "recoverable": ex is None and session.state not in (SessionState.COMPLETED,) and row is not None
             and host_state in (None, READY),
@@ -352,6 +352,8 @@ class SessionService:
             return await b.views.session_rows()
         rows, others = await asyncio.to_thread(self._read_sessions)  # off the loop: every session of the store
         executions = b.executions.executions
+        # in a cluster each session also says its host and that host's state; a single host's keep their shape
+        hosted = others.own is not None
         return {
             "sessions": [
                 {
@@ -359,8 +361,7 @@ class SessionService:
                     "task_id": task_id,
                     "state": state,
                     "retracked": bool((ex := executions.get(sid)) is not None and ex.retracked),
-                    "host": host,  # the cluster host that drives it (None: a single host)
-                    "host_state": others.host_state(host),
+                    **({"host": host, "host_state": others.host_state(host)} if hosted else {}),
                 }
                 for sid, task_id, state, host in rows
             ]

@@ -117,13 +117,13 @@ class Views:
 
     @staticmethod
     def _session_summary(s: TaskSession, tracked: dict[str, bool], others: OtherHosts) -> dict[str, Any]:
-        """``host``: the cluster host that drives it (None: a single host); ``host_state``: that host's
+        """In a cluster also ``host``: the cluster host that drives it, and ``host_state``: that host's
         ``ready``, ``unreachable`` or ``stopped`` (a session of a host that is not ready shows its last
-        known state, never live)."""
-        return {"session_id": s.id, "agent": s.agent, "state": s.state, "last_error": s.last_error,
-                "created_at": _iso(s.created_at), "passthrough": bool(s.passthrough),
-                "live": tracked.get(s.id) is not None, "retracked": bool(tracked.get(s.id)),
-                "host": s.host, "host_state": others.host_state(s.host)}
+        known state, never live); a single host's summaries keep their shape."""
+        summary = {"session_id": s.id, "agent": s.agent, "state": s.state, "last_error": s.last_error,
+                   "created_at": _iso(s.created_at), "passthrough": bool(s.passthrough),
+                   "live": tracked.get(s.id) is not None, "retracked": bool(tracked.get(s.id))}
+        return summary if others.own is None else {**summary, "host": s.host, "host_state": others.host_state(s.host)}
 
     @staticmethod
     def _placement(db: Session, task: Task, latest: TaskSession | None, tracked: dict[str, bool],

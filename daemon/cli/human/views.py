@@ -213,6 +213,15 @@ def task_list_lines(result: dict[str, Any], term: Term) -> list[str]:
     return render_table(term, headers, rows, flex=1)
 
 
+def _shown_state(session: dict[str, Any]) -> tuple[Any, ...]:
+    """A session's state and its styles, marked where its cluster host is not ready."""
+    state = session.get("state")
+    if session.get("host_state") not in (None, "ready"):
+        shown, styles = session_state(state, None, session)
+        return (shown, *styles)
+    return (state, *state_styles(state))
+
+
 def task_show_lines(result: dict[str, Any], term: Term) -> list[str]:
     label = 11
     lines = [f"{term.bold('Task ' + short(result.get('task_id')))}: {result.get('title')}"]
@@ -234,11 +243,12 @@ def task_show_lines(result: dict[str, Any], term: Term) -> list[str]:
     field("Sessions", str(len(sessions)))
     if sessions:
         n = unique_length(s["session_id"] for s in sessions)
-        rows = [[short(s["session_id"], n), s.get("agent") or "-", cell(s.get("state"), *state_styles(s.get("state"))),
+        rows = [[short(s["session_id"], n), s.get("agent") or "-", cell(*_shown_state(s)),
                  "yes" if s.get("retracked") else ("live" if s.get("live") else "no"), age(s.get("created_at")),
                  s.get("last_error") or "-"] for s in sessions]
-        lines += ["  " + line for line in render_table(
-            term, ["SESSION", "AGENT", "STATE", "RETRACKED", "AGE", "LAST ERROR"], rows, flex=5)]
+        headers = ["SESSION", "AGENT", "STATE", "RETRACKED", "AGE", "LAST ERROR"]
+        with_host(headers, rows, [s.get("host") for s in sessions], 1)
+        lines += ["  " + line for line in render_table(term, headers, rows, flex=len(headers) - 1)]
         lines.append(_hint(term, f"kandev session show {short(sessions[0]['session_id'], n)}"))
     else:
         lines.append(_hint(term, f"start an agent: kandev session start {short(result.get('task_id'))}"))
