@@ -52,10 +52,12 @@ def test_hosts_and_status() -> None:
     assert "single host" in hosts_lines({"host": None, "hosts": []}, term)[0]
 
     status = {"backend": {"state": "ready", "pid": 1, "version": "0.3.0"},
-              "store": {"unreachable": "OperationalError: connection refused"},
+              "store": {"reachable": False, "unreachable_since": 1765065325.0,
+                        "unreachable": {"since": 1765065325.0, "seconds": 12.0, "attempts": 3,
+                                        "detail": "OperationalError: connection refused"}},
               "cluster": {"host": "a", "heartbeat_s": 5, "host_timeout_s": 30, "ready": ["a"],
                           "unreachable": [{"name": "b", "since": SINCE}], "stopped": ["c"]}}
     text = "\n".join(render_status(status, term))
-    assert "the store is unreachable (OperationalError: connection refused)" in text
+    assert "store unreachable since" in text and "(OperationalError: connection refused)" in text
     assert "cluster host b is unreachable since 2026-12-06 23:55:25Z" in text
     assert "hosts: 1 ready (a), 1 unreachable (b), 1 stopped (c)" in text and "host a (a heartbeat every 5 s" in text
