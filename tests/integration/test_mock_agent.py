@@ -435,7 +435,7 @@ def test_load_in_a_new_process_replays_history_and_restores_config(spawn, worksp
             ("user", "hello"),
             ("agent", "echo: hello"),
             ("user", "/flood 3"),
-            *[("agent", t) for t in expected_stream(3)],
+            ("agent", "".join(expected_stream(3))),  # replayed as one message (Issue 45 scenario A)
         ]
         async with spawn(workspace) as second:
             await second.initialize()

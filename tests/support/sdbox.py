@@ -35,16 +35,27 @@ SDBOX_SH = REPO_ROOT / "tests" / "systemd" / "sdbox.sh"
 # The command sdbox.sh runs on the host once the box has booted.
 # $1 = control dir, $2 = pid of the test process (if it dies, e.g. SIGKILL, tear the box down too).
 _HOLD_SCRIPT = r"""
-ctl=$1 owner=$2
+ctl=$1 owner=$2 ticks=$3
 printf '%s %s\n' "$SDBOX_LEADER" "$SDBOX_LAB" > "$ctl/leader.tmp" && mv "$ctl/leader.tmp" "$ctl/leader"
-for _ in $(seq 18000); do                  # 18000 x 0.2 s = 1 h at most
+for _ in $(seq "$ticks"); do               # ticks x 0.2 s: KANDEV_SDBOX_MAX_S (1 h unless set) at most
   [ -e "$ctl/stop" ] && exit 0
   kill -0 "$owner" 2>/dev/null || { rm -rf "$ctl"; exit 0; }   # the test process is gone (SIGKILL?)
   sleep 0.2
 done
-echo "sdbox hold: no stop file after 1 h, giving up" >&2
+echo "sdbox hold: no stop file after $((ticks / 5)) s, giving up" >&2
 exit 124
 """
+
+
+def max_lifetime_s() -> int:
+    """How long a box may stay up (a leak's safety net): ``KANDEV_SDBOX_MAX_S`` seconds, 1 h unless
+    set; ``packaging/dev/chaos.sh N`` sets it to its run's bound (1,000 faults take more than 1 h)."""
+    raw = os.environ.get("KANDEV_SDBOX_MAX_S", "").strip()
+    if not raw:
+        return 3600
+    if not raw.isdigit() or int(raw) < 60:
+        raise ValueError(f"KANDEV_SDBOX_MAX_S must be a whole number of seconds from 60, got {raw!r}")
+    return int(raw)
 
 
 class SdBoxError(RuntimeError):
@@ -140,7 +151,8 @@ class SdBox:
         t0 = time.monotonic()
         with open(self._ctl / "sdbox.log", "wb") as log:  # Popen keeps its own copy of the fd
             self._proc = subprocess.Popen(
-                [str(SDBOX_SH), "bash", "-c", _HOLD_SCRIPT, "sdbox-hold", str(self._ctl), str(os.getpid())],
+                [str(SDBOX_SH), "bash", "-c", _HOLD_SCRIPT, "sdbox-hold", str(self._ctl), str(os.getpid()),
+                 str(5 * max_lifetime_s())],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -56,3 +56,25 @@ def test_switches_missing_invalid_and_set(tmp_path):
     assert read_switches(tmp_path) == {}
     (tmp_path / ".kandev-mock.toml").write_text('fail_load = true\nreject_option = "effort=high"\n')
     assert read_switches(tmp_path) == {"fail_load": True, "reject_option": "effort=high"}
+
+
+def test_messages_join_each_run_of_one_role_and_split_long_runs(monkeypatch, tmp_path):
+    """Issue 45 scenario A: what ``session/load`` replays is the history as messages (a run of one
+    role's chunks joined, split past ``max_chars``, never inside a chunk), not one per chunk."""
+    monkeypatch.setenv(STATE_DIR_ENV, str(tmp_path))
+    rec = SessionRecord(session_id=uuid.uuid4().hex, cwd="/ws")
+    rec.save()
+    rec.append("user", "/flood 5")
+    for i in range(1, 6):
+        rec.append("agent", f"{i}/5 ")
+    rec.append("user", "hi")
+    rec.append("agent", "echo: hi")
+    loaded = SessionRecord.load(rec.session_id, "/ws")
+    assert loaded is not None and len(loaded.history) == 8
+    assert [(m.role, m.text) for m in loaded.messages()] == [
+        ("user", "/flood 5"), ("agent", "1/5 2/5 3/5 4/5 5/5 "), ("user", "hi"), ("agent", "echo: hi")]
+    assert [(m.role, m.text) for m in loaded.messages(max_chars=8)] == [
+        ("user", "/flood 5"), ("agent", "1/5 2/5 "), ("agent", "3/5 4/5 "), ("agent", "5/5 "),
+        ("user", "hi"), ("agent", "echo: hi")]
+    assert [m.text for m in loaded.messages(max_chars=2)][1:3] == ["1/5 ", "2/5 "]  # a chunk is never cut
+    assert SessionRecord(session_id=uuid.uuid4().hex, cwd="/ws").messages() == []

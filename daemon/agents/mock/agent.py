@@ -9,7 +9,9 @@ stdout is the protocol channel; one log line per request goes to stderr.
 
 Sessions are persisted by :mod:`daemon.agents.mock.state` (an atomically replaced
 state file plus an append-only history, one line per chunk), so ``session/load``
-in a new process replays the history and restores mode and config options.
+in a new process replays the history and restores mode and config options. The replay is
+one notification per message (a run of one role's chunks, joined), as real agents replay a
+conversation, not one per chunk streamed (``SessionRecord.messages``).
 
 Prompt scripts (on the text of the prompt)::
 
@@ -252,7 +254,7 @@ class MockAgent:
         return {"modes": _modes(rec), "configOptions": _config_options(rec)}
 
     async def _replay(self, session_id: str, rec: SessionRecord, pace: float = 0.0) -> None:
-        for entry in rec.history:
+        for entry in rec.messages():
             if pace:
                 await asyncio.sleep(pace)
             kind = "user_message_chunk" if entry.role == "user" else "agent_message_chunk"

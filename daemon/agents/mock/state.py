@@ -12,6 +12,13 @@ A session is two files in the state dir:
     is quadratic (``/flood 2000`` took ~5 s, ``/flood 10000`` ~2 min); the
     append keeps each chunk O(1). A torn last line is ignored on load.
 
+``SessionRecord.messages()`` is what ``session/load`` replays: the history as messages (each run
+of one role's chunks joined, at most ``REPLAY_MESSAGE_CHARS`` a message), the way real agents
+replay a conversation, not one notification per streamed chunk. A long-lived session holds
+hundreds of thousands of chunks (a /flood is thousands); replaying each as its own notification
+kept a resume STARTING for tens of seconds (Issue 45 scenario A: ~8 s a session of 200,000
+chunks, and every session of a killed control server is resumed at once).
+
 The state dir is ``$KANDEV_MOCK_STATE_DIR`` when set, else
 ``<session cwd>/.kandev-mock/sessions/``.
 
@@ -40,6 +47,8 @@ CONFIG_VALUES: dict[str, tuple[str, ...]] = {
     "effort": ("low", "medium", "high"),
 }
 DEFAULT_CONFIG = {"model": "mock-fast", "effort": "medium"}
+REPLAY_MESSAGE_CHARS = 16_384
+"""At most this many characters in one replayed message (a longer run of chunks is split)."""
 
 _SESSION_ID = re.compile(r"^[0-9a-f]{32}$")
 log = logging.getLogger("kandev.mock")
@@ -99,6 +108,25 @@ class SessionRecord:
         finally:
             os.close(fd)
         self.history.append(entry)
+
+    def messages(self, max_chars: int = REPLAY_MESSAGE_CHARS) -> list[HistoryEntry]:
+        """The history as messages: consecutive chunks of one role joined, in order, each message
+        at most ``max_chars`` long (a longer run is split, never a chunk; a single chunk longer
+        than that is a message of its own)."""
+        out: list[HistoryEntry] = []
+        role: Literal["user", "agent"] | None = None
+        parts: list[str] = []
+        size = 0
+        for entry in self.history:
+            if parts and (entry.role != role or size + len(entry.text) > max_chars):
+                out.append(HistoryEntry(role or entry.role, "".join(parts)))
+                parts, size = [], 0
+            role = entry.role
+            parts.append(entry.text)
+            size += len(entry.text)
+        if parts and role is not None:
+            out.append(HistoryEntry(role, "".join(parts)))
+        return out
 
     def save(self) -> None:
         """Atomically replace the state file (everything but the history)."""

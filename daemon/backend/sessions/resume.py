@@ -32,13 +32,16 @@ a token; re-tracked sessions and rows of unknown liveness are never touched), an
 whose agent the previous backend stopped with itself at a graceful stop (survival off; not those
 ``kandev down --agents`` stopped on request), is resumed
 in the background through the same path; meanwhile the board does not call them "no agent". So are the sessions a control server that died under the
-running backend interrupted, once its replacement runs (``resume_interrupted``). While it runs the session is STARTING, so its task keeps the
+running backend interrupted, once its replacement runs (``resume_interrupted``). While it runs the session is STARTING
+(every session of the batch at once; at most ``AUTO_RESUME_PARALLEL`` launch at a time, the others wait their
+turn STARTING, never WAITING_FOR_INPUT without an agent yet kept off needs_attention: Issue 45 scenario A), so its task keeps the
 bucket of its own state (review: ``turn_finished``); it never shows in backlog or running.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -91,7 +94,10 @@ class ResumeService:
     later_tasks: set[asyncio.Task[None]] = field(default_factory=set)  # resumes after a control-server restart
     auto_resumed: dict[str, str] = field(default_factory=dict)  # session -> outcome
 
-    async def resume(self, session_id: str, *, fresh: bool, automatic: bool = False) -> dict[str, Any]:
+    async def resume(self, session_id: str, *, fresh: bool, automatic: bool = False,
+                     launch_gate: asyncio.Semaphore | None = None) -> dict[str, Any]:
+        """``launch_gate``: automatic resume's bound on launches at once; the session is STARTING
+        while it waits for its turn (a queued resume is under way, not "no agent")."""
         b = self.backend
         # 1. recovery's guard first: retryable while it decides the session (AC-EXECUTORS-SURVIVAL-002.8)
         b.executions.check_launch(session_id)
@@ -109,7 +115,8 @@ class ResumeService:
             try:
                 # 3. assembly and 4. launch: the one launch pipeline (it issues the credential lease
                 # now that STARTING is durable)
-                launched = await self.launcher.launch(self._plan(begun))
+                async with launch_gate or contextlib.nullcontext():
+                    launched = await self.launcher.launch(self._plan(begun))
                 # 5. success
                 return await self._finish(begun, launched)
             except BaseException as exc:
@@ -301,19 +308,21 @@ class ResumeService:
         self.backend.auto_resume_pending.update(candidates)
 
         async def one(session_id: str) -> None:
-            async with gate:
-                try:
-                    await self.resume(session_id, fresh=False, automatic=True)
-                    self.auto_resumed[session_id] = "resumed"
-                except IpcError as exc:
-                    self.auto_resumed[session_id] = exc.code
-                    log_event("auto_resume_failed", f"automatic resume of session {session_id}: {exc.message}",
-                              priority=4, SESSION_ID=session_id, REASON=exc.code)
-                except Exception:
-                    self.auto_resumed[session_id] = "internal"
-                    log.exception("automatic resume of session %s failed", session_id)
-                finally:
-                    self.backend.auto_resume_pending.discard(session_id)
+            # Every candidate is STARTING at once (truthful: its resume is under way); at most
+            # AUTO_RESUME_PARALLEL launch at a time (Issue 45 scenario A: a queued session left
+            # WAITING_FOR_INPUT without an agent looked like "no agent" yet was not on the board).
+            try:
+                await self.resume(session_id, fresh=False, automatic=True, launch_gate=gate)
+                self.auto_resumed[session_id] = "resumed"
+            except IpcError as exc:
+                self.auto_resumed[session_id] = exc.code
+                log_event("auto_resume_failed", f"automatic resume of session {session_id}: {exc.message}",
+                          priority=4, SESSION_ID=session_id, REASON=exc.code)
+            except Exception:
+                self.auto_resumed[session_id] = "internal"
+                log.exception("automatic resume of session %s failed", session_id)
+            finally:
+                self.backend.auto_resume_pending.discard(session_id)
 
         await asyncio.gather(*(one(s) for s in candidates))
 
