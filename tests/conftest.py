@@ -53,6 +53,22 @@ def postgres(request: pytest.FixtureRequest) -> Iterator[PgCluster]:
 
 
 @pytest.fixture
+def pg_store(postgres: PgCluster) -> Iterator[Store]:
+    """A store on an empty database of the test PostgreSQL, every table created (no migrations)."""
+    from sqlalchemy import create_engine
+
+    from daemon.store.models import Base
+
+    engine = create_engine(postgres.new_database())
+    Base.metadata.create_all(engine)
+    s = Store(engine)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture
 def store(tmp_path: Path) -> Iterator[Store]:
     """A migrated, empty SQLite store in the test's own directory (``kandev.db``), closed after the
     test. A module that needs another store (``any_store``'s engines, or rows to start with) defines

@@ -6,13 +6,11 @@ every entry once and in order, instead of ending."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
-from sqlalchemy import create_engine
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
@@ -24,7 +22,7 @@ from daemon.backend.state.transcript_hub import TranscriptHub
 from daemon.backend.views import follow
 from daemon.store import transcript
 from daemon.store.db import Store, sqlite_url
-from daemon.store.models import Base, Task, TaskSession, Turn
+from daemon.store.models import Task, TaskSession, Turn
 from daemon.store.reach import ReachWatch
 from ipc.client import Event
 from tests.support.aio import run
@@ -52,17 +50,6 @@ def _say(store: Store, *texts: str, seq: list[int] = [0]) -> None:  # noqa: B006
             seq[0] += 1
             writer.append(turn_id="i:1", role="agent", kind="agent_message_chunk", text=t, instance_id="i1",
                           event_seq=seq[0])
-
-
-@pytest.fixture
-def pg_store(postgres) -> Iterator[Store]:
-    engine = create_engine(postgres.new_database())
-    Base.metadata.create_all(engine)
-    s = Store(engine)
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def test_a_commit_that_changes_a_transcript_notifies_its_session_once_committed(pg_store):

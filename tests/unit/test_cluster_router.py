@@ -11,19 +11,18 @@ tests/integration/test_cluster_requests.py); the store, the NOTIFYs and the list
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from sqlalchemy import create_engine, select
+from sqlalchemy import select
 
 from daemon.backend.cluster import requests, router
 from daemon.backend.cluster.membership import Reachability
 from daemon.backend.cluster.messaging import ClusterMessaging
 from daemon.backend.state.transcript_hub import TranscriptHub
 from daemon.store.db import Store
-from daemon.store.models import Base, ClusterRequest
+from daemon.store.models import ClusterRequest
 from ipc.errors import ErrorCode, IpcError
 from ipc.server import ConnectionContext
 from tests.support.aio import run
@@ -49,14 +48,9 @@ class Hosts:
 
 
 @pytest.fixture
-def store(postgres) -> Iterator[Store]:
-    engine = create_engine(postgres.new_database())
-    Base.metadata.create_all(engine)
-    s = Store(engine)
-    try:
-        yield s
-    finally:
-        s.close()
+def store(pg_store: Store) -> Store:
+    """This module's tests run on PostgreSQL (LISTEN/NOTIFY, SKIP LOCKED)."""
+    return pg_store
 
 
 def _b_handlers(calls: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
