@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import pwd
-import shutil
 import statistics
 import subprocess
 import sys
@@ -30,50 +28,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from daemon.cli.call import call  # noqa: E402
 from daemon.host.home import backend_socket_path  # noqa: E402
-from tests.support.postgres import ROLE, server_bin  # noqa: E402
-
-
-class _Postgres:
-    """A throwaway PostgreSQL server for one run, started with ``pg_ctl`` (tests/support/postgres.py's
-    is pytest-xprocess's, which needs a pytest session): a Unix socket in a fresh directory under
-    /var/tmp, no TCP, ``trust``; as ``nobody`` under root (PostgreSQL refuses root)."""
-
-    def __init__(self, bindir: Path) -> None:
-        self.bindir = bindir
-        self.dir = Path(tempfile.mkdtemp(prefix="kd-bench-pg-", dir="/var/tmp"))
-        self.data = self.dir / "data"
-        self._as = ["runuser", "-u", "nobody", "--"] if os.geteuid() == 0 else []
-
-    def _run(self, *argv: str) -> None:
-        proc = subprocess.run([*self._as, *argv], capture_output=True, text=True, timeout=120, cwd=self.dir)
-        if proc.returncode != 0:
-            raise SystemExit(f"{argv[0]} failed ({proc.returncode}): {proc.stderr.strip()}")
-
-    def start(self) -> _Postgres:
-        if self._as:
-            nobody = pwd.getpwnam("nobody")
-            os.chown(self.dir, nobody.pw_uid, nobody.pw_gid)
-        os.chmod(self.dir, 0o700)
-        self._run(str(self.bindir / "initdb"), "-D", str(self.data), "-A", "trust", "-U", ROLE, "-E", "UTF8",
-                  "--no-sync")
-        self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data), "-o",
-                  f"-k {self.dir} -c listen_addresses='' -c fsync=off -c max_connections=200",
-                  "-l", str(self.dir / "server.log"), "-w", "-t", "60", "start")
-        return self
-
-    def new_database(self) -> str:
-        import psycopg
-
-        with psycopg.connect(host=str(self.dir), user=ROLE, dbname="postgres", autocommit=True) as conn:
-            conn.execute('CREATE DATABASE "bench"')
-        return f"postgresql+psycopg://{ROLE}@/bench?host={self.dir}"
-
-    def stop(self) -> None:
-        try:
-            if (self.data / "postmaster.pid").exists():
-                self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop")
-        finally:
-            shutil.rmtree(self.dir, ignore_errors=True)
+from tests.support.postgres import PgCluster, server_bin  # noqa: E402
 
 
 def _env(config: Path) -> dict[str, str]:
@@ -107,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     if bindir is None:
         print("remote prompt overhead ms: NOT MEASURED (no PostgreSQL server installed)")
         return 0
-    pg = _Postgres(bindir).start()
+    pg = PgCluster(bindir).start()
     homes: list[tuple[Path, dict[str, str]]] = []
     try:
         url = pg.new_database()
