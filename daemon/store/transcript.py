@@ -447,27 +447,32 @@ _COLUMNS = (TranscriptEntry.cursor, TranscriptEntry.last_cursor, TranscriptEntry
 
 
 def chunks_after(db: Session, session_id: str, after: int) -> Iterator[Chunk]:
-    """The session's chunks with a cursor greater than ``after``, in cursor order (read lazily)."""
+    """The session's chunks with a cursor greater than ``after``, in cursor order (read lazily).
+
+    A writer grows the session's last entry in place (its later chunks coalesce into it) and can
+    start the next entry in the same commit. Each read of a batch is its own statement, and on
+    PostgreSQL each statement sees every commit made before it (READ COMMITTED), so a read that
+    took "entries starting after ``after``" could see the next entry and never the chunks added
+    to the one holding ``after``: a ``follow`` on another host lost them (Issue 47 scenario C). So
+    every read starts at the entry holding ``after`` and takes the entries that end after it."""
     key = session_key(db, session_id)
     if key is None:
         return
     turns = _Turns(db, session_id)
-    containing = db.execute(select(*_COLUMNS).where(TranscriptEntry.session_key == key,
-                                                    TranscriptEntry.cursor <= after)
-                            .order_by(TranscriptEntry.cursor.desc()).limit(1)).first()
-    if containing is not None and containing.last_cursor > after:
-        turns.load([containing])
-        yield from (c for c in _split(containing, turns.of(containing)) if c.cursor > after)
-        after = containing.last_cursor
+    start = db.scalar(select(TranscriptEntry.cursor).where(TranscriptEntry.session_key == key,
+                                                           TranscriptEntry.cursor <= after)
+                      .order_by(TranscriptEntry.cursor.desc()).limit(1))
     while True:
-        rows = db.execute(select(*_COLUMNS).where(TranscriptEntry.session_key == key, TranscriptEntry.cursor > after)
-                          .order_by(TranscriptEntry.cursor).limit(_READ_BATCH)).all()
+        query = select(*_COLUMNS).where(TranscriptEntry.session_key == key, TranscriptEntry.last_cursor > after)
+        if start is not None:
+            query = query.where(TranscriptEntry.cursor >= start)
+        rows = db.execute(query.order_by(TranscriptEntry.cursor).limit(_READ_BATCH)).all()
         turns.load(rows)
         for row in rows:
-            yield from _split(row, turns.of(row))
+            yield from (c for c in _split(row, turns.of(row)) if c.cursor > after)
         if len(rows) < _READ_BATCH:
             return
-        after = rows[-1].last_cursor
+        start, after = rows[-1].cursor, rows[-1].last_cursor
 
 
 def chunks_backward(db: Session, session_id: str) -> Iterator[Chunk]:

@@ -60,6 +60,26 @@ class TimedOutput:
         self._thread.join(timeout)
 
 
+def sequence_problem(seen: list[str], expected: list[str]) -> str | None:
+    """What is wrong with ``seen`` as a delivery of ``expected`` (every item once, in order), in one
+    line a person can read: its length, the first place it departs, what is missing or repeated.
+    None when it is exactly ``expected``. (A long stream's list diff is pages of numbers.)"""
+    if seen == expected:
+        return None
+    at = next((i for i, (a, b) in enumerate(zip(seen, expected, strict=False)) if a != b),
+              min(len(seen), len(expected)))
+    counts: dict[str, int] = {}
+    for item in seen:
+        counts[item] = counts.get(item, 0) + 1
+    repeated = [item for item, n in counts.items() if n > 1]
+    missing = [item for item in expected if item not in counts]
+    lo = max(0, at - 2)
+    got = seen[lo:at + 3] if at < len(seen) else "the end"
+    return (f"{len(seen)} items for {len(expected)}; first departure at index {at}: "
+            f"{got} where {expected[lo:at + 3]} was expected; "
+            f"{len(repeated)} repeated (first {repeated[:5]}), {len(missing)} missing (first {missing[:5]})")
+
+
 def agent_chunks(show: dict[str, Any]) -> list[str]:
     """The agent's message chunks in a ``session show`` transcript, in order."""
     return [m["text"] for m in show["transcript"] if m["kind"] == "agent_message_chunk"]

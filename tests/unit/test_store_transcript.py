@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from alembic import command
 from alembic.config import Config as AlembicConfig
@@ -170,3 +171,34 @@ def test_migration_keeps_every_chunk_and_its_cursor(tmp_path: Path) -> None:
         assert [c.cursor for c in _all(store, "s1", after=9)] == [10, 11, 12]
     finally:
         store.close()
+
+
+def test_a_reader_sees_an_entry_that_grew_while_it_read(pg_store: Store) -> None:
+    """Issue 47 scenario C (a ``follow`` on another host lost chunks): on PostgreSQL each statement
+    of a read sees what was committed before it. A writer's commit that grows the last entry and
+    starts the next one, falling between two statements of ``chunks_after``, must not hide the
+    chunks that grew the entry: every chunk after the reader's cursor comes once, in order."""
+    from sqlalchemy import event
+
+    sid = _session(pg_store)
+    third = "x" * (transcript.ENTRY_TEXT_LIMIT // 4 - 10)
+    texts = [f"{i:03d}{third}" for i in range(1, 7)]
+    _flood(pg_store, sid, texts[:3], per_commit=3)  # one entry, chunks 1..3, room for one more
+    statements: list[str] = []
+
+    def writer_between_statements(conn: Any, cursor: Any, sql: str, *args: Any) -> None:
+        if "transcript_entries" in sql and "FROM" in sql:
+            statements.append(sql)
+            if len(statements) == 1:  # after the reader's first look at the entries
+                _flood(pg_store, sid, texts[3:], first_seq=4, per_commit=3)  # grows the entry, starts the next
+
+    event.listen(pg_store.engine, "after_cursor_execute", writer_between_statements)
+    try:
+        with pg_store.session() as db:
+            got = [c.text for c in transcript.chunks_after(db, sid, 3)]
+    finally:
+        event.remove(pg_store.engine, "after_cursor_execute", writer_between_statements)
+    with pg_store.session() as db:
+        entries = db.scalars(select(TranscriptEntry).order_by(TranscriptEntry.cursor)).all()
+        assert [(e.cursor, e.last_cursor) for e in entries] == [(1, 4), (5, 6)]  # as the race needs
+    assert [t[:3] for t in got] == ["004", "005", "006"] and got == texts[3:]
