@@ -201,6 +201,7 @@ class BackendState(StrEnum):
     READY = "ready"
     STOPPING = "stopping"
     OUT_OF_SPACE = "out_of_space"  # the store cannot open for lack of space (daemon.backend.lifetime.space_wait)
+    STORE_UNREACHABLE = "store_unreachable"  # its database server does not answer yet (lifetime.reach_wait)
 
 
 class LinkState(str, Enum):

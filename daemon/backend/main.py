@@ -1,7 +1,8 @@
 """``kandev-backend``: the startup order of docs/architecture.md#backend-startup, then serve until told to stop.
 
 home lock → config validation → store lock (whatever home names the store; a cluster host's
-name, Issue 47) → the store's installation (another one's is refused) → logging → platform check → store (migrations; a store
+name, Issue 47; a database server that does not answer yet is waited for, serving ``status``,
+``daemon.backend.lifetime.reach_wait``) → the store's installation (another one's is refused) → logging → platform check → store (migrations; a store
 without an owner is adopted; on a full disk both waits for space, serving ``status``,
 ``daemon.backend.lifetime.space_wait``) → CLI socket (guards make early requests safe) →
 recovery and reconciliation → READY=1. Shutdown detaches from the control server when survival is enabled
@@ -27,6 +28,7 @@ from daemon.backend.app import Backend
 from daemon.backend.cluster.membership import HostForeign
 from daemon.backend.lifetime.cli_listener import CliListener
 from daemon.backend.lifetime.lock import HomeLock, LockHeld, StoreLock, StoreLocked
+from daemon.backend.lifetime.reach_wait import when_reachable
 from daemon.backend.lifetime.space_wait import when_space
 from daemon.backend.lifetime.store_care import probe_write
 from daemon.config.database import connect_args
@@ -173,16 +175,20 @@ def _main(argv: list[str] | None) -> int:
         url = config.database.url or sqlite_url(paths.db_path)
         host = config.cluster.host  # a cluster's host (Issue 47): the store is shared, the host name is not
         store_lock = StoreLock(url, host, connect)
+        notifier = Notifier()
         try:
-            store_lock.acquire()  # one backend per store too, whatever home names it; before logging
+            # one backend per store too, whatever home names it; before logging. A database server
+            # that does not answer yet is waited for (daemon.backend.lifetime.reach_wait).
+            if when_reachable(paths, store_lock.acquire, verbose=args.verbose, service_gids=_service_gids(),
+                              notifier=notifier, listener=listener) is None:
+                return ExitCode.OK  # told to stop while waiting for the database server
         except StoreLocked as exc:
             say(PROGRAM, str(exc))
             return ExitCode.FAILED
-        except Exception as exc:  # e.g. the database server is down
+        except Exception as exc:
             say(PROGRAM, f"cannot lock the store: {type(exc).__name__}: {exc}")
             return ExitCode.FAILED
         ours = installation_id(paths)
-        notifier = Notifier()
         try:
             # A store of another installation is refused before anything reads or migrates it.
             # On a full disk: reported and waited out, not a crash loop (daemon.backend.lifetime.space_wait).

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 UP_TIMEOUT_S = 400.0  # covers the longest accepted recovery deadline (5 min) plus start-up
 DOWN_TIMEOUT_S = 60.0
 UP_POLL_S = 0.02  # how often ``up`` asks a starting backend whether it is ready (one status call)
+WAITING = (BackendState.OUT_OF_SPACE, BackendState.STORE_UNREACHABLE)
+"""A backend up and serving ``status`` while it waits to open its store (``kandev status`` says why)."""
 
 
 def _reachable(socket: str | Path) -> dict[str, Any] | None:
@@ -114,7 +116,7 @@ def _this_start(log_path: Path, offset: int) -> list[str]:
 
 def cmd_up(paths: Paths, args: argparse.Namespace) -> dict[str, Any]:
     status = _reachable(paths.backend_socket)
-    if status is not None and status["backend"]["state"] == BackendState.OUT_OF_SPACE:
+    if status is not None and status["backend"]["state"] in WAITING:
         return {"started": False, "pid": status["backend"]["pid"], "status": status}
     survival = bool(getattr(args, "survival", False))
     if status is not None and status["backend"]["state"] == BackendState.READY:
@@ -160,8 +162,9 @@ def cmd_up(paths: Paths, args: argparse.Namespace) -> dict[str, Any]:
             raise IpcError("backend_exited", f"the backend exited with code {proc.returncode} at start:\n"
                            + "\n".join(f"  {line}" for line in lines or ["(it wrote nothing)"]))
         status = _reachable(paths.backend_socket)
-        # up and serving, or up and waiting for space to open its store (status says so)
-        if status is not None and status["backend"]["state"] in (BackendState.READY, BackendState.OUT_OF_SPACE):
+        # up and serving, or up and waiting to open its store (for space, for its database server: status says so)
+        if status is not None and (status["backend"]["state"] == BackendState.READY
+                                   or status["backend"]["state"] in WAITING):
             return {"started": True, "pid": status["backend"]["pid"], "status": status}
         time.sleep(UP_POLL_S)
     raise IpcError(ErrorCode.TIMEOUT, f"backend did not become ready within {UP_TIMEOUT_S:.0f}s")

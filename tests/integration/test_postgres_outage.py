@@ -165,3 +165,47 @@ def test_dropped_connections_mid_flood(kandev_factory: Any, own_postgres: PgClus
     assert _logged(k, "store_unreachable") == _logged(k, "store_reachable")
     assert _store(k)["reachable"] is True
     wait_until(lambda: _store_lock_held(pg, db), timeout=30, message="the backend did not take the store's lock again")
+
+
+def test_a_backend_started_while_postgresql_is_down_waits_for_it(kandev_factory: Any,
+                                                                   own_postgres: PgCluster) -> None:
+    """Issue 47 item 5 (a backend that starts while its database server is down): it waits for
+    the server, serving ``status``, instead of exiting (under systemd: a restart every second,
+    each an error). ``up`` returns with status saying the store is unreachable and why; other
+    calls get the retryable ``store_unreachable``; ``down`` stops the waiting backend; once the
+    server is back the start goes on by itself (same pid) and a session runs a turn."""
+    pg = own_postgres
+    url = pg.new_database()
+    k = kandev_factory("home", f'[database]\nurl = "{url}"\n')
+    pg.stop_server()
+
+    first = k.cli("up", timeout=120)["status"]  # waiting, not exited
+    k.backend_pids.add(int(first["backend"]["pid"]))
+    assert first["backend"]["state"] == "store_unreachable" and first["store"]["reachable"] is False, first
+    assert first["store"]["unreachable"]["detail"], first
+    k.cli("down", timeout=60)  # a stop while waiting: a clean exit, the socket gone
+    wait_until(lambda: not alive(int(first["backend"]["pid"])), timeout=30, message="the waiting backend never exited")
+    assert not (k.home / "run" / "backend.sock").exists()
+
+    st = k.cli("up", timeout=120)["status"]
+    backend = int(st["backend"]["pid"])
+    k.backend_pids.add(backend)
+    assert st["backend"]["state"] == "store_unreachable", st
+    wait_until(lambda: k.status()["store"]["unreachable"]["attempts"] >= 2, timeout=30,
+               message="no attempts to reach the server again")
+    human = k.human("status")
+    assert "store unreachable since" in human.stdout and "store_unreachable" in human.stdout, human.stdout
+    refused = k.run("board")
+    error = json.loads(refused.stdout)["error"]
+    assert refused.returncode != 0 and error["code"] == "store_unreachable" and error["retryable"], error
+    assert _logged(k, "store_unreachable") == 2  # once per start
+
+    pg.start_server()
+    ready = wait_until(lambda: s if (s := k.status())["backend"]["state"] == "ready" else None, timeout=60,
+                       message="the backend never went on once the server was back")
+    assert int(ready["backend"]["pid"]) == backend and ready["store"]["reachable"] is True
+    assert _logged(k, "store_reachable") == 1
+    _, sid = k.start_session("after the wait")
+    k.cli("prompt", sid, "/slow 2")
+    done = wait_until(lambda: _waiting_for_input(k, sid), timeout=60, message="the turn never completed")
+    assert [(t["state"], t["stop_reason"]) for t in done["turns"]] == [("finished", "end_turn")]

@@ -14,8 +14,6 @@ on: adoption, re-tracking, catching up on the events the control server kept.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -23,17 +21,15 @@ from typing import Any, TypeVar
 
 from sqlalchemy.engine import make_url
 
-from daemon.api import ops as api
 from daemon.backend.lifetime.cli_listener import CliListener
-from daemon.core.limits import BUFFER_LIMIT, IDLE_CONNECTION_TIMEOUT_S
-from daemon.core.service import Notifier, install_signal_handlers, setup_daemon_logging
+from daemon.backend.lifetime.waiting_server import serve_while
+from daemon.core.service import Notifier, setup_daemon_logging
 from daemon.core.version import VERSION
 from daemon.host.paths import Paths
 from daemon.store.db import sqlite_file
 from daemon.store.space import SpaceWatch, free_bytes
 from ipc import loop as event_loop
 from ipc.errors import IpcError
-from ipc.server import ConnectionContext, Handler, IpcServer
 
 T = TypeVar("T")
 OUT_OF_SPACE = "out_of_space"
@@ -62,10 +58,8 @@ async def _serve_while_full(paths: Paths, watch: SpaceWatch, gids: list[int], no
                             listener: CliListener) -> bool:
     """Serve ``status`` until the free space grows (False: the listener is handed on) or a stop is
     asked for (True: the socket is closed)."""
-    stop = asyncio.Event()
-    install_signal_handlers(asyncio.get_running_loop(), stop=stop.set)
 
-    async def op_status(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
+    def status() -> dict[str, Any]:
         path = Path(watch.state.path) if watch.state is not None and watch.state.path != "database.url" else None
         return {
             "backend": {"pid": os.getpid(), "version": VERSION, "socket": str(paths.backend_socket),
@@ -74,32 +68,10 @@ async def _serve_while_full(paths: Paths, watch: SpaceWatch, gids: list[int], no
                       "free_bytes": free_bytes(path) if path else None, "out_of_space": watch.status()},
         }
 
-    async def op_shutdown(ctx: ConnectionContext, args: dict[str, Any]) -> dict[str, Any]:
-        stop.set()
-        return {"ok": True, "detach": True}
+    def refusal() -> IpcError:
+        return IpcError("store_out_of_space", "the backend waits for space to open its store"
+                        f" ({watch.state.path if watch.state else 'the store'}); free some space and retry", True)
 
-    async def refused(ctx: ConnectionContext, args: dict[str, Any]) -> Any:
-        raise IpcError("store_out_of_space", "the backend waits for space to open its store"
-                       f" ({watch.state.path if watch.state else 'the store'}); free some space and retry", True)
-
-    handlers: dict[str, Handler] = {name: refused for name in api.TABLE.names}
-    handlers.update(status=op_status, shutdown=op_shutdown)
-    server = IpcServer(paths.backend_socket, api.TABLE, handlers, allowed_gids=gids, socket_mode=0o660,
-                       idle_timeout=IDLE_CONNECTION_TIMEOUT_S, buffer_limit=BUFFER_LIMIT,
-                       accept_json=True)  # the kandev CLI speaks JSON (ipc.codec_json)
-    await listener.serve(server)
-    notifier.ready(f"store out of space: {watch.state.path if watch.state else '?'}; waiting for space")
-    try:
-        waiting = asyncio.ensure_future(watch.wait_for_space())
-        stopping = asyncio.ensure_future(stop.wait())
-        await asyncio.wait([waiting, stopping], return_when=asyncio.FIRST_COMPLETED)
-        for task in (waiting, stopping):
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    finally:
-        if stop.is_set():
-            await server.close()
-        else:
-            await listener.hand_over(server)
-    return stop.is_set()
+    return await serve_while(paths, gids, notifier, listener, status=status, refusal=refusal,
+                             why=f"store out of space: {watch.state.path if watch.state else '?'}; waiting for space",
+                             until=watch.wait_for_space)

@@ -1,0 +1,94 @@
+"""A database server that cannot be reached at backend start (Issue 47 item 5): waited for, never a
+crash loop.
+
+A backend whose PostgreSQL store (``database.url``) is down when it starts (the database host
+rebooting with the rest, a failover under way) does not exit for systemd to start it again every
+second. Its first contact with the server (taking the store's lock) fails as unreachable
+(``daemon.store.reach.is_unreachable``): it logs ``store_unreachable`` once, tells systemd it is up
+with a status saying it waits for the database server, and serves the CLI socket
+(``daemon.backend.lifetime.waiting_server``): ``status`` (backend state ``store_unreachable``,
+``store.reachable: false`` with since when, the last error and the attempts) and ``shutdown``;
+every other op gets the retryable ``store_unreachable``. It tries again with the store's own
+backoff (``daemon.store.reach.next_delay``: up to every ``MAX_RETRY_S`` s); the first attempt that
+succeeds logs ``store_reachable`` with how long it lasted and the normal start goes on (adoption
+of the surviving control server, re-tracking, the events it kept). An attempt that fails for
+another reason (another backend holds the store's lock) ends the wait with that error.
+
+A SQLite store is a file: nothing it raises is "unreachable", so this never waits for one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+from daemon.api.ops import BackendState
+from daemon.backend.lifetime.cli_listener import CliListener
+from daemon.backend.lifetime.waiting_server import serve_while
+from daemon.core.service import Notifier, setup_daemon_logging
+from daemon.core.version import VERSION
+from daemon.host.paths import Paths
+from daemon.store.reach import WHERE, ReachWatch, is_unreachable, next_delay
+from ipc import loop as event_loop
+from ipc.errors import IpcError
+
+T = TypeVar("T")
+STORE_UNREACHABLE = "store_unreachable"
+"""The retryable error every op but ``status`` and ``shutdown`` gets meanwhile."""
+
+
+class Reached(Generic[T]):
+    """What the attempt returned once the server answered (a box: it may return None)."""
+
+    def __init__(self, value: T) -> None:
+        self.value = value
+
+
+def when_reachable(paths: Paths, attempt: Callable[[], T], *, verbose: bool, service_gids: list[int],
+                   notifier: Notifier, listener: CliListener) -> Reached[T] | None:
+    """``attempt()``, again and again while it fails because the database server cannot be reached
+    (serving ``status`` on ``listener`` meanwhile); None if the backend was told to stop while
+    waiting. Other errors propagate."""
+    watch = ReachWatch()
+    try:
+        return Reached(attempt())
+    except Exception as exc:
+        if not is_unreachable(exc):
+            raise
+        setup_daemon_logging("backend", verbose=verbose)
+        watch.failed(exc)
+    got: list[Reached[T]] = []
+
+    async def until_reached() -> None:
+        tries = 1
+        while True:
+            await asyncio.sleep(next_delay(tries))
+            tries += 1
+            try:
+                got.append(Reached(await asyncio.to_thread(attempt)))
+            except Exception as exc:
+                if not is_unreachable(exc):
+                    raise
+                watch.probe_failed(exc)
+                continue
+            watch.succeeded()
+            return
+
+    def status() -> dict[str, Any]:
+        return {
+            "backend": {"pid": os.getpid(), "version": VERSION, "socket": str(paths.backend_socket),
+                        "home": str(paths.home), "state": BackendState.STORE_UNREACHABLE.value},
+            "store": {"path": None, "bytes": None, "free_bytes": None, "out_of_space": None, **watch.status()},
+        }
+
+    def refusal() -> IpcError:
+        detail = watch.state.detail if watch.state is not None else "unknown"
+        return IpcError(STORE_UNREACHABLE, f"the backend waits for the database server ({WHERE}) to open its store:"
+                        f" {detail}; start it or check database.url, then retry", True)
+
+    stopped = event_loop.run(serve_while(paths, service_gids, notifier, listener, status=status, refusal=refusal,
+                                         why=f"database server ({WHERE}) unreachable; waiting for it",
+                                         until=until_reached))
+    return None if stopped or not got else got[0]
