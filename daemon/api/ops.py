@@ -309,10 +309,11 @@ LIFECYCLE_OPS: list[Op] = [
     Op(
         "session_logs",
         required={"session_id": str},
-        optional={"tail": int, "offset": int},
+        optional={"tail": int, "offset": int, "wait_s": int},
         auth=False,
         doc="the standard error of the session's current (or last) agent: its last `tail` lines (default 50),"
-        " or what follows byte `offset` -> {session_id, instance_id, path, text, offset (where the next read"
+        " or what follows byte `offset` (with `wait_s`, 0..30: once the file changes, or after that many seconds)"
+        " -> {session_id, instance_id, path, text, offset (where the next read"
         " starts), size, live}",
     ),
 ]

@@ -207,12 +207,20 @@ def _follow(args: argparse.Namespace, sock: str, turn_id: str | None = None) -> 
                   reconnect_timeout=args.reconnect_timeout, protocol_major=API_VERSION[0], json_lines=args.json)
 
 
+LOGS_WAIT_S = 10
+"""``logs -f``: how long one ask waits for the agent to write (the backend answers at the change)."""
+LOGS_PACE_S = 1.0
+"""``logs -f``: at most one ask per this many seconds (an agent that writes all the time is read in
+bigger pieces; on another host of a cluster each ask is a request row in the shared database)."""
+
+
 def _follow_logs(args: argparse.Namespace, sock: str) -> int:
     """``kandev logs SESSION -f``: the last lines, then what the agent writes, until Ctrl-C. The file
-    is read through the backend (it is the service user's); a look every half second."""
+    is read through the backend (it is the service user's), which answers once it changes."""
     from daemon.cli.human.interrupt import UntilInterrupted
     from daemon.cli.human.views import log_text
 
+    asked = time.monotonic()
     page = call(sock, "session_logs", {"session_id": args.session_id, "tail": args.tail})
     with UntilInterrupted() as stop:
         while not stop.requested:
@@ -221,8 +229,10 @@ def _follow_logs(args: argparse.Namespace, sock: str) -> int:
             elif page["text"]:
                 sys.stdout.write(log_text(page["text"], _term()))
             sys.stdout.flush()
-            time.sleep(0.5)
-            page = call(sock, "session_logs", {"session_id": args.session_id, "offset": page["offset"]})
+            time.sleep(max(0.0, asked + LOGS_PACE_S - time.monotonic()))
+            asked = time.monotonic()
+            page = call(sock, "session_logs", {"session_id": args.session_id, "offset": page["offset"],
+                                               "wait_s": LOGS_WAIT_S}, timeout=LOGS_WAIT_S + 60.0)
     return EXIT_OK
 
 

@@ -109,9 +109,14 @@ def test_a_drives_a_session_on_b(kandev_factory, postgres):
     assert agent_chunks(b.show(sid)) == ["echo: hello from a"]
     logs = a.cli("logs", sid)  # the agent's stderr is a file on b: b's backend reads it
     assert logs == b.cli("logs", sid) and "session/prompt" in logs["text"], logs
+    follow_logs = a.popen("logs", sid, "-f")  # each ask waits on b for the file to change
+    followed_logs = TimedOutput(follow_logs.stdout)
 
     started = a.cli("prompt", sid, "/slow 60")
     assert started["turn_id"]
+    followed_logs.wait_for("text='/slow 60'", timeout=60)  # written by b's agent after -f started on a
+    follow_logs.terminate()
+    follow_logs.wait(timeout=10)
     wait_until(lambda: agent_chunks(a.show(sid))[1:], timeout=60, message="the slow turn streams")
     assert a.cli("cancel", sid) == {"ok": True} or a.cli("session", "show", sid)
     turn = wait_until(lambda: t if (t := a.show(sid)["turns"][-1])["state"] != "open" else None, timeout=60)

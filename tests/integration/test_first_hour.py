@@ -257,6 +257,33 @@ def test_logs_show_the_agents_stderr_and_follow_it(k: Kandev) -> None:
     follow.wait(timeout=10)
 
 
+def test_a_waiting_logs_read_answers_when_the_agent_writes(k: Kandev) -> None:
+    """Issue 47 item 3 (``logs`` on any host; ``-f`` asks once per change, not every half second:
+    on another host each ask is a request row): ``session_logs`` with ``offset`` and ``wait_s``
+    answers once the agent wrote, with what it wrote; with nothing written, empty after
+    ``wait_s``; out of range is refused."""
+    import threading
+
+    from daemon.cli.call import call
+
+    def logs(**args: Any) -> dict[str, Any]:
+        answer: dict[str, Any] = call(k.home / "run" / "backend.sock", "session_logs", {"session_id": sid, **args})
+        return answer
+
+    _, sid = _session(k, "waiting logs")
+    end = k.cli("logs", sid)["offset"]
+    quiet = logs(offset=end, wait_s=1)
+    assert (quiet["text"], quiet["offset"]) == ("", end), quiet
+    answer: list[dict[str, Any]] = []
+    waiter = threading.Thread(target=lambda: answer.append(logs(offset=end, wait_s=30)))
+    waiter.start()
+    k.cli("prompt", sid, "third marker", "--wait")
+    waiter.join(timeout=60)
+    assert answer and "third marker" in answer[0]["text"] and answer[0]["offset"] > end, answer
+    with pytest.raises(Exception, match="wait_s 31 is not in 0..30"):
+        logs(offset=end, wait_s=31)
+
+
 # -- item 3: a clean down is information; warnings clear once resumed ----------------------------
 
 

@@ -15,6 +15,10 @@ agent again. A session without an agent, or one still starting, is refused.
 for the session's current (or last) agent, ``<home>/logs/agents/<instance id>.stderr.log``: its
 last lines, or what follows a byte offset (``-f``). The file is the agent's own output, so it is
 opened without following a symlink and read in bounded pieces; the client decides how to print it.
+With ``wait_s`` a read after an offset waits up to that long for the file to change (a look at its
+size every ``LOG_WAIT_STEP_S``, on this host), so ``logs -f`` asks once per change or per
+``wait_s``, not every half second: for a session on another host of a cluster each ask is a
+request row in the shared database.
 
 A graceful stop of the backend that stops agents (survival off, ``kandev down --agents``, and the
 passthrough sessions always) records each of their sessions as stopped cleanly
@@ -58,6 +62,8 @@ STOPPED = "stopped"
 """The stop reason of a turn ``session stop`` ended."""
 LOG_READ_BYTES = 256 * 1024  # at most this much of an agent's stderr per answer
 DEFAULT_TAIL_LINES = 50
+LOG_WAIT_MAX_S = 30  # the longest ``wait_s`` (a cluster request is answered within 55 s)
+LOG_WAIT_STEP_S = 0.2  # how often a waiting read looks at the file's size
 _INSTANCE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
@@ -123,6 +129,21 @@ def _end_running_turn(db: Any, session_id: str, task_id: str) -> list[str]:
     return ended
 
 
+def _size(path: Path) -> int:
+    try:
+        return os.lstat(path).st_size
+    except FileNotFoundError:
+        return 0
+
+
+async def _until_changed(path: Path, offset: int, wait_s: float) -> None:
+    """Until the log's size is no longer ``offset`` (it grew, or it was cut), ``wait_s`` at most."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while _size(path) == offset and loop.time() < deadline:
+        await asyncio.sleep(min(LOG_WAIT_STEP_S, max(0.0, deadline - loop.time())))
+
+
 def _read_log(path: Path, tail: int, offset: int | None) -> tuple[str, int, int]:
     """(text, offset after it, size) of the agent's stderr file; a file cut meanwhile (it is
     truncated when it grows too big) is read again from its start."""
@@ -148,7 +169,8 @@ def _read_log(path: Path, tail: int, offset: int | None) -> tuple[str, int, int]
     return b"".join(lines[-tail:]).decode("utf-8", errors="replace"), start + len(data), size
 
 
-async def session_logs(backend: Backend, session_id: str, tail: int, offset: int | None) -> dict[str, Any]:
+async def session_logs(backend: Backend, session_id: str, tail: int, offset: int | None,
+                       wait_s: float = 0.0) -> dict[str, Any]:
     with backend.store.session() as db:
         get_session(db, session_id)
         row = db.get(ExecutorRunning, session_id)
@@ -160,6 +182,8 @@ async def session_logs(backend: Backend, session_id: str, tail: int, offset: int
     if not _INSTANCE_ID.fullmatch(instance_id):
         raise IpcError(ErrorCode.CONFLICT, f"session {session_id}'s instance id is not a file name")
     path = backend.paths.logs_dir / "agents" / f"{instance_id}.stderr.log"
+    if offset is not None and wait_s > 0:
+        await _until_changed(path, offset, wait_s)
     text, end, size = await asyncio.to_thread(_read_log, path, tail, offset)
     return {"session_id": session_id, "instance_id": instance_id, "path": str(path), "text": text,
             "offset": end, "size": size, "live": ex is not None}
@@ -242,6 +266,10 @@ def handlers(backend: Backend) -> dict[str, Handler]:
             raise IpcError(ErrorCode.INVALID_ARGUMENT, f"tail {tail} is not in 1..10000")
         if offset is not None and int(offset) < 0:
             raise IpcError(ErrorCode.INVALID_ARGUMENT, f"offset {offset} is negative")
-        return await session_logs(backend, args["session_id"], tail, None if offset is None else int(offset))
+        wait_s = int(args.get("wait_s", 0))
+        if not 0 <= wait_s <= LOG_WAIT_MAX_S:
+            raise IpcError(ErrorCode.INVALID_ARGUMENT, f"wait_s {wait_s} is not in 0..{LOG_WAIT_MAX_S}")
+        return await session_logs(backend, args["session_id"], tail, None if offset is None else int(offset),
+                                  wait_s)
 
     return {"session_stop": op_session_stop, "session_logs": op_session_logs}
