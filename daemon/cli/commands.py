@@ -127,8 +127,9 @@ def run(args: argparse.Namespace) -> Any:
             created["workflow"] = call(sock, "workflow_set", {"task_id": created["task_id"], "steps": args.steps})
         return created
     if cmd == "resume":
-        agent = call(sock, "session_show", {"session_id": args.session_id, "tail": 1}).get("agent")
-        _ensure_runtime(sock, agent)
+        shown = call(sock, "session_show", {"session_id": args.session_id, "tail": 1})
+        if shown.get("on_this_host", True):  # another host of a cluster prepares its own runtimes
+            _ensure_runtime(sock, shown.get("agent"))
         return call(sock, "session_resume", {"session_id": args.session_id, "fresh": args.fresh}, timeout=180.0)
     if cmd == "session":
         if args.session_cmd == "start":

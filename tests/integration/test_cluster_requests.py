@@ -98,6 +98,7 @@ def test_a_drives_a_session_on_b(kandev_factory, postgres):
     sid = a.cli("session", "start", task, "--host", "b")["session_id"]
     shown = _state(a, sid, "WAITING_FOR_INPUT")
     assert _host_of(url, sid) == "b"
+    assert shown["on_this_host"] is False and b.show(sid)["on_this_host"] is True  # resume prepares on b
     pid = int(shown["agent_pid"])
     b.agent_pids.add(pid)
     b_server, a_server = int(b.status()["control_server"]["pid"]), int(a.status()["control_server"]["pid"])

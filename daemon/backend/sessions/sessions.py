@@ -282,7 +282,8 @@ class SessionService:
             "retracked": bool(ex.retracked) if ex else False,
             "live": ex is not None or remote_live,
             # in a cluster: the host that drives it and that host's state (a single host's show keeps its shape)
-            **({"host": session.host, "host_state": host_state} if session.host is not None else {}),
+            **({"host": session.host, "host_state": host_state,
+                "on_this_host": session.host == b.cluster.identity.host} if session.host is not None else {}),
             # another host's session is resumed by its own host, not here
             "recoverable": ex is None and session.state not in (SessionState.COMPLETED,) and row is not None
             and host_state in (None, READY),
