@@ -87,7 +87,8 @@ class Backend:
         # Silent turns: warned about, and ended with reason timeout (agents.turn_timeout_s).
         self._heartbeats: asyncio.Task[None] | None = None  # cluster mode: daemon.backend.cluster.membership
         self.turn_watch = TurnWatch(ctx.quiet, ctx.executions, store, ctx.transcripts, self.sessions.cancel,
-                                    config.agents.turn_timeout_s)
+                                    config.agents.turn_timeout_s,
+                                    stop=lambda session_id, by: lifecycle.stop_session(ctx, session_id, by=by))
         # Several hosts (Issue 47): ops on another host's sessions go to it through the store.
         self.messaging: ClusterMessaging | None = None
         if ctx.cluster.identity.host is not None:

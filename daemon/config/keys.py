@@ -234,7 +234,8 @@ SETTINGS: tuple[Setting, ...] = (
             low=QUIET_WARNING_MIN, high=QUIET_WARNING_MAX),
     Setting("agents.turn_timeout_s", Kind.INT, 0,
             "seconds without any output from its agent after which a running turn is cancelled and ends"
-            " with stop reason `timeout`; `0` (the default) never ends a turn for its silence;"
+            " with stop reason `timeout` (an agent that ignores that cancel is stopped as long again later,"
+            " 5 minutes at most); `0` (the default) never ends a turn for its silence;"
             " whole number 0..604800 (7 days)",
             low=0, high=TURN_TIMEOUT_MAX, note="0: off"),
     Setting("agents.max_memory", Kind.BYTES, None,

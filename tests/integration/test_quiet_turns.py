@@ -10,6 +10,8 @@ N seconds, as an agent whose provider does not answer) and small settings:
 - with ``agents.turn_timeout_s = 3``, the silent turn is cancelled and ends with reason ``timeout``:
   in the follow, the transcript, the turn and the board; the session takes the next prompt;
 - a silent turn whose agent survives a SIGKILLed backend is shown and timed out by the next one;
+- an agent that ignores the cancel of its timed-out turn (``/hang N``, a wedged agent) is stopped
+  ``turn_timeout_s`` later, its whole process group with it, the turn ended ``timeout``;
 - an out-of-range value is refused by ``kandev up``.
 
 Before the fix the follow printed nothing, the board said RUNNING, and nothing ever ended the turn.
@@ -26,7 +28,7 @@ from typing import Any
 import pytest
 
 from tests.support.kandev import Kandev
-from tests.support.processes import alive
+from tests.support.processes import alive, group_exists
 from tests.support.streams import TimedOutput
 from tests.support.waiting import wait_until
 
@@ -118,6 +120,33 @@ def test_a_turn_silent_for_turn_timeout_s_ends_with_reason_timeout(kandev_factor
     assert "timeout" in board.stdout and "agents.turn_timeout_s" in board.stdout, board.stdout
 
     # the agent and the session are fine: the next prompt is answered
+    assert k.cli("prompt", sid, "hello", "--wait")["stop_reason"] == "end_turn"
+
+
+def test_an_agent_that_ignores_the_cancel_of_its_timed_out_turn_is_stopped(
+        kandev_factory: Callable[..., Kandev]) -> None:
+    """Issue 46 Why 5, Issue 45 item 5 (stop means stop): a wedged agent (``/hang``: silent, the
+    cancel ignored) is not left holding its turn open forever: ``turn_timeout_s`` after the cancel
+    its agent is stopped as ``session stop`` stops one (its process group gone), the turn ends with
+    reason ``timeout``, the transcript and the journal say who stopped it; ``resume`` gives the
+    session an agent again."""
+    k = _home(kandev_factory, "turn_timeout_s = 2\n")
+    task, sid = _session(k)
+    agent = int(k.show(sid)["agent_pid"])
+    group = os.getpgid(agent)
+    k.cli("prompt", sid, "/hang 600")
+    turn = wait_until(lambda: t if (t := k.cli("session", "show", sid)["turns"][-1])["state"] != "open" else None,
+                      timeout=60, message="the wedged agent's turn never ended")
+    assert (turn["state"], turn["stop_reason"]) == ("finished", "timeout"), turn
+    wait_until(lambda: not group_exists(group), timeout=30, message="the wedged agent's process group lives on")
+    show = k.cli("session", "show", sid)
+    assert show["state"] == "WAITING_FOR_INPUT" and not show["live"], show
+    stopped = [e["text"] for e in show["transcript"] if e["kind"] == "session_stopped"]
+    assert stopped and "did not answer the cancel" in stopped[0] and "agents.turn_timeout_s = 2" in stopped[0], stopped
+    log = (k.home / "logs" / "backend.log").read_text()
+    assert " turn_cancel_unanswered " in log and " session_agent_stopped " in log, log[-2000:]
+    assert _task_row(k, task)["attention"]["reason"] == "timeout"
+    k.cli("resume", sid)
     assert k.cli("prompt", sid, "hello", "--wait")["stop_reason"] == "end_turn"
 
 

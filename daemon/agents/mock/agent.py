@@ -36,6 +36,8 @@ Prompt scripts (on the text of the prompt)::
                  (SIGTERM, then SIGKILL), what it put in the background included
     /silent N    says nothing at all for N seconds (a provider that does not answer), then one
                  chunk "silent: N s"; a cancel ends it at once, with no chunk
+    /hang N      says nothing for N seconds and ignores a cancel (a wedged agent), then one
+                 chunk "hang: N s"
     /stderr N    writes N bytes (lines of "x") to the agent's own stderr, then one chunk
                  "stderr: wrote N" (a chatty or flooding agent)
     /alloc N     the agent itself allocates N MiB and writes every page of it (a 1 MiB block at a
@@ -327,6 +329,10 @@ class MockAgent:
             if cancel.is_set():
                 return "cancelled"
             await self._say(rec, f"silent: {number} s")
+            return "end_turn"
+        if command == "/hang" and number is not None and number >= 0:
+            await asyncio.sleep(number)  # a cancel is logged and ignored
+            await self._say(rec, f"hang: {number} s")
             return "end_turn"
         if command == "/permission" and not args:
             return await self._ask_permission(rec, cancel)

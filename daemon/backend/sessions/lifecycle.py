@@ -67,7 +67,9 @@ LOG_WAIT_STEP_S = 0.2  # how often a waiting read looks at the file's size
 _INSTANCE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
-async def stop_session(backend: Backend, session_id: str) -> dict[str, Any]:
+async def stop_session(backend: Backend, session_id: str, *, by: str = "kandev session stop") -> dict[str, Any]:
+    """Stop the session's agent and end its running turn (see the module doc); ``by``: who stopped
+    it, as the transcript and the journal say (the turn watch stops an agent that ignored a cancel)."""
     with backend.store.session() as db:
         session = get_session(db, session_id)
         state, task_id = session.state, session.task_id
@@ -93,9 +95,9 @@ async def stop_session(backend: Backend, session_id: str) -> dict[str, Any]:
         row = db.get(ExecutorRunning, session_id)
         if row is not None:
             row.status = InventoryStatus.STALE  # the resume token is kept
-        stopped = _end_running_turn(db, session_id, task_id)  # also one that began since the check above
+        stopped = _end_running_turn(db, session_id, task_id, by)  # also one that began since the check above
         state = get_session(db, session_id).state
-    log_event("session_agent_stopped", f"session {session_id}: agent stopped (kandev session stop)"
+    log_event("session_agent_stopped", f"session {session_id}: agent stopped ({by})"
               + (f"; turn {stopped[0]} stopped with it" if stopped else ""),
               SESSION_ID=session_id, TASK_ID=task_id, INSTANCE_ID=ex.instance_id, AGENT_PID=ex.agent.pid)
     result: dict[str, Any] = {"session_id": session_id, "task_id": task_id, "instance_id": ex.instance_id,
@@ -105,24 +107,25 @@ async def stop_session(backend: Backend, session_id: str) -> dict[str, Any]:
     return result
 
 
-def _end_running_turn(db: Any, session_id: str, task_id: str) -> list[str]:
-    """The open turn of a session whose agent ``session stop`` just stopped: ended ``stopped``, said
-    in the transcript; the session waits for input, its task goes to review. Returns the turn ids."""
+def _end_running_turn(db: Any, session_id: str, task_id: str, by: str) -> list[str]:
+    """The open turn of a session whose agent ``session stop`` just stopped: ended ``stopped`` (a
+    timed-out turn keeps ``timeout``), said in the transcript; the session waits for input, its task
+    goes to review. Returns the turn ids."""
     now = datetime.now(UTC)
     ended = []
     for turn in db.scalars(select(Turn).where(Turn.session_id == session_id, Turn.state == TurnState.OPEN)):
         turn.state = TurnState.FINISHED
-        turn.stop_reason = STOPPED
+        turn.stop_reason = turn.stop_reason or STOPPED  # set while open: agents.turn_timeout_s (timeout)
         turn.ended_at = now
         ended.append(turn.id)
     if ended:
         transcript.append(db, session_id, role="system", kind="session_stopped", turn_id=ended[0],
-                          text=f"Stopped by kandev session stop while turn {ended[0]} was running: the turn and the"
+                          text=f"Stopped by {by} while turn {ended[0]} was running: the turn and the"
                                f" agent were stopped. kandev resume {session_id} gives the session an agent again.",
                           created_at=now)
     with contextlib.suppress(transitions.TransitionConflict):
         transitions.transition_session(db, session_id, SessionState.WAITING_FOR_INPUT,
-                                       expected_from={SessionState.RUNNING}, reason="stopped (kandev session stop)")
+                                       expected_from={SessionState.RUNNING}, reason=f"stopped ({by})")
         task = db.get(Task, task_id)
         if task is not None and task.state != TaskState.DONE:
             transitions.set_task_state(db, task_id, TaskState.REVIEW)
