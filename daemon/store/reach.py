@@ -61,6 +61,27 @@ def is_unreachable(exc: BaseException) -> bool:
     return False
 
 
+REFUSALS = ("password authentication failed", "authentication failed", "no password supplied",
+            "pg_hba.conf", "does not exist", "permission denied")
+"""What the server (or libpq) says when it answered and refused the connection: a wrong or missing
+password, an unknown role or database, no pg_hba.conf entry. psycopg reports these without an
+SQLSTATE, like a server that cannot be reached; waiting would not make them pass."""
+
+
+def refused_connection(exc: BaseException) -> bool:
+    """Whether a failed connection was answered and refused (see ``REFUSALS``): a configuration to
+    correct, not an outage to wait out (``daemon.backend.lifetime.reach_wait`` exits on it)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        text = str(current)
+        if any(refusal in text for refusal in REFUSALS):
+            return True
+        current = getattr(current, "orig", None) or current.__cause__ or current.__context__
+    return False
+
+
 def next_delay(attempt: int) -> float:
     """Seconds before attempt ``attempt`` (0: the first, at once) to reach the server again:
     ``FIRST_RETRY_S`` doubled at each attempt up to ``MAX_RETRY_S``, give or take 20 %."""

@@ -53,6 +53,20 @@ def test_what_counts_as_unreachable() -> None:
     assert not is_unreachable(ValueError("bad input"))
 
 
+def test_a_connection_the_server_refused_is_not_waited_for() -> None:
+    """Issue 47 item 5, Issue 47 item 6: a backend that starts while its database server is down
+    waits for it, but a connection the server answered and refused (as psycopg reports them: no
+    SQLSTATE, like an outage) is a configuration to correct: its start fails saying why."""
+    sock = 'connection failed: connection to server on socket "/run/pg/.s.PGSQL.5432" failed: '
+    for refused in ('FATAL:  password authentication failed for user "kdx"', "fe_sendauth: no password supplied",
+                    'FATAL:  role "nosuchrole" does not exist', 'FATAL:  database "kd" does not exist',
+                    'FATAL:  no pg_hba.conf entry for host "10.0.0.5", user "kandev", database "kandev"'):
+        assert reach.refused_connection(_wrapped(psycopg.OperationalError(sock + refused))), refused
+    for outage in ("No such file or directory", "Connection refused", "FATAL:  the database system is starting up",
+                   "timeout expired"):
+        assert not reach.refused_connection(_wrapped(psycopg.OperationalError(sock + outage))), outage
+
+
 def test_retries_at_once_then_back_off_to_a_bound() -> None:
     assert next_delay(0) == 0.0
     delays = [next_delay(n) for n in range(1, 10)]

@@ -12,7 +12,9 @@ every other op gets the retryable ``store_unreachable``. It tries again with the
 backoff (``daemon.store.reach.next_delay``: up to every ``MAX_RETRY_S`` s); the first attempt that
 succeeds logs ``store_reachable`` with how long it lasted and the normal start goes on (adoption
 of the surviving control server, re-tracking, the events it kept). An attempt that fails for
-another reason (another backend holds the store's lock) ends the wait with that error.
+another reason (another backend holds the store's lock), or a connection the server answered and
+refused (a wrong password, an unknown role or database: ``daemon.store.reach.refused_connection``),
+ends the wait with that error: the backend exits saying why, as before.
 
 A SQLite store is a file: nothing it raises is "unreachable", so this never waits for one.
 """
@@ -30,7 +32,7 @@ from daemon.backend.lifetime.waiting_server import serve_while
 from daemon.core.service import Notifier, setup_daemon_logging
 from daemon.core.version import VERSION
 from daemon.host.paths import Paths
-from daemon.store.reach import WHERE, ReachWatch, is_unreachable, next_delay
+from daemon.store.reach import WHERE, ReachWatch, is_unreachable, next_delay, refused_connection
 from ipc import loop as event_loop
 from ipc.errors import IpcError
 
@@ -55,7 +57,7 @@ def when_reachable(paths: Paths, attempt: Callable[[], T], *, verbose: bool, ser
     try:
         return Reached(attempt())
     except Exception as exc:
-        if not is_unreachable(exc):
+        if not is_unreachable(exc) or refused_connection(exc):
             raise
         setup_daemon_logging("backend", verbose=verbose)
         watch.failed(exc)
@@ -69,7 +71,7 @@ def when_reachable(paths: Paths, attempt: Callable[[], T], *, verbose: bool, ser
             try:
                 got.append(Reached(await asyncio.to_thread(attempt)))
             except Exception as exc:
-                if not is_unreachable(exc):
+                if not is_unreachable(exc) or refused_connection(exc):
                     raise
                 watch.probe_failed(exc)
                 continue
