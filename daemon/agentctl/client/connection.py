@@ -110,6 +110,17 @@ SHUTDOWN_TIMEOUT = 60.0
 _RETRY_PAUSE_S = 0.05
 
 
+def _cut_by_reload(exc: IpcError, conn: AsyncClient) -> bool:
+    """Whether a call failed because the server re-executes, so it never ran: refused with
+    ``reloading``, or sent on a connection the server had just closed to re-execute (the close
+    reached us after the call left: it fails ``unavailable``, the connection's cause ``reloading``).
+    The server refuses new requests before it closes its connections, so neither ran."""
+    if exc.code == ErrorCode.RELOADING:
+        return True
+    cause = conn.closed_by
+    return exc.code == ErrorCode.UNAVAILABLE and cause is not None and cause.code == ErrorCode.RELOADING
+
+
 class AgentctlClient:
     """An authenticated connection to one control server. Build it with ``await connect(...)``."""
 
@@ -221,7 +232,7 @@ class AgentctlClient:
             except IpcError as exc:
                 if exc.code == ErrorCode.SUPERSEDED_CREDENTIAL and self.on_superseded is not None:
                     self.on_superseded(self)
-                if exc.code != ErrorCode.RELOADING:
+                if not _cut_by_reload(exc, conn):
                     raise
                 saw_reload()
                 if reload_deadline is None:
