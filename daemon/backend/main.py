@@ -179,8 +179,8 @@ def _main(argv: list[str] | None) -> int:
         try:
             # one backend per store too, whatever home names it; before logging. A database server
             # that does not answer yet is waited for (daemon.backend.lifetime.reach_wait).
-            if when_reachable(paths, store_lock.acquire, verbose=args.verbose, service_gids=_service_gids(),
-                              notifier=notifier, listener=listener) is None:
+            if not when_reachable(paths, store_lock.acquire, verbose=args.verbose, service_gids=_service_gids(),
+                                  notifier=notifier, listener=listener):
                 return ExitCode.OK  # told to stop while waiting for the database server
         except StoreLocked as exc:
             say(PROGRAM, str(exc))

@@ -22,46 +22,42 @@ A SQLite store is a file: nothing it raises is "unreachable", so this never wait
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 from daemon.api.ops import BackendState
 from daemon.backend.lifetime.cli_listener import CliListener
-from daemon.backend.lifetime.waiting_server import serve_while
+from daemon.backend.lifetime.waiting_server import backend_status, serve_while
 from daemon.core.service import Notifier, setup_daemon_logging
-from daemon.core.version import VERSION
 from daemon.host.paths import Paths
 from daemon.store.reach import WHERE, ReachWatch, is_unreachable, next_delay, refused_connection
 from ipc import loop as event_loop
 from ipc.errors import IpcError
 
-T = TypeVar("T")
 STORE_UNREACHABLE = "store_unreachable"
 """The retryable error every op but ``status`` and ``shutdown`` gets meanwhile."""
 
 
-class Reached(Generic[T]):
-    """What the attempt returned once the server answered (a box: it may return None)."""
+def _an_outage(exc: Exception) -> bool:
+    """Whether a failed attempt is worth waiting out: the server could not be reached, and did not
+    answer to refuse the connection."""
+    return is_unreachable(exc) and not refused_connection(exc)
 
-    def __init__(self, value: T) -> None:
-        self.value = value
 
-
-def when_reachable(paths: Paths, attempt: Callable[[], T], *, verbose: bool, service_gids: list[int],
-                   notifier: Notifier, listener: CliListener) -> Reached[T] | None:
+def when_reachable(paths: Paths, attempt: Callable[[], object], *, verbose: bool, service_gids: list[int],
+                   notifier: Notifier, listener: CliListener) -> bool:
     """``attempt()``, again and again while it fails because the database server cannot be reached
-    (serving ``status`` on ``listener`` meanwhile); None if the backend was told to stop while
-    waiting. Other errors propagate."""
+    (serving ``status`` on ``listener`` meanwhile); True once it succeeded, False if the backend was
+    told to stop while waiting. Other errors propagate."""
     watch = ReachWatch()
     try:
-        return Reached(attempt())
+        attempt()
+        return True
     except Exception as exc:
-        if not is_unreachable(exc) or refused_connection(exc):
+        if not _an_outage(exc):
             raise
         setup_daemon_logging("backend", verbose=verbose)
         watch.failed(exc)
-    got: list[Reached[T]] = []
 
     async def until_reached() -> None:
         tries = 1
@@ -69,9 +65,9 @@ def when_reachable(paths: Paths, attempt: Callable[[], T], *, verbose: bool, ser
             await asyncio.sleep(next_delay(tries))
             tries += 1
             try:
-                got.append(Reached(await asyncio.to_thread(attempt)))
+                await asyncio.to_thread(attempt)
             except Exception as exc:
-                if not is_unreachable(exc) or refused_connection(exc):
+                if not _an_outage(exc):
                     raise
                 watch.probe_failed(exc)
                 continue
@@ -80,8 +76,7 @@ def when_reachable(paths: Paths, attempt: Callable[[], T], *, verbose: bool, ser
 
     def status() -> dict[str, Any]:
         return {
-            "backend": {"pid": os.getpid(), "version": VERSION, "socket": str(paths.backend_socket),
-                        "home": str(paths.home), "state": BackendState.STORE_UNREACHABLE.value},
+            "backend": backend_status(paths, BackendState.STORE_UNREACHABLE.value),
             "store": {"path": None, "bytes": None, "free_bytes": None, "out_of_space": None, **watch.status()},
         }
 
@@ -93,4 +88,4 @@ def when_reachable(paths: Paths, attempt: Callable[[], T], *, verbose: bool, ser
     stopped = event_loop.run(serve_while(paths, service_gids, notifier, listener, status=status, refusal=refusal,
                                          why=f"database server ({WHERE}) unreachable; waiting for it",
                                          until=until_reached))
-    return None if stopped or not got else got[0]
+    return not stopped  # not stopped: the wait ended because an attempt succeeded

@@ -14,7 +14,6 @@ on: adoption, re-tracking, catching up on the events the control server kept.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -22,9 +21,8 @@ from typing import Any, TypeVar
 from sqlalchemy.engine import make_url
 
 from daemon.backend.lifetime.cli_listener import CliListener
-from daemon.backend.lifetime.waiting_server import serve_while
+from daemon.backend.lifetime.waiting_server import backend_status, serve_while
 from daemon.core.service import Notifier, setup_daemon_logging
-from daemon.core.version import VERSION
 from daemon.host.paths import Paths
 from daemon.store.db import sqlite_file
 from daemon.store.space import SpaceWatch, free_bytes
@@ -62,8 +60,7 @@ async def _serve_while_full(paths: Paths, watch: SpaceWatch, gids: list[int], no
     def status() -> dict[str, Any]:
         path = Path(watch.state.path) if watch.state is not None and watch.state.path != "database.url" else None
         return {
-            "backend": {"pid": os.getpid(), "version": VERSION, "socket": str(paths.backend_socket),
-                        "home": str(paths.home), "state": OUT_OF_SPACE},
+            "backend": backend_status(paths, OUT_OF_SPACE),
             "store": {"path": str(path) if path else None, "bytes": None,
                       "free_bytes": free_bytes(path) if path else None, "out_of_space": watch.status()},
         }

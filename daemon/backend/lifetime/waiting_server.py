@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -20,9 +21,16 @@ from daemon.api import ops as api
 from daemon.backend.lifetime.cli_listener import CliListener
 from daemon.core.limits import BUFFER_LIMIT, IDLE_CONNECTION_TIMEOUT_S
 from daemon.core.service import Notifier, install_signal_handlers, watched
+from daemon.core.version import VERSION
 from daemon.host.paths import Paths
 from ipc.errors import IpcError
 from ipc.server import ConnectionContext, Handler, IpcServer
+
+
+def backend_status(paths: Paths, state: str) -> dict[str, Any]:
+    """``status``'s ``backend`` part while waiting: this process, and ``state`` saying what it waits for."""
+    return {"pid": os.getpid(), "version": VERSION, "socket": str(paths.backend_socket), "home": str(paths.home),
+            "state": state}
 
 
 async def serve_while(paths: Paths, gids: list[int], notifier: Notifier, listener: CliListener, *,

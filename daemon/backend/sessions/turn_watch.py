@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -55,8 +54,7 @@ class TurnWatch:
 
     def __init__(self, quiet: QuietTurns, executions: ExecutionStore, store: Store, hub: TranscriptHub,
                  cancel: Callable[[str], Awaitable[Any]], timeout_s: int,
-                 stop: Callable[[str, str], Awaitable[Any]] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 stop: Callable[[str, str], Awaitable[Any]] | None = None) -> None:
         self.quiet = quiet
         self.executions = executions
         self.store = store
@@ -65,7 +63,7 @@ class TurnWatch:
         self.stop_agent = stop  # lifecycle.stop_session(session_id, by=...)
         self.timeout_s = timeout_s
         self.answer_s = float(min(timeout_s, ANSWER_MAX_S))  # for the cancel of a timed-out turn
-        self.clock = clock
+        self.clock = quiet.clock  # the silences' clock: a cancel's answer is due on the same one
         self._cancelled: dict[str, tuple[str, float]] = {}  # session -> (its timed-out turn, stop after)
         self._loop = BackgroundLoop("turn-watch", self._run)
         self._wake = asyncio.Event()
