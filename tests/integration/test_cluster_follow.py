@@ -40,14 +40,20 @@ def _hosts(kandev_factory: Any, postgres: Any) -> tuple[Kandev, Kandev]:
     return made[0], made[1]
 
 
+def _started_on_b(a: Kandev, b: Kandev, title: str) -> str:
+    """A task created from ``a`` and a session on ``b`` for it, waiting for input (its agent b's)."""
+    task = a.cli("task", "create", "--title", title)["task_id"]
+    sid: str = a.cli("session", "start", task, "--host", "b")["session_id"]
+    show = wait_until(lambda: s if (s := a.show(sid))["state"] == "WAITING_FOR_INPUT" else None, timeout=60)
+    b.agent_pids.add(int(show["agent_pid"]))
+    return sid
+
+
 def test_a_follows_a_flood_on_b_through_a_postgresql_restart(kandev_factory, postgres):
     """Issue 47 scenario C (following from another host): ``/flood 20000`` on ``b`` followed from
     ``a``; PostgreSQL restarted mid-flood: nothing lost or duplicated in ``a``'s follow."""
     a, b = _hosts(kandev_factory, postgres)
-    task = a.cli("task", "create", "--title", "flood on b")["task_id"]
-    sid = a.cli("session", "start", task, "--host", "b")["session_id"]
-    show = wait_until(lambda: s if (s := a.show(sid))["state"] == "WAITING_FOR_INPUT" else None, timeout=60)
-    b.agent_pids.add(int(show["agent_pid"]))
+    sid = _started_on_b(a, b, "flood on b")
     a.cli("prompt", sid, f"/flood {N}")
     follow = a.popen("follow", sid[:8], "--reconnect-timeout", "120")
     out, err = TimedOutput(follow.stdout), TimedOutput(follow.stderr)
@@ -67,10 +73,7 @@ def test_a_follows_a_turn_that_ended_while_b_was_away(kandev_factory, postgres):
     """Issue 47 scenario B (the turn ends while ``b``'s backend is SIGKILLed): ``a``'s follow, open
     throughout, shows every chunk once and in order, then the turn's end, after ``b`` restarts."""
     a, b = _hosts(kandev_factory, postgres)
-    task = a.cli("task", "create", "--title", "ends while b is away")["task_id"]
-    sid = a.cli("session", "start", task, "--host", "b")["session_id"]
-    show = wait_until(lambda: s if (s := a.show(sid))["state"] == "WAITING_FOR_INPUT" else None, timeout=60)
-    b.agent_pids.add(int(show["agent_pid"]))
+    sid = _started_on_b(a, b, "ends while b is away")
     a.cli("prompt", sid, "/slow 6")
     follow = a.popen("follow", sid[:8], "--reconnect-timeout", "120")
     out, err = TimedOutput(follow.stdout), TimedOutput(follow.stderr)

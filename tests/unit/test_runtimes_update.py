@@ -249,6 +249,18 @@ def manager(store: Store, tmp_path: Path, npm: FakeNpm, probe: FakeProbe) -> Run
     return RuntimeJobs(store, tmp_path / "home" / "runtimes", env={}, updater_factory=factory)
 
 
+def _confined_job(store: Store, tmp_path: Path, factory: Any, confinement: Any) -> Job:
+    """One claude-code job run to its end by a manager with this updater factory and confinement."""
+
+    async def scenario() -> Job:
+        jobs = RuntimeJobs(store, tmp_path / "home" / "runtimes", env={}, updater_factory=factory,
+                           confinement=confinement)
+        job, _ = jobs.request("claude-code")
+        return await jobs.tasks[job.job_id]
+
+    return run(scenario())
+
+
 def test_jobs_are_idempotent_per_agent_while_active(store: Store, tmp_path: Path) -> None:
     """NPM-CTX-3: a second request while queued or running returns the running job."""
     npm = FakeNpm(fake_cache(tmp_path))
@@ -382,13 +394,7 @@ def test_a_job_runs_inside_its_confinement_and_its_notes_are_events(store: Store
         seen["confine"] = given
         return RuntimeUpdater(npm, FakeProbe(), on_change=jobs._changed)
 
-    async def scenario() -> Job:
-        jobs = RuntimeJobs(store, tmp_path / "home" / "runtimes", env={}, updater_factory=factory,
-                           confinement=confinement)
-        job, _ = jobs.request("claude-code")
-        return await jobs.tasks[job.job_id]
-
-    job = run(scenario())
+    job = _confined_job(store, tmp_path, factory, confinement)
     assert job.state == "succeeded", job.detail
     assert seen == {"open": "queued", "confine": confine, "closed": "succeeded"}
     assert any(e["message"] == "refused github.com:443: not in the allow-list" for e in job.events), job.events
@@ -407,13 +413,7 @@ def test_a_job_that_cannot_be_confined_fails_saying_why(store: Store, tmp_path: 
     def factory(jobs: RuntimeJobs, given: Any) -> RuntimeUpdater:
         return RuntimeUpdater(npm, FakeProbe(), on_change=jobs._changed)
 
-    async def scenario() -> Job:
-        jobs = RuntimeJobs(store, tmp_path / "home" / "runtimes", env={}, updater_factory=factory,
-                           confinement=confinement)
-        job, _ = jobs.request("claude-code")
-        return await jobs.tasks[job.job_id]
-
-    job = run(scenario())
+    job = _confined_job(store, tmp_path, factory, confinement)
     assert job.state == "failed" and npm.calls == []
     assert job.detail == f"cannot prepare {CLAUDE.npm_spec} in its sandbox: the sandbox cannot be made here: no bwrap"
     assert job.events[-1]["state"] == "failed"
